@@ -1,0 +1,13 @@
+"""User-facing errors.
+
+Anything a user can cause (bad flag, missing data, corrupt checkpoint) raises `UserError` with one
+line that names the problem and the fix; the CLI prints it and exits with status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem with the user's input or environment, reported as one line, exit status 2."""
+
+    exit_code = 2
