@@ -1,0 +1,363 @@
+"""Flax BERT encoder with a sequence-classification / regression head, behind pure functions.
+
+transformers 5 ships no Flax models, so the encoder is ours. It reproduces Hugging Face's
+`BertModel` / `BertForSequenceClassification` (post-LN, absolute positions 0..T-1, token types,
+additive padding mask, tanh pooler on [CLS], dropout then dense classifier) so that HF checkpoints
+load unchanged (see `hf_checkpoint`). The linen module is private: the rest of the library sees
+`init_params` (a plain nested dict of fp32 arrays, one `layer_i` per encoder layer so the federated
+core can cut the encoder at any layer by path) and the pure `apply` / `encode` from `make_apply` /
+`make_encode`, which are jit- and vmap-able over a leading client axis of the params.
+
+Mixed precision (`BertConfig.dtype = "bfloat16"`): every matmul (dense layers, attention scores and
+the probability-value product) runs in the compute dtype on weights cast from the fp32 master
+params; embeddings, the residual stream, LayerNorm, softmax and the returned outputs stay fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fedjax_split.errors import UserError
+
+Params = dict[str, Any]
+
+# HF model types whose checkpoints are laid out exactly like BertModel (absolute positions from 0).
+BERT_MODEL_TYPES = frozenset({"bert"})
+PROBLEM_TYPES = ("single_label_classification", "regression")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # HF "gelu" is the exact erf form
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "tanh": jnp.tanh,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """Architecture and head of a BERT classifier. Field names follow HF's config.json.
+
+    `dtype` is the compute dtype of matmuls, not a storage dtype: parameters are always fp32.
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    initializer_range: float = 0.02
+    pad_token_id: int = 0
+    num_labels: int = 2
+    problem_type: str = "single_label_classification"
+    classifier_dropout: float | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.hidden_act not in _ACTIVATIONS:
+            raise UserError(
+                f"unsupported hidden_act {self.hidden_act!r}; use one of {sorted(_ACTIVATIONS)}"
+            )
+        if self.hidden_size % self.num_attention_heads:
+            raise UserError(
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
+                f"{self.num_attention_heads}; fix the model config"
+            )
+        if self.problem_type not in PROBLEM_TYPES:
+            raise UserError(
+                f"unsupported problem_type {self.problem_type!r}; use one of {PROBLEM_TYPES}"
+            )
+        if self.problem_type == "regression" and self.num_labels != 1:
+            raise UserError(
+                f"regression needs num_labels=1, got {self.num_labels}; set num_labels=1"
+            )
+        if self.num_labels < 1:
+            raise UserError(f"num_labels must be >= 1, got {self.num_labels}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise UserError(
+                f"unsupported compute dtype {self.dtype!r}; use one of {COMPUTE_DTYPES}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], **overrides: Any) -> BertConfig:
+        """Builds a config from an HF config.json dict; `overrides` win (num_labels, dtype, ...).
+
+        Raises UserError for non-BERT model types or BERT variants we do not implement. HF's own
+        `dtype`/`torch_dtype` entries describe storage and are ignored; pass `dtype=` to choose the
+        compute dtype.
+        """
+        model_type = d.get("model_type")
+        if model_type not in BERT_MODEL_TYPES:
+            raise UserError(
+                f"config model_type {model_type!r} is not BERT; use a BERT checkpoint "
+                f"(model_type 'bert', e.g. bert-base-uncased or minilm-l6)"
+            )
+        pos = d.get("position_embedding_type", "absolute")
+        if pos != "absolute":
+            raise UserError(
+                f"position_embedding_type {pos!r} is not supported; use a checkpoint with "
+                "absolute position embeddings"
+            )
+        if d.get("is_decoder") or d.get("add_cross_attention"):
+            raise UserError("decoder BERT configs are not supported; use an encoder checkpoint")
+        names = {f.name for f in dataclasses.fields(cls)} - {"dtype", "num_labels", "problem_type"}
+        kwargs: dict[str, Any] = {k: d[k] for k in names if k in d and d[k] is not None}
+        if "classifier_dropout" in d:
+            kwargs["classifier_dropout"] = d["classifier_dropout"]
+        if "num_labels" in d:
+            kwargs["num_labels"] = int(d["num_labels"])
+        elif d.get("id2label"):
+            kwargs["num_labels"] = len(d["id2label"])
+        if d.get("problem_type") in PROBLEM_TYPES:
+            kwargs["problem_type"] = d["problem_type"]
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        if "problem_type" not in kwargs and kwargs.get("num_labels") == 1:
+            kwargs["problem_type"] = "regression"
+        unknown = set(kwargs) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown BertConfig fields: {sorted(unknown)}")
+        return cls(**kwargs)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The config.json of a `BertForSequenceClassification` with fp32 weights."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del d["dtype"]  # our compute dtype; HF's `dtype` means storage, which is fp32
+        d.update(
+            model_type="bert",
+            architectures=["BertForSequenceClassification"],
+            position_embedding_type="absolute",
+            dtype="float32",
+            id2label={str(i): f"LABEL_{i}" for i in range(self.num_labels)},
+            label2id={f"LABEL_{i}": i for i in range(self.num_labels)},
+        )
+        return d
+
+
+# ----------------------------------------------------------------------------- linen (private)
+
+
+def _layer_norm(config: BertConfig) -> Callable[[jax.Array], jax.Array]:
+    """LayerNorm named "LayerNorm", in fp32 with the two-pass variance that torch uses."""
+    ln = nn.LayerNorm(
+        epsilon=config.layer_norm_eps,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        use_fast_variance=False,
+        name="LayerNorm",
+    )
+    return lambda x: ln(x.astype(jnp.float32))
+
+
+def _dense(config: BertConfig, features: int, name: str) -> nn.Dense:
+    return nn.Dense(
+        features,
+        dtype=jnp.dtype(config.dtype),
+        param_dtype=jnp.float32,
+        kernel_init=nn.initializers.normal(config.initializer_range),
+        bias_init=nn.initializers.zeros,
+        name=name,
+    )
+
+
+class _Embeddings(nn.Module):
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, input_ids, token_type_ids, deterministic: bool) -> jax.Array:
+        c = self.config
+        init = nn.initializers.normal(c.initializer_range)
+        word = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=init, name="word_embeddings")
+        pos = nn.Embed(
+            c.max_position_embeddings,
+            c.hidden_size,
+            embedding_init=init,
+            name="position_embeddings",
+        )
+        tok = nn.Embed(
+            c.type_vocab_size, c.hidden_size, embedding_init=init, name="token_type_embeddings"
+        )
+        positions = jnp.arange(input_ids.shape[-1], dtype=jnp.int32)
+        x = word(input_ids) + tok(token_type_ids) + pos(positions)[None]
+        x = _layer_norm(c)(x)
+        return nn.Dropout(c.hidden_dropout_prob)(x, deterministic=deterministic)
+
+
+class _SelfAttention(nn.Module):
+    """Query/key/value projections, masked softmax, output projection, residual, LayerNorm."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x, mask, deterministic: bool) -> jax.Array:
+        c = self.config
+        b, t, _ = x.shape
+        split = lambda y: y.reshape(b, t, c.num_attention_heads, c.head_dim)
+        q = split(_dense(c, c.hidden_size, "query")(x))
+        k = split(_dense(c, c.hidden_size, "key")(x))
+        v = split(_dense(c, c.hidden_size, "value")(x))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+        scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
+        scores = jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1)
+        probs = nn.Dropout(c.attention_probs_dropout_prob)(probs, deterministic=deterministic)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v).reshape(b, t, c.hidden_size)
+        out = _dense(c, c.hidden_size, "output")(ctx).astype(jnp.float32)
+        out = nn.Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
+        return _layer_norm(c)(out + x)
+
+
+class _Layer(nn.Module):
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x, mask, deterministic: bool) -> jax.Array:
+        c = self.config
+        x = _SelfAttention(c, name="attention")(x, mask, deterministic)
+        h = _ACTIVATIONS[c.hidden_act](_dense(c, c.intermediate_size, "intermediate")(x))
+        out = _dense(c, c.hidden_size, "output")(h).astype(jnp.float32)
+        out = nn.Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
+        return _layer_norm(c)(out + x)
+
+
+class _Encoder(nn.Module):
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x, mask, deterministic: bool) -> jax.Array:
+        for i in range(self.config.num_hidden_layers):
+            x = _Layer(self.config, name=f"layer_{i}")(x, mask, deterministic)
+        return x
+
+
+class _Pooler(nn.Module):
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x) -> jax.Array:
+        c = self.config
+        return jnp.tanh(_dense(c, c.hidden_size, "dense")(x[:, 0]).astype(jnp.float32))
+
+
+class _BertClassifier(nn.Module):
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask, token_type_ids, deterministic: bool, head: bool):
+        c = self.config
+        x = _Embeddings(c, name="embeddings")(input_ids, token_type_ids, deterministic)
+        x = _Encoder(c, name="encoder")(x, attention_mask.astype(bool), deterministic)
+        pooled = _Pooler(c, name="pooler")(x)
+        if not head:
+            return x, pooled
+        p = c.hidden_dropout_prob if c.classifier_dropout is None else c.classifier_dropout
+        h = nn.Dropout(p)(pooled, deterministic=deterministic)
+        logits = _dense(c, c.num_labels, "classifier")(h)
+        return logits.astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _plain(tree: Any) -> Any:
+    """FrozenDict/Mapping -> plain nested dict (pytree structure other modules rely on)."""
+    if isinstance(tree, Mapping):
+        return {k: _plain(v) for k, v in tree.items()}
+    return tree
+
+
+def init_params(config: BertConfig, rng: jax.Array) -> Params:
+    """Fresh fp32 parameters: N(0, initializer_range) weights, zero biases, unit LayerNorm, like HF.
+
+    The padding token's word embedding is zeroed, as in HF's `_init_weights`.
+    """
+    dummy = jnp.zeros((1, 1), jnp.int32)
+    variables = _BertClassifier(config).init(rng, dummy, dummy + 1, dummy, True, True)
+    params = _plain(variables["params"])
+    emb = params["embeddings"]["word_embeddings"]["embedding"]
+    if 0 <= config.pad_token_id < config.vocab_size:
+        params["embeddings"]["word_embeddings"]["embedding"] = emb.at[config.pad_token_id].set(0.0)
+    return params
+
+
+def _defaults(input_ids, attention_mask, token_type_ids):
+    input_ids = jnp.asarray(input_ids)
+    if attention_mask is None:
+        attention_mask = jnp.ones_like(input_ids)
+    if token_type_ids is None:
+        token_type_ids = jnp.zeros_like(input_ids)
+    return input_ids, jnp.asarray(attention_mask), jnp.asarray(token_type_ids)
+
+
+def _rngs(train: bool, rng: jax.Array | None) -> dict[str, jax.Array]:
+    if not train:
+        return {}
+    if rng is None:
+        raise ValueError("train=True needs an explicit dropout rng")
+    return {"dropout": rng}
+
+
+def make_apply(config: BertConfig) -> Callable[..., jax.Array]:
+    """Returns the pure classifier `apply(params, input_ids, attention_mask, token_type_ids, *,
+    train, rng=None) -> logits [B, num_labels]` (fp32). Dropout only when `train=True`."""
+    module = _BertClassifier(config)
+
+    def apply(
+        params: Params,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        token_type_ids: jax.Array | None = None,
+        *,
+        train: bool,
+        rng: jax.Array | None = None,
+    ) -> jax.Array:
+        ids, mask, types = _defaults(input_ids, attention_mask, token_type_ids)
+        return module.apply(
+            {"params": params}, ids, mask, types, not train, True, rngs=_rngs(train, rng)
+        )
+
+    return apply
+
+
+def make_encode(config: BertConfig) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """Returns `encode(params, input_ids, attention_mask, token_type_ids, *, train=False, rng=None)
+    -> (last_hidden_state [B, T, H], pooled [B, H])`, both fp32; `params` may lack "classifier"."""
+    module = _BertClassifier(config)
+
+    def encode(
+        params: Params,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        token_type_ids: jax.Array | None = None,
+        *,
+        train: bool = False,
+        rng: jax.Array | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        ids, mask, types = _defaults(input_ids, attention_mask, token_type_ids)
+        return module.apply(
+            {"params": params}, ids, mask, types, not train, False, rngs=_rngs(train, rng)
+        )
+
+    return encode
+
+
+def count_params(params: Params) -> int:
+    """Number of scalars in a parameter tree."""
+    return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
