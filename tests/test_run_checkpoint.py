@@ -1,0 +1,151 @@
+"""Run checkpoints: exact round trip of mixed-dtype pytrees, keep-last-2, atomicity, bad files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fedjax_split.errors import UserError
+from fedjax_split.run_checkpoint import RunCheckpointer
+
+
+class _State(NamedTuple):
+    weights: dict
+    count: jnp.ndarray
+
+
+def _tree(r: int) -> dict:
+    """A run-like state whose every leaf depends on the round, with bf16/fp16/int leaves."""
+    rng = np.random.default_rng(r)
+    return {
+        "server": _State(
+            weights={
+                "w": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
+                "h": jnp.asarray(rng.normal(size=(5,)), jnp.bfloat16),
+            },
+            count=jnp.int32(r),
+        ),
+        # stacked client local parts: distinct per client
+        "local": {"k": jnp.asarray(rng.normal(size=(3, 2, 2)), jnp.float16)},
+        "steps": np.arange(4, dtype=np.int64) + r,
+    }
+
+
+def test_round_trip_keeps_values_dtypes_and_structure(tmp_path: Path) -> None:
+    ck = RunCheckpointer(tmp_path / "ck")
+    assert ck.latest_round() is None
+    saved = _tree(7)
+    ck.save(7, saved, {"seed": 3, "history": [{"round": 1, "loss": 0.5}]})
+    state, meta = RunCheckpointer(tmp_path / "ck").restore(_tree(0))
+    assert meta == {"seed": 3, "history": [{"round": 1, "loss": 0.5}], "round": 7}
+    assert isinstance(state["server"], _State)
+    assert state["server"].weights["h"].dtype == jnp.bfloat16
+    assert state["local"]["k"].dtype == jnp.float16
+    assert state["server"].count.dtype == jnp.int32 and int(state["server"].count) == 7
+    assert state["steps"].dtype == np.int64
+    for a, b in zip(
+        [saved["server"].weights["w"], saved["server"].weights["h"], saved["local"]["k"]],
+        [state["server"].weights["w"], state["server"].weights["h"], state["local"]["k"]],
+        strict=True,
+    ):
+        # compare bit patterns: exactness, not closeness
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    np.testing.assert_array_equal(state["steps"], np.arange(4) + 7)
+    assert np.asarray(state["server"].weights["h"]).dtype == ml_dtypes.bfloat16
+
+
+def test_keeps_last_two_and_restores_a_given_round(tmp_path: Path) -> None:
+    ck = RunCheckpointer(tmp_path)
+    for r in (1, 2, 3):
+        ck.save(r, _tree(r), {})
+    assert ck.all_rounds() == [2, 3]
+    assert ck.latest_round() == 3
+    state, meta = ck.restore(_tree(0), round_=2)
+    assert meta["round"] == 2 and int(state["server"].count) == 2
+
+
+def test_failed_save_leaves_previous_checkpoint_latest_and_readable(tmp_path: Path) -> None:
+    ck = RunCheckpointer(tmp_path)
+    ck.save(1, _tree(1), {"ok": True})
+    with pytest.raises(TypeError):  # JSON cannot hold an object: the save dies half-way
+        ck.save(2, _tree(2), {"bad": object()})
+    ck = RunCheckpointer(tmp_path)
+    assert ck.latest_round() == 1
+    state, meta = ck.restore(_tree(0))
+    assert meta["ok"] is True and int(state["server"].count) == 1
+
+
+_SAVER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from fedjax_split.run_checkpoint import RunCheckpointer
+    ck = RunCheckpointer(sys.argv[1])
+    r = 0
+    while True:
+        r += 1
+        state = {"x": np.full((1 << 20,), r, np.float32), "r": np.asarray(r, np.int64)}
+        ck.save(r, state, {"r": r})
+        print(r, flush=True)
+    """
+)
+
+
+def test_process_killed_mid_save_leaves_a_readable_latest(tmp_path: Path) -> None:
+    """SIGKILL a process that saves 4 MB checkpoints back to back, at several moments."""
+    for delay in (0.0, 0.05, 0.13):
+        d = tmp_path / f"ck{delay}"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SAVER, str(d)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # one save completed
+        assert first.strip() == "1"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        ck = RunCheckpointer(d)
+        latest = ck.latest_round()
+        assert latest is not None and latest >= 1
+        state, meta = ck.restore(
+            {"x": np.zeros((1 << 20,), np.float32), "r": np.asarray(0, np.int64)}
+        )
+        assert meta["r"] == latest and int(state["r"]) == latest
+        assert np.all(np.asarray(state["x"]) == latest)
+
+
+def test_corrupt_checkpoint_is_a_one_line_user_error(tmp_path: Path) -> None:
+    ck = RunCheckpointer(tmp_path)
+    ck.save(1, _tree(1), {})
+    for f in (tmp_path / "1" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    with pytest.raises(UserError) as err:
+        RunCheckpointer(tmp_path).restore(_tree(0))
+    assert "\n" not in str(err.value) and "unreadable" in str(err.value)
+
+
+def test_mismatched_target_is_a_user_error(tmp_path: Path) -> None:
+    ck = RunCheckpointer(tmp_path)
+    ck.save(1, {"a": np.zeros((3,), np.float32)}, {})
+    with pytest.raises(UserError):
+        ck.restore({"a": np.zeros((4,), np.float32)})
+
+
+def test_no_checkpoint_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="no complete checkpoint"):
+        RunCheckpointer(tmp_path / "none").restore({"a": np.zeros(1)})
