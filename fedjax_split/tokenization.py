@@ -1,0 +1,80 @@
+"""Tokenisation with the checkpoint's own fast tokenizer, ragged (unpadded) output.
+
+Padding is left to batching, which pads each length bucket only as far as its longest example, so
+short sentences are not padded to `max_length`. Pairs are truncated like HF's `longest_first`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from fedjax_split.errors import UserError
+
+_CHUNK = 8192  # texts per tokenizer call: bounds the memory of Python lists of ids
+
+
+class Tokenized(NamedTuple):
+    """Ragged token ids: one int32 array per example, with [CLS] ... [SEP] (... [SEP])."""
+
+    input_ids: list[np.ndarray]
+    token_type_ids: list[np.ndarray]
+    lengths: np.ndarray  # int32 [N]
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Any:
+    """The fast tokenizer stored with a model: alias, local directory or hub id."""
+    from transformers import AutoTokenizer
+
+    from fedjax_split.hf_checkpoint import resolve_model
+
+    model_dir: Path = resolve_model(name_or_path)
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "vocab.txt")):
+        raise UserError(
+            f"no tokenizer files (tokenizer.json or vocab.txt) in {model_dir}; "
+            "use a model directory that includes its tokenizer"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"cannot load the tokenizer in {model_dir} ({str(e).splitlines()[0][:200]}); "
+            "fix or re-download the tokenizer files"
+        ) from None
+
+
+def tokenize(
+    tokenizer: Any,
+    texts_a: Sequence[str],
+    texts_b: Sequence[str] | None = None,
+    *,
+    max_length: int = 128,
+) -> Tokenized:
+    """Tokenises single sentences or pairs, truncated to `max_length` tokens, without padding."""
+    texts_a = list(texts_a)
+    if texts_b is not None:
+        texts_b = list(texts_b)
+        if len(texts_b) != len(texts_a):
+            raise ValueError(f"{len(texts_a)} first texts but {len(texts_b)} second texts")
+    ids: list[np.ndarray] = []
+    types: list[np.ndarray] = []
+    for start in range(0, len(texts_a), _CHUNK):
+        a = texts_a[start : start + _CHUNK]
+        b = None if texts_b is None else texts_b[start : start + _CHUNK]
+        enc = tokenizer(
+            a,
+            b,
+            truncation="longest_first",
+            max_length=max_length,
+            padding=False,
+            return_attention_mask=False,
+            return_token_type_ids=True,
+        )
+        ids.extend(np.asarray(x, dtype=np.int32) for x in enc["input_ids"])
+        types.extend(np.asarray(x, dtype=np.int32) for x in enc["token_type_ids"])
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
+    return Tokenized(ids, types, lengths)
