@@ -1,0 +1,122 @@
+"""Run outputs: atomic JSON files, the per-round metrics log, and progress over rounds.
+
+Files in a run directory: `config.json` (resolved config), `partition.json`, `metrics.jsonl` (one
+JSON object per round), `summary.json` (at the end), `checkpoints/`. JSON files are written to a
+temporary name and renamed, so a killed run never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+RESULT_FILES = ("config.json", "partition.json", "metrics.jsonl", "summary.json", "checkpoints")
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/Infinity: write them as null so every reader can parse the file."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Write `obj` as indented JSON atomically (temp file + rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def write_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> Path:
+    """Replace a JSONL file with `records` atomically (used to truncate the log on --resume)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        for r in records:
+            f.write(json.dumps(_clean(r)) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
+    """Append one record and flush it to disk, so a crash loses at most the current round."""
+    with Path(path).open("a") as f:
+        f.write(json.dumps(_clean(record)) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def existing_results(run_dir: str | Path) -> list[str]:
+    """Names of result files already present in `run_dir` (what a fresh run would overwrite)."""
+    run_dir = Path(run_dir)
+    return [name for name in RESULT_FILES if (run_dir / name).exists()]
+
+
+def format_round(record: dict[str, Any], metric: str | None) -> str:
+    """One short human line for a round's record."""
+    parts = [f"round {record['round']}"]
+    if record.get("train_loss") is not None:
+        parts.append(f"loss {record['train_loss']:.4f}")
+    if metric and record.get(metric) is not None:
+        parts.append(f"{metric} {record[metric]:.4f}")
+    parts.append(f"up {record['cum_bytes_up'] / 1e6:.1f} MB")
+    parts.append(f"{record['seconds']:.1f}s")
+    return " | ".join(parts)
+
+
+class Progress:
+    """A tqdm bar over rounds on a terminal; plain lines (one per round) otherwise."""
+
+    def __init__(
+        self, total: int, initial: int = 0, *, enabled: bool = True, stream: TextIO | None = None
+    ) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self._bar = None
+        if enabled and hasattr(self.stream, "isatty") and self.stream.isatty():
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit="round", file=self.stream)
+
+    def note(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=self.stream)
+        else:
+            print(message, file=self.stream, flush=True)
+
+    def round_done(self, record: dict[str, Any], metric: str | None) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.set_postfix_str(format_round(record, metric).split(" | ", 1)[-1])
+            self._bar.update(1)
+        else:
+            print(format_round(record, metric), file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

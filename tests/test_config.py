@@ -1,0 +1,103 @@
+"""Config: defaults, file + flag resolution order, type checks, one-line validation errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedjax_split.config import (
+    ExperimentConfig,
+    load_config_file,
+    resolve_config,
+    trajectory_mismatch,
+    validate_critical_layer,
+)
+from fedjax_split.errors import UserError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def test_defaults_are_the_paper_setting() -> None:
+    c = ExperimentConfig()
+    assert (c.model, c.clients, c.partition, c.critical_layer) == (
+        "bert-base-uncased",
+        3,
+        "paper",
+        6,
+    )
+    assert c.algorithm == "fedavg" and c.quantize == "none" and c.max_length == 128
+    assert c.sampled_clients == 3 and c.prox_mu == 0.0 and c.effective_server_lr == 1.0
+
+
+def test_file_then_flags_later_wins(tmp_path: Path) -> None:
+    py = tmp_path / "c.py"
+    py.write_text('def get_config():\n    return {"task": "mrpc", "rounds": 4, "lr": 3e-5}\n')
+    cfg = resolve_config(load_config_file(py), {"rounds": 7})
+    assert (cfg.task, cfg.rounds, cfg.lr, cfg.seed) == ("mrpc", 7, 3e-5, 0)
+    js = tmp_path / "c.json"
+    js.write_text(json.dumps({"algorithm": "fedprox", "mu": 1, "critical_layer": None}))
+    cfg = resolve_config(load_config_file(js))
+    assert cfg.mu == 1.0 and isinstance(cfg.mu, float) and cfg.critical_layer is None
+    assert cfg.prox_mu == 1.0
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        ({"algorithm": "fedsplit"}, "unknown algorithm"),
+        ({"partition": "zipf"}, "unknown partition"),
+        ({"quantize": "int8"}, "unknown quantize"),
+        ({"clients": 0}, "--clients must be at least 1"),
+        ({"clients": 3, "clients_per_round": 4}, "--clients-per-round must be in 1..3"),
+        ({"critical_layer": -1}, "--critical-layer"),
+        ({"data_dir": "/nonexistent/dir"}, "data dir"),
+        ({"rounds": 0}, "--rounds"),
+        ({"lr": -1.0}, "--lr"),
+        ({"bogus": 1}, "unknown setting"),
+        ({"rounds": "3"}, "must be int"),
+        ({"rounds": True}, "must be int"),
+    ],
+)
+def test_bad_values_are_one_line_user_errors(values: dict, needle: str) -> None:
+    with pytest.raises(UserError) as err:
+        resolve_config(overrides=values)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_config_files(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="not found"):
+        load_config_file(tmp_path / "missing.py")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    with pytest.raises(UserError, match="get_config"):
+        load_config_file(tmp_path / "a.py")
+    (tmp_path / "b.json").write_text("{nope")
+    with pytest.raises(UserError, match="not valid JSON"):
+        load_config_file(tmp_path / "b.json")
+    (tmp_path / "c.yaml").write_text("a: 1")
+    with pytest.raises(UserError, match=r"\.py or \.json"):
+        load_config_file(tmp_path / "c.yaml")
+
+
+def test_critical_layer_against_model_depth() -> None:
+    assert validate_critical_layer(ExperimentConfig(critical_layer=None), 6) == 6
+    assert validate_critical_layer(ExperimentConfig(critical_layer=0), 6) == 0
+    assert validate_critical_layer(ExperimentConfig(critical_layer=12), 12) == 12
+    with pytest.raises(UserError, match=r"outside 0\.\.6"):
+        validate_critical_layer(ExperimentConfig(critical_layer=7), 6)
+
+
+def test_trajectory_mismatch_ignores_bookkeeping() -> None:
+    saved = ExperimentConfig(rounds=4).to_dict()
+    assert trajectory_mismatch(saved, ExperimentConfig(rounds=8, resume=True)) == []
+    assert trajectory_mismatch(saved, ExperimentConfig(lr=1e-4, seed=2)) == ["lr", "seed"]
+
+
+def test_every_shipped_config_file_resolves() -> None:
+    files = sorted(CONFIGS.glob("*.py"))
+    assert files, "configs/ holds no config files"
+    for f in files:
+        cfg = resolve_config(load_config_file(f))
+        assert "python -m fedjax_split.train" in f.read_text(), f"{f.name}: no run command"
+        assert cfg.rounds >= 1
