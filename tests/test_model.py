@@ -1,0 +1,329 @@
+"""Flax BERT vs transformers' PyTorch BERT (weights copied by an independent mapping), tree layout,
+dropout, padding, mixed precision, vmap over a client axis, config round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_split.errors import UserError
+from fedjax_split.model import BertConfig, init_params, make_apply, make_encode
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TINY = BertConfig(
+    vocab_size=101,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=37,
+    max_position_embeddings=24,
+    type_vocab_size=2,
+    num_labels=3,
+)
+
+
+def _batch(rng: np.random.Generator, config: BertConfig, lengths=(9, 5, 1, 7), t: int = 9):
+    ids = np.zeros((len(lengths), t), np.int32)
+    mask = np.zeros_like(ids)
+    types = np.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = rng.integers(1, config.vocab_size, n)
+        mask[i, :n] = 1
+        types[i, n // 2 : n] = 1  # second segment
+    return ids, mask, types
+
+
+def _torch_model(config: BertConfig, seed: int):
+    """A transformers BertForSequenceClassification with every tensor random (LayerNorm too)."""
+    hf = transformers.BertConfig(**config.to_hf_dict(), attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = transformers.BertForSequenceClassification(hf).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+            p.copy_(1.0 + 0.1 * noise if "LayerNorm.weight" in name else 0.2 * noise)
+    return model
+
+
+def _ours_from_torch(model, config: BertConfig) -> dict:
+    """Independent torch -> tree mapping written out by hand for this test."""
+    sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    dense = lambda n: {
+        "kernel": jnp.asarray(sd[n + ".weight"].T),
+        "bias": jnp.asarray(sd[n + ".bias"]),
+    }
+    norm = lambda n: {"scale": jnp.asarray(sd[n + ".weight"]), "bias": jnp.asarray(sd[n + ".bias"])}
+    emb = lambda n: {"embedding": jnp.asarray(sd[f"bert.embeddings.{n}.weight"])}
+    params = {
+        "embeddings": {
+            "word_embeddings": emb("word_embeddings"),
+            "position_embeddings": emb("position_embeddings"),
+            "token_type_embeddings": emb("token_type_embeddings"),
+            "LayerNorm": norm("bert.embeddings.LayerNorm"),
+        },
+        "encoder": {},
+        "pooler": {"dense": dense("bert.pooler.dense")},
+        "classifier": dense("classifier"),
+    }
+    for i in range(config.num_hidden_layers):
+        t = f"bert.encoder.layer.{i}"
+        params["encoder"][f"layer_{i}"] = {
+            "attention": {
+                "query": dense(f"{t}.attention.self.query"),
+                "key": dense(f"{t}.attention.self.key"),
+                "value": dense(f"{t}.attention.self.value"),
+                "output": dense(f"{t}.attention.output.dense"),
+                "LayerNorm": norm(f"{t}.attention.output.LayerNorm"),
+            },
+            "intermediate": dense(f"{t}.intermediate.dense"),
+            "output": dense(f"{t}.output.dense"),
+            "LayerNorm": norm(f"{t}.output.LayerNorm"),
+        }
+    return params
+
+
+def _torch_run(model, ids, mask, types):
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            token_type_ids=torch.tensor(types, dtype=torch.long),
+            output_hidden_states=True,
+        )
+    return out.logits.numpy(), out.hidden_states[-1].numpy()
+
+
+def _paths(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_paths(v, f"{prefix}{k}/"))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def test_param_tree_layout_is_the_documented_plain_dict():
+    params = init_params(TINY, jax.random.key(0))
+    h, i = TINY.hidden_size, TINY.intermediate_size
+    expect = {
+        "embeddings/word_embeddings/embedding": (101, h),
+        "embeddings/position_embeddings/embedding": (24, h),
+        "embeddings/token_type_embeddings/embedding": (2, h),
+        "embeddings/LayerNorm/scale": (h,),
+        "embeddings/LayerNorm/bias": (h,),
+        "pooler/dense/kernel": (h, h),
+        "pooler/dense/bias": (h,),
+        "classifier/kernel": (h, 3),
+        "classifier/bias": (3,),
+    }
+    for layer in ("encoder/layer_0", "encoder/layer_1"):
+        for d in ("query", "key", "value", "output"):
+            expect[f"{layer}/attention/{d}/kernel"] = (h, h)
+            expect[f"{layer}/attention/{d}/bias"] = (h,)
+        expect |= {
+            f"{layer}/attention/LayerNorm/scale": (h,),
+            f"{layer}/attention/LayerNorm/bias": (h,),
+            f"{layer}/intermediate/kernel": (h, i),
+            f"{layer}/intermediate/bias": (i,),
+            f"{layer}/output/kernel": (i, h),
+            f"{layer}/output/bias": (h,),
+            f"{layer}/LayerNorm/scale": (h,),
+            f"{layer}/LayerNorm/bias": (h,),
+        }
+    flat = _paths(params)
+    assert {k: v.shape for k, v in flat.items()} == expect
+    assert all(v.dtype == jnp.float32 for v in flat.values())
+    assert type(params) is dict and type(params["encoder"]["layer_1"]["attention"]) is dict
+
+
+def test_init_follows_hf_initialisation():
+    config = dataclasses.replace(TINY, vocab_size=2000, initializer_range=0.05)
+    flat = _paths(init_params(config, jax.random.key(1)))
+    word = np.asarray(flat["embeddings/word_embeddings/embedding"])
+    np.testing.assert_array_equal(word[config.pad_token_id], 0.0)
+    assert abs(word[1:].std() - 0.05) < 0.002 and abs(word[1:].mean()) < 0.002
+    for k, v in flat.items():
+        if k.endswith("bias"):
+            np.testing.assert_array_equal(v, 0.0)
+        if k.endswith("scale"):
+            np.testing.assert_array_equal(v, 1.0)
+    a = init_params(config, jax.random.key(1))["encoder"]["layer_0"]["attention"]["query"]["kernel"]
+    b = init_params(config, jax.random.key(2))["encoder"]["layer_0"]["attention"]["query"]["kernel"]
+    assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_new"])
+def test_matches_transformers_pytorch_bert(act):
+    config = dataclasses.replace(TINY, hidden_act=act)
+    model = _torch_model(config, seed=3)
+    params = _ours_from_torch(model, config)
+    ids, mask, types = _batch(np.random.default_rng(0), config)
+    ref_logits, ref_hidden = _torch_run(model, ids, mask, types)
+    logits = make_apply(config)(params, ids, mask, types, train=False)
+    hidden, _ = make_encode(config)(params, ids, mask, types)
+    assert logits.dtype == jnp.float32 and logits.shape == (4, 3)
+    np.testing.assert_allclose(logits, ref_logits, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(hidden, ref_hidden, atol=2e-5, rtol=0)
+    assert np.abs(ref_logits).max() > 0.1  # a non-trivial comparison
+
+
+def test_gelu_variants_differ():
+    """Guards the test above: the exact and tanh GELU must give different outputs here."""
+    model = _torch_model(TINY, seed=3)
+    params = _ours_from_torch(model, TINY)
+    ids, mask, types = _batch(np.random.default_rng(0), TINY)
+    exact = make_apply(TINY)(params, ids, mask, types, train=False)
+    approx = make_apply(dataclasses.replace(TINY, hidden_act="gelu_new"))(
+        params, ids, mask, types, train=False
+    )
+    assert np.abs(np.asarray(exact) - np.asarray(approx)).max() > 1e-6
+
+
+def test_padding_does_not_change_real_tokens():
+    params = init_params(TINY, jax.random.key(4))
+    ids, mask, types = _batch(np.random.default_rng(1), TINY, lengths=(5, 3), t=5)
+    wide = [np.pad(x, ((0, 0), (0, 6))) for x in (ids, mask, types)]
+    wide[0][:, 5:] = 7  # garbage ids under the padding mask must not matter either
+    apply, encode = make_apply(TINY), make_encode(TINY)
+    np.testing.assert_allclose(
+        apply(params, *wide, train=False), apply(params, ids, mask, types, train=False), atol=1e-6
+    )
+    h_wide, _ = encode(params, *wide)
+    h, _ = encode(params, ids, mask, types)
+    np.testing.assert_allclose(h_wide[0, :5], h[0], atol=1e-6)
+    np.testing.assert_allclose(h_wide[1, :3], h[1, :3], atol=1e-6)
+
+
+def test_token_types_matter():
+    params = init_params(TINY, jax.random.key(5))
+    ids, mask, types = _batch(np.random.default_rng(2), TINY)
+    apply = make_apply(TINY)
+    a = apply(params, ids, mask, types, train=False)
+    b = apply(params, ids, mask, np.zeros_like(types), train=False)
+    assert np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-6
+    np.testing.assert_array_equal(apply(params, ids, mask, None, train=False), b)
+
+
+def test_dropout_only_in_training_and_driven_by_rng():
+    params = init_params(TINY, jax.random.key(6))
+    ids, mask, types = _batch(np.random.default_rng(3), TINY)
+    apply = make_apply(TINY)
+    ev = apply(params, ids, mask, types, train=False)
+    k1, k2 = jax.random.key(1), jax.random.key(2)
+    t1 = apply(params, ids, mask, types, train=True, rng=k1)
+    np.testing.assert_array_equal(t1, apply(params, ids, mask, types, train=True, rng=k1))
+    assert not np.allclose(t1, ev) and not np.allclose(
+        t1, apply(params, ids, mask, types, train=True, rng=k2)
+    )
+    np.testing.assert_array_equal(ev, apply(params, ids, mask, types, train=False, rng=k1))
+    with pytest.raises(ValueError, match="rng"):
+        apply(params, ids, mask, types, train=True)
+    no_drop = dataclasses.replace(
+        TINY, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.0
+    )
+    np.testing.assert_array_equal(
+        make_apply(no_drop)(params, ids, mask, types, train=True, rng=k1), ev
+    )
+
+
+def test_classifier_dropout_overrides_hidden_dropout():
+    params = init_params(TINY, jax.random.key(7))
+    ids, mask, types = _batch(np.random.default_rng(4), TINY)
+    only_head = dataclasses.replace(
+        TINY, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.5
+    )
+    ev = make_apply(only_head)(params, ids, mask, types, train=False)
+    tr = make_apply(only_head)(params, ids, mask, types, train=True, rng=jax.random.key(0))
+    assert not np.allclose(ev, tr)
+
+
+def test_vmap_over_client_axis_and_jit():
+    ids, mask, types = _batch(np.random.default_rng(5), TINY)
+    p0, p1 = init_params(TINY, jax.random.key(8)), init_params(TINY, jax.random.key(9))
+    stacked = jax.tree_util.tree_map(lambda a, b: jnp.stack([a, b]), p0, p1)
+    apply = make_apply(TINY)
+    out = jax.jit(jax.vmap(lambda p: apply(p, ids, mask, types, train=False)))(stacked)
+    np.testing.assert_allclose(out[0], apply(p0, ids, mask, types, train=False), atol=1e-6)
+    np.testing.assert_allclose(out[1], apply(p1, ids, mask, types, train=False), atol=1e-6)
+    assert not np.allclose(out[0], out[1])
+
+
+def test_regression_head():
+    config = dataclasses.replace(TINY, num_labels=1, problem_type="regression")
+    params = init_params(config, jax.random.key(10))
+    ids, mask, types = _batch(np.random.default_rng(6), config)
+    assert make_apply(config)(params, ids, mask, types, train=False).shape == (4, 1)
+    with pytest.raises(UserError):
+        dataclasses.replace(TINY, problem_type="regression")  # num_labels=3
+
+
+def test_bfloat16_compute_keeps_fp32_params_and_is_close():
+    model = _torch_model(TINY, seed=11)
+    params = _ours_from_torch(model, TINY)
+    ids, mask, types = _batch(np.random.default_rng(7), TINY)
+    bf = dataclasses.replace(TINY, dtype="bfloat16")
+    ref = make_apply(TINY)(params, ids, mask, types, train=False)
+    out = make_apply(bf)(params, ids, mask, types, train=False)
+    assert out.dtype == jnp.float32
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+    scale = float(np.abs(np.asarray(ref)).max())
+    err = float(np.abs(np.asarray(out) - np.asarray(ref)).max())
+    assert 0 < err < 0.05 * scale  # it did run in bf16, and stayed close
+    hidden, pooled = make_encode(bf)(params, ids, mask, types)
+    assert hidden.dtype == jnp.float32 and pooled.dtype == jnp.float32
+    jaxpr = str(jax.make_jaxpr(lambda p: make_apply(bf)(p, ids, mask, types, train=False))(params))
+    dots = [line for line in jaxpr.splitlines() if "dot_general" in line]
+    assert dots and all("bf16" in line for line in dots)
+    # train mode under jit with grads also works and gives fp32 grads
+    loss = lambda p: make_apply(bf)(p, ids, mask, types, train=True, rng=jax.random.key(0)).sum()
+    grads = jax.jit(jax.grad(loss))(params)
+    assert all(g.dtype == jnp.float32 for g in jax.tree_util.tree_leaves(grads))
+
+
+def test_config_hf_dict_round_trip_and_transformers_accepts_it():
+    config = dataclasses.replace(TINY, hidden_act="gelu_new", classifier_dropout=0.3)
+    d = config.to_hf_dict()
+    assert d["model_type"] == "bert" and d["architectures"] == ["BertForSequenceClassification"]
+    assert BertConfig.from_hf_dict(d) == config
+    assert BertConfig.from_hf_dict(d, dtype="bfloat16").dtype == "bfloat16"
+    hf = transformers.BertConfig(**d)
+    assert (hf.num_labels, hf.hidden_size, hf.hidden_act) == (3, 32, "gelu_new")
+
+
+def test_config_from_real_style_dicts():
+    d = {"model_type": "bert", "hidden_size": 64, "num_attention_heads": 4,
+         "id2label": {"0": "a", "1": "b", "2": "c", "3": "d"}, "torch_dtype": "float16",
+         "dtype": "float16", "transformers_version": "4.8.2"}  # fmt: skip
+    c = BertConfig.from_hf_dict(d)
+    assert (c.hidden_size, c.num_labels, c.dtype) == (64, 4, "float32")
+    assert BertConfig.from_hf_dict(d, num_labels=1).problem_type == "regression"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"model_type": "roberta"},
+        {"model_type": "distilbert"},
+        {},
+        {"model_type": "bert", "position_embedding_type": "relative_key"},
+        {"model_type": "bert", "hidden_act": "mish"},
+        {"model_type": "bert", "hidden_size": 30, "num_attention_heads": 4},
+    ],
+)
+def test_config_rejects_what_we_do_not_implement(bad):
+    with pytest.raises(UserError) as e:
+        BertConfig.from_hf_dict(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_config_rejects_bad_dtype():
+    with pytest.raises(UserError, match="dtype"):
+        BertConfig(dtype="float16")
