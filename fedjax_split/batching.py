@@ -1,0 +1,342 @@
+"""Per-client mini-batches stacked on a leading client axis, with step masks and length bucketing.
+
+A *segment* is a dict of numpy arrays with a client axis K and a step axis S (see
+docs/architecture.md): input_ids / attention_mask / token_type_ids int32 [K, S, B, T], labels
+[K, S, B] (int32, float32 for regression), example_mask float32 [K, S, B], step_mask bool [K, S],
+and example_index int32 [K, S, B] (pool index of each row, -1 for padding; the client update
+ignores it, evaluation uses it to map predictions back to examples). Segments are consumed in
+order; T differs between segments.
+
+Why bucketing: sentence tasks average about 25 tokens, so padding every batch to the longest
+example computes mostly padding. With `bucketing=True` (default) the order of a client's SGD steps
+is built as follows, deterministically from `seed`:
+1. each epoch, the client's examples are shuffled, then sorted by length inside windows of
+   `window` batches (default 200) and cut into batches of B: a batch holds examples of similar
+   length, drawn from a random window (only the epoch's last batch can be partial);
+2. the client's batches of the epoch are ranked by length and cut at shared quantile cut points
+   into at most `num_buckets` buckets (the cut points are chosen to minimise computed tokens);
+3. each epoch visits the buckets in a random order shared by all clients and, inside a bucket,
+   the client's batches in random order. One segment per (epoch, bucket).
+Effect on SGD: every example is still seen exactly once per epoch and epochs stay in order, but
+within an epoch the steps come in runs of similar length (a mild curriculum that changes every
+epoch) and a batch's examples are correlated in length. `bucketing=False` gives plain shuffled
+batches in one segment padded to the longest example.
+Every client's step count per epoch is the same in every epoch, and a bucket keeps one (S, T) over
+all epochs, so a jitted scan compiles at most `num_buckets` shapes.
+
+Padding rows (example_mask 0) get input_ids = pad_id and attend to position 0 only, so a model
+never sees an all-masked attention row (which could produce NaN that a zero weight cannot cancel).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+Segment = dict[str, np.ndarray]
+_TAG_CLIENT = 0x63_6C_69  # "cli"
+_TAG_ORDER = 0x6F_72_64  # "ord"
+_GRID = 256  # candidate bucket cut points: quantiles j / _GRID of each client's batch ranks
+
+
+class Packed(NamedTuple):
+    """Ragged token ids in one flat array (what batching gathers from)."""
+
+    input_ids: np.ndarray  # int32 [total tokens]
+    token_type_ids: np.ndarray  # int32 [total tokens]
+    offsets: np.ndarray  # int64 [N]
+    lengths: np.ndarray  # int64 [N]
+
+
+def pack(tokenized: Any) -> Packed:
+    """Flattens a `tokenization.Tokenized` (ragged lists of int32 arrays); Packed passes through."""
+    if isinstance(tokenized, Packed):
+        return tokenized
+    lengths = np.asarray([len(a) for a in tokenized.input_ids], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    ids = np.concatenate(tokenized.input_ids).astype(np.int32) if lengths.size else np.zeros(0)
+    tt = tokenized.token_type_ids
+    types = np.concatenate(tt).astype(np.int32) if tt is not None and lengths.size else None
+    if types is None:
+        types = np.zeros(ids.shape, np.int32)
+    if types.shape != ids.shape:
+        raise ValueError("token_type_ids and input_ids differ in length")
+    return Packed(ids.astype(np.int32), types, offsets, lengths)
+
+
+def _seed_list(seed: int | Sequence[int]) -> list[int]:
+    return [int(s) for s in (seed if isinstance(seed, Sequence) else [seed])]
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _width(longest: int, pad_to_multiple: int, max_length: int | None) -> int:
+    """T: longest length rounded up to the multiple, not past max_length (never truncating)."""
+    t = _round_up(max(longest, 1), pad_to_multiple)
+    if max_length is not None:
+        t = min(t, max(max_length, longest))
+    return t
+
+
+def _epoch_batches(
+    lengths: np.ndarray, batch_size: int, rng: np.random.Generator | None, window: int | None
+) -> list[np.ndarray]:
+    """One epoch of one client: batches of local positions (shuffled; length-sorted in windows)."""
+    n = lengths.size
+    order = rng.permutation(n) if rng is not None else np.arange(n)
+    if window is not None:
+        span = window * batch_size
+        chunks = np.split(order, range(span, n, span))
+        order = np.concatenate([c[np.argsort(lengths[c], kind="stable")] for c in chunks])
+    return [order[i : i + batch_size] for i in range(0, n, batch_size)]
+
+
+def _cut_positions(num_batches: np.ndarray, grid: int) -> np.ndarray:
+    """[K, grid+1] batch-rank positions of the quantile cut points j/grid for each client."""
+    j = np.arange(grid + 1)
+    return np.floor(num_batches[:, None] * j[None, :] / grid + 0.5).astype(np.int64)
+
+
+def _choose_cuts(sorted_max: np.ndarray, pos: np.ndarray, num_buckets: int, width) -> list[int]:
+    """Grid cut points (indices into 0..grid) minimising sum over buckets of S_g * T_g (DP).
+
+    sorted_max[i, j]: the longest batch (over epochs) among client i's batches of rank < pos[i, j].
+    """
+    grid = pos.shape[1] - 1
+    big = np.iinfo(np.int64).max // 4
+    cost = np.full((grid + 1, grid + 1), big, dtype=np.int64)
+    widths = np.array([width(int(x)) for x in range(int(sorted_max.max()) + 1)], dtype=np.int64)
+    for a in range(grid):
+        count = pos[:, a + 1 :] - pos[:, a : a + 1]  # [K, grid - a]: bucket (a, b) per client
+        longest = np.max(np.where(count > 0, sorted_max[:, a + 1 :], 0), axis=0)
+        cost[a, a + 1 :] = count.max(axis=0) * widths[longest]
+    best = np.full((num_buckets + 1, grid + 1), big, dtype=np.int64)
+    back = np.zeros((num_buckets + 1, grid + 1), dtype=np.int64)
+    best[0, 0] = 0
+    for g in range(1, num_buckets + 1):
+        totals = best[g - 1][:, None] + cost  # [a, b]; cost is `big` where a >= b
+        back[g] = np.argmin(totals, axis=0)
+        best[g] = np.minimum(totals[back[g], np.arange(grid + 1)], big)
+    g = int(np.argmin(best[1:, grid])) + 1
+    cuts = [grid]
+    while g > 0:
+        cuts.append(int(back[g, cuts[-1]]))
+        g -= 1
+    return cuts[::-1]
+
+
+def _assemble(
+    packed: Packed,
+    rows: np.ndarray,
+    steps_real: np.ndarray,
+    labels: np.ndarray,
+    width: int,
+    is_regression: bool,
+    pad_id: int,
+) -> Segment:
+    """Gathers a segment from pool indices `rows` [K, S, B] (-1 = padding)."""
+    real = rows >= 0
+    safe = np.where(real, rows, 0)
+    lengths = np.where(real, packed.lengths[safe], 0)
+    pos = np.arange(width)
+    valid = pos < lengths[..., None]
+    gather = np.where(valid, packed.offsets[safe][..., None] + pos, 0)
+    input_ids = np.where(valid, packed.input_ids[gather] if packed.input_ids.size else 0, pad_id)
+    types = np.where(valid, packed.token_type_ids[gather] if packed.input_ids.size else 0, 0)
+    attention = valid.copy()
+    attention[..., 0] |= ~real  # padding rows attend to position 0 only (no empty softmax row)
+    label_dtype = np.float32 if is_regression else np.int32
+    seg_labels = np.where(real, labels[safe], 0).astype(label_dtype)
+    return {
+        "input_ids": input_ids.astype(np.int32),
+        "attention_mask": attention.astype(np.int32),
+        "token_type_ids": types.astype(np.int32),
+        "labels": seg_labels,
+        "example_mask": real.astype(np.float32),
+        "step_mask": steps_real,
+        "example_index": rows.astype(np.int32),
+    }
+
+
+def _stack(batches: list[list[np.ndarray]], batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-client lists of batches -> rows [K, S, B] (-1 padding) and step_mask [K, S]."""
+    k = len(batches)
+    s = max((len(b) for b in batches), default=0)
+    rows = np.full((k, s, batch_size), -1, dtype=np.int64)
+    steps = np.zeros((k, s), dtype=bool)
+    for i, client in enumerate(batches):
+        for j, b in enumerate(client):
+            rows[i, j, : b.size] = b
+            steps[i, j] = True
+    return rows, steps
+
+
+def _build(
+    tokenized: Any,
+    client_indices: Sequence[np.ndarray],
+    labels: np.ndarray,
+    *,
+    batch_size: int,
+    epochs: int,
+    seed: int | Sequence[int],
+    shuffle: bool,
+    pad_to_multiple: int,
+    is_regression: bool,
+    bucketing: bool,
+    num_buckets: int,
+    window: int | None,
+    max_length: int | None,
+    pad_id: int,
+) -> list[Segment]:
+    if batch_size < 1 or epochs < 1 or pad_to_multiple < 1 or num_buckets < 1:
+        raise ValueError("batch_size, epochs, pad_to_multiple and num_buckets must be >= 1")
+    if len(client_indices) == 0:
+        raise ValueError("no clients")
+    packed = pack(tokenized)
+    labels = np.asarray(labels)
+    clients = [np.asarray(ix, dtype=np.int64).reshape(-1) for ix in client_indices]
+    seeds = _seed_list(seed)
+    width = lambda longest: _width(longest, pad_to_multiple, max_length)  # noqa: E731
+
+    # per client, per epoch: batches of pool indices
+    per_client: list[list[list[np.ndarray]]] = []
+    for i, ix in enumerate(clients):
+        lens = packed.lengths[ix]
+        epochs_i = []
+        for e in range(epochs):
+            rng = np.random.default_rng([*seeds, _TAG_CLIENT, i, e]) if shuffle else None
+            win = window if bucketing else None
+            epochs_i.append([ix[b] for b in _epoch_batches(lens, batch_size, rng, win)])
+        per_client.append(epochs_i)
+
+    def longest(batch: np.ndarray) -> int:
+        return int(packed.lengths[batch].max())
+
+    if not bucketing:
+        flat = [[b for ep in c for b in ep] for c in per_client]
+        rows, steps = _stack(flat, batch_size)
+        top = int(packed.lengths[rows[rows >= 0]].max()) if np.any(rows >= 0) else 1
+        return [_assemble(packed, rows, steps, labels, width(top), is_regression, pad_id)]
+
+    num_batches = np.array([len(c[0]) for c in per_client], dtype=np.int64)
+    grid = _GRID
+    pos = _cut_positions(num_batches, grid)
+    # rank batches by length within each (client, epoch); ties broken by the shuffled order
+    ranked = [
+        [sorted(ep, key=longest) for ep in c]  # sorted() is stable
+        for c in per_client
+    ]
+    sorted_len = [
+        np.array([[longest(b) for b in ep] for ep in c]).reshape(epochs, -1) for c in ranked
+    ]
+    sorted_max = np.zeros_like(pos)
+    for i, sl in enumerate(sorted_len):
+        if sl.shape[1]:
+            cummax = np.maximum.accumulate(sl.max(axis=0))
+            sorted_max[i] = np.where(pos[i] > 0, cummax[np.maximum(pos[i] - 1, 0)], 0)
+    cuts = _choose_cuts(sorted_max, pos, num_buckets, width)
+    buckets = list(zip(cuts[:-1], cuts[1:], strict=True))
+
+    # one (S, T) per bucket, shared by all epochs
+    shapes = []
+    for a, b in buckets:
+        count = pos[:, b] - pos[:, a]
+        top = int(np.max(np.where(count > 0, sorted_max[:, b], 0))) if np.any(count > 0) else 1
+        shapes.append((int(count.max()), width(top)))
+
+    segments = []
+    for e in range(epochs):
+        order = (
+            np.random.default_rng([*seeds, _TAG_ORDER, e]).permutation(len(buckets))
+            if shuffle
+            else np.arange(len(buckets))
+        )
+        for g in order:
+            a, b = buckets[g]
+            s, t = shapes[g]
+            if s == 0:
+                continue
+            chosen = []
+            for i in range(len(clients)):
+                part = ranked[i][e][pos[i, a] : pos[i, b]]
+                if shuffle and part:
+                    rng = np.random.default_rng([*seeds, _TAG_CLIENT, i, e, 1 + int(g)])
+                    part = [part[j] for j in rng.permutation(len(part))]
+                chosen.append(part)
+            rows, steps = _stack(chosen, batch_size)
+            if rows.shape[1] < s:  # a bucket keeps its S in every epoch
+                rows = np.pad(rows, ((0, 0), (0, s - rows.shape[1]), (0, 0)), constant_values=-1)
+                steps = np.pad(steps, ((0, 0), (0, s - steps.shape[1])))
+            segments.append(_assemble(packed, rows, steps, labels, t, is_regression, pad_id))
+    return segments
+
+
+def make_client_batches(
+    tokenized: Any,
+    client_indices: Sequence[np.ndarray],
+    labels: np.ndarray,
+    *,
+    batch_size: int,
+    epochs: int,
+    seed: int | Sequence[int],
+    shuffle: bool = True,
+    pad_to_multiple: int = 8,
+    is_regression: bool = False,
+    bucketing: bool = True,
+    num_buckets: int = 8,
+    window: int = 200,
+    max_length: int | None = None,
+    pad_id: int = 0,
+) -> list[Segment]:
+    """Training segments for the clients `client_indices` (pool indices into `tokenized`/`labels`).
+
+    Client i has epochs * ceil(n_i / B) real steps; shorter clients get masked (step_mask False)
+    steps. `seed` (an int or a sequence such as [seed, round]) fixes every random choice.
+    """
+    return _build(
+        tokenized, client_indices, labels, batch_size=batch_size, epochs=epochs, seed=seed,
+        shuffle=shuffle, pad_to_multiple=pad_to_multiple, is_regression=is_regression,
+        bucketing=bucketing, num_buckets=num_buckets, window=window, max_length=max_length,
+        pad_id=pad_id,
+    )  # fmt: skip
+
+
+def make_eval_batches(
+    tokenized: Any,
+    client_indices: Sequence[np.ndarray],
+    labels: np.ndarray,
+    *,
+    batch_size: int,
+    pad_to_multiple: int = 8,
+    is_regression: bool = False,
+    bucketing: bool = True,
+    num_buckets: int = 8,
+    max_length: int | None = None,
+    pad_id: int = 0,
+) -> list[Segment]:
+    """Evaluation segments: one epoch, no shuffling (with bucketing: examples sorted by length).
+
+    Map predictions back with `example_index` (rows with example_mask 0 are padding).
+    """
+    window = max(1, max((np.asarray(ix).size for ix in client_indices), default=1))
+    return _build(
+        tokenized, client_indices, labels, batch_size=batch_size, epochs=1, seed=0,
+        shuffle=False, pad_to_multiple=pad_to_multiple, is_regression=is_regression,
+        bucketing=bucketing, num_buckets=num_buckets, window=window, max_length=max_length,
+        pad_id=pad_id,
+    )  # fmt: skip
+
+
+def padding_waste(segments: Sequence[Segment]) -> float:
+    """Fraction of computed token positions that are padding (masked steps and rows included)."""
+    computed = 0
+    real = 0
+    for seg in segments:
+        computed += seg["input_ids"].size
+        mask = seg["attention_mask"] * seg["example_mask"][..., None].astype(np.int64)
+        real += int(np.sum(mask * seg["step_mask"][..., None, None]))
+    return 0.0 if computed == 0 else 1.0 - real / computed

@@ -1,0 +1,398 @@
+"""Client partitions of an example pool: the paper's label schemes and FedNLP's Dirichlet skews.
+
+Everything here is a pure function of (labels, seed): randomness comes from
+`np.random.default_rng([seed, purpose])` objects, never from numpy's global state.
+
+Schemes (`partition_clients(scheme=...)`):
+- "paper": FedSplitBERT's Table I (K=3) / Table II (K=10) label shares per client; a linear ramp
+  of shares for other K or tasks without a row; regression (STS-B): sort by score, K contiguous
+  parts. Every client gets about |D|/K examples.
+- "dirichlet": client j's class shares q_j ~ Dir(alpha * p), p the pool's class prior; with `beta`
+  also quantity skew (the combined scheme).
+- "quantity": client sizes z ~ Dir(beta * 1), |D_j| = z_j |D|; labels drawn IID (with `alpha`
+  too: the combined scheme, same as "dirichlet" with `beta`).
+- "iid": equal sizes, uniform random.
+Label-driven schemes sample without replacement; when a class runs out, the vacancy is filled
+from the other classes in proportion to what remains ("dynamic reassigning", FedNLP), so no
+example and no client is dropped. Clients are filled in order 0..K-1, so a shortfall lands on the
+later clients. Each client's share is then split at random into train / test (test_fraction).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from fedjax_split.errors import UserError
+from fedjax_split.tasks import Task, get_task
+
+SCHEMES = ("paper", "dirichlet", "quantity", "iid")
+_FORMAT = "fedjax_split.partition/v1"
+
+# Label shares per client, columns in label-id order. The paper prints binary shares as "a/b"
+# without naming the classes; we read `a` as the share of class 1 (acceptable, equivalent,
+# duplicate, positive, not_entailment ...). Under that reading the table's mean share matches each
+# pool's class balance (CoLA 71% vs 70% acceptable, QQP 40% vs 37% duplicate, MRPC 62% vs 68%
+# equivalent); the other reading would ask CoLA's clients for 71% unacceptable sentences from a
+# pool holding 30%. MNLI's three shares are in label order (entailment, neutral, contradiction).
+# MRPC K=3 client 1 is printed 95/15 (read 85/15, see MISSION.md); MRPC K=10 client 10 is printed
+# 51/48 (rows are renormalised to sum to 1).
+
+
+def _binary(first_shares: Sequence[float]) -> np.ndarray:
+    a = np.asarray(first_shares, dtype=np.float64)
+    return np.stack([1.0 - a, a], axis=1)
+
+
+_TABLE_I = {
+    "mrpc": _binary([0.85, 0.75, 0.25]),
+    "cola": _binary([0.905, 0.83, 0.40]),
+    "qqp": _binary([0.70, 0.37, 0.13]),
+    "mnli": np.array([[0.86, 0.05, 0.09], [0.05, 0.90, 0.05], [0.05, 0.05, 0.90]]),
+    "other": _binary([0.80, 0.50, 0.20]),
+}
+_TABLE_II_MRPC = np.array(
+    [[92, 8], [86, 14], [71, 29], [66, 34], [50, 50], [44, 56], [35, 65], [28, 72], [12, 88],
+     [51, 48]], dtype=np.float64,
+)[:, ::-1]  # fmt: skip
+_TABLE_II = {
+    "mrpc": _TABLE_II_MRPC / _TABLE_II_MRPC.sum(axis=1, keepdims=True),
+    "other": _binary([0.90, 0.80, 0.70, 0.60, 0.50, 0.40, 0.30, 0.20, 0.10, 0.02]),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSplit:
+    """One client's example indices into the pool (sorted, int64)."""
+
+    train: np.ndarray
+    test: np.ndarray
+
+    @property
+    def all(self) -> np.ndarray:
+        return np.sort(np.concatenate([self.train, self.test]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """Clients' train/test indices plus the parameters that rebuild them."""
+
+    clients: list[ClientSplit]
+    scheme: str
+    num_clients: int
+    seed: int
+    num_examples: int
+    alpha: float | None = None
+    beta: float | None = None
+    task: str | None = None
+    test_fraction: float = 0.2
+
+    @property
+    def train_sizes(self) -> np.ndarray:
+        return np.array([c.train.size for c in self.clients], dtype=np.int64)
+
+    @property
+    def test_sizes(self) -> np.ndarray:
+        return np.array([c.test.size for c in self.clients], dtype=np.int64)
+
+
+def paper_shares(num_clients: int, num_classes: int, task: str | Task | None = None) -> np.ndarray:
+    """Label shares [K, C] of the paper's scheme: Table I/II rows, else a linear ramp.
+
+    The ramp gives client k (position u = k/(K-1)) the share (1 + a (2 v_c - 1)) / C for class c
+    at position v_c = c/(C-1), with a = 0.6 (1 - 2u): for two classes that is 80/20 down to 20/80
+    (class 1 first), exactly Table I's "other" row at K=3.
+    """
+    name = get_task(task).name if task is not None else None
+    table = {3: _TABLE_I, 10: _TABLE_II}.get(num_clients)
+    if table is not None:
+        row = table.get(name) if name in table else (table["other"] if num_classes == 2 else None)
+        if row is not None and row.shape[1] == num_classes:
+            return row.copy()
+    if num_clients == 1 or num_classes == 1:
+        return np.full((num_clients, num_classes), 1.0 / num_classes)
+    u = np.arange(num_clients) / (num_clients - 1)
+    v = np.arange(num_classes) / (num_classes - 1)
+    a = 0.6 * (1.0 - 2.0 * u)
+    return (1.0 + a[:, None] * (2.0 * v[None, :] - 1.0)) / num_classes
+
+
+def _round_to_total(weights: np.ndarray, total: int) -> np.ndarray:
+    """Non-negative integers proportional to `weights` summing to `total` (largest remainder)."""
+    weights = np.asarray(weights, dtype=np.float64)
+    if total == 0:
+        return np.zeros(weights.shape, dtype=np.int64)
+    raw = weights / weights.sum() * total
+    counts = np.floor(raw).astype(np.int64)
+    short = total - int(counts.sum())
+    if short > 0:
+        order = np.argsort(-(raw - counts), kind="stable")
+        counts[order[:short]] += 1
+    return counts
+
+
+def _fill_counts(want: np.ndarray, remaining: np.ndarray) -> np.ndarray:
+    """Per-class counts for one client: `want` capped by `remaining`, the shortfall re-spread.
+
+    The shortfall goes to the classes that still have examples, in proportion to what they have
+    left after this client's own take (FedNLP's dynamic reassigning).
+    """
+    take = np.minimum(want, remaining)
+    deficit = int(want.sum() - take.sum())
+    while deficit > 0:
+        spare = remaining - take
+        extra = np.minimum(_round_to_total(spare, deficit), spare)
+        take += extra
+        deficit -= int(extra.sum())
+    return take
+
+
+def _label_skew(
+    class_ids: np.ndarray, shares: np.ndarray, sizes: np.ndarray, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Assign examples to clients with class shares `shares` [K, C] and sizes `sizes` [K]."""
+    num_classes = shares.shape[1]
+    pools = [rng.permutation(np.flatnonzero(class_ids == c)) for c in range(num_classes)]
+    used = np.zeros(num_classes, dtype=np.int64)
+    remaining = np.array([p.size for p in pools], dtype=np.int64)
+    out = []
+    for k, size in enumerate(sizes):
+        counts = _fill_counts(_round_to_total(shares[k], int(size)), remaining)
+        parts = [pools[c][used[c] : used[c] + counts[c]] for c in range(num_classes)]
+        used += counts
+        remaining -= counts
+        out.append(np.concatenate(parts))
+    return out
+
+
+def _dirichlet(rng: np.random.Generator, concentration: np.ndarray, draws: int) -> np.ndarray:
+    """Dirichlet draws that stay finite for tiny concentrations (all-zero gamma draws)."""
+    q = rng.dirichlet(np.maximum(concentration, 1e-300), size=draws)
+    bad = ~np.all(np.isfinite(q), axis=1) | (q.sum(axis=1) <= 0)
+    for j in np.flatnonzero(bad):  # the limit alpha -> 0 of Dir(alpha p): one class, chosen by p
+        q[j] = 0.0
+        q[j, rng.choice(concentration.size, p=concentration / concentration.sum())] = 1.0
+    return q
+
+
+def _validate_labels(labels: np.ndarray, regression: bool) -> np.ndarray:
+    labels = np.asarray(labels)
+    if labels.ndim != 1 or labels.size == 0:
+        raise UserError(f"partition needs a non-empty 1-D label array, got shape {labels.shape}")
+    if regression:
+        bad = np.flatnonzero(~np.isfinite(labels.astype(np.float64)))
+    elif not np.issubdtype(labels.dtype, np.integer):
+        bad = np.flatnonzero(
+            ~np.isfinite(labels.astype(np.float64)) | (labels != np.round(labels)) | (labels < 0)
+        )
+    else:
+        bad = np.flatnonzero(labels < 0)
+    if bad.size:
+        raise UserError(
+            f"partition: invalid labels at rows {bad[:5].tolist()} ({bad.size} in all); "
+            "class labels must be ids >= 0 and scores finite"
+        )
+    return labels
+
+
+def partition_clients(
+    labels: np.ndarray,
+    *,
+    scheme: str,
+    num_clients: int,
+    seed: int,
+    alpha: float | None = None,
+    beta: float | None = None,
+    task: str | Task | None = None,
+    test_fraction: float = 0.2,
+) -> Partition:
+    """Split the pool (indices 0..len(labels)-1) over `num_clients` clients, then train/test.
+
+    Every example lands in exactly one client's train or test split. Raises UserError on bad
+    parameters, invalid labels, or a client left without training examples.
+    """
+    if scheme not in SCHEMES:
+        raise UserError(f"unknown partition scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    if int(num_clients) < 1:
+        raise UserError(f"num_clients must be >= 1, got {num_clients}")
+    if not 0.0 <= test_fraction < 1.0:
+        raise UserError(f"test_fraction must be in [0, 1), got {test_fraction}")
+    for name, value in (("alpha", alpha), ("beta", beta)):
+        if value is not None and not (np.isfinite(value) and value > 0):
+            raise UserError(f"partition {name} must be a positive number, got {value}")
+    if scheme in ("paper", "iid") and (alpha is not None or beta is not None):
+        raise UserError(f"scheme {scheme!r} takes no alpha/beta; use 'dirichlet' or 'quantity'")
+    if scheme == "dirichlet" and alpha is None:
+        raise UserError(
+            "scheme 'dirichlet' needs --alpha (label skew; add --beta for quantity skew)"
+        )
+    if scheme == "quantity" and beta is None:
+        raise UserError("scheme 'quantity' needs --beta (Dirichlet concentration of client sizes)")
+    task_obj = get_task(task) if task is not None else None
+    regression = (
+        bool(task_obj.is_regression)
+        if task_obj
+        else np.issubdtype(np.asarray(labels).dtype, np.floating)
+    )
+    labels = _validate_labels(labels, regression)
+    if regression and alpha is not None:
+        raise UserError("Dirichlet label skew needs class labels; use scheme 'paper' or 'quantity'")
+    n, k = labels.size, int(num_clients)
+    if n < k:
+        raise UserError(f"partition: {n} examples cannot fill {k} clients")
+    rng = np.random.default_rng([seed, 0x70617274])  # "part"
+
+    equal_sizes = np.array([a.size for a in np.array_split(np.arange(n), k)], dtype=np.int64)
+    if beta is not None and scheme in ("dirichlet", "quantity"):
+        sizes = _round_to_total(_dirichlet(rng, np.full(k, float(beta)), 1)[0], n)
+    else:
+        sizes = equal_sizes
+
+    if scheme == "paper" and regression:
+        order = np.argsort(labels, kind="stable")  # sorted by score, K contiguous parts
+        members = np.array_split(order, k)
+    elif scheme == "iid" or (scheme == "quantity" and alpha is None):
+        perm = rng.permutation(n)
+        members = np.split(perm, np.cumsum(sizes)[:-1])
+    else:
+        class_ids = labels.astype(np.int64)
+        num_classes = int(
+            max(class_ids.max() + 1, task_obj.num_labels if task_obj is not None else 0)
+        )
+        if scheme == "paper":
+            shares = paper_shares(k, num_classes, task_obj)
+        else:
+            prior = np.bincount(class_ids, minlength=num_classes) / n
+            shares = _dirichlet(rng, float(alpha) * prior, k)
+        members = _label_skew(class_ids, shares, sizes, rng)
+
+    clients = []
+    for j, idx in enumerate(members):
+        idx = rng.permutation(idx)
+        n_test = int(np.floor(idx.size * test_fraction + 0.5))
+        train, test = np.sort(idx[n_test:]), np.sort(idx[:n_test])
+        if train.size == 0:
+            raise UserError(
+                f"partition {scheme}: client {j} has no training examples ({idx.size} in all); "
+                "use fewer clients, a larger beta, or a smaller test fraction"
+            )
+        clients.append(ClientSplit(train.astype(np.int64), test.astype(np.int64)))
+    return Partition(
+        clients=clients,
+        scheme=scheme,
+        num_clients=k,
+        seed=int(seed),
+        num_examples=n,
+        alpha=None if alpha is None else float(alpha),
+        beta=None if beta is None else float(beta),
+        task=task_obj.name if task_obj else None,
+        test_fraction=float(test_fraction),
+    )
+
+
+def save_partition(partition: Partition, path: str | os.PathLike) -> Path:
+    """Write the partition as JSON (exact indices + parameters), atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "format": _FORMAT,
+        "scheme": partition.scheme,
+        "num_clients": partition.num_clients,
+        "seed": partition.seed,
+        "num_examples": partition.num_examples,
+        "alpha": partition.alpha,
+        "beta": partition.beta,
+        "task": partition.task,
+        "test_fraction": partition.test_fraction,
+        "clients": [
+            {"train": c.train.tolist(), "test": c.test.tolist()} for c in partition.clients
+        ],
+    }
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_partition(path: str | os.PathLike) -> Partition:
+    """Reads a `save_partition` file; UserError if missing, corrupt or overlapping."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+        if doc.get("format") != _FORMAT:
+            raise ValueError(f"format {doc.get('format')!r}")
+        clients = [
+            ClientSplit(np.asarray(c["train"], np.int64), np.asarray(c["test"], np.int64))
+            for c in doc["clients"]
+        ]
+        n = int(doc["num_examples"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(
+            f"cannot read partition file {path}: {e}; rewrite it with save_partition"
+        ) from None
+    every = np.concatenate([np.concatenate([c.train, c.test]) for c in clients])
+    if every.size != np.unique(every).size or (
+        every.size and (every.min() < 0 or every.max() >= n)
+    ):
+        raise UserError(f"partition file {path} has repeated or out-of-range example indices")
+    return Partition(
+        clients=clients,
+        scheme=doc["scheme"],
+        num_clients=len(clients),
+        seed=int(doc["seed"]),
+        num_examples=n,
+        alpha=doc.get("alpha"),
+        beta=doc.get("beta"),
+        task=doc.get("task"),
+        test_fraction=float(doc.get("test_fraction", 0.2)),
+    )
+
+
+def partition_report(
+    partition: Partition, labels: np.ndarray, label_names: Sequence[str] | None = None
+) -> str:
+    """A printable table: per client train/test sizes and label counts (or score ranges)."""
+    labels = np.asarray(labels)
+    regression = np.issubdtype(labels.dtype, np.floating) and not (
+        label_names is not None and len(label_names) > 0
+    )
+    head = (
+        f"partition {partition.scheme} K={partition.num_clients} seed={partition.seed}"
+        + (f" alpha={partition.alpha}" if partition.alpha is not None else "")
+        + (f" beta={partition.beta}" if partition.beta is not None else "")
+        + (f" task={partition.task}" if partition.task else "")
+        + f" examples={partition.num_examples}"
+    )
+    if regression:
+        cols = ["client", "train", "test", "min", "mean", "max"]
+        rows = []
+        for j, c in enumerate(partition.clients):
+            y = labels[c.all].astype(np.float64)
+            rows.append([str(j), str(c.train.size), str(c.test.size),
+                         f"{y.min():.2f}", f"{y.mean():.2f}", f"{y.max():.2f}"])  # fmt: skip
+    else:
+        ids = labels.astype(np.int64)
+        num_classes = int(max(ids.max() + 1, len(label_names or ())))
+        names = list(label_names) if label_names else [str(c) for c in range(num_classes)]
+        cols = ["client", "train", "test", *names]
+        rows = []
+        for j, c in enumerate(partition.clients):
+            counts = np.bincount(ids[c.all], minlength=num_classes)
+            total = max(int(counts.sum()), 1)
+            rows.append([str(j), str(c.train.size), str(c.test.size)]
+                        + [f"{n} ({100 * n / total:.0f}%)" for n in counts])  # fmt: skip
+    widths = [max(len(cols[i]), *(len(r[i]) for r in rows)) for i in range(len(cols))]
+    lines = [head, "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
