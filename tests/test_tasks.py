@@ -1,0 +1,53 @@
+"""tasks: registry contents, lookup errors, compute_metrics incl. MNLI matched/mismatched."""
+
+import numpy as np
+import pytest
+
+from fedjax_split.errors import UserError
+from fedjax_split.tasks import TASKS, compute_metrics, get_task
+
+GLUE = ("cola", "sst2", "mrpc", "qqp", "mnli", "qnli", "rte", "wnli", "stsb")
+
+
+def test_registry_has_glue_and_offline_corpora():
+    assert set(GLUE) | {"rotten_tomatoes", "20news", "trec"} == set(TASKS)
+    assert get_task("qnli").text_fields == ("question", "sentence")
+    assert get_task("mnli").text_fields == ("premise", "hypothesis")
+    assert get_task("mnli").label_names == ("entailment", "neutral", "contradiction")
+    assert get_task("cola").primary_metric == "matthews_corrcoef"
+    assert get_task("mrpc").metrics == ("f1", "accuracy")
+    stsb = get_task("stsb")
+    assert stsb.is_regression and stsb.num_labels == 1 and stsb.metrics == ("pearson", "spearman")
+    assert get_task("20news").num_labels == 20 and get_task("trec").num_labels == 6
+    assert get_task("rotten_tomatoes").label_names == ("rotten", "fresh")
+    for t in TASKS.values():
+        assert t.primary_metric in t.metrics
+        assert t.is_regression or t.num_labels == len(t.label_names)
+        assert t.is_pair == (t.name in ("mrpc", "qqp", "mnli", "qnli", "rte", "wnli", "stsb"))
+
+
+def test_aliases_and_unknown_task():
+    assert get_task("SST-2").name == "sst2" and get_task("STS-B").name == "stsb"
+    with pytest.raises(UserError, match="unknown task 'imdb'; known tasks: cola, sst2") as e:
+        get_task("imdb")
+    assert "\n" not in str(e.value)
+
+
+def test_compute_metrics_per_task():
+    y = np.array([1, 0, 1, 1])
+    p = np.array([1, 1, 1, 0])
+    out = compute_metrics("mrpc", p, y)
+    assert out == {"f1": pytest.approx(2 * 2 / (2 * 2 + 1 + 1)), "accuracy": 0.5}
+    assert set(compute_metrics("cola", p, y)) == {"matthews_corrcoef"}
+    s = compute_metrics("stsb", np.array([0.1, 2.0, 3.0]), np.array([0.0, 2.5, 4.0]))
+    assert set(s) == {"pearson", "spearman"} and s["spearman"] == pytest.approx(1.0)
+
+
+def test_mnli_matched_and_mismatched_reported_apart():
+    y = np.array([0, 1, 2, 0, 1, 2])
+    p = np.array([0, 1, 2, 1, 1, 0])
+    g = np.array(["matched"] * 3 + ["mismatched"] * 3)
+    out = compute_metrics("mnli", p, y, groups=g)
+    assert out == {"accuracy": 4 / 6, "accuracy_matched": 1.0, "accuracy_mismatched": 1 / 3}
+    only = compute_metrics("mnli", p[:3], y[:3], groups=g[:3])
+    assert "accuracy_mismatched" not in only
