@@ -1,0 +1,288 @@
+"""sources: local GLUE TSV/parquet layouts end to end, hub (monkeypatched), offline, cache."""
+
+import collections
+import sys
+import types
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from fedjax_split import sources
+from fedjax_split.errors import UserError
+from fedjax_split.sources import load_examples, tokenize_examples
+
+
+def _tsv(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join("\t".join(map(str, r)) + "\n" for r in rows), encoding="utf-8")
+
+
+def _parquet(path, columns):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path)
+
+
+MNLI_HEAD = ["index", "promptID", "pairID", "genre", "sentence1_binary_parse",
+             "sentence2_binary_parse", "sentence1_parse", "sentence2_parse", "sentence1",
+             "sentence2", "label1", "gold_label"]  # fmt: skip
+
+
+def _mnli_row(i, premise, hypothesis, label):
+    return [i, 0, f"{i}e", "fiction", "(x)", "(y)", "(X)", "(Y)", premise, hypothesis, label, label]
+
+
+@pytest.fixture
+def glue_tsv(tmp_path):
+    root = tmp_path / "glue"
+    _tsv(root / "SST-2/train.tsv", [["sentence", "label"], ["a fine film", 1], ['dull "quoted', 0]])
+    _tsv(root / "SST-2/dev.tsv", [["sentence", "label"], ["great", 1]])
+    _tsv(root / "CoLA/train.tsv", [["gj04", 1, "", "The cat sat."], ["gj04", 0, "*", "Cat the."]])
+    _tsv(root / "CoLA/dev.tsv", [["gj04", 1, "", "It rains."]])
+    _tsv(root / "MNLI/train.tsv", [MNLI_HEAD, _mnli_row(0, "p0", "h0", "neutral")])
+    _tsv(root / "MNLI/dev_matched.tsv", [MNLI_HEAD, _mnli_row(1, "p1", "h1", "entailment")])
+    _tsv(root / "MNLI/dev_mismatched.tsv",
+         [MNLI_HEAD, _mnli_row(2, "p2", "h2", "contradiction"),
+          _mnli_row(3, "p3", "h3", "entailment")])  # fmt: skip
+    sts_head = ["index", "genre", "filename", "year", "old_index", "source1", "source2",
+                "sentence1", "sentence2", "score"]  # fmt: skip
+    _tsv(
+        root / "STS-B/train.tsv",
+        [sts_head, [0, "g", "f", "y", 0, "s", "s", "A man.", "A guy.", 4.2]],
+    )
+    _tsv(root / "STS-B/dev.tsv", [sts_head, [1, "g", "f", "y", 1, "s", "s", "Dogs.", "Cats.", 0.5]])
+    _tsv(root / "QNLI/train.tsv", [["index", "question", "sentence", "label"],
+                                   [0, "Who?", "Him.", "entailment"]])  # fmt: skip
+    _tsv(root / "QNLI/dev.tsv", [["index", "question", "sentence", "label"],
+                                 [1, "Where?", "Nowhere said.", "not_entailment"]])  # fmt: skip
+    mrpc_head = ["Quality", "#1 ID", "#2 ID", "#1 String", "#2 String"]
+    _tsv(root / "MRPC/train.tsv", [mrpc_head, [1, 11, 12, "He said.", "He stated."]])
+    _tsv(root / "MRPC/dev.tsv", [mrpc_head, [0, 13, 14, "Up.", "Down."]])
+    return root
+
+
+def test_tsv_single_sentence_tasks(glue_tsv):
+    ex = load_examples("sst2", data_dir=glue_tsv)
+    assert ex.texts_a == ["a fine film", 'dull "quoted', "great"] and ex.texts_b is None
+    assert ex.labels.tolist() == [1, 0, 1] and ex.labels.dtype == np.int64
+    assert ex.splits.tolist() == ["train", "train", "validation"] and ex.groups is None
+    cola = load_examples("cola", data_dir=glue_tsv / "CoLA")  # the task folder itself
+    assert cola.texts_a == ["The cat sat.", "Cat the.", "It rains."]
+    assert cola.labels.tolist() == [1, 0, 1]
+
+
+def test_tsv_pair_tasks_string_labels_and_stsb(glue_tsv):
+    q = load_examples("qnli", data_dir=glue_tsv)
+    assert q.texts_a == ["Who?", "Where?"] and q.texts_b == ["Him.", "Nowhere said."]
+    assert q.labels.tolist() == [0, 1]
+    m = load_examples("mrpc", data_dir=glue_tsv, source="local")
+    assert m.texts_b == ["He stated.", "Down."] and m.labels.tolist() == [1, 0]
+    s = load_examples("stsb", data_dir=glue_tsv)
+    assert s.labels.dtype == np.float32 and s.labels.tolist() == pytest.approx([4.2, 0.5])
+    assert s.texts_a == ["A man.", "Dogs."]
+
+
+def test_tsv_mnli_matched_mismatched_groups(glue_tsv):
+    ex = load_examples("mnli", data_dir=glue_tsv)
+    assert ex.texts_a == ["p0", "p1", "p2", "p3"] and ex.texts_b == ["h0", "h1", "h2", "h3"]
+    assert ex.labels.tolist() == [1, 0, 2, 0]
+    assert ex.groups.tolist() == ["matched", "matched", "mismatched", "mismatched"]
+    assert ex.splits.tolist() == ["train", "validation_matched"] + ["validation_mismatched"] * 2
+
+
+def test_parquet_layout(tmp_path):
+    root = tmp_path / "hub"
+    _parquet(root / "sst2/train-00000-of-00001.parquet",
+             {"sentence": ["good", "bad"], "label": [1, 0], "idx": [0, 1]})  # fmt: skip
+    _parquet(root / "sst2/validation-00000-of-00001.parquet",
+             {"sentence": ["ok"], "label": [1], "idx": [0]})  # fmt: skip
+    _parquet(root / "sst2/test-00000-of-00001.parquet",
+             {"sentence": ["unlabelled"], "label": [-1], "idx": [0]})  # fmt: skip
+    ex = load_examples("sst2", data_dir=root)
+    assert ex.texts_a == ["good", "bad", "ok"] and ex.labels.tolist() == [1, 0, 1]
+    for split, n in (("train", 2), ("validation_matched", 1), ("validation_mismatched", 2)):
+        shards = 2 if split == "train" else 1
+        for part in range(shards):
+            _parquet(root / f"mnli/{split}-0000{part}-of-0000{shards}.parquet",
+                     {"premise": [f"{split}{part}p{i}" for i in range(n)],
+                      "hypothesis": [f"h{i}" for i in range(n)],
+                      "label": [i % 3 for i in range(n)], "idx": list(range(n))})  # fmt: skip
+    m = load_examples("mnli", data_dir=root / "mnli")
+    assert len(m) == 2 * 2 + 1 + 2
+    assert m.texts_a[:4] == ["train0p0", "train0p1", "train1p0", "train1p1"]
+    assert collections.Counter(m.groups.tolist()) == {"matched": 5, "mismatched": 2}
+    _parquet(root / "stsb/train-00000-of-00001.parquet",
+             {"sentence1": ["a"], "sentence2": ["b"], "label": [3.25], "idx": [0]})  # fmt: skip
+    _parquet(root / "stsb/validation-00000-of-00001.parquet",
+             {"sentence1": ["c"], "sentence2": ["d"], "label": [1.0], "idx": [0]})  # fmt: skip
+    s = load_examples("stsb", data_dir=root)
+    assert s.labels.tolist() == [3.25, 1.0] and s.texts_b == ["b", "d"]
+
+
+def test_invalid_rows_name_task_and_rows(tmp_path):
+    _tsv(tmp_path / "SST-2/train.tsv",
+         [["sentence", "label"], ["ok", 1], ["", 0], ["fine", 2], ["x", ""], ["y", 1]])  # fmt: skip
+    _tsv(tmp_path / "SST-2/dev.tsv", [["sentence", "label"], ["z", "positive"]])
+    with pytest.raises(UserError) as e:
+        load_examples("sst2", data_dir=tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("task sst2: 3 invalid rows")
+    assert "train.tsv:3 (empty sentence)" in msg and "train.tsv:4 (label '2')" in msg
+    assert "train.tsv:5 (label '')" in msg
+    _tsv(tmp_path / "RTE/train.tsv", [["index", "sentence1", "sentence2", "label"], [0, "a"]])
+    _tsv(tmp_path / "RTE/dev.tsv", [["index", "sentence1", "sentence2", "label"]])
+    with pytest.raises(UserError, match=r"task rte: 1 rows with missing columns .* train.tsv:2"):
+        load_examples("rte", data_dir=tmp_path)
+
+
+def test_missing_local_data_messages(tmp_path):
+    with pytest.raises(UserError, match="no GLUE files found") as e:
+        load_examples("qqp", data_dir=tmp_path)
+    assert "DIR/QQP/train.tsv, dev.tsv" in str(e.value) and "DIR/qqp/train-*.parquet" in str(
+        e.value
+    )
+    with pytest.raises(UserError, match="not a directory"):
+        load_examples("qqp", data_dir=tmp_path / "nope")
+    _tsv(tmp_path / "MNLI/train.tsv", [MNLI_HEAD, _mnli_row(0, "p", "h", "neutral")])
+    with pytest.raises(UserError, match="no dev_matched.tsv or validation_matched"):
+        load_examples("mnli", data_dir=tmp_path)
+    _tsv(tmp_path / "QQP/train.tsv", [["id", "question1", "is_duplicate"], [0, "q", 1]])
+    with pytest.raises(UserError, match=r"lacks columns \['question2'\]"):
+        load_examples("qqp", data_dir=tmp_path)
+    with pytest.raises(UserError, match="unknown data source"):
+        load_examples("sst2", source="s3")
+    with pytest.raises(UserError, match="needs --data-dir"):
+        load_examples("sst2", source="local")
+    with pytest.raises(UserError, match="no offline copy"):
+        load_examples("sst2", source="offline")
+    with pytest.raises(UserError, match="not on the hub"):
+        load_examples("trec", source="hub")
+
+
+def _fake_datasets(monkeypatch, fn):
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=fn))
+
+
+def test_hub_source_via_monkeypatch(monkeypatch):
+    calls = []
+
+    def load_dataset(path, name):
+        calls.append((path, name))
+        return {
+            "train": {"question1": ["a?", "b?"], "question2": ["c?", "d?"], "label": [0, 1]},
+            "validation": {"question1": ["e?"], "question2": ["f?"], "label": [1]},
+            "test": {"question1": ["g?"], "question2": ["h?"], "label": [-1]},
+        }
+
+    _fake_datasets(monkeypatch, load_dataset)
+    ex = load_examples("qqp")  # auto -> hub for a GLUE task without data_dir
+    assert calls == [("nyu-mll/glue", "qqp")]
+    assert ex.texts_a == ["a?", "b?", "e?"] and ex.texts_b == ["c?", "d?", "f?"]
+    assert ex.labels.tolist() == [0, 1, 1]
+
+
+def test_hub_unreachable_is_one_line_user_error(monkeypatch):
+    def load_dataset(path, name):
+        raise ConnectionError("Couldn't reach 'nyu-mll/glue' on the Hub\n(offline)")
+
+    _fake_datasets(monkeypatch, load_dataset)
+    with pytest.raises(UserError) as e:
+        load_examples("rte", source="auto")
+    msg = str(e.value)
+    assert "\n" not in msg and "could not load nyu-mll/glue/rte from the Hugging Face hub" in msg
+    assert "--data-dir DIR" in msg and "DIR/RTE/train.tsv" in msg
+
+
+def test_offline_corpus_from_a_local_dir(tmp_path):
+    lines = ["Category\tText", "d\tstring", "class\t", ""]
+    _tsv(tmp_path / "x/20newsgroups-train.tab", [])
+    (tmp_path / "x/20newsgroups-train.tab").write_text(
+        "\n".join([*lines, "sci.med\tdoctor said", "alt.atheism\tno god"]) + "\n"
+    )
+    (tmp_path / "x/20newsgroups-test.tab").write_text(
+        "\n".join([*lines, "talk.religion.misc\tfaith"]) + "\n"
+    )
+    ex = load_examples("20news", data_dir=tmp_path)
+    assert ex.texts_a == ["doctor said", "no god", "faith"]
+    assert ex.labels.tolist() == [13, 0, 19] and ex.splits.tolist() == ["train", "train", "test"]
+    (tmp_path / "x/20newsgroups-test.tab").write_text("\n".join([*lines, "sci.med"]) + "\n")
+    with pytest.raises(UserError, match=r"20newsgroups-test.tab:5 \(label None\)"):
+        load_examples("20news", data_dir=tmp_path)
+    with pytest.raises(UserError, match="question_labels.txt not found"):
+        load_examples("trec", data_dir=tmp_path)
+
+
+@pytest.mark.slow
+def test_offline_corpora_row_counts_through_assets_fetch():
+    rt = load_examples("rotten_tomatoes")  # auto -> offline
+    assert len(rt) == 7403 + 5405 and rt.texts_b is None
+    assert np.bincount(rt.labels).tolist() == [5405, 7403]  # rotten = 0, fresh = 1
+    news = load_examples("20news", source="offline")
+    assert collections.Counter(news.splits.tolist()) == {"train": 11293, "test": 7528}
+    assert np.unique(news.labels).size == 20
+    trec = load_examples("trec")
+    # TREC train_5500 coarse counts: ABBR, ENTY, DESC, HUM, LOC, NUM
+    assert np.bincount(trec.labels).tolist() == [86, 1250, 1162, 1223, 835, 896]
+    assert trec.texts_a[0] == "How did serfdom develop in and then leave Russia ?"
+
+
+class _CountingTokenizer:
+    """A stand-in fast tokenizer: ids are word lengths; counts its calls."""
+
+    name_or_path = "fake-tok"
+
+    def __init__(self, vocab_tag="v1"):
+        self.calls = 0
+        self.backend_tokenizer = types.SimpleNamespace(to_str=lambda: f"fake {vocab_tag}")
+
+    def __call__(self, a, b=None, *, truncation, max_length, padding, return_attention_mask,
+                 return_token_type_ids):  # fmt: skip
+        self.calls += 1
+        ids, tts = [], []
+        for i, t in enumerate(a):
+            x = [101, *(len(w) + 1000 for w in t.split()), 102]
+            tt = [0] * len(x)
+            if b is not None:
+                y = [len(w) + 1000 for w in b[i].split()] + [102]
+                x, tt = x + y, tt + [1] * len(y)
+            ids.append(x[:max_length])
+            tts.append(tt[:max_length])
+        return {"input_ids": ids, "token_type_ids": tts}
+
+
+def test_tokenize_cache_hit_skips_the_tokenizer(tmp_path, glue_tsv):
+    ex = load_examples("mrpc", data_dir=glue_tsv)
+    tok = _CountingTokenizer()
+    first = tokenize_examples(ex, tok, "mrpc", max_length=16, cache_dir=tmp_path)
+    calls = tok.calls
+    assert calls >= 1 and len(list(tmp_path.glob("*.npz"))) == 1
+    second = tokenize_examples(ex, tok, "mrpc", max_length=16, cache_dir=tmp_path)
+    assert tok.calls == calls  # served from the cache
+    for x, y in zip(first.input_ids + first.token_type_ids,
+                    second.input_ids + second.token_type_ids, strict=True):  # fmt: skip
+        np.testing.assert_array_equal(x, y)
+        assert y.dtype == np.int32
+    np.testing.assert_array_equal(first.lengths, second.lengths)
+    assert second.input_ids[0].tolist() == [101, 1002, 1005, 102, 1002, 1007, 102]
+    assert second.token_type_ids[0].tolist() == [0, 0, 0, 0, 1, 1, 1]
+    # other max_length, other tokenizer vocabulary, other data: misses
+    tokenize_examples(ex, tok, "mrpc", max_length=5, cache_dir=tmp_path)
+    other = _CountingTokenizer("v2")
+    tokenize_examples(ex, other, "mrpc", max_length=16, cache_dir=tmp_path)
+    changed = sources.Examples(ex.texts_a, ["x", "y"], ex.labels)
+    tokenize_examples(changed, tok, "mrpc", max_length=16, cache_dir=tmp_path)
+    assert tok.calls == calls * 3 and other.calls == calls
+    assert len(list(tmp_path.glob("*.npz"))) == 4 and not list(tmp_path.glob("*.tmp"))
+
+
+def test_corrupt_cache_file_is_rewritten(tmp_path, glue_tsv):
+    ex = load_examples("sst2", data_dir=glue_tsv)
+    tok = _CountingTokenizer()
+    tokenize_examples(ex, tok, "sst2", max_length=8, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("*.npz")
+    path.write_bytes(b"garbage")
+    again = tokenize_examples(ex, tok, "sst2", max_length=8, cache_dir=tmp_path)
+    assert tok.calls == 2 and again.lengths.tolist() == [5, 4, 3]
+    tokenize_examples(ex, tok, "sst2", max_length=8, cache_dir=tmp_path)
+    assert tok.calls == 2
