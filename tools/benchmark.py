@@ -1,0 +1,308 @@
+"""Benchmark of federated rounds: the vmapped round against the same clients one at a time and
+against a step-by-step Python loop, with utilisation against this machine's measured matmul peak.
+
+    python tools/benchmark.py --model minilm-l6 --clients 10 --batch-size 16 \
+        --lengths rotten_tomatoes --out runs/bench/minilm_k10.json
+    python tools/benchmark.py --model bert-base-random --clients 10 --batch-size 32 --lengths 128
+
+Definitions (all in the JSON):
+- peak: the best fp32 (CPU) or bf16 (GPU) FLOP/s of large square jitted matmuls, measured in the
+  same process just before the rounds.
+- model FLOPs: matmul FLOPs (fedjax_split.flops) of the examples actually trained, each at its own
+  length; hardware FLOPs: the same for every computed position (padding, masked steps included).
+  MFU = model FLOP/s / peak; HFU = hardware FLOP/s / peak.
+- padding waste: share of computed token positions that are padding.
+- seconds per round: steady state (median over --repeats), compilation reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_split import batching, client, flops, rounds, server_optimizers
+from fedjax_split.model import BertConfig, init_params, make_apply
+from fedjax_split.splitting import merge_params, split_params
+
+
+def measure_peak(dtype: Any, sizes: tuple[int, ...] = (1024, 2048, 3072), repeats: int = 5) -> dict:
+    """Best matmul FLOP/s over square sizes (jitted, inputs on device, timed after warm-up)."""
+    best = {"flops_per_s": 0.0}
+    for n in sizes:
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+        b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+        mm = jax.jit(lambda x, y: x @ y)
+        mm(a, b).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            mm(a, b).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        rate = 2 * n**3 / min(times)
+        if rate > best["flops_per_s"]:
+            best = {"flops_per_s": rate, "n": n, "dtype": jnp.dtype(dtype).name}
+    return best
+
+
+def model_config(name: str, num_labels: int, dtype: str) -> tuple[BertConfig, Any]:
+    """Config and parameters: the real MiniLM weights, or a random config of the named size."""
+    if name == "minilm-l6":
+        from fedjax_split.hf_checkpoint import load_pretrained
+
+        pre = load_pretrained("minilm-l6", num_labels=num_labels, dtype=dtype)
+        return pre.config, pre.params
+    shapes = {
+        "bert-base-random": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                 intermediate_size=3072),
+        "minilm-random": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                              intermediate_size=1536),
+        "tiny": dict(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64),
+    }  # fmt: skip
+    if name not in shapes:
+        sys.exit(f"error: unknown --model {name!r}; use minilm-l6 or one of {sorted(shapes)}")
+    config = BertConfig(num_labels=num_labels, dtype=dtype, **shapes[name])
+    return config, init_params(config, jax.random.key(0))
+
+
+def client_lengths(
+    spec: str, num_clients: int, per_client: int, max_length: int
+) -> list[np.ndarray]:
+    """Token lengths of each client's examples: real rotten-tomatoes lengths, or a fixed length."""
+    rng = np.random.default_rng([0, 7])
+    if spec.isdigit():
+        return [np.full(per_client, int(spec), np.int32) for _ in range(num_clients)]
+    if spec != "rotten_tomatoes":
+        sys.exit(f"error: unknown --lengths {spec!r}; use rotten_tomatoes or a number like 128")
+    from fedjax_split.sources import load_examples
+    from fedjax_split.tasks import get_task
+    from fedjax_split.tokenization import load_tokenizer, tokenize
+
+    ex = load_examples(get_task("rotten_tomatoes"))
+    pick = rng.choice(len(ex.texts_a), size=num_clients * per_client, replace=False)
+    tok = tokenize(
+        load_tokenizer("minilm-l6"), [ex.texts_a[i] for i in pick], max_length=max_length
+    )
+    return list(np.asarray(tok.lengths, np.int32).reshape(num_clients, per_client))
+
+
+def synthetic_tokens(lengths: list[np.ndarray], vocab: int) -> Any:
+    """Ragged token ids of the given lengths ([CLS]=101 first), shaped like tokenize's output."""
+    from fedjax_split.tokenization import Tokenized
+
+    rng = np.random.default_rng([0, 11])
+    flat = np.concatenate(lengths)
+    ids = [np.concatenate([[min(101, vocab - 1)], rng.integers(1000 % vocab, vocab, n - 1)]).astype(
+        np.int32) for n in flat]  # fmt: skip
+    return Tokenized(ids, [np.zeros(n, np.int32) for n in flat], flat.astype(np.int32))
+
+
+def _block(tree: Any) -> Any:
+    return jax.block_until_ready(tree)
+
+
+def timed(fn, repeats: int) -> tuple[float, float]:
+    """(first-call seconds including compilation, median steady-state seconds)."""
+    t0 = time.perf_counter()
+    _block(fn())
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _block(fn())
+        times.append(time.perf_counter() - t0)
+    return first, statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> dict:
+    backend = jax.default_backend()
+    dtype = args.dtype or ("bfloat16" if backend == "gpu" else "float32")
+    peak = measure_peak(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+    config, params = model_config(args.model, 2, dtype)
+    apply = make_apply(config)
+    lengths = client_lengths(args.lengths, args.clients, args.examples_per_client, args.max_length)
+    tokens = synthetic_tokens(lengths, config.vocab_size)
+    offsets = np.cumsum([0] + [len(x) for x in lengths])
+    clients_ix = [np.arange(offsets[i], offsets[i + 1]) for i in range(args.clients)]
+    labels = np.random.default_rng([0, 13]).integers(0, 2, offsets[-1])
+    segments = batching.make_client_batches(
+        tokens, clients_ix, labels, batch_size=args.batch_size, epochs=args.local_epochs, seed=0,
+        bucketing=not args.no_bucketing, max_length=args.max_length,
+    )  # fmt: skip
+    waste = batching.padding_waste(segments)
+    c = config.num_hidden_layers if args.critical_layer is None else args.critical_layer
+    g, local = split_params(params, critical_layer=c)
+    opt = client.default_client_optimizer(2e-5)
+    cspec = client.ClientSpec(apply=apply, is_regression=False, optimizer=opt)
+    server_opt = server_optimizers.fedavg()
+    spec = rounds.RoundSpec(
+        client=cspec, server_optimizer=server_opt, chunk_size=args.chunk_size, donate=False
+    )
+    state = rounds.init_server_state(g, server_opt, "float32")
+    locals_k = rounds.replicate(local, args.clients)
+    n_i = np.array([len(ix) for ix in clients_ix], np.float32)
+    segs = [{k: jnp.asarray(v) for k, v in s.items() if k in client.SEGMENT_KEYS} for s in segments]
+    rng = jax.random.key(0)
+
+    def vmapped():
+        return rounds.run_round(spec, state, locals_k, n_i, segs, rng)[:2]
+
+    compile_s, round_s = timed(vmapped, args.repeats)
+
+    # The same clients one after another: each client's own segments, one jitted update per client.
+    update = jax.jit(client.make_client_update(cspec))
+    per_client = []
+    for i in range(args.clients):  # only the client's real steps: no masked work when alone
+        own = []
+        for s in segs:
+            real = np.flatnonzero(np.asarray(s["step_mask"][i]))
+            if real.size:
+                own.append({k: v[i][real] for k, v in s.items()})
+        per_client.append(own)
+
+    def sequential():
+        outs = [update(g, local, pc, jax.random.key(i)) for i, pc in enumerate(per_client)]
+        return jax.tree.map(lambda *x: sum(x), *[o[0] for o in outs])
+
+    seq_compile_s, seq_s = timed(sequential, max(1, args.repeats // 2))
+
+    # Step by step from Python: one jitted optimiser step per batch (the naive loop).
+    @jax.jit
+    def step(p, o, batch, key):
+        def loss(p):
+            logits = apply(
+                p,
+                batch["input_ids"],
+                batch["attention_mask"],
+                batch["token_type_ids"],
+                train=True,
+                rng=key,
+            )
+            per = client.example_losses(logits, batch["labels"], False) * batch["example_mask"]
+            return per.sum() / jnp.maximum(batch["example_mask"].sum(), 1.0)
+
+        grads = jax.grad(loss)(p)
+        updates, o = opt.update(grads, o, p)
+        return jax.tree.map(lambda a, b: a + b, p, updates), o
+
+    def stepwise():
+        out = None
+        for i, pc in enumerate(per_client):
+            p = merge_params(g, local)
+            o = opt.init(p)
+            for s in pc:
+                for j in range(s["step_mask"].shape[0]):
+                    batch = {k: v[j] for k, v in s.items() if k != "step_mask"}
+                    p, o = step(p, o, batch, jax.random.fold_in(jax.random.key(i), int(j)))
+            out = p
+        return out
+
+    step_compile_s, step_s = timed(stepwise, max(1, args.repeats // 2))
+
+    model_flops = sum(flops.train_step_flops(config, 1, int(n)) for x in lengths for n in x)
+    model_flops *= args.local_epochs
+    hw_flops = sum(flops.train_step_flops(config, int(np.prod(s["input_ids"].shape[:3])),
+                                          s["input_ids"].shape[3]) for s in segments)  # fmt: skip
+    real_tokens = int(sum(int(x.sum()) for x in lengths)) * args.local_epochs
+    mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if backend == "gpu":
+        mem = jax.devices()[0].memory_stats().get("peak_bytes_in_use", mem)
+    return {
+        "command": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:]),
+        "machine": {"backend": backend, "device": str(jax.devices()[0].device_kind),
+                    "cpus": os.cpu_count(), "platform": platform.platform(),
+                    "jax": jax.__version__},
+        "config": {"model": args.model, "clients": args.clients, "batch_size": args.batch_size,
+                   "examples_per_client": args.examples_per_client, "lengths": args.lengths,
+                   "local_epochs": args.local_epochs, "critical_layer": c, "dtype": dtype,
+                   "chunk_size": args.chunk_size, "bucketing": not args.no_bucketing,
+                   "segment_shapes": [list(s["input_ids"].shape) for s in segments]},
+        "peak": peak,
+        "round": {"compile_s": compile_s - round_s, "seconds": round_s,
+                  "tokens_per_s": real_tokens / round_s,
+                  "model_flops_per_s": model_flops / round_s, "mfu": model_flops / round_s / peak[
+                      "flops_per_s"], "hfu": hw_flops / round_s / peak["flops_per_s"]},
+        "sequential": {"compile_s": seq_compile_s - seq_s, "seconds": seq_s},
+        "stepwise": {"compile_s": step_compile_s - step_s, "seconds": step_s},
+        "speedup_vs_sequential": seq_s / round_s,
+        "speedup_vs_stepwise": step_s / round_s,
+        "padding_waste": waste,
+        "real_tokens": real_tokens,
+        "model_flops": model_flops,
+        "hardware_flops": hw_flops,
+        "peak_memory_bytes": int(mem),
+    }  # fmt: skip
+
+
+def markdown_row(r: dict) -> str:
+    c, rd = r["config"], r["round"]
+    return (
+        f"| {c['model']} | {r['machine']['device']} | {c['clients']} | {c['batch_size']} | "
+        f"{c['lengths']} | {c['critical_layer']} | {rd['seconds']:.2f} | {rd['compile_s']:.1f} | "
+        f"{rd['tokens_per_s']:.0f} | {rd['model_flops_per_s'] / 1e9:.1f} | "
+        f"{r['peak']['flops_per_s'] / 1e9:.1f} | {100 * rd['mfu']:.1f}% | {100 * rd['hfu']:.1f}% | "
+        f"{100 * r['padding_waste']:.1f}% | {r['speedup_vs_sequential']:.2f}x | "
+        f"{r['speedup_vs_stepwise']:.2f}x | {r['peak_memory_bytes'] / 2**30:.1f} |"
+    )
+
+
+MARKDOWN_HEADER = (
+    "| model | device | K | B | lengths | c | s/round | compile s | tokens/s | model GFLOP/s | "
+    "peak GFLOP/s | MFU | HFU | padding | vs one-at-a-time | vs step loop | peak mem GiB |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--model",
+        default="minilm-l6",
+        help="minilm-l6 (real weights), minilm-random, bert-base-random or tiny",
+    )
+    p.add_argument("--clients", type=int, default=10, help="clients K trained in the round")
+    p.add_argument("--batch-size", type=int, default=16, help="client batch size")
+    p.add_argument("--examples-per-client", type=int, default=64, help="training examples each")
+    p.add_argument("--local-epochs", type=int, default=1, help="local epochs per round")
+    p.add_argument(
+        "--lengths",
+        default="rotten_tomatoes",
+        help="'rotten_tomatoes' (real tokenised lengths) or a fixed length like 128",
+    )
+    p.add_argument("--max-length", type=int, default=128, help="truncation length")
+    p.add_argument("--critical-layer", type=int, default=None, help="split layer c (default L)")
+    p.add_argument("--chunk-size", type=int, default=None, help="clients vmapped at once")
+    p.add_argument("--dtype", default=None, help="compute dtype (default fp32 CPU, bf16 GPU)")
+    p.add_argument("--no-bucketing", action="store_true", help="pad every batch to the longest")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions after warm-up")
+    p.add_argument("--out", default=None, help="JSON file for the results")
+    return p.parse_args(argv)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    result = run(args)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    print(MARKDOWN_HEADER)
+    print(markdown_row(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
