@@ -12,7 +12,8 @@ example computes mostly padding. With `bucketing=True` (default) the order of a 
 is built as follows, deterministically from `seed`:
 1. each epoch, the client's examples are shuffled, then sorted by length inside windows of
    `window` batches (default 200) and cut into batches of B: a batch holds examples of similar
-   length, drawn from a random window (only the epoch's last batch can be partial);
+   length, drawn from a random window (only one batch per epoch can be partial: the one with
+   the shortest examples of the last window);
 2. the client's batches of the epoch are ranked by length and cut at shared quantile cut points
    into at most `num_buckets` buckets (the cut points are chosen to minimise computed tokens);
 3. each epoch visits the buckets in a random order shared by all clients and, inside a bucket,
@@ -88,11 +89,18 @@ def _epoch_batches(
     """One epoch of one client: batches of local positions (shuffled; length-sorted in windows)."""
     n = lengths.size
     order = rng.permutation(n) if rng is not None else np.arange(n)
-    if window is not None:
-        span = window * batch_size
-        chunks = np.split(order, range(span, n, span))
-        order = np.concatenate([c[np.argsort(lengths[c], kind="stable")] for c in chunks])
-    return [order[i : i + batch_size] for i in range(0, n, batch_size)]
+    if window is None or n == 0:
+        return [order[i : i + batch_size] for i in range(0, n, batch_size)]
+    span = window * batch_size
+    batches = []
+    for c in np.split(order, range(span, n, span)):
+        c = c[np.argsort(lengths[c], kind="stable")]
+        # The partial batch (only in the last window) takes that window's shortest examples, so
+        # its padding rows are narrow.
+        first = c.size % batch_size
+        cuts = ([first] if first else []) + list(range(first + batch_size, c.size, batch_size))
+        batches.extend(np.split(c, cuts))
+    return batches
 
 
 def _cut_positions(num_batches: np.ndarray, grid: int) -> np.ndarray:

@@ -1,0 +1,195 @@
+"""batching: contents against the ragged tokens, masks, coverage per epoch, determinism, waste."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from fedjax_split.batching import make_client_batches, make_eval_batches, padding_waste
+
+
+def _tokenized(lengths):
+    # example j's token at position t is 7 * j + t + 1 (distinct per example), types 0 then 1
+    ids = [np.arange(n, dtype=np.int32) + 7 * j + 1 for j, n in enumerate(lengths)]
+    types = [(np.arange(n) >= n // 2).astype(np.int32) for n in lengths]
+    return SimpleNamespace(input_ids=ids, token_type_ids=types,
+                           lengths=np.asarray(lengths, np.int32))  # fmt: skip
+
+
+def _setup(seed=0, sizes=(37, 20, 5), num=120):
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(rng.lognormal(np.log(20), 0.5, num).astype(int), 3, 60)
+    perm = rng.permutation(num)
+    clients = np.split(perm[: sum(sizes)], np.cumsum(sizes)[:-1])
+    labels = rng.integers(0, 3, num)
+    return _tokenized(lengths), clients, labels, lengths
+
+
+def _check_contents(segs, tok, labels, lengths, regression=False):
+    for seg in segs:
+        k, s, b, t = seg["input_ids"].shape
+        assert t % 8 == 0
+        assert seg["labels"].dtype == (np.float32 if regression else np.int32)
+        assert seg["example_mask"].dtype == np.float32 and seg["step_mask"].dtype == bool
+        for name in ("input_ids", "attention_mask", "token_type_ids"):
+            assert seg[name].dtype == np.int32
+        idx = seg["example_index"]
+        real = idx >= 0
+        np.testing.assert_array_equal(seg["example_mask"], real.astype(np.float32))
+        # a step is real iff it holds a real example
+        np.testing.assert_array_equal(seg["step_mask"], real.any(-1))
+        longest = lengths[idx[real]].max()
+        assert t >= math.ceil(longest / 8) * 8
+        for i, j, r in zip(*np.nonzero(real), strict=True):
+            e = idx[i, j, r]
+            n = lengths[e]
+            np.testing.assert_array_equal(seg["input_ids"][i, j, r, :n], tok.input_ids[e])
+            np.testing.assert_array_equal(seg["token_type_ids"][i, j, r, :n], tok.token_type_ids[e])
+            assert not seg["input_ids"][i, j, r, n:].any()
+            assert seg["attention_mask"][i, j, r].tolist() == [1] * n + [0] * (t - n)
+            assert seg["labels"][i, j, r] == labels[e]
+        pad = ~real
+        assert not seg["input_ids"][pad].any() and not seg["labels"][pad].any()
+        assert (seg["attention_mask"][pad].sum(-1) == 1).all()  # position 0 only, no empty row
+        assert (seg["attention_mask"][pad][:, 0] == 1).all()
+
+
+def _check_tight_widths(segs, lengths):
+    """A bucket keeps one (S, T) in all epochs; T is its longest example rounded up to 8."""
+    widest: dict = {}
+    for seg in segs:
+        idx = seg["example_index"]
+        need = math.ceil(lengths[idx[idx >= 0]].max() / 8) * 8
+        shape = seg["input_ids"].shape
+        widest[shape] = max(widest.get(shape, 0), need)
+    assert all(shape[3] == need for shape, need in widest.items())
+
+
+def _per_client_rows(segs):
+    k = segs[0]["input_ids"].shape[0]
+    return [np.concatenate([s["example_index"][i].reshape(-1) for s in segs]) for i in range(k)]
+
+
+@pytest.mark.parametrize("bucketing", [True, False])
+def test_every_example_epochs_times_and_contents(bucketing):
+    tok, clients, labels, lengths = _setup()
+    epochs, batch = 3, 4
+    segs = make_client_batches(tok, clients, labels, batch_size=batch, epochs=epochs, seed=5,
+                               bucketing=bucketing, num_buckets=3, window=2)  # fmt: skip
+    _check_contents(segs, tok, labels, lengths)
+    _check_tight_widths(segs, lengths)
+    assert len(segs) % epochs == 0 if bucketing else len(segs) == 1
+    per_epoch = len(segs) // epochs
+    for i, ix in enumerate(clients):
+        rows = _per_client_rows(segs)[i]
+        rows = rows[rows >= 0]
+        assert np.array_equal(np.sort(rows), np.sort(np.tile(ix, epochs)))
+        real_steps = sum(int(s["step_mask"][i].sum()) for s in segs)
+        assert real_steps == epochs * math.ceil(ix.size / batch)
+        if bucketing:  # each epoch's group of segments holds every example exactly once
+            for e in range(epochs):
+                got = _per_client_rows(segs[e * per_epoch : (e + 1) * per_epoch])[i]
+                assert np.array_equal(np.sort(got[got >= 0]), np.sort(ix))
+        # only one partial batch per epoch
+        partial = sum(int(((s["example_index"][i] >= 0).sum(-1) % batch != 0).sum()) for s in segs)
+        assert partial == (epochs if ix.size % batch else 0)
+    if not bucketing:
+        (seg,) = segs
+        assert seg["input_ids"].shape[:3] == (3, epochs * math.ceil(37 / batch), batch)
+        # the 5-example client has 2 real steps per epoch and then masked steps only
+        np.testing.assert_array_equal(seg["step_mask"][2], np.arange(seg["step_mask"].shape[1]) < 6)
+        first_epoch = seg["example_index"][0, : math.ceil(37 / batch)].reshape(-1)
+        assert np.array_equal(np.sort(first_epoch[first_epoch >= 0]), np.sort(clients[0]))
+
+
+def test_bucketed_segments_share_shapes_across_epochs_and_cut_padding():
+    tok, clients, labels, lengths = _setup(sizes=(60, 50, 10))
+    kw = dict(batch_size=4, epochs=2, seed=1)
+    segs = make_client_batches(tok, clients, labels, num_buckets=4, **kw)
+    shapes = [s["input_ids"].shape for s in segs]
+    assert sorted(shapes[: len(shapes) // 2]) == sorted(shapes[len(shapes) // 2 :])
+    assert len({s[3] for s in shapes}) > 1  # several widths
+    flat = make_client_batches(tok, clients, labels, bucketing=False, **kw)
+    assert padding_waste(segs) < padding_waste(flat)
+
+
+def test_determinism_seed_and_global_state():
+    tok, clients, labels, _ = _setup()
+    before = np.random.get_state()  # noqa: NPY002 - checking it is untouched
+    a = make_client_batches(tok, clients, labels, batch_size=4, epochs=2, seed=[3, 1])
+    b = make_client_batches(tok, clients, labels, batch_size=4, epochs=2, seed=[3, 1])
+    c = make_client_batches(tok, clients, labels, batch_size=4, epochs=2, seed=[3, 2])
+    after = np.random.get_state()  # noqa: NPY002
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key])
+    assert any(x["example_index"].shape != y["example_index"].shape
+               or not np.array_equal(x["example_index"], y["example_index"])
+               for x, y in zip(a, c, strict=False))  # fmt: skip
+    assert before[0] == after[0] and np.array_equal(before[1], after[1]) and before[2:] == after[2:]
+
+
+def test_no_shuffle_is_seed_independent():
+    tok, clients, labels, _ = _setup()
+    a = make_client_batches(tok, clients, labels, batch_size=4, epochs=1, seed=1, shuffle=False)
+    b = make_client_batches(tok, clients, labels, batch_size=4, epochs=1, seed=2, shuffle=False)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x["example_index"], y["example_index"])
+
+
+def test_regression_labels_and_max_length_cap():
+    lengths = [3, 9, 10, 5]
+    tok = _tokenized(lengths)
+    scores = np.array([0.5, 4.75, 2.0, 3.25], np.float32)
+    segs = make_client_batches(tok, [np.array([0, 1]), np.array([2, 3])], scores, batch_size=2,
+                               epochs=1, seed=0, is_regression=True, bucketing=False,
+                               max_length=12)  # fmt: skip
+    (seg,) = segs
+    assert seg["input_ids"].shape == (2, 1, 2, 12)  # 16 capped at 12
+    assert seg["labels"].dtype == np.float32
+    index, values = seg["example_index"].reshape(-1), seg["labels"].reshape(-1)
+    got = {int(i): float(v) for i, v in zip(index, values, strict=True)}
+    assert got == {0: 0.5, 1: 4.75, 2: 2.0, 3: 3.25}
+
+
+def test_eval_batches_once_each_sorted_by_length():
+    tok, clients, labels, lengths = _setup()
+    segs = make_eval_batches(tok, clients, labels, batch_size=4, num_buckets=3)
+    _check_contents(segs, tok, labels, lengths)
+    _check_tight_widths(segs, lengths)
+    for i, ix in enumerate(clients):
+        rows = _per_client_rows(segs)[i]
+        rows = rows[rows >= 0]
+        assert np.array_equal(np.sort(rows), np.sort(ix))
+        assert np.all(np.diff(lengths[rows]) >= 0)  # no shuffle: ascending length
+
+
+def test_padding_waste_by_hand():
+    tok = _tokenized([3, 8, 5])
+    segs = make_client_batches(tok, [np.array([0, 1]), np.array([2])], np.zeros(3, int),
+                               batch_size=2, epochs=1, seed=0, bucketing=False)  # fmt: skip
+    # computed: K=2 x S=1 x B=2 x T=8 = 32 positions; real tokens 3 + 8 + 5 = 16
+    assert padding_waste(segs) == pytest.approx(0.5, abs=0)
+
+
+@pytest.mark.slow
+def test_padding_waste_under_15_percent_on_real_rotten_tomatoes():
+    from fedjax_split.partition import partition_clients
+    from fedjax_split.sources import load_examples
+    from fedjax_split.tokenization import load_tokenizer, tokenize
+
+    ex = load_examples("rotten_tomatoes")
+    tok = tokenize(load_tokenizer("minilm-l6"), ex.texts_a, max_length=128)
+    assert 20 < tok.lengths.mean() < 35  # about 27 word pieces with [CLS]/[SEP]
+    part = partition_clients(
+        ex.labels, scheme="paper", num_clients=3, seed=0, task="rotten_tomatoes"
+    )
+    train = [c.train for c in part.clients]
+    for batch in (8, 16, 32):
+        segs = make_client_batches(tok, train, ex.labels, batch_size=batch, epochs=3, seed=0)
+        flat = make_client_batches(tok, train, ex.labels, batch_size=batch, epochs=3, seed=0,
+                                   bucketing=False)  # fmt: skip
+        assert padding_waste(segs) < 0.15, (batch, padding_waste(segs))
+        assert padding_waste(flat) > 0.5
