@@ -1,0 +1,53 @@
+"""tools/plot.py: PNGs from run directories, series, labels from differing settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "plot", Path(__file__).resolve().parents[1] / "tools" / "plot.py"
+)
+plot = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(plot)
+
+
+def _run(d: Path, c: int | None, accs: list[float | None], per_round: int) -> Path:
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"task": "mrpc", "critical_layer": c, "seed": 0}))
+    lines = []
+    for i, a in enumerate(accs, 1):
+        rec = {"round": i, "train_loss": 0.5, "cum_bytes": 2 * i * per_round}
+        if a is not None:
+            rec["accuracy"] = a
+        lines.append(json.dumps(rec))
+    (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def test_series_skips_rounds_without_the_metric(tmp_path: Path) -> None:
+    _, records = plot.load_run(_run(tmp_path / "a", 6, [0.5, None, 0.7], 1_000_000))
+    assert plot.series(records, "accuracy") == ([1, 3], [2.0, 6.0], [0.5, 0.7])
+
+
+def test_labels_name_the_differing_settings() -> None:
+    cfgs = [{"task": "mrpc", "critical_layer": None}, {"task": "mrpc", "critical_layer": 6}]
+    assert plot.labels_for(cfgs, ["x", "y"]) == ["c=L", "c=6"]
+    assert plot.labels_for([{"task": "mrpc"}], ["only"]) == ["only"]
+
+
+def test_writes_two_pngs(tmp_path: Path) -> None:
+    a = _run(tmp_path / "fedavg", None, [0.6, 0.7, 0.8], 1_030_000)
+    b = _run(tmp_path / "fedsplit", 6, [0.7, 0.8, 0.85], 510_000)
+    paths = plot.plot_runs([a, b], "accuracy", tmp_path / "out" / "fig")
+    assert [p.name for p in paths] == ["fig_rounds.png", "fig_mb.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_missing_metrics_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no metrics.jsonl"):
+        plot.load_run(tmp_path)
