@@ -199,6 +199,7 @@ def _build(
     window: int | None,
     max_length: int | None,
     pad_id: int,
+    client_ids: Sequence[int] | None = None,
 ) -> list[Segment]:
     if batch_size < 1 or epochs < 1 or pad_to_multiple < 1 or num_buckets < 1:
         raise ValueError("batch_size, epochs, pad_to_multiple and num_buckets must be >= 1")
@@ -208,6 +209,9 @@ def _build(
     labels = np.asarray(labels)
     clients = [np.asarray(ix, dtype=np.int64).reshape(-1) for ix in client_indices]
     seeds = _seed_list(seed)
+    ids = list(range(len(clients))) if client_ids is None else [int(c) for c in client_ids]
+    if len(ids) != len(clients):
+        raise ValueError("client_ids and client_indices differ in length")
     width = lambda longest: _width(longest, pad_to_multiple, max_length)  # noqa: E731
 
     # per client, per epoch: batches of pool indices
@@ -216,7 +220,7 @@ def _build(
         lens = packed.lengths[ix]
         epochs_i = []
         for e in range(epochs):
-            rng = np.random.default_rng([*seeds, _TAG_CLIENT, i, e]) if shuffle else None
+            rng = np.random.default_rng([*seeds, _TAG_CLIENT, ids[i], e]) if shuffle else None
             win = window if bucketing else None
             epochs_i.append([ix[b] for b in _epoch_batches(lens, batch_size, rng, win)])
         per_client.append(epochs_i)
@@ -272,7 +276,7 @@ def _build(
             for i in range(len(clients)):
                 part = ranked[i][e][pos[i, a] : pos[i, b]]
                 if shuffle and part:
-                    rng = np.random.default_rng([*seeds, _TAG_CLIENT, i, e, 1 + int(g)])
+                    rng = np.random.default_rng([*seeds, _TAG_CLIENT, ids[i], e, 1 + int(g)])
                     part = [part[j] for j in rng.permutation(len(part))]
                 chosen.append(part)
             rows, steps = _stack(chosen, batch_size)
@@ -299,17 +303,21 @@ def make_client_batches(
     window: int = 200,
     max_length: int | None = None,
     pad_id: int = 0,
+    client_ids: Sequence[int] | None = None,
 ) -> list[Segment]:
     """Training segments for the clients `client_indices` (pool indices into `tokenized`/`labels`).
 
     Client i has epochs * ceil(n_i / B) real steps; shorter clients get masked (step_mask False)
-    steps. `seed` (an int or a sequence such as [seed, round]) fixes every random choice.
+    steps. `seed` (an int or a sequence such as [seed, round]) fixes every random choice;
+    `client_ids` (default: positions 0..K-1) key each client's shuffles, so a client sampled into
+    a different position of a round gets the same order. Pass `pack(tokenized)` once instead of
+    `tokenized` to avoid re-flattening the ragged tokens every round.
     """
     return _build(
         tokenized, client_indices, labels, batch_size=batch_size, epochs=epochs, seed=seed,
         shuffle=shuffle, pad_to_multiple=pad_to_multiple, is_regression=is_regression,
         bucketing=bucketing, num_buckets=num_buckets, window=window, max_length=max_length,
-        pad_id=pad_id,
+        pad_id=pad_id, client_ids=client_ids,
     )  # fmt: skip
 
 

@@ -131,6 +131,16 @@ def test_determinism_seed_and_global_state():
     assert before[0] == after[0] and np.array_equal(before[1], after[1]) and before[2:] == after[2:]
 
 
+def test_client_ids_key_the_shuffle():
+    tok, clients, labels, _ = _setup(sizes=(30, 30))
+    kw = dict(batch_size=4, epochs=1, seed=3, bucketing=False)
+    ab = make_client_batches(tok, clients, labels, client_ids=[7, 9], **kw)[0]
+    ba = make_client_batches(tok, clients[::-1], labels, client_ids=[9, 7], **kw)[0]
+    np.testing.assert_array_equal(ab["example_index"][0], ba["example_index"][1])
+    pos = make_client_batches(tok, clients, labels, **kw)[0]
+    assert not np.array_equal(pos["example_index"][0], ab["example_index"][0])
+
+
 def test_no_shuffle_is_seed_independent():
     tok, clients, labels, _ = _setup()
     a = make_client_batches(tok, clients, labels, batch_size=4, epochs=1, seed=1, shuffle=False)
