@@ -213,7 +213,7 @@ class _SelfAttention(nn.Module):
         q = split(_dense(c, c.hidden_size, "query")(x))
         k = split(_dense(c, c.hidden_size, "key")(x))
         v = split(_dense(c, c.hidden_size, "value")(x))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
         scores = jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1)
