@@ -207,6 +207,9 @@ def _build(
         raise ValueError("no clients")
     packed = pack(tokenized)
     labels = np.asarray(labels)
+    if not is_regression and not np.issubdtype(labels.dtype, np.integer):
+        if np.any(labels != np.round(labels)):
+            raise ValueError("class labels must be integers; pass is_regression=True for scores")
     clients = [np.asarray(ix, dtype=np.int64).reshape(-1) for ix in client_indices]
     seeds = _seed_list(seed)
     ids = list(range(len(clients))) if client_ids is None else [int(c) for c in client_ids]

@@ -241,6 +241,12 @@ def partition_clients(
         else np.issubdtype(np.asarray(labels).dtype, np.floating)
     )
     labels = _validate_labels(labels, regression)
+    if task_obj is not None and not regression and labels.max() >= task_obj.num_labels:
+        bad = np.flatnonzero(labels >= task_obj.num_labels)
+        raise UserError(
+            f"partition: task {task_obj.name} has {task_obj.num_labels} classes but rows "
+            f"{bad[:5].tolist()} have labels >= {task_obj.num_labels}; check the data's labels"
+        )
     if regression and alpha is not None:
         raise UserError("Dirichlet label skew needs class labels; use scheme 'paper' or 'quantity'")
     n, k = labels.size, int(num_clients)

@@ -164,6 +164,13 @@ def test_regression_labels_and_max_length_cap():
     assert got == {0: 0.5, 1: 4.75, 2: 2.0, 3: 3.25}
 
 
+def test_fractional_class_labels_are_rejected():
+    tok = _tokenized([3, 4])
+    with pytest.raises(ValueError, match="is_regression=True"):
+        make_client_batches(tok, [np.array([0, 1])], np.array([0.5, 1.0]), batch_size=2,
+                            epochs=1, seed=0)  # fmt: skip
+
+
 def test_eval_batches_once_each_sorted_by_length():
     tok, clients, labels, lengths = _setup()
     segs = make_eval_batches(tok, clients, labels, batch_size=4, num_buckets=3)

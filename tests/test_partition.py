@@ -187,6 +187,8 @@ def test_label_validation_and_parameter_errors():
                           task="sst2")  # fmt: skip
     with pytest.raises(UserError, match="rows"):
         partition_clients(np.array([0.0, 1.5]), scheme="iid", num_clients=1, seed=0, task="rte")
+    with pytest.raises(UserError, match=r"task rte has 2 classes but rows \[2\]"):
+        partition_clients(np.array([0, 1, 2, 1]), scheme="iid", num_clients=1, seed=0, task="rte")
     with pytest.raises(UserError, match="unknown partition scheme"):
         partition_clients(np.zeros(4, int), scheme="zipf", num_clients=2, seed=0)
     with pytest.raises(UserError, match="needs --alpha"):
