@@ -182,6 +182,27 @@ def test_hub_source_via_monkeypatch(monkeypatch):
     assert ex.labels.tolist() == [0, 1, 1]
 
 
+def test_hub_source_with_real_datasets_objects(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict(
+                {"premise": ["p0"], "hypothesis": ["h0"], "label": [2], "idx": [0]}
+            ),
+            "validation_matched": datasets.Dataset.from_dict(
+                {"premise": ["p1"], "hypothesis": ["h1"], "label": [0], "idx": [0]}
+            ),
+            "validation_mismatched": datasets.Dataset.from_dict(
+                {"premise": ["p2"], "hypothesis": ["h2"], "label": [1], "idx": [0]}
+            ),
+        }
+    )
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, name: dd)
+    ex = load_examples("mnli", source="hub")
+    assert ex.texts_a == ["p0", "p1", "p2"] and ex.labels.tolist() == [2, 0, 1]
+    assert ex.groups.tolist() == ["matched", "matched", "mismatched"]
+
+
 def test_hub_unreachable_is_one_line_user_error(monkeypatch):
     def load_dataset(path, name):
         raise ConnectionError("Couldn't reach 'nyu-mll/glue' on the Hub\n(offline)")
