@@ -396,8 +396,10 @@ def partition_report(
         for j, c in enumerate(partition.clients):
             counts = np.bincount(ids[c.all], minlength=num_classes)
             total = max(int(counts.sum()), 1)
-            rows.append([str(j), str(c.train.size), str(c.test.size)]
-                        + [f"{n} ({100 * n / total:.0f}%)" for n in counts])  # fmt: skip
+            cells = [
+                f"{n} ({100 * n / total:.0f}%)" if num_classes <= 6 else str(n) for n in counts
+            ]
+            rows.append([str(j), str(c.train.size), str(c.test.size), *cells])
     widths = [max(len(cols[i]), *(len(r[i]) for r in rows)) for i in range(len(cols))]
     lines = [head, "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
