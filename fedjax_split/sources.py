@@ -475,7 +475,15 @@ def tokenizer_identity(tokenizer: Any) -> str:
     h = hashlib.sha256()
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and hasattr(backend, "to_str"):
-        h.update(backend.to_str().encode("utf-8"))
+        definition = backend.to_str()
+        try:  # truncation/padding are call state that a call leaves behind, not identity
+            doc = json.loads(definition)
+            doc.pop("truncation", None)
+            doc.pop("padding", None)
+            definition = json.dumps(doc, sort_keys=True)
+        except ValueError:
+            pass
+        h.update(definition.encode("utf-8"))
     else:
         vocab = tokenizer.get_vocab()
         h.update(json.dumps(sorted(vocab.items())).encode("utf-8"))

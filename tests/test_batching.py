@@ -164,6 +164,15 @@ def test_regression_labels_and_max_length_cap():
     assert got == {0: 0.5, 1: 4.75, 2: 2.0, 3: 3.25}
 
 
+@pytest.mark.parametrize("bucketing", [True, False])
+def test_client_without_examples_gets_only_masked_steps(bucketing):
+    tok = _tokenized([3, 5, 7])
+    segs = make_client_batches(tok, [np.array([0, 1, 2]), np.array([], np.int64)], np.zeros(3, int),
+                               batch_size=2, epochs=2, seed=0, bucketing=bucketing)  # fmt: skip
+    assert sum(int(s["step_mask"][0].sum()) for s in segs) == 4
+    assert not any(s["step_mask"][1].any() or s["example_mask"][1].any() for s in segs)
+
+
 def test_fractional_class_labels_are_rejected():
     tok = _tokenized([3, 4])
     with pytest.raises(ValueError, match="is_regression=True"):

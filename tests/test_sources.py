@@ -307,3 +307,23 @@ def test_corrupt_cache_file_is_rewritten(tmp_path, glue_tsv):
     assert tok.calls == 2 and again.lengths.tolist() == [5, 4, 3]
     tokenize_examples(ex, tok, "sst2", max_length=8, cache_dir=tmp_path)
     assert tok.calls == 2
+
+
+@pytest.mark.slow
+def test_tokenize_cache_with_the_real_tokenizer(tmp_path, monkeypatch):
+    from fedjax_split import tokenization
+
+    ex = load_examples("trec")
+    small = sources.Examples(ex.texts_a[:50], None, ex.labels[:50])
+    tok = tokenization.load_tokenizer("minilm-l6")
+    first = tokenize_examples(small, tok, "trec", max_length=32, cache_dir=tmp_path)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("tokenised again although cached")
+
+    monkeypatch.setattr(tokenization, "tokenize", fail)
+    second = tokenize_examples(small, tok, "trec", max_length=32, cache_dir=tmp_path)
+    assert [x.tolist() for x in first.input_ids] == [x.tolist() for x in second.input_ids]
+    assert (
+        second.input_ids[0][0] == tok.cls_token_id and second.input_ids[0][-1] == tok.sep_token_id
+    )
