@@ -24,6 +24,9 @@ epoch) and a batch's examples are correlated in length. `bucketing=False` gives 
 batches in one segment padded to the longest example.
 Every client's step count per epoch is the same in every epoch, and a bucket keeps one (S, T) over
 all epochs, so a jitted scan compiles at most `num_buckets` shapes.
+Measured padding waste (real rotten tomatoes, MiniLM WordPiece, mean 27 tokens, paper partition,
+3 epochs, B = 8/16/32): K=3 13.3/13.7/13.0%, K=10 15.7/16.5/18.7%; 66% without bucketing. The
+floor is 11.4% (every example rounded up to a multiple of 8 on its own).
 
 Padding rows (example_mask 0) get input_ids = pad_id and attend to position 0 only, so a model
 never sees an all-masked attention row (which could produce NaN that a zero weight cannot cancel).
