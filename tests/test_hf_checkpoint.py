@@ -149,6 +149,20 @@ def test_encoder_checkpoint_without_prefix_gets_fresh_seeded_head(torch_encoder)
     assert not np.array_equal(other, head["kernel"])
 
 
+def test_bfloat16_compute_option_keeps_fp32_params(torch_classifier):
+    model, path = torch_classifier
+    apply, params, config = load_pretrained(path, num_labels=2, dtype="bfloat16")
+    assert config.dtype == "bfloat16"
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+    ids, mask, types = _inputs(np.random.default_rng(3), TINY.vocab_size)
+    ref = _torch_out(model, ids, mask, types).logits.numpy()
+    out = np.asarray(apply(params, ids, mask, types, train=False))
+    assert out.dtype == np.float32 and 0 < np.abs(out - ref).max() < 0.05 * np.abs(ref).max()
+    _one_line_error(
+        load_pretrained, path, num_labels=2, problem_type="regression", match="num_labels"
+    )
+
+
 def test_head_with_other_label_count_is_reinitialised(torch_classifier):
     _, path = torch_classifier
     with pytest.warns(UserWarning, match=r"classifier.weight \(shape"):
