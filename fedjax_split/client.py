@@ -1,0 +1,170 @@
+"""One client's local training in a round: E epochs of mini-batches as `lax.scan`s over steps.
+
+The client starts from the received global part and its own persistent local part, trains the
+merged model with its client optimiser (AdamW by default, SGD as in the paper's Algorithm 1), and
+returns the new global part (to upload), the new local part (kept) and training metrics.
+
+The optimiser state is initialised afresh at the start of every round: that is FedNLP's practice,
+and keeping AdamW moments per client would cost two extra copies of the model per client. A
+learning-rate schedule of the client optimiser therefore runs over the local steps of one round.
+
+Padded steps (step_mask False, from clients with fewer batches) leave parameters AND optimiser state
+exactly as they were, by selecting the old values rather than multiplying an update by zero.
+Dropout keys are `fold_in(rng, k)` with k the number of real steps taken so far, so padding does not
+shift a client's key sequence either: a padded client ends bitwise where it would alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_split.errors import UserError
+from fedjax_split.splitting import merge_params
+
+Apply = Callable[..., jax.Array]
+Segment = Mapping[str, jax.Array]
+
+SEGMENT_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "token_type_ids",
+    "labels",
+    "example_mask",
+    "step_mask",
+)
+
+
+class ClientMetrics(NamedTuple):
+    """Training metrics of one client in one round (scalars; stacked [K] by rounds)."""
+
+    loss_sum: jax.Array  # sum of per-example data losses (no FedProx term) over real examples
+    num_examples: jax.Array  # real examples processed, all epochs
+    num_steps: jax.Array  # real (unmasked) optimiser steps
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSpec:
+    """What a client update needs: the model's `apply`, the loss kind, the optimiser, FedProx mu."""
+
+    apply: Apply
+    is_regression: bool
+    optimizer: optax.GradientTransformation
+    prox_mu: float = 0.0
+
+
+def _decay_mask(params: Any) -> Any:
+    # HF's BERT recipe: no weight decay on biases and LayerNorm parameters (the 1-D leaves).
+    return jax.tree.map(lambda p: jnp.ndim(p) > 1, params)
+
+
+def default_client_optimizer(
+    learning_rate: optax.ScalarOrSchedule = 5e-5, weight_decay: float = 0.01
+) -> optax.GradientTransformation:
+    """AdamW as in BERT fine-tuning (decay on matrices only); `learning_rate` may be a schedule."""
+    return optax.adamw(learning_rate, weight_decay=weight_decay, mask=_decay_mask)
+
+
+def client_optimizer(
+    name: str, learning_rate: optax.ScalarOrSchedule, weight_decay: float = 0.01
+) -> optax.GradientTransformation:
+    """Client optimiser by name: "adamw" (default) or "sgd" (the paper's Algorithm 1)."""
+    if name == "adamw":
+        return default_client_optimizer(learning_rate, weight_decay)
+    if name == "sgd":
+        return optax.sgd(learning_rate)
+    raise UserError(f"unknown client optimizer {name!r}; use adamw or sgd")
+
+
+def step_rng(client_rng: jax.Array, step: jax.Array | int) -> jax.Array:
+    """Dropout key of a client's `step`-th real step."""
+    return jax.random.fold_in(client_rng, step)
+
+
+def example_losses(logits: jax.Array, labels: jax.Array, is_regression: bool) -> jax.Array:
+    """Per-example loss: cross-entropy on class ids, or squared error on logits[:, 0]."""
+    logits = logits.astype(jnp.float32)
+    if is_regression:
+        return jnp.square(logits[:, 0] - labels.astype(jnp.float32))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels.astype(jnp.int32))
+
+
+def prox_term(global_params: Any, received_global: Any, mu: float) -> jax.Array:
+    """FedProx's (mu/2) ||w_g - w_g_received||^2 over the global part only."""
+    sq = [
+        jnp.sum(jnp.square(w - w0))
+        for w, w0 in zip(
+            jax.tree.leaves(global_params), jax.tree.leaves(received_global), strict=True
+        )
+    ]
+    return 0.5 * mu * sum(sq, jnp.zeros([], jnp.float32))
+
+
+def make_client_update(
+    spec: ClientSpec,
+) -> Callable[[Any, Any, Sequence[Segment], jax.Array], tuple[Any, Any, ClientMetrics]]:
+    """Returns `update(global_params, local_params, segments, rng) -> (global, local, metrics)`.
+
+    `segments`: one client's segments in order, dicts of arrays [S, B, T] (labels and example_mask
+    [S, B], step_mask [S]). The update is pure and jit/vmap-able; it does not jit itself.
+    """
+    opt = spec.optimizer
+
+    def loss_fn(trainable: tuple[Any, Any], received: Any, batch: Segment, key: jax.Array):
+        g, loc = trainable
+        logits = spec.apply(
+            merge_params(g, loc),
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["token_type_ids"],
+            train=True,
+            rng=key,
+        )
+        mask = batch["example_mask"].astype(jnp.float32)
+        n = jnp.sum(mask)
+        loss_sum = jnp.sum(example_losses(logits, batch["labels"], spec.is_regression) * mask)
+        loss = loss_sum / jnp.maximum(n, 1.0)
+        if spec.prox_mu:
+            loss = loss + prox_term(g, received, spec.prox_mu)
+        return loss, (loss_sum, n)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def update(global_params: Any, local_params: Any, segments: Sequence[Segment], rng: jax.Array):
+        received = global_params
+        trainable = (global_params, local_params)
+        carry = (
+            trainable,
+            opt.init(trainable),
+            jnp.zeros([], jnp.int32),  # real steps so far (the dropout-key index)
+            jnp.zeros([], jnp.float32),  # loss_sum
+            jnp.zeros([], jnp.float32),  # num_examples
+        )
+
+        def step(carry, batch):
+            params, opt_state, k, loss_acc, n_acc = carry
+            (_, (loss_sum, n)), grads = grad_fn(params, received, batch, step_rng(rng, k))
+            updates, new_opt_state = opt.update(grads, opt_state, params)
+            new_params = optax.apply_updates(params, updates)
+            # A step with no real example is padding too (AdamW would still decay the weights).
+            real = jnp.logical_and(batch["step_mask"], n > 0)
+            keep = lambda new, old: jnp.where(real, new, old)  # noqa: E731
+            params = jax.tree.map(keep, new_params, params)
+            opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+            k = k + real.astype(jnp.int32)
+            loss_acc = loss_acc + jnp.where(real, loss_sum, 0.0)
+            n_acc = n_acc + jnp.where(real, n, 0.0)
+            return (params, opt_state, k, loss_acc, n_acc), None
+
+        for seg in segments:
+            batches = {key: seg[key] for key in SEGMENT_KEYS}
+            carry, _ = jax.lax.scan(step, carry, batches)
+        (new_global, new_local), _, k, loss_sum, n = carry
+        return new_global, new_local, ClientMetrics(loss_sum, n, k)
+
+    return update

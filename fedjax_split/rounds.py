@@ -1,0 +1,239 @@
+"""One federated round as one jitted computation, and the client sampling that precedes it.
+
+Steps (FedSplitBERT's Algorithm 1 with a FedOpt server):
+1. download: the server holds the global part in the wire dtype; each client casts it to fp32;
+2. every sampled client runs its client update, vmapped over the leading client axis, in chunks of
+   `chunk_size` clients (`lax.map(..., batch_size=chunk_size)`), and with a mesh the client axis is
+   sharded over its 'clients' axis (`shard_map`), padded with weight-0 clients to a multiple of the
+   device count;
+3. upload: each client's new global part is cast to the wire dtype;
+4. the server takes the example-weighted mean in fp32, forms -Delta against its own copy, applies
+   its optax optimiser and stores the new global part in the wire dtype again.
+Bytes are counted from the arrays sent: the global part in the wire dtype, once per sampled client
+each way (zero when the split leaves nothing global).
+
+Keys: round key = fold_in(run key, round), client key = fold_in(round key, client id), step key =
+fold_in(client key, real step index) (see `client.step_rng`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, PartitionSpec
+
+from fedjax_split.aggregation import weighted_mean
+from fedjax_split.client import SEGMENT_KEYS, ClientMetrics, ClientSpec, make_client_update
+from fedjax_split.errors import UserError
+from fedjax_split.wire import cast_from_wire, cast_to_wire, tree_bytes, wire_dtype
+
+CLIENT_AXIS = "clients"
+SAMPLING_PURPOSE = 1  # np.random.default_rng([seed, round, SAMPLING_PURPOSE])
+
+
+class ServerState(NamedTuple):
+    """The server's state between rounds (a pytree)."""
+
+    global_params: Any  # held in the wire dtype, as the paper's Algorithm 1
+    opt_state: Any  # server optimiser state over the fp32 global part
+    round: jax.Array  # int32, rounds completed
+
+
+class RoundResult(NamedTuple):
+    """What one round reports besides the new states."""
+
+    train_loss: jax.Array  # [K] mean data loss per sampled client over its real examples
+    bytes_down: int  # server -> clients, all sampled clients together
+    bytes_up: int  # clients -> server
+    metrics: ClientMetrics  # stacked [K]
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundSpec:
+    """Static description of a round; hashable, so each distinct spec compiles once.
+
+    `donate=True` lets XLA reuse the buffers of the server state and local parts passed in, which
+    the caller must then not touch again.
+    """
+
+    client: ClientSpec
+    server_optimizer: optax.GradientTransformation
+    wire_dtype: str = "float32"
+    chunk_size: int | None = None
+    mesh: Mesh | None = None
+    donate: bool = True
+
+
+def init_server_state(
+    global_params: Any, server_optimizer: optax.GradientTransformation, wire_dtype_: Any
+) -> ServerState:
+    """Server state for round 0: the global part cast to the wire dtype, a fresh optimiser state."""
+    held = cast_to_wire(global_params, wire_dtype_)
+    return ServerState(held, server_optimizer.init(cast_from_wire(held)), jnp.zeros([], jnp.int32))
+
+
+def round_rng(run_rng: jax.Array, round_index: jax.Array | int) -> jax.Array:
+    """Key of one round."""
+    return jax.random.fold_in(run_rng, round_index)
+
+
+def client_rngs(round_key: jax.Array, client_ids: jax.Array) -> jax.Array:
+    """Keys [K] of the sampled clients, from their global ids (not their position in the sample)."""
+    return jax.vmap(lambda i: jax.random.fold_in(round_key, i))(jnp.asarray(client_ids))
+
+
+def sample_clients(
+    num_clients: int, clients_per_round: int | None, seed: int, round_index: int
+) -> np.ndarray:
+    """Sorted ids of the clients taking part in a round: all, or m of K without replacement."""
+    if clients_per_round is None or clients_per_round >= num_clients:
+        return np.arange(num_clients, dtype=np.int32)
+    if clients_per_round < 1:
+        raise UserError(f"clients per round must be >= 1, got {clients_per_round}; use 1..K")
+    rng = np.random.default_rng([seed, round_index, SAMPLING_PURPOSE])
+    return np.sort(rng.choice(num_clients, size=clients_per_round, replace=False)).astype(np.int32)
+
+
+def replicate(tree: Any, num_clients: int) -> Any:
+    """Stacks `num_clients` copies of `tree` on a new leading client axis."""
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients,) + jnp.shape(x)), tree)
+
+
+def take_clients(stacked: Any, ids: Any) -> Any:
+    """Rows `ids` of a client-stacked tree (the sampled clients' local parts)."""
+    ids = jnp.asarray(ids)
+    return jax.tree.map(lambda x: x[ids], stacked)
+
+
+def put_clients(stacked: Any, ids: Any, values: Any) -> Any:
+    """Writes the sampled clients' new rows back into the full client-stacked tree."""
+    ids = jnp.asarray(ids)
+    return jax.tree.map(lambda x, v: x.at[ids].set(v), stacked, values)
+
+
+def _pad_clients(tree: Any, pad: int, fill: Any = None) -> Any:
+    """Appends `pad` copies of client 0 (or of `fill`) along the client axis."""
+    if pad == 0:
+        return tree
+
+    def one(x: jax.Array) -> jax.Array:
+        extra = (
+            jnp.repeat(x[:1], pad, axis=0)
+            if fill is None
+            else jnp.full((pad,) + x.shape[1:], fill, x.dtype)
+        )
+        return jnp.concatenate([x, extra], axis=0)
+
+    return jax.tree.map(one, tree)
+
+
+def _round(
+    spec: RoundSpec,
+    state: ServerState,
+    local_params: Any,
+    num_examples: jax.Array,
+    segments: list[dict[str, jax.Array]],
+    rng: jax.Array,
+    client_ids: jax.Array,
+) -> tuple[ServerState, Any, ClientMetrics]:
+    wire = wire_dtype(spec.wire_dtype)
+    update = make_client_update(spec.client)
+    num_sampled = num_examples.shape[0]
+    keys = client_rngs(round_rng(rng, state.round), client_ids)
+    server_copy = cast_from_wire(state.global_params)  # the server's weights, in fp32
+    received = server_copy  # what each client holds after download + cast to fp32
+
+    num_devices = spec.mesh.devices.size if spec.mesh is not None else 1
+    pad = -num_sampled % num_devices
+    weights = _pad_clients(jnp.asarray(num_examples, jnp.float32), pad, 0.0)
+    local_params = _pad_clients(local_params, pad)
+    keys = _pad_clients(keys, pad)
+    padded_segments = []
+    for seg in segments:
+        data = {k: seg[k] for k in SEGMENT_KEYS if k != "step_mask"}
+        data = _pad_clients(data, pad)
+        data["step_mask"] = _pad_clients(seg["step_mask"], pad, False)
+        padded_segments.append(data)
+
+    def train_clients(received, local_params, segments, keys):
+        def one(args):
+            local, segs, key = args
+            return update(received, local, segs, key)
+
+        if spec.chunk_size is None or spec.chunk_size >= keys.shape[0]:
+            return jax.vmap(lambda *a: one(a))(local_params, segments, keys)
+        return jax.lax.map(one, (local_params, segments, keys), batch_size=spec.chunk_size)
+
+    if spec.mesh is not None:
+        clients = PartitionSpec(CLIENT_AXIS)
+        train_clients = jax.shard_map(
+            train_clients,
+            mesh=spec.mesh,
+            in_specs=(PartitionSpec(), clients, clients, clients),
+            out_specs=clients,
+            check_vma=False,
+        )
+    new_globals, new_locals, metrics = train_clients(received, local_params, padded_segments, keys)
+
+    uploaded = cast_from_wire(cast_to_wire(new_globals, wire))
+    mean = weighted_mean(uploaded, weights)
+    pseudo_grad = jax.tree.map(lambda m, x: x - m, mean, server_copy)  # -Delta
+    updates, opt_state = spec.server_optimizer.update(pseudo_grad, state.opt_state, server_copy)
+    new_global = cast_to_wire(optax.apply_updates(server_copy, updates), wire)
+    new_state = ServerState(new_global, opt_state, state.round + 1)
+    unpad = lambda x: x[:num_sampled]  # noqa: E731
+    return new_state, jax.tree.map(unpad, new_locals), jax.tree.map(unpad, metrics)
+
+
+@functools.lru_cache(maxsize=32)
+def _compiled(spec: RoundSpec):
+    if spec.mesh is not None and CLIENT_AXIS not in spec.mesh.axis_names:
+        raise UserError(f"the mesh has axes {spec.mesh.axis_names}; name its axis '{CLIENT_AXIS}'")
+    if spec.chunk_size is not None and spec.chunk_size < 1:
+        raise UserError(f"chunk size must be >= 1, got {spec.chunk_size}; use a positive integer")
+    return jax.jit(functools.partial(_round, spec), donate_argnums=(0, 1) if spec.donate else ())
+
+
+def run_round(
+    spec: RoundSpec,
+    server_state: ServerState,
+    local_params: Any,
+    num_examples: Any,
+    segments: Sequence[Mapping[str, Any]],
+    rng: jax.Array,
+    client_ids: Any = None,
+) -> tuple[ServerState, Any, RoundResult]:
+    """Runs one round for the sampled clients.
+
+    Args:
+      local_params: the sampled clients' local parts, stacked on a leading axis K.
+      num_examples: [K] training examples per client (the aggregation weights N_i).
+      segments: batching's segments for these clients, arrays [K, S, B, T] / [K, S, B] / [K, S].
+      rng: the run's key; the round counter is folded in here.
+      client_ids: [K] global ids of the sampled clients (default 0..K-1), for their keys.
+    Returns: new server state, new local parts [K], and the round's RoundResult.
+    """
+    weights = np.asarray(num_examples)
+    if weights.ndim != 1 or not np.all(weights >= 0) or weights.sum() <= 0:
+        raise UserError(
+            f"num_examples must be K non-negative counts with a positive sum, got {weights}"
+        )
+    num_sampled = weights.shape[0]
+    if client_ids is None:
+        client_ids = np.arange(num_sampled, dtype=np.int32)
+    segs = [{k: seg[k] for k in SEGMENT_KEYS} for seg in segments]
+    sent = jax.eval_shape(lambda g: cast_to_wire(g, spec.wire_dtype), server_state.global_params)
+    per_client = tree_bytes(sent)
+    state, new_local, metrics = _compiled(spec)(
+        server_state, local_params, weights, segs, rng, jnp.asarray(client_ids, jnp.int32)
+    )
+    train_loss = metrics.loss_sum / jnp.maximum(metrics.num_examples, 1.0)
+    result = RoundResult(train_loss, per_client * num_sampled, per_client * num_sampled, metrics)
+    return state, new_local, result

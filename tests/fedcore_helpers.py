@@ -1,0 +1,79 @@
+"""Shared fixtures for the federated-core tests: a tiny real BERT and hand-built segments."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from fedjax_split.model import BertConfig, init_params, make_apply
+
+VOCAB, HIDDEN, LAYERS, INTER, POS, TYPES = 50, 16, 2, 32, 16, 2
+
+
+def tiny_config(num_labels: int = 3, dropout: float = 0.1) -> BertConfig:
+    return BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        intermediate_size=INTER,
+        max_position_embeddings=POS,
+        type_vocab_size=TYPES,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        num_labels=num_labels,
+        problem_type="regression" if num_labels == 1 else "single_label_classification",
+    )
+
+
+def tiny_model(num_labels: int = 3, dropout: float = 0.1, seed: int = 0):
+    config = tiny_config(num_labels, dropout)
+    return make_apply(config), init_params(config, jax.random.key(seed))
+
+
+def make_segments(
+    rng: np.random.Generator,
+    real_steps: list[int],
+    steps: int,
+    batch: int = 4,
+    length: int = 6,
+    num_labels: int = 3,
+    num_segments: int = 1,
+) -> list[dict[str, np.ndarray]]:
+    """Segments [K, S, B, T] with distinct random data per client; client k has real_steps[k]
+    real steps per segment (the rest padded), and its last batch has one padding row."""
+    k = len(real_steps)
+    segs = []
+    for _ in range(num_segments):
+        ids = rng.integers(1, VOCAB, size=(k, steps, batch, length), dtype=np.int32)
+        lengths = rng.integers(2, length + 1, size=(k, steps, batch))
+        attn = (np.arange(length) < lengths[..., None]).astype(np.int32)
+        ids = ids * attn
+        types = ((np.arange(length) >= 3) & (attn > 0)).astype(np.int32)
+        if num_labels == 1:
+            labels = rng.uniform(0.0, 5.0, size=(k, steps, batch)).astype(np.float32)
+        else:
+            labels = rng.integers(0, num_labels, size=(k, steps, batch), dtype=np.int32)
+        example_mask = np.ones((k, steps, batch), np.float32)
+        step_mask = np.zeros((k, steps), bool)
+        for c, r in enumerate(real_steps):
+            step_mask[c, :r] = True
+            example_mask[c, r:] = 0.0
+            if r:
+                example_mask[c, r - 1, -1] = 0.0
+        segs.append(
+            {
+                "input_ids": ids,
+                "attention_mask": attn,
+                "token_type_ids": types,
+                "labels": labels,
+                "example_mask": example_mask,
+                "step_mask": step_mask,
+            }
+        )
+    return segs
+
+
+def client_slice(segments: list[dict[str, np.ndarray]], k: int) -> list[dict[str, np.ndarray]]:
+    """Client k's segments without the client axis."""
+    return [{name: v[k] for name, v in seg.items()} for seg in segments]

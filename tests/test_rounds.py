@@ -1,0 +1,243 @@
+"""One federated round vs clients trained one at a time and a numpy aggregation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from fedcore_helpers import (
+    HIDDEN,
+    INTER,
+    LAYERS,
+    POS,
+    TYPES,
+    VOCAB,
+    client_slice,
+    make_segments,
+    tiny_model,
+)
+
+from fedjax_split import server_optimizers
+from fedjax_split.client import ClientSpec, make_client_update
+from fedjax_split.errors import UserError
+from fedjax_split.rounds import (
+    RoundSpec,
+    client_rngs,
+    init_server_state,
+    put_clients,
+    replicate,
+    round_rng,
+    run_round,
+    sample_clients,
+    take_clients,
+)
+from fedjax_split.splitting import flatten_paths, merge_params, split_params
+from fedjax_split.wire import cast_to_wire
+
+K = 3
+WEIGHTS = np.array([5, 20, 75])  # distinct, so unweighted averaging would be caught
+SEED_KEY = jax.random.key(42)
+APPLY, PARAMS = tiny_model(dropout=0.1)
+CLIENT = ClientSpec(APPLY, False, optax.sgd(0.3))
+FEDAVG = server_optimizers.fedavg(1.0)
+SEGMENTS = make_segments(np.random.default_rng(0), [3, 1, 2], 3, num_segments=2)
+
+
+def _clients_local_init() -> dict:
+    """Distinct per-client starting points: the model's params plus a per-client offset."""
+    flat = flatten_paths(PARAMS)
+    return {
+        path: np.stack([np.asarray(v) + 0.01 * (k + 1) for k in range(K)])
+        for path, v in flat.items()
+    }
+
+
+CLIENT_PARAMS = _clients_local_init()  # flat path -> [K, ...]: each client's own starting model
+
+_reference_update = jax.jit(make_client_update(CLIENT))
+
+
+def _reference(global_start: dict, client_ids=(0, 1, 2), segments=SEGMENTS, round_index=0):
+    """Clients trained ONE AT A TIME by the client update (everything in one tree), with the
+    keys derived here by hand: fold_in(fold_in(run key, round), client id)."""
+    out = []
+    for pos, cid in enumerate(client_ids):
+        own = {p: v[pos] for p, v in CLIENT_PARAMS.items()}
+        own.update(flatten_paths(global_start))  # the received global part replaces its copy
+        key = jax.random.fold_in(jax.random.fold_in(SEED_KEY, round_index), cid)
+        tree = merge_params(_unflatten(own), {})
+        new, _, _ = _reference_update(tree, {}, client_slice(segments, pos), key)
+        out.append({p: np.asarray(v) for p, v in flatten_paths(new).items()})
+    return out
+
+
+def _unflatten(flat: dict) -> dict:
+    from fedjax_split.splitting import unflatten_paths
+
+    return unflatten_paths(flat)
+
+
+def _setup(c: int, wire: str = "float32", opt=FEDAVG):
+    g, _ = split_params(PARAMS, critical_layer=c)
+    local = {p: v for p, v in CLIENT_PARAMS.items() if p not in flatten_paths(g)}
+    state = init_server_state(g, opt, wire)
+    return state, _unflatten(local)
+
+
+def _run(spec: RoundSpec, c: int, **kw):
+    state, local = _setup(c, spec.wire_dtype, spec.server_optimizer)
+    return run_round(spec, state, local, WEIGHTS, SEGMENTS, SEED_KEY, **kw)
+
+
+def _numpy_weighted_mean(per_client: list[dict], path: str) -> np.ndarray:
+    stack = np.stack([pc[path].astype(np.float64) for pc in per_client])
+    return np.tensordot(WEIGHTS / WEIGHTS.sum(), stack, axes=1)
+
+
+def _global_param_count(c: int) -> int:
+    """Hand count from the architecture: embeddings + c encoder layers (+ pooler/head at c = L)."""
+    h, i = HIDDEN, INTER
+    emb = (VOCAB + POS + TYPES) * h + 2 * h
+    layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
+    if c == 0:
+        return 0
+    total = emb + c * layer
+    return total + (h * h + h) + (h * 3 + 3) if c == LAYERS else total
+
+
+SPEC_FEDAVG = RoundSpec(CLIENT, FEDAVG, "float32", donate=False)
+
+
+@pytest.mark.parametrize("c", [LAYERS, 1])
+def test_round_equals_clients_one_at_a_time_and_numpy_fedavg(c: int) -> None:
+    state, new_local, result = _run(SPEC_FEDAVG, c)
+    g0, _ = split_params(PARAMS, critical_layer=c)
+    ref = _reference(g0)
+    got_global = flatten_paths(state.global_params)
+    assert set(got_global) == set(flatten_paths(g0))
+    for path, value in got_global.items():
+        want = _numpy_weighted_mean(ref, path)
+        np.testing.assert_allclose(np.asarray(value), want, rtol=2e-5, atol=2e-6, err_msg=path)
+        unweighted = np.mean([r[path] for r in ref], axis=0)
+        if path == "embeddings/LayerNorm/scale":
+            assert np.abs(want - unweighted).max() > 1e-4  # 50x the tolerance: weights matter
+    for path, value in flatten_paths(new_local).items():
+        for k in range(K):
+            np.testing.assert_allclose(np.asarray(value[k]), ref[k][path], rtol=2e-5, atol=2e-6)
+    assert int(state.round) == 1
+    n = _global_param_count(c)
+    assert result.bytes_down == result.bytes_up == 4 * n * K
+    assert [int(s) for s in result.metrics.num_steps] == [6, 2, 4]
+    assert result.train_loss.shape == (K,)
+
+
+def test_c0_is_isolated_training_with_zero_bytes() -> None:
+    state, new_local, result = _run(SPEC_FEDAVG, 0)
+    assert state.global_params == {}
+    assert result.bytes_down == result.bytes_up == 0
+    ref = _reference({})
+    for path, value in flatten_paths(new_local).items():
+        for k in range(K):
+            np.testing.assert_allclose(np.asarray(value[k]), ref[k][path], rtol=2e-5, atol=2e-6)
+
+
+def test_sharded_and_chunked_round_equals_plain_round() -> None:
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("clients",))
+    assert len(jax.devices()) == 2, "conftest forces 2 CPU devices"
+    spec = RoundSpec(CLIENT, FEDAVG, "float32", chunk_size=1, mesh=mesh, donate=False)
+    a = _run(SPEC_FEDAVG, 1)
+    b = _run(spec, 1)  # K = 3 is padded to 4 over 2 devices, 1 client at a time on each
+    for x, y in zip(jax.tree.leaves(a[:2]), jax.tree.leaves(b[:2]), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(a[2].train_loss), np.asarray(b[2].train_loss), rtol=1e-6)
+    assert b[2].bytes_up == a[2].bytes_up
+
+
+def test_determinism_same_seed_bitwise() -> None:
+    a = _run(SPEC_FEDAVG, 1)
+    b = _run(SPEC_FEDAVG, 1)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_keys_differ_across_clients() -> None:
+    # Clients 0 and 1: identical data and starting params; only their dropout keys differ.
+    segs = [{k: np.stack([v[0], v[0], v[2]]) for k, v in s.items()} for s in SEGMENTS]
+    state, local = _setup(1)
+    local = jax.tree.map(lambda x: jnp.stack([x[0], x[0], x[2]]), local)
+    _, new_local, res = run_round(SPEC_FEDAVG, state, local, WEIGHTS, segs, SEED_KEY)
+    kernel = np.asarray(new_local["classifier"]["kernel"])
+    assert not np.array_equal(kernel[0], kernel[1])
+    # ... and the keys are exactly fold_in(fold_in(key, round), client id), all distinct.
+    keys = client_rngs(round_rng(SEED_KEY, 0), jnp.arange(4))
+    data = np.asarray(jax.random.key_data(keys))
+    want = [
+        jax.random.key_data(jax.random.fold_in(jax.random.fold_in(SEED_KEY, 0), i))
+        for i in range(4)
+    ]
+    np.testing.assert_array_equal(data, np.stack([np.asarray(w) for w in want]))
+    other_round = np.asarray(
+        jax.random.key_data(client_rngs(round_rng(SEED_KEY, 1), jnp.arange(4)))
+    )
+    assert len({d.tobytes() for d in np.concatenate([data, other_round])}) == 8
+
+
+def test_16_bit_wire_fedadam_round_vs_hand_formula() -> None:
+    lr, b1, b2, tau = 0.05, 0.9, 0.99, 1e-3
+    opt = server_optimizers.fedadam(lr, b1=b1, b2=b2, tau=tau)
+    spec = RoundSpec(CLIENT, opt, "bfloat16", donate=False)
+    state, _ = _setup(1, "bfloat16", opt)
+    held = {p: np.asarray(v) for p, v in flatten_paths(state.global_params).items()}
+    assert all(v.dtype == ml_dtypes.bfloat16 for v in held.values())
+    new_state, _, result = _run(spec, 1)
+    # Reference: clients start from the bf16 weights cast to fp32, upload bf16, server in fp32.
+    start = {p: v.astype(np.float32) for p, v in held.items()}
+    ref = _reference(_unflatten(start))
+    for r in ref:
+        for p in start:
+            r[p] = r[p].astype(ml_dtypes.bfloat16).astype(np.float32)
+    for path, value in flatten_paths(new_state.global_params).items():
+        assert value.dtype == jnp.bfloat16
+        x = start[path].astype(np.float64)
+        delta = _numpy_weighted_mean(ref, path) - x
+        m = (1 - b1) * delta
+        v = b2 * tau**2 + (1 - b2) * delta**2
+        want = (x + lr * m / (np.sqrt(v) + tau)).astype(np.float32).astype(ml_dtypes.bfloat16)
+        got = np.asarray(value).astype(np.float32)
+        # one bf16 ulp of slack for rounding-boundary cases
+        np.testing.assert_allclose(got, want.astype(np.float32), rtol=2**-7, atol=1e-6)
+    assert result.bytes_down == result.bytes_up == 2 * _global_param_count(1) * K
+
+
+def test_sample_clients() -> None:
+    assert sample_clients(5, None, 0, 3).tolist() == [0, 1, 2, 3, 4]
+    assert sample_clients(5, 9, 0, 3).tolist() == [0, 1, 2, 3, 4]
+    a = sample_clients(100, 10, seed=7, round_index=2)
+    assert len(set(a.tolist())) == 10 and a.tolist() == sorted(a.tolist())
+    np.testing.assert_array_equal(a, sample_clients(100, 10, seed=7, round_index=2))
+    want = np.sort(np.random.default_rng([7, 2, 1]).choice(100, 10, replace=False))
+    np.testing.assert_array_equal(a, want)
+    assert not np.array_equal(a, sample_clients(100, 10, seed=7, round_index=3))
+    with pytest.raises(UserError):
+        sample_clients(5, 0, 0, 0)
+
+
+def test_take_put_replicate() -> None:
+    tree = {"a": jnp.arange(12.0).reshape(4, 3)}
+    got = take_clients(tree, [3, 1])
+    np.testing.assert_array_equal(np.asarray(got["a"]), [[9, 10, 11], [3, 4, 5]])
+    back = put_clients(tree, [3, 1], jax.tree.map(lambda x: -x, got))
+    np.testing.assert_array_equal(np.asarray(back["a"])[[0, 2]], [[0, 1, 2], [6, 7, 8]])
+    np.testing.assert_array_equal(np.asarray(back["a"])[3], [-9, -10, -11])
+    rep = replicate({"b": jnp.array([1.0, 2.0])}, 3)
+    assert rep["b"].shape == (3, 2)
+
+
+def test_bad_weights_are_user_errors() -> None:
+    state, local = _setup(1)
+    with pytest.raises(UserError, match="num_examples"):
+        run_round(SPEC_FEDAVG, state, local, np.zeros(K), SEGMENTS, SEED_KEY)
+    assert cast_to_wire({}, "bfloat16") == {}
