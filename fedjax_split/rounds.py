@@ -193,7 +193,8 @@ def _round(
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(spec: RoundSpec):
+def compiled_round(spec: RoundSpec):
+    """The jitted round function of `spec` (cached), e.g. to lower or AOT-compile it."""
     if spec.mesh is not None and CLIENT_AXIS not in spec.mesh.axis_names:
         raise UserError(f"the mesh has axes {spec.mesh.axis_names}; name its axis '{CLIENT_AXIS}'")
     if spec.chunk_size is not None and spec.chunk_size < 1:
@@ -231,7 +232,7 @@ def run_round(
     segs = [{k: seg[k] for k in SEGMENT_KEYS} for seg in segments]
     sent = jax.eval_shape(lambda g: cast_to_wire(g, spec.wire_dtype), server_state.global_params)
     per_client = tree_bytes(sent)
-    state, new_local, metrics = _compiled(spec)(
+    state, new_local, metrics = compiled_round(spec)(
         server_state, local_params, weights, segs, rng, jnp.asarray(client_ids, jnp.int32)
     )
     train_loss = metrics.loss_sum / jnp.maximum(metrics.num_examples, 1.0)

@@ -26,6 +26,7 @@ from fedjax_split.errors import UserError
 from fedjax_split.rounds import (
     RoundSpec,
     client_rngs,
+    compiled_round,
     init_server_state,
     put_clients,
     replicate,
@@ -154,6 +155,10 @@ def test_sharded_and_chunked_round_equals_plain_round() -> None:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(np.asarray(a[2].train_loss), np.asarray(b[2].train_loss), rtol=1e-6)
     assert b[2].bytes_up == a[2].bytes_up
+    # and the client axis really is split over the devices (a manual computation over 'clients')
+    state, local = _setup(1)
+    args = (state, local, WEIGHTS, SEGMENTS, SEED_KEY, np.arange(K, dtype=np.int32))
+    assert 'manual_axes={"clients"}' in compiled_round(spec).lower(*args).as_text()
 
 
 def test_determinism_same_seed_bitwise() -> None:
