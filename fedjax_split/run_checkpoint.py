@@ -58,21 +58,33 @@ class RunCheckpointer:
         self._manager.wait_until_finished()
         return self.directory / str(round_)
 
+    def restore_untyped(self, round_: int | None = None) -> tuple[Any, dict[str, Any]]:
+        """Restore without a target: nested dicts of arrays as saved (NamedTuples become dicts).
+
+        For tools (export) that need the arrays but not the exact Python structure.
+        """
+        return self._restore(ocp.args.StandardRestore(), round_)
+
     def restore(self, target: Any, round_: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Restore checkpoint `round_` (default: latest) into the structure/dtypes of `target`.
 
         `target` is a pytree like the saved state (e.g. freshly initialised); a checkpoint that is
         missing, corrupt or shaped differently raises a one-line UserError.
         """
+        state, meta = self._restore(ocp.args.StandardRestore(target), round_)
+        _check_like(state, target, self.directory / str(meta["round"]))
+        return state, meta
+
+    def _restore(self, state_args: Any, round_: int | None) -> tuple[Any, dict[str, Any]]:
         step = self.latest_round() if round_ is None else round_
         where = self.directory / str(step)
         if step is None:
             raise UserError(
                 f"no complete checkpoint in {str(self.directory)!r}; run without --resume"
             )
-        args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
-        )
+        if step not in self.all_rounds():
+            raise UserError(f"no checkpoint of round {step} in {str(self.directory)!r}")
+        args = ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
         try:
             restored = self._manager.restore(step, args=args)
             state, meta = restored.state, restored.meta
@@ -82,7 +94,6 @@ class RunCheckpointer:
                 f"checkpoint {str(where)!r} is unreadable ({reason}); delete it to resume from an "
                 "earlier one, or start a fresh run without --resume"
             ) from None
-        _check_like(state, target, where)
         if not isinstance(meta, dict) or meta.get("round") != step:
             raise UserError(
                 f"checkpoint {str(where)!r} has bad metadata; delete it or start afresh"

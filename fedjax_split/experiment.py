@@ -1,0 +1,447 @@
+"""run_experiment(config): data -> partition -> model -> federated rounds -> outputs.
+
+Importable (notebooks call it directly); the CLI in train.py is a thin wrapper. Everything a user
+can get wrong is checked before the first byte is written to the output directory, so a bad
+command never damages an existing run. Randomness is derived from the one seed and the round
+number only (numpy: `default_rng([seed, round, purpose])`; JAX: `fold_in(key(seed), round)`), so a
+run resumed from the checkpoint of round r continues exactly as the uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedjax_split import outputs
+from fedjax_split.config import (
+    ExperimentConfig,
+    resolve_config,
+    trajectory_mismatch,
+    validate,
+    validate_critical_layer,
+)
+from fedjax_split.errors import UserError
+
+# `purpose` components of numpy seeds, so no two uses of the seed share a stream.
+_SUBSAMPLE = 0  # purpose of the subsample's numpy seed (rounds uses 1 for sampling)
+WIRE_DTYPE = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+RoundHook = Callable[[int, dict[str, Any]], None]
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a run needs in memory, built before any output is written."""
+
+    config: ExperimentConfig
+    task: Any
+    critical_layer: int
+    model_config: Any
+    model_dir: Path | None
+    apply: Callable[..., Any]
+    examples: Any
+    tokenized: Any
+    partition: Any
+    round_spec: Any
+    server_state: Any
+    local_params: Any  # stacked over all clients: leading axis K
+    eval_segments: Any
+    num_global: int
+    num_local: int
+
+
+def subsample_indices(n: int, max_examples: int | None, seed: int) -> np.ndarray | None:
+    """Indices of a uniform subsample (sorted, so the pool keeps its order), or None for all."""
+    if max_examples is None or max_examples >= n:
+        return None
+    rng = np.random.default_rng([seed, 0, _SUBSAMPLE])
+    return np.sort(rng.choice(n, size=max_examples, replace=False))
+
+
+def _subset_examples(examples: Any, idx: np.ndarray | None) -> Any:
+    if idx is None:
+        return examples
+
+    def take(seq: Any) -> Any:
+        if seq is None:
+            return None
+        if isinstance(seq, np.ndarray):
+            return seq[idx]
+        return [seq[i] for i in idx]
+
+    changes = {
+        f: take(getattr(examples, f))
+        for f in ("texts_a", "texts_b", "labels", "groups")
+        if hasattr(examples, f)
+    }
+    if dataclasses.is_dataclass(examples):
+        return dataclasses.replace(examples, **changes)
+    return examples._replace(**changes)
+
+
+def _check_run_dir(config: ExperimentConfig) -> None:
+    run_dir = config.run_dir
+    present = outputs.existing_results(run_dir)
+    if not config.resume and present:
+        raise UserError(
+            f"{str(run_dir)!r} already holds a run ({', '.join(present)}); pass --resume to "
+            "continue it or choose another --output-dir"
+        )
+    if config.resume:
+        saved_path = run_dir / "config.json"
+        if not saved_path.is_file():
+            raise UserError(
+                f"nothing to resume in {str(run_dir)!r} (no config.json); drop --resume"
+            )
+        try:
+            saved = outputs.read_json(saved_path)
+        except (OSError, ValueError):
+            raise UserError(
+                f"{str(saved_path)!r} is unreadable; cannot --resume this run"
+            ) from None
+        diff = trajectory_mismatch(saved, config)
+        if diff:
+            raise UserError(
+                f"--resume with settings that differ from the saved run ({', '.join(diff)}); "
+                "use the saved settings or another --output-dir"
+            )
+
+
+def check(config: ExperimentConfig) -> int:
+    """Cheap checks of a config against the task registry and the model's depth (reads only the
+    model's config.json); returns the critical layer as an int in 0..L."""
+    from fedjax_split import hf_checkpoint, tasks
+
+    validate(config)
+    tasks.get_task(config.task)
+    model_config = hf_checkpoint.load_config(hf_checkpoint.resolve_model(config.model))
+    return validate_critical_layer(config, model_config.num_hidden_layers)
+
+
+def build(config: ExperimentConfig) -> Setup:
+    """Load task, data, model; partition, tokenise, split, initialise. Writes nothing."""
+    import jax
+
+    from fedjax_split import (
+        batching,
+        client,
+        hf_checkpoint,
+        partition,
+        rounds,
+        server_optimizers,
+        sources,
+        splitting,
+        tasks,
+        tokenization,
+    )
+
+    task = tasks.get_task(config.task)
+    pre = hf_checkpoint.load_pretrained(
+        config.model,
+        num_labels=task.num_labels,
+        seed=config.seed,
+        problem_type="regression" if task.is_regression else None,
+        dtype=config.dtype,
+    )
+    model_config = pre.config
+    c = validate_critical_layer(config, model_config.num_hidden_layers)
+    examples = sources.load_examples(task, data_dir=config.data_dir)
+    examples = _subset_examples(
+        examples, subsample_indices(len(examples.labels), config.max_examples, config.seed)
+    )
+    labels = np.asarray(examples.labels)
+    part = partition.partition_clients(
+        labels,
+        scheme=config.partition,
+        num_clients=config.clients,
+        seed=config.seed,
+        alpha=config.alpha if config.partition == "dirichlet" else None,
+        beta=config.beta if config.partition == "quantity" else None,
+        task=task,
+    )
+    for i, cs in enumerate(part.clients):
+        if len(cs.train) == 0:
+            raise UserError(
+                f"client {i} got no training examples ({len(labels)} examples for "
+                f"{config.clients} clients); use more data (--max-examples) or fewer --clients"
+            )
+    model_dir = getattr(pre, "model_dir", None)
+    tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
+    tokenized = sources.tokenize_examples(examples, tokenizer, task, config.max_length)
+
+    global0, local0 = splitting.split_params(pre.params, c)
+    k = config.clients
+    # every client starts from the same pretrained (and seeded head) local part
+    local_all = jax.tree.map(jax.numpy.array, rounds.replicate(local0, k))
+
+    server_name = "fedavg" if config.algorithm == "fedprox" else config.algorithm
+    server_opt = server_optimizers.get(server_name, learning_rate=config.effective_server_lr)
+    client_spec = client.ClientSpec(
+        apply=pre.apply,
+        is_regression=task.is_regression,
+        optimizer=client.default_client_optimizer(config.lr),
+        prox_mu=config.prox_mu,
+    )
+    wire = WIRE_DTYPE[config.quantize]
+    round_spec = rounds.RoundSpec(
+        client=client_spec,
+        server_optimizer=server_opt,
+        wire_dtype=wire,
+        chunk_size=config.chunk_size,
+    )
+    server_state = rounds.init_server_state(global0, server_opt, wire)
+    eval_segments = batching.make_eval_batches(
+        tokenized,
+        [cs.test for cs in part.clients],
+        labels,
+        batch_size=max(config.batch_size, 32),
+        is_regression=task.is_regression,
+    )
+    count = lambda t: int(sum(np.size(x) for x in jax.tree.leaves(t)))  # noqa: E731
+    return Setup(
+        config=config,
+        task=task,
+        critical_layer=c,
+        model_config=model_config,
+        model_dir=Path(model_dir) if model_dir is not None else None,
+        apply=pre.apply,
+        examples=examples,
+        tokenized=tokenized,
+        partition=part,
+        round_spec=round_spec,
+        server_state=server_state,
+        local_params=local_all,
+        eval_segments=eval_segments,
+        num_global=count(global0),
+        num_local=count(local0),
+    )
+
+
+def evaluate(setup: Setup) -> dict[str, Any]:
+    """Personalised evaluation: each client's merged model on its own test split.
+
+    Returns the task's metrics as the unweighted mean over clients (the paper's figure) plus a
+    per-client list.
+    """
+    import jax.numpy as jnp
+
+    from fedjax_split import evaluation, tasks, wire
+
+    # the server holds the global part in the wire dtype; clients cast what they receive to fp32
+    global_params = wire.cast_from_wire(setup.server_state.global_params, jnp.float32)
+    results = evaluation.evaluate_clients(
+        setup.apply,
+        global_params,
+        setup.local_params,
+        setup.eval_segments,
+        setup.task.is_regression,
+        chunk_size=setup.config.chunk_size,
+    )
+    groups = getattr(setup.examples, "groups", None)
+    rows = _eval_rows(setup.eval_segments, len(results)) if groups is not None else None
+    per_client = []
+    for i, res in enumerate(results):
+        if len(res.labels) == 0:
+            continue  # a client without test examples has no metric
+        g = None if rows is None else np.asarray(groups)[rows[i]]
+        per_client.append(tasks.compute_metrics(setup.task, res.predictions, res.labels, groups=g))
+    names = sorted(set().union(*per_client)) if per_client else []
+    mean = {
+        m: float(np.mean([pc[m] for pc in per_client if m in pc and pc[m] is not None]))
+        for m in names
+    }
+    return {**mean, "clients": per_client}
+
+
+def _eval_rows(segments: Sequence[dict[str, Any]], num_clients: int) -> list[np.ndarray]:
+    """Pool index of every real evaluation row, per client, in evaluate_clients' order."""
+    rows: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for seg in segments:
+        real = (np.asarray(seg["example_mask"]) > 0) & np.asarray(seg["step_mask"])[:, :, None]
+        for k in range(num_clients):
+            rows[k].append(np.asarray(seg["example_index"])[k][real[k]])
+    return [np.concatenate(r) if r else np.zeros(0, np.int64) for r in rows]
+
+
+def _state(setup: Setup) -> dict[str, Any]:
+    return {"server_state": setup.server_state, "local_params": setup.local_params}
+
+
+def run_experiment(
+    config: ExperimentConfig | dict[str, Any],
+    *,
+    progress: bool = True,
+    on_round_end: RoundHook | None = None,
+) -> dict[str, Any]:
+    """Run (or with config.resume, continue) one federated experiment; returns the summary dict.
+
+    `on_round_end(round, record)` is called after each round's record and checkpoint are on disk
+    (tests use it to interrupt a run).
+    """
+    if isinstance(config, dict):
+        config = resolve_config(overrides=config)
+    check(config)
+    _check_run_dir(config)
+    setup = build(config)
+    run_dir = config.run_dir
+
+    from fedjax_split import partition as partition_mod
+    from fedjax_split import sources
+    from fedjax_split.run_checkpoint import RunCheckpointer, checkpoint_dir
+
+    checkpointer = RunCheckpointer(checkpoint_dir(run_dir))
+    start_round, history = 0, []
+    ck_dir = checkpoint_dir(run_dir)
+    if config.resume and checkpointer.latest_round() is None and ck_dir.is_dir():
+        if any(ck_dir.iterdir()):
+            raise UserError(
+                f"no readable checkpoint in {str(ck_dir)!r}; delete it to start over, or use "
+                "another --output-dir"
+            )
+    if config.resume and checkpointer.latest_round() is not None:
+        state, meta = checkpointer.restore(_state(setup))
+        setup.server_state, setup.local_params = state["server_state"], state["local_params"]
+        start_round, history = int(meta["round"]), list(meta["history"])
+        saved_clients = [[list(c["train"]), list(c["test"])] for c in meta["partition"]]
+        if saved_clients != _partition_lists(setup.partition):
+            raise UserError(
+                "--resume: the data or partition differ from the checkpoint's; use the same "
+                "--data-dir/--max-examples/--seed or another --output-dir"
+            )
+
+    # From here on we write.
+    run_dir.mkdir(parents=True, exist_ok=True)
+    outputs.write_json(run_dir / "config.json", config.to_dict())
+    partition_mod.save_partition(setup.partition, run_dir / "partition.json")
+    outputs.write_jsonl(run_dir / "metrics.jsonl", history)
+    report = partition_mod.partition_report(
+        setup.partition,
+        np.asarray(setup.examples.labels),
+        sources.label_names_or_none(setup.task),
+    )
+    bar = outputs.Progress(config.rounds, start_round, enabled=progress)
+    bar.note(
+        f"{config.task}: {len(setup.examples.labels)} examples, {config.clients} clients, "
+        f"{config.algorithm}, critical layer {setup.critical_layer}/"
+        f"{setup.model_config.num_hidden_layers}, {setup.num_global:,} global / "
+        f"{setup.num_local:,} local parameters per client"
+        + (f"; resuming after round {start_round}" if start_round else "")
+    )
+    if not start_round:
+        bar.note(report)
+
+    meta_static = {
+        "seed": config.seed,
+        "partition": [{"train": tr, "test": te} for tr, te in _partition_lists(setup.partition)],
+        "model_config": setup.model_config.to_hf_dict(),
+        "model_dir": None if setup.model_dir is None else str(setup.model_dir),
+        "critical_layer": setup.critical_layer,
+    }
+    try:
+        for r in range(start_round + 1, config.rounds + 1):
+            record = run_one_round(setup, r, history[-1] if history else None)
+            history.append(record)
+            outputs.append_jsonl(run_dir / "metrics.jsonl", record)
+            if config.checkpoint_every and (r % config.checkpoint_every == 0 or r == config.rounds):
+                checkpointer.save(r, _state(setup), {**meta_static, "history": history})
+            bar.round_done(record, setup.task.primary_metric)
+            if on_round_end is not None:
+                on_round_end(r, record)
+    finally:
+        bar.close()
+        checkpointer.close()
+    summary = make_summary(setup, history)
+    outputs.write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+def _partition_lists(part: Any) -> list[list[list[int]]]:
+    return [[np.asarray(c.train).tolist(), np.asarray(c.test).tolist()] for c in part.clients]
+
+
+def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """Sample clients, batch their data, run the round, evaluate when due; the round's record."""
+    import jax
+
+    from fedjax_split import batching, rounds
+
+    config = setup.config
+    t0 = time.perf_counter()
+    sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
+    train_idx = [setup.partition.clients[i].train for i in sampled]
+    segments = batching.make_client_batches(
+        setup.tokenized,
+        train_idx,
+        np.asarray(setup.examples.labels),
+        batch_size=config.batch_size,
+        epochs=config.local_epochs,
+        seed=[config.seed, r],
+        is_regression=setup.task.is_regression,
+        client_ids=sampled,
+    )
+    num_examples = np.asarray([len(t) for t in train_idx], np.float32)
+    local_sampled = rounds.take_clients(setup.local_params, sampled)
+    # the run's key; run_round folds in the round counter and the clients' global ids
+    setup.server_state, new_local, result = rounds.run_round(
+        setup.round_spec,
+        setup.server_state,
+        local_sampled,
+        num_examples,
+        segments,
+        jax.random.key(config.seed),
+        client_ids=sampled,
+    )
+    setup.local_params = rounds.put_clients(setup.local_params, sampled, new_local)
+    losses = np.asarray(result.train_loss, np.float64)
+    record: dict[str, Any] = {
+        "round": r,
+        "clients_sampled": sampled.tolist(),
+        "train_loss": float(np.sum(losses * num_examples) / np.sum(num_examples)),
+        "train_loss_clients": losses.tolist(),
+    }
+    if r % config.eval_every == 0 or r == config.rounds:
+        record.update(evaluate(setup))
+    up, down = int(result.bytes_up), int(result.bytes_down)
+    cum_up = up + (previous["cum_bytes_up"] if previous else 0)
+    cum_down = down + (previous["cum_bytes_down"] if previous else 0)
+    record.update(
+        bytes_up=up,
+        bytes_down=down,
+        cum_bytes_up=cum_up,
+        cum_bytes_down=cum_down,
+        cum_bytes=cum_up + cum_down,
+        seconds=time.perf_counter() - t0,
+    )
+    return record
+
+
+def make_summary(setup: Setup, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run at a glance: final and best primary metric, bytes, time, sizes."""
+    metric = setup.task.primary_metric
+    evaluated = [h for h in history if h.get(metric) is not None]
+    last = history[-1] if history else {}
+    final_eval = evaluated[-1] if evaluated else {}
+    best = max(evaluated, key=lambda h: h[metric]) if evaluated else {}
+    return {
+        "task": setup.config.task,
+        "algorithm": setup.config.algorithm,
+        "critical_layer": setup.critical_layer,
+        "num_layers": setup.model_config.num_hidden_layers,
+        "rounds": len(history),
+        "primary_metric": metric,
+        "final": {k: v for k, v in final_eval.items() if k not in ("clients_sampled",)},
+        "best_round": best.get("round"),
+        "best": best.get(metric),
+        "cum_bytes_up": last.get("cum_bytes_up", 0),
+        "cum_bytes_down": last.get("cum_bytes_down", 0),
+        "cum_bytes": last.get("cum_bytes", 0),
+        "seconds": float(sum(h["seconds"] for h in history)),
+        "global_params": setup.num_global,
+        "local_params_per_client": setup.num_local,
+        "run_dir": str(setup.config.run_dir),
+    }

@@ -1,0 +1,242 @@
+"""The CLI end to end on a tiny random BERT: outputs, interrupt + resume, bad input, export.
+
+Runs go through real subprocesses (`python -m fedjax_split.train`) sharing a persistent JAX
+compilation cache, so only the first run pays for compilation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from run_fixtures import tiny_args, write_tiny_model, write_tiny_sst2
+
+from fedjax_split import train
+
+ROOT = Path(__file__).resolve().parents[1]
+# batch 32 >= every client's 32 training examples: one batch shape, one compilation
+FAST = {"batch_size": 32, "local_epochs": 2}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    base = tmp_path_factory.mktemp("cli")
+    model = write_tiny_model(base / "model")
+    data = write_tiny_sst2(base / "data")
+    proc_env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=str(base / "jax_cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc_env.pop("FEDJAX_SPLIT_STOP_AFTER_ROUND", None)
+    return {"base": base, "model": model, "data": data, "env": proc_env}
+
+
+def _cli(env: dict, args: list[str], **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fedjax_split.train", *args],
+        env={**env["env"], **extra_env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=env["base"],
+    )
+
+
+def _args(env: dict, out: Path, **extra: object) -> list[str]:
+    return tiny_args(env["model"], env["data"], out, **{**FAST, **extra})
+
+
+def _metrics(run: Path) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines]
+
+
+def _without_time(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
+
+
+def _digest(run: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def straight(env: dict) -> Path:
+    """One uninterrupted 4-round run."""
+    out = env["base"] / "straight"
+    res = _cli(env, _args(env, out))
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+def test_straight_run_writes_every_output(straight: Path) -> None:
+    for name in ("metrics.jsonl", "summary.json", "config.json", "partition.json"):
+        assert (straight / name).is_file(), name
+    records = _metrics(straight)
+    assert [r["round"] for r in records] == [1, 2, 3, 4]
+    per_round = records[0]["bytes_up"]
+    # tiny BERT, c=1 of 2: global = embeddings + layer_0 in fp32 for 3 clients
+    assert per_round == records[0]["bytes_down"] > 0
+    for i, r in enumerate(records, 1):
+        assert r["cum_bytes_up"] == i * per_round and r["cum_bytes"] == 2 * i * per_round
+        assert np.isfinite(r["train_loss"]) and r["seconds"] >= 0
+        assert len(r["clients"]) == 3 and len(r["train_loss_clients"]) == 3
+        mean = np.mean([c["accuracy"] for c in r["clients"]])
+        assert r["accuracy"] == pytest.approx(mean, abs=1e-12)
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["rounds"] == 4 and summary["primary_metric"] == "accuracy"
+    assert summary["final"]["accuracy"] == records[-1]["accuracy"]
+    config = json.loads((straight / "config.json").read_text())
+    assert config["critical_layer"] == 1 and config["clients"] == 3
+    part = json.loads((straight / "partition.json").read_text())
+    assert "clients" in part or "train" in json.dumps(part)
+    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["3", "4"]
+
+
+def test_interrupted_then_resumed_run_matches_straight_run(env: dict, straight: Path) -> None:
+    out = env["base"] / "interrupted"
+    res = _cli(env, _args(env, out), FEDJAX_SPLIT_STOP_AFTER_ROUND="2")
+    assert res.returncode == 130, res.stderr
+    assert "last checkpoint: round 2" in res.stderr
+    assert [r["round"] for r in _metrics(out)] == [1, 2]
+    assert not (out / "summary.json").exists()
+    res = _cli(env, [*_args(env, out), "--resume"])
+    assert res.returncode == 0, res.stderr
+    assert _without_time(_metrics(out)) == _without_time(_metrics(straight))
+    a = json.loads((out / "summary.json").read_text())
+    b = json.loads((straight / "summary.json").read_text())
+    assert a["final"] == {**b["final"], "seconds": a["final"]["seconds"]}
+
+
+def test_sigkilled_run_resumes_to_the_same_result(env: dict, straight: Path) -> None:
+    """A real SIGKILL as soon as round 2's checkpoint is on disk; metrics.jsonl may hold rows past
+    the checkpoint, which --resume must drop rather than duplicate."""
+    out = env["base"] / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedjax_split.train", *_args(env, out)],
+        env=env["env"],
+        cwd=env["base"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 240
+    while not (out / "checkpoints" / "2").is_dir() and proc.poll() is None:
+        assert time.time() < deadline, "run did not reach round 2"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    res = _cli(env, [*_args(env, out), "--resume"])
+    assert res.returncode == 0, res.stderr
+    assert _without_time(_metrics(out)) == _without_time(_metrics(straight))
+
+
+BAD = [
+    ({"task": "nope"}, "unknown task"),
+    ({"algorithm": "fedsplit"}, "unknown algorithm"),
+    ({"critical_layer": 3}, "outside 0..2"),
+    ({"critical_layer": -1}, "--critical-layer"),
+    ({"clients": 0}, "--clients must be at least 1"),
+    ({"clients_per_round": 5}, "--clients-per-round must be in 1..3"),
+    ({"data_dir": "/nonexistent/glue"}, "data dir"),
+]
+
+
+@pytest.mark.parametrize(("change", "needle"), BAD, ids=[b[1] for b in BAD])
+def test_bad_input_exits_2_with_one_line_and_keeps_outputs(
+    env: dict, straight: Path, change: dict, needle: str, capsys: pytest.CaptureFixture
+) -> None:
+    before = _digest(straight)
+    for resume in ([], ["--resume"]):  # pointed at the existing run, with and without --resume
+        code = train.main([*_args(env, straight, **change), *resume])
+        err = capsys.readouterr().err
+        assert code == 2
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle.lower() in err.lower()
+    assert _digest(straight) == before
+
+
+def test_existing_run_without_resume_is_refused(
+    env: dict, straight: Path, capsys: pytest.CaptureFixture
+) -> None:
+    before = _digest(straight)
+    assert train.main(_args(env, straight)) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert _digest(straight) == before
+
+
+def test_unreadable_checkpoint_with_resume(
+    env: dict, straight: Path, capsys: pytest.CaptureFixture
+) -> None:
+    run = env["base"] / "corrupt"
+    shutil.copytree(straight, run)
+    for f in (run / "checkpoints" / "4").rglob("*"):
+        if f.is_file() and "state" in f.parts:
+            f.write_bytes(b"\x00garbage")
+    before = _digest(run)
+    code = train.main([*_args(env, run), "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "unreadable" in err[0]
+    assert _digest(run) == before
+
+
+def test_process_exit_status_and_no_traceback(env: dict) -> None:
+    res = _cli(env, _args(env, env["base"] / "never", algorithm="bogus"))
+    assert res.returncode == 2
+    assert res.stderr.strip().startswith("error: unknown algorithm")
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not (env["base"] / "never").exists()
+
+
+def test_help_explains_every_flag() -> None:
+    text = train.build_parser().format_help()
+    for flag in (
+        "--task", "--model", "--data-dir", "--algorithm", "--critical-layer", "--clients",
+        "--clients-per-round", "--partition", "--alpha", "--beta", "--rounds", "--local-epochs",
+        "--batch-size", "--lr", "--mu", "--quantize", "--max-length", "--max-examples", "--seed",
+        "--output-dir", "--resume", "--config",
+    ):  # fmt: skip
+        assert flag in text, flag
+
+
+def test_config_file_with_flag_override(env: dict, tmp_path: Path) -> None:
+    cfg = tmp_path / "c.py"
+    cfg.write_text('def get_config():\n    return {"task": "sst2", "rounds": 9, "seed": 5}\n')
+    config = train.config_from_args(["--config", str(cfg), "--rounds", "2"])
+    assert (config.rounds, config.seed, config.task) == (2, 5, "sst2")
+
+
+def test_export_writes_a_loadable_personalised_model(env: dict, straight: Path) -> None:
+    import jax
+
+    from fedjax_split import export
+    from fedjax_split.hf_checkpoint import load_pretrained
+
+    out = export.export_client(straight, 1, env["base"] / "export1")
+    params, config, _ = export.personalised_params(straight, 1)
+    loaded = load_pretrained(out, num_labels=2)
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # clients differ in their local part (layer_1, pooler, head), share the global part
+    p0, _, _ = export.personalised_params(straight, 0)
+    assert not np.array_equal(p0["classifier"]["kernel"], params["classifier"]["kernel"])
+    np.testing.assert_array_equal(
+        p0["encoder"]["layer_0"]["output"]["kernel"],
+        params["encoder"]["layer_0"]["output"]["kernel"],
+    )
+    assert export.main(["--run-dir", str(straight), "--client", "7", "--out", "x"]) == 2
