@@ -105,14 +105,29 @@ def prox_term(global_params: Any, received_global: Any, mu: float) -> jax.Array:
     return 0.5 * mu * sum(sq, jnp.zeros([], jnp.float32))
 
 
-def make_client_update(
-    spec: ClientSpec,
-) -> Callable[[Any, Any, Sequence[Segment], jax.Array], tuple[Any, Any, ClientMetrics]]:
-    """Returns `update(global_params, local_params, segments, rng) -> (global, local, metrics)`.
+class ClientState(NamedTuple):
+    """A client's training state inside a round (stacked [K] when vmapped by rounds)."""
 
-    `segments`: one client's segments in order, dicts of arrays [S, B, T] (labels and example_mask
-    [S, B], step_mask [S]). The update is pure and jit/vmap-able; it does not jit itself.
-    """
+    params: tuple[Any, Any]  # (global part, local part) being trained
+    opt_state: Any  # client optimiser state, fresh each round
+    steps: jax.Array  # int32 real steps so far: the index of the next dropout key
+    loss_sum: jax.Array  # fp32 sum of per-example data losses
+    num_examples: jax.Array  # fp32 real examples seen
+
+
+class ClientFns(NamedTuple):
+    """The client update in three pure pieces, so that a round can compile one scan per segment
+    shape (length buckets x epochs repeat shapes) instead of one per segment."""
+
+    init: Callable[[Any, Any], ClientState]
+    train_segment: Callable[[ClientState, Segment, Any, jax.Array], ClientState]
+    finish: Callable[[ClientState], tuple[Any, Any, ClientMetrics]]
+
+
+def make_client_fns(spec: ClientSpec) -> ClientFns:
+    """`init(global, local)`, `train_segment(state, segment, received_global, rng)` (one segment,
+    arrays [S, B, T]; `received_global` is the downloaded global part FedProx pulls towards) and
+    `finish(state) -> (global, local, metrics)`. All pure and jit/vmap-able."""
     opt = spec.optimizer
 
     def loss_fn(trainable: tuple[Any, Any], received: Any, batch: Segment, key: jax.Array):
@@ -135,36 +150,55 @@ def make_client_update(
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def update(global_params: Any, local_params: Any, segments: Sequence[Segment], rng: jax.Array):
-        received = global_params
+    def init(global_params: Any, local_params: Any) -> ClientState:
         trainable = (global_params, local_params)
-        carry = (
-            trainable,
-            opt.init(trainable),
-            jnp.zeros([], jnp.int32),  # real steps so far (the dropout-key index)
-            jnp.zeros([], jnp.float32),  # loss_sum
-            jnp.zeros([], jnp.float32),  # num_examples
-        )
+        zero = jnp.zeros([], jnp.float32)
+        return ClientState(trainable, opt.init(trainable), jnp.zeros([], jnp.int32), zero, zero)
 
-        def step(carry, batch):
-            params, opt_state, k, loss_acc, n_acc = carry
-            (_, (loss_sum, n)), grads = grad_fn(params, received, batch, step_rng(rng, k))
+    def train_segment(
+        state: ClientState, segment: Segment, received: Any, rng: jax.Array
+    ) -> ClientState:
+        def step(state: ClientState, batch: Segment) -> tuple[ClientState, None]:
+            params, opt_state = state.params, state.opt_state
+            key = step_rng(rng, state.steps)
+            (_, (loss_sum, n)), grads = grad_fn(params, received, batch, key)
             updates, new_opt_state = opt.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
             # A step with no real example is padding too (AdamW would still decay the weights).
             real = jnp.logical_and(batch["step_mask"], n > 0)
             keep = lambda new, old: jnp.where(real, new, old)  # noqa: E731
-            params = jax.tree.map(keep, new_params, params)
-            opt_state = jax.tree.map(keep, new_opt_state, opt_state)
-            k = k + real.astype(jnp.int32)
-            loss_acc = loss_acc + jnp.where(real, loss_sum, 0.0)
-            n_acc = n_acc + jnp.where(real, n, 0.0)
-            return (params, opt_state, k, loss_acc, n_acc), None
+            return ClientState(
+                jax.tree.map(keep, new_params, params),
+                jax.tree.map(keep, new_opt_state, opt_state),
+                state.steps + real.astype(jnp.int32),
+                state.loss_sum + jnp.where(real, loss_sum, 0.0),
+                state.num_examples + jnp.where(real, n, 0.0),
+            ), None
 
+        batches = {key: segment[key] for key in SEGMENT_KEYS}
+        return jax.lax.scan(step, state, batches)[0]
+
+    def finish(state: ClientState) -> tuple[Any, Any, ClientMetrics]:
+        new_global, new_local = state.params
+        return new_global, new_local, ClientMetrics(state.loss_sum, state.num_examples, state.steps)
+
+    return ClientFns(init, train_segment, finish)
+
+
+def make_client_update(
+    spec: ClientSpec,
+) -> Callable[[Any, Any, Sequence[Segment], jax.Array], tuple[Any, Any, ClientMetrics]]:
+    """Returns `update(global_params, local_params, segments, rng) -> (global, local, metrics)`.
+
+    `segments`: one client's segments in order, dicts of arrays [S, B, T] (labels and example_mask
+    [S, B], step_mask [S]). The update is pure and jit/vmap-able; it does not jit itself.
+    """
+    fns = make_client_fns(spec)
+
+    def update(global_params: Any, local_params: Any, segments: Sequence[Segment], rng: jax.Array):
+        state = fns.init(global_params, local_params)
         for seg in segments:
-            batches = {key: seg[key] for key in SEGMENT_KEYS}
-            carry, _ = jax.lax.scan(step, carry, batches)
-        (new_global, new_local), _, k, loss_sum, n = carry
-        return new_global, new_local, ClientMetrics(loss_sum, n, k)
+            state = fns.train_segment(state, seg, global_params, rng)
+        return fns.finish(state)
 
     return update

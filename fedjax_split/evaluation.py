@@ -27,6 +27,7 @@ class ClientPredictions(NamedTuple):
 
     predictions: np.ndarray
     labels: np.ndarray
+    example_index: np.ndarray | None = None  # pool index of each row, when segments carry it
 
 
 @functools.lru_cache(maxsize=32)
@@ -71,23 +72,23 @@ def evaluate_clients(
     `local_params` is stacked on a leading client axis K ({} when nothing is local); `segments` are
     batching's segments of the clients' test splits ([K, S, B, T] ...). Returns K results.
     """
-    preds_per_client: list[list[np.ndarray]] = []
-    labels_per_client: list[list[np.ndarray]] = []
+    columns: list[dict[str, list[np.ndarray]]] = []
     predict = _predict_fn(apply, is_regression, chunk_size)
     for seg in segments:
         inputs = {k: seg[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
-        preds = np.asarray(predict(global_params, local_params, inputs))
-        labels = np.asarray(seg["labels"])
+        rows = {"predictions": np.asarray(predict(global_params, local_params, inputs))}
+        rows["labels"] = np.asarray(seg["labels"])
+        if "example_index" in seg:
+            rows["example_index"] = np.asarray(seg["example_index"])
         real = (np.asarray(seg["example_mask"]) > 0) & np.asarray(seg["step_mask"])[:, :, None]
-        if not preds_per_client:
-            preds_per_client = [[] for _ in range(preds.shape[0])]
-            labels_per_client = [[] for _ in range(preds.shape[0])]
-        for k in range(preds.shape[0]):
-            preds_per_client[k].append(preds[k][real[k]])
-            labels_per_client[k].append(labels[k][real[k]])
+        if not columns:
+            columns = [{name: [] for name in rows} for _ in range(real.shape[0])]
+        for k, client in enumerate(columns):
+            for name, values in rows.items():
+                client[name].append(values[k][real[k]])
     return [
-        ClientPredictions(np.concatenate(p), np.concatenate(lab))
-        for p, lab in zip(preds_per_client, labels_per_client, strict=True)
+        ClientPredictions(**{name: np.concatenate(parts) for name, parts in client.items()})
+        for client in columns
     ]
 
 
@@ -101,9 +102,11 @@ def evaluate_pooled(
 ) -> ClientPredictions:
     """The one global model (no local part) on the union of all clients' test rows."""
     per_client = evaluate_clients(apply, params, {}, segments, is_regression, chunk_size=chunk_size)
+    has_index = all(c.example_index is not None for c in per_client)
     return ClientPredictions(
         np.concatenate([c.predictions for c in per_client]),
         np.concatenate([c.labels for c in per_client]),
+        np.concatenate([c.example_index for c in per_client]) if has_index else None,
     )
 
 

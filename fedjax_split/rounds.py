@@ -1,4 +1,4 @@
-"""One federated round as one jitted computation, and the client sampling that precedes it.
+"""One federated round as jitted, vmapped computations, and the client sampling before it.
 
 Steps (FedSplitBERT's Algorithm 1 with a FedOpt server):
 1. download: the server holds the global part in the wire dtype; each client casts it to fp32;
@@ -12,6 +12,11 @@ Steps (FedSplitBERT's Algorithm 1 with a FedOpt server):
 Bytes are counted from the arrays sent: the global part in the wire dtype, once per sampled client
 each way (zero when the split leaves nothing global).
 
+The round runs as three jitted pieces (`round_functions`): start (download, client states), one
+call per segment (a `lax.scan` over its steps for all clients at once), finish (upload, aggregate,
+server step). Segments of equal shape share one compiled program, so E epochs x B length buckets
+compile B scans, not E x B; client states stay on device (and sharded) between the calls.
+
 Keys: round key = fold_in(run key, round), client key = fold_in(round key, client id), step key =
 fold_in(client key, real step index) (see `client.step_rng`).
 """
@@ -20,17 +25,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_split.aggregation import weighted_mean
-from fedjax_split.client import SEGMENT_KEYS, ClientMetrics, ClientSpec, make_client_update
+from fedjax_split.client import (
+    SEGMENT_KEYS,
+    ClientMetrics,
+    ClientSpec,
+    ClientState,
+    make_client_fns,
+)
 from fedjax_split.errors import UserError
 from fedjax_split.wire import cast_from_wire, cast_to_wire, tree_bytes, wire_dtype
 
@@ -119,87 +130,109 @@ def put_clients(stacked: Any, ids: Any, values: Any) -> Any:
 
 
 def _pad_clients(tree: Any, pad: int, fill: Any = None) -> Any:
-    """Appends `pad` copies of client 0 (or of `fill`) along the client axis."""
+    """Appends `pad` copies of client 0 (or rows of `fill`) along the client axis."""
     if pad == 0:
         return tree
 
     def one(x: jax.Array) -> jax.Array:
-        extra = (
-            jnp.repeat(x[:1], pad, axis=0)
-            if fill is None
-            else jnp.full((pad,) + x.shape[1:], fill, x.dtype)
-        )
+        if fill is None:
+            extra = jnp.repeat(x[:1], pad, axis=0)
+        else:
+            extra = jnp.full((pad,) + x.shape[1:], fill, x.dtype)
         return jnp.concatenate([x, extra], axis=0)
 
     return jax.tree.map(one, tree)
 
 
-def _round(
-    spec: RoundSpec,
-    state: ServerState,
-    local_params: Any,
-    num_examples: jax.Array,
-    segments: list[dict[str, jax.Array]],
-    rng: jax.Array,
-    client_ids: jax.Array,
-) -> tuple[ServerState, Any, ClientMetrics]:
-    wire = wire_dtype(spec.wire_dtype)
-    update = make_client_update(spec.client)
-    num_sampled = num_examples.shape[0]
-    keys = client_rngs(round_rng(rng, state.round), client_ids)
-    server_copy = cast_from_wire(state.global_params)  # the server's weights, in fp32
-    received = server_copy  # what each client holds after download + cast to fp32
+class RoundFns(NamedTuple):
+    """A round as three jitted pieces; `segment` compiles once per distinct segment shape.
 
-    num_devices = spec.mesh.devices.size if spec.mesh is not None else 1
-    pad = -num_sampled % num_devices
-    weights = _pad_clients(jnp.asarray(num_examples, jnp.float32), pad, 0.0)
-    local_params = _pad_clients(local_params, pad)
-    keys = _pad_clients(keys, pad)
-    padded_segments = []
-    for seg in segments:
-        data = {k: seg[k] for k in SEGMENT_KEYS if k != "step_mask"}
-        data = _pad_clients(data, pad)
-        data["step_mask"] = _pad_clients(seg["step_mask"], pad, False)
-        padded_segments.append(data)
+    start(server_state, local_params, client_ids, rng) -> (client_states, keys)
+    segment(client_states, server_state, segment, keys) -> client_states
+    finish(server_state, client_states, num_examples) -> (server_state, new_local, metrics)
+    Client states and keys are padded with weight-0 clients to a multiple of the device count.
+    """
 
-    def train_clients(received, local_params, segments, keys):
-        def one(args):
-            local, segs, key = args
-            return update(received, local, segs, key)
-
-        if spec.chunk_size is None or spec.chunk_size >= keys.shape[0]:
-            return jax.vmap(lambda *a: one(a))(local_params, segments, keys)
-        return jax.lax.map(one, (local_params, segments, keys), batch_size=spec.chunk_size)
-
-    if spec.mesh is not None:
-        clients = PartitionSpec(CLIENT_AXIS)
-        train_clients = jax.shard_map(
-            train_clients,
-            mesh=spec.mesh,
-            in_specs=(PartitionSpec(), clients, clients, clients),
-            out_specs=clients,
-            check_vma=False,
-        )
-    new_globals, new_locals, metrics = train_clients(received, local_params, padded_segments, keys)
-
-    uploaded = cast_from_wire(cast_to_wire(new_globals, wire))
-    mean = weighted_mean(uploaded, weights)
-    pseudo_grad = jax.tree.map(lambda m, x: x - m, mean, server_copy)  # -Delta
-    updates, opt_state = spec.server_optimizer.update(pseudo_grad, state.opt_state, server_copy)
-    new_global = cast_to_wire(optax.apply_updates(server_copy, updates), wire)
-    new_state = ServerState(new_global, opt_state, state.round + 1)
-    unpad = lambda x: x[:num_sampled]  # noqa: E731
-    return new_state, jax.tree.map(unpad, new_locals), jax.tree.map(unpad, metrics)
+    start: Callable[..., Any]
+    segment: Callable[..., Any]
+    finish: Callable[..., Any]
 
 
 @functools.lru_cache(maxsize=32)
-def compiled_round(spec: RoundSpec):
-    """The jitted round function of `spec` (cached), e.g. to lower or AOT-compile it."""
+def round_functions(spec: RoundSpec) -> RoundFns:
+    """The jitted pieces of a round for `spec` (cached per spec)."""
     if spec.mesh is not None and CLIENT_AXIS not in spec.mesh.axis_names:
         raise UserError(f"the mesh has axes {spec.mesh.axis_names}; name its axis '{CLIENT_AXIS}'")
     if spec.chunk_size is not None and spec.chunk_size < 1:
         raise UserError(f"chunk size must be >= 1, got {spec.chunk_size}; use a positive integer")
-    return jax.jit(functools.partial(_round, spec), donate_argnums=(0, 1) if spec.donate else ())
+    wire = wire_dtype(spec.wire_dtype)
+    fns = make_client_fns(spec.client)
+    num_devices = spec.mesh.devices.size if spec.mesh is not None else 1
+    clients = PartitionSpec(CLIENT_AXIS)
+
+    def shard(tree: Any) -> Any:
+        if spec.mesh is None:
+            return tree
+        sharding = NamedSharding(spec.mesh, clients)
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
+
+    def start(state: ServerState, local_params: Any, client_ids: jax.Array, rng: jax.Array):
+        pad = -client_ids.shape[0] % num_devices
+        keys = _pad_clients(client_rngs(round_rng(rng, state.round), client_ids), pad)
+        received = cast_from_wire(state.global_params)  # download, cast to fp32 by each client
+        client_states = jax.vmap(fns.init, in_axes=(None, 0), axis_size=keys.shape[0])(
+            received, _pad_clients(local_params, pad)
+        )
+        return shard(client_states), shard(keys)
+
+    def train(client_states: ClientState, received: Any, seg: Any, keys: jax.Array):
+        def one(args: tuple[ClientState, Any, jax.Array]) -> ClientState:
+            return fns.train_segment(args[0], args[1], received, args[2])
+
+        if spec.chunk_size is None or spec.chunk_size >= keys.shape[0]:
+            return jax.vmap(lambda *a: one(a))(client_states, seg, keys)
+        return jax.lax.map(one, (client_states, seg, keys), batch_size=spec.chunk_size)
+
+    if spec.mesh is not None:
+        train = jax.shard_map(
+            train,
+            mesh=spec.mesh,
+            in_specs=(clients, PartitionSpec(), clients, clients),
+            out_specs=clients,
+            check_vma=False,
+        )
+
+    def segment(client_states: ClientState, state: ServerState, seg: Any, keys: jax.Array):
+        pad = keys.shape[0] - seg["step_mask"].shape[0]
+        data = _pad_clients({k: seg[k] for k in SEGMENT_KEYS if k != "step_mask"}, pad)
+        data["step_mask"] = _pad_clients(seg["step_mask"], pad, False)
+        return train(client_states, cast_from_wire(state.global_params), data, keys)
+
+    def finish(state: ServerState, client_states: ClientState, num_examples: jax.Array):
+        num_sampled = num_examples.shape[0]
+        pad = client_states.steps.shape[0] - num_sampled
+        weights = _pad_clients(jnp.asarray(num_examples, jnp.float32), pad, 0.0)
+        new_globals, new_locals, metrics = jax.vmap(fns.finish)(client_states)
+        uploaded = cast_from_wire(cast_to_wire(new_globals, wire))  # upload in the wire dtype
+        mean = weighted_mean(uploaded, weights)
+        server_copy = cast_from_wire(state.global_params)
+        pseudo_grad = jax.tree.map(lambda m, x: x - m, mean, server_copy)  # -Delta
+        updates, opt_state = spec.server_optimizer.update(pseudo_grad, state.opt_state, server_copy)
+        new_global = cast_to_wire(optax.apply_updates(server_copy, updates), wire)
+        unpad = lambda x: x[:num_sampled]  # noqa: E731
+        return (
+            ServerState(new_global, opt_state, state.round + 1),
+            jax.tree.map(unpad, new_locals),
+            jax.tree.map(unpad, metrics),
+        )
+
+    donate = spec.donate
+    return RoundFns(
+        jax.jit(start, donate_argnums=(1,) if donate else ()),
+        jax.jit(segment, donate_argnums=(0,)),
+        # finish's outputs are smaller than the client states: donating those would not help.
+        jax.jit(finish, donate_argnums=(0,) if donate else ()),
+    )
 
 
 def run_round(
@@ -232,9 +265,13 @@ def run_round(
     segs = [{k: seg[k] for k in SEGMENT_KEYS} for seg in segments]
     sent = jax.eval_shape(lambda g: cast_to_wire(g, spec.wire_dtype), server_state.global_params)
     per_client = tree_bytes(sent)
-    state, new_local, metrics = compiled_round(spec)(
-        server_state, local_params, weights, segs, rng, jnp.asarray(client_ids, jnp.int32)
+    fns = round_functions(spec)
+    client_states, keys = fns.start(
+        server_state, local_params, jnp.asarray(client_ids, jnp.int32), rng
     )
+    for seg in segs:
+        client_states = fns.segment(client_states, server_state, seg, keys)
+    state, new_local, metrics = fns.finish(server_state, client_states, weights)
     train_loss = metrics.loss_sum / jnp.maximum(metrics.num_examples, 1.0)
     result = RoundResult(train_loss, per_client * num_sampled, per_client * num_sampled, metrics)
     return state, new_local, result

@@ -56,8 +56,10 @@ def test_evaluate_clients_personalised_and_masked() -> None:
     g, locals_k, stacked = _own_models(params)
     segs = make_segments(np.random.default_rng(0), [3, 1, 2], 3, num_segments=2)
     # make padded rows conspicuous: their labels must never come back
-    for seg in segs:
+    for i, seg in enumerate(segs):
         seg["labels"][seg["example_mask"] == 0] = 99
+        index = np.arange(seg["labels"].size, dtype=np.int32).reshape(seg["labels"].shape)
+        seg["example_index"] = np.where(seg["example_mask"] > 0, index + 1000 * i, -1)
     got = evaluate_clients(apply, g, stacked, segs, False, chunk_size=2)
     assert len(got) == K
     for k in range(K):
@@ -66,6 +68,8 @@ def test_evaluate_clients_personalised_and_masked() -> None:
         np.testing.assert_array_equal(got[k].predictions, np.concatenate([p for p, _ in parts]))
         np.testing.assert_array_equal(got[k].labels, np.concatenate([lab for _, lab in parts]))
         assert 99 not in got[k].labels
+        want_index = [seg["example_index"][k][seg["example_mask"][k] > 0] for seg in segs]
+        np.testing.assert_array_equal(got[k].example_index, np.concatenate(want_index))
     assert [len(r.labels) for r in got] == [2 * 11, 2 * 3, 2 * 7]
     # guard: the clients' models disagree on client 0's rows, so a mix-up would be caught
     other = _expected(apply, merge_params(g, locals_k[1]), segs[0], 0, False)[0]

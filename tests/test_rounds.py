@@ -26,10 +26,10 @@ from fedjax_split.errors import UserError
 from fedjax_split.rounds import (
     RoundSpec,
     client_rngs,
-    compiled_round,
     init_server_state,
     put_clients,
     replicate,
+    round_functions,
     round_rng,
     run_round,
     sample_clients,
@@ -157,13 +157,20 @@ def test_sharded_and_chunked_round_equals_plain_round() -> None:
     assert b[2].bytes_up == a[2].bytes_up
     # and the client axis really is split over the devices (a manual computation over 'clients')
     state, local = _setup(1)
-    args = (state, local, WEIGHTS, SEGMENTS, SEED_KEY, np.arange(K, dtype=np.int32))
-    assert 'manual_axes={"clients"}' in compiled_round(spec).lower(*args).as_text()
+    fns = round_functions(spec)
+    client_states, keys = fns.start(state, local, np.arange(K, dtype=np.int32), SEED_KEY)
+    assert len(keys.sharding.device_set) == 2
+    lowered = fns.segment.lower(client_states, state, SEGMENTS[0], keys).as_text()
+    assert 'manual_axes={"clients"}' in lowered
 
 
-def test_determinism_same_seed_bitwise() -> None:
+def test_determinism_same_seed_bitwise_and_donation_safe() -> None:
     a = _run(SPEC_FEDAVG, 1)
     b = _run(SPEC_FEDAVG, 1)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # Donating the server state and local parts changes nothing but memory.
+    b = _run(RoundSpec(CLIENT, FEDAVG, "float32", donate=True), 1)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
