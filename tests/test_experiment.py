@@ -1,0 +1,146 @@
+"""run_experiment as a library: personalised metrics against transformers' PyTorch BERT, partial
+participation, 16-bit wire bytes counted by hand, the c = 0 and c = L edge cases."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from run_fixtures import write_tiny_model, write_tiny_sst2
+
+from fedjax_split import experiment, export
+from fedjax_split.run_checkpoint import RunCheckpointer, checkpoint_dir
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("exp")
+    return {
+        "base": base,
+        "model": write_tiny_model(base / "model"),
+        "data": write_tiny_sst2(base / "data"),
+    }
+
+
+def _config(files: dict[str, Path], name: str, **kw: object) -> dict:
+    return {
+        "task": "sst2",
+        "model": str(files["model"]),
+        "data_dir": str(files["data"]),
+        "output_dir": str(files["base"] / name),
+        "clients": 3,
+        "rounds": 2,
+        "local_epochs": 1,
+        "batch_size": 32,
+        "lr": 1e-3,
+        "max_length": 16,
+        **kw,
+    }
+
+
+def _global_count_by_hand(model_dir: Path, c: int) -> int:
+    """Parameters of the embeddings and encoder layers 0..c-1, from the HF config.json."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    emb = (cfg["vocab_size"] + cfg["max_position_embeddings"] + cfg["type_vocab_size"]) * h + 2 * h
+    layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
+    return emb + c * layer
+
+
+def test_subsample_indices_are_seeded_sorted_and_distinct() -> None:
+    a = experiment.subsample_indices(100, 10, seed=3)
+    assert a is not None and a.size == 10 and np.all(np.diff(a) > 0) and a.max() < 100
+    np.testing.assert_array_equal(a, experiment.subsample_indices(100, 10, seed=3))
+    assert not np.array_equal(a, experiment.subsample_indices(100, 10, seed=4))
+    assert experiment.subsample_indices(100, None, seed=0) is None
+    assert experiment.subsample_indices(100, 100, seed=0) is None
+
+
+@pytest.fixture(scope="module")
+def partial_fp16(files: dict[str, Path]) -> Path:
+    """2 of 3 clients per round, 16-bit wire, critical layer 1 of 2."""
+    cfg = _config(files, "partial", clients_per_round=2, quantize="fp16", critical_layer=1)
+    experiment.run_experiment(cfg, progress=False)
+    return files["base"] / "partial"
+
+
+def test_fp16_wire_bytes_counted_by_hand(files: dict[str, Path], partial_fp16: Path) -> None:
+    records = [json.loads(x) for x in (partial_fp16 / "metrics.jsonl").read_text().splitlines()]
+    per_client = 2 * _global_count_by_hand(files["model"], 1)  # fp16: 2 bytes per parameter
+    for r in records:
+        assert len(r["clients_sampled"]) == 2
+        assert r["bytes_up"] == r["bytes_down"] == 2 * per_client
+    assert records[-1]["cum_bytes"] == 2 * 2 * 2 * per_client
+    state, _ = RunCheckpointer(checkpoint_dir(partial_fp16)).restore_untyped()
+    leaves = jax.tree.leaves(state["server_state"]["global_params"])
+    assert {np.asarray(x).dtype for x in leaves} == {np.dtype("float16")}
+
+
+def test_only_sampled_clients_local_parts_change(
+    files: dict[str, Path], partial_fp16: Path
+) -> None:
+    from fedjax_split.hf_checkpoint import load_pretrained
+    from fedjax_split.splitting import split_params
+
+    first = json.loads((partial_fp16 / "metrics.jsonl").read_text().splitlines()[0])
+    state, meta = RunCheckpointer(checkpoint_dir(partial_fp16)).restore_untyped(1)
+    assert meta["round"] == 1
+    _, initial_local = split_params(load_pretrained(files["model"], num_labels=2).params, 1)
+    for k in range(3):
+        local_k = jax.tree.map(lambda x, k=k: np.asarray(x[k]), state["local_params"])
+        same = all(
+            np.array_equal(a, np.asarray(b))
+            for a, b in zip(jax.tree.leaves(local_k), jax.tree.leaves(initial_local), strict=True)
+        )
+        assert same == (k not in first["clients_sampled"]), k
+
+
+def test_personalised_metrics_match_transformers(
+    files: dict[str, Path], partial_fp16: Path
+) -> None:
+    """Each client's exported model, run by transformers' PyTorch BERT on that client's test
+    examples (from partition.json), gives the accuracy the run reported for that client."""
+    torch = pytest.importorskip("torch")
+    from transformers import BertForSequenceClassification, BertTokenizerFast
+
+    from fedjax_split import sources, tasks
+
+    last = json.loads((partial_fp16 / "metrics.jsonl").read_text().splitlines()[-1])
+    part = json.loads((partial_fp16 / "partition.json").read_text())
+    pool = sources.load_examples(tasks.get_task("sst2"), data_dir=files["data"])
+    accs = []
+    for k in range(3):
+        out = export.export_client(partial_fp16, k, files["base"] / f"export{k}")
+        model = BertForSequenceClassification.from_pretrained(out).eval()
+        tok = BertTokenizerFast.from_pretrained(out)
+        test = part["clients"][k]["test"]
+        enc = tok(
+            [pool.texts_a[i] for i in test],
+            padding=True,
+            truncation=True,
+            max_length=16,
+            return_tensors="pt",
+        )
+        with torch.no_grad():
+            pred = model(**enc).logits.argmax(-1).numpy()
+        accs.append(float(np.mean(pred == np.asarray(pool.labels)[test])))
+    assert [c["accuracy"] for c in last["clients"]] == pytest.approx(accs, abs=1e-12)
+    assert last["accuracy"] == pytest.approx(np.mean(accs), abs=1e-12)
+
+
+@pytest.mark.parametrize("critical_layer", [0, None], ids=["c=0", "c=L"])
+def test_edge_critical_layers(files: dict[str, Path], critical_layer: int | None) -> None:
+    name = f"edge_{critical_layer}"
+    summary = experiment.run_experiment(
+        _config(files, name, critical_layer=critical_layer, rounds=1), progress=False
+    )
+    if critical_layer == 0:  # nothing global: nothing is sent
+        assert summary["cum_bytes"] == 0 and summary["global_params"] == 0
+    else:  # everything global (FedAvg): 3 clients x all parameters x 4 bytes, both ways
+        assert summary["local_params_per_client"] == 0
+        assert summary["cum_bytes"] == 2 * 3 * 4 * summary["global_params"]
+        assert summary["critical_layer"] == summary["num_layers"] == 2
+    assert np.isfinite(summary["final"]["accuracy"])
