@@ -243,12 +243,11 @@ def evaluate(setup: Setup) -> dict[str, Any]:
         chunk_size=setup.config.chunk_size,
     )
     groups = getattr(setup.examples, "groups", None)
-    rows = _eval_rows(setup.eval_segments, len(results)) if groups is not None else None
     per_client = []
-    for i, res in enumerate(results):
+    for res in results:
         if len(res.labels) == 0:
             continue  # a client without test examples has no metric
-        g = None if rows is None else np.asarray(groups)[rows[i]]
+        g = None if groups is None else np.asarray(groups)[res.example_index]
         per_client.append(tasks.compute_metrics(setup.task, res.predictions, res.labels, groups=g))
     names = sorted(set().union(*per_client)) if per_client else []
     mean = {
@@ -256,16 +255,6 @@ def evaluate(setup: Setup) -> dict[str, Any]:
         for m in names
     }
     return {**mean, "clients": per_client}
-
-
-def _eval_rows(segments: Sequence[dict[str, Any]], num_clients: int) -> list[np.ndarray]:
-    """Pool index of every real evaluation row, per client, in evaluate_clients' order."""
-    rows: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-    for seg in segments:
-        real = (np.asarray(seg["example_mask"]) > 0) & np.asarray(seg["step_mask"])[:, :, None]
-        for k in range(num_clients):
-            rows[k].append(np.asarray(seg["example_index"])[k][real[k]])
-    return [np.concatenate(r) if r else np.zeros(0, np.int64) for r in rows]
 
 
 def _state(setup: Setup) -> dict[str, Any]:

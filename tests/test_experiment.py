@@ -144,3 +144,40 @@ def test_edge_critical_layers(files: dict[str, Path], critical_layer: int | None
         assert summary["cum_bytes"] == 2 * 3 * 4 * summary["global_params"]
         assert summary["critical_layer"] == summary["num_layers"] == 2
     assert np.isfinite(summary["final"]["accuracy"])
+
+
+def test_evaluate_maps_groups_by_example_index_and_means_over_clients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MNLI: matched/mismatched accuracy per client via each row's pool index; unweighted mean."""
+    from types import SimpleNamespace
+
+    from fedjax_split import evaluation, tasks
+    from fedjax_split.evaluation import ClientPredictions
+
+    groups = np.array(["matched", "mismatched", "matched", "mismatched", "matched", "matched"])
+    results = [  # client 0: rows 3, 0, 1 (bucketed order); client 1: rows 5, 2
+        ClientPredictions(np.array([1, 0, 2]), np.array([1, 0, 0]), np.array([3, 0, 1])),
+        ClientPredictions(np.array([2, 1]), np.array([2, 0]), np.array([5, 2])),
+    ]
+    monkeypatch.setattr(evaluation, "evaluate_clients", lambda *a, **k: results)
+    setup = SimpleNamespace(
+        server_state=SimpleNamespace(global_params={}),
+        config=SimpleNamespace(chunk_size=None),
+        apply=None,
+        local_params={},
+        eval_segments=[],
+        task=tasks.get_task("mnli"),
+        examples=SimpleNamespace(groups=groups),
+    )
+    out = experiment.evaluate(setup)
+    c0, c1 = out["clients"]
+    # client 0: row 3 (mismatched) right, row 0 (matched) right, row 1 (mismatched) wrong
+    assert c0["accuracy"] == pytest.approx(2 / 3)
+    assert c0["accuracy_matched"] == 1.0 and c0["accuracy_mismatched"] == 0.5
+    # client 1: row 5 (matched) right, row 2 (matched) wrong; no mismatched rows
+    assert c1["accuracy"] == 0.5 and c1["accuracy_matched"] == 0.5
+    assert "accuracy_mismatched" not in c1
+    assert out["accuracy"] == pytest.approx((2 / 3 + 0.5) / 2)
+    assert out["accuracy_matched"] == pytest.approx(0.75)
+    assert out["accuracy_mismatched"] == pytest.approx(0.5)  # over the clients that have it
