@@ -1,0 +1,69 @@
+"""Run-directory files: atomic JSON (NaN -> null), JSONL append/rewrite, progress output."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from fedjax_split import outputs
+
+
+def test_write_json_is_strict_json_and_leaves_no_temp(tmp_path: Path) -> None:
+    p = outputs.write_json(tmp_path / "s.json", {"a": float("nan"), "b": [1.5, float("inf")]})
+    assert json.loads(p.read_text()) == {"a": None, "b": [1.5, None]}
+    assert "NaN" not in p.read_text() and [x.name for x in tmp_path.iterdir()] == ["s.json"]
+
+
+def test_jsonl_append_then_rewrite_truncates(tmp_path: Path) -> None:
+    p = tmp_path / "metrics.jsonl"
+    assert outputs.read_jsonl(p) == []
+    for r in range(1, 5):
+        outputs.append_jsonl(p, {"round": r, "loss": 1.0 / r})
+    rows = outputs.read_jsonl(p)
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    outputs.write_jsonl(p, rows[:2])
+    assert p.read_text().count("\n") == 2 and outputs.read_jsonl(p) == rows[:2]
+
+
+def test_existing_results(tmp_path: Path) -> None:
+    assert outputs.existing_results(tmp_path / "none") == []
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "unrelated.txt").write_text("")
+    assert outputs.existing_results(tmp_path) == ["metrics.jsonl", "checkpoints"]
+
+
+_RECORD = {"round": 3, "train_loss": 0.25, "accuracy": 0.875, "cum_bytes_up": 2_500_000,
+           "seconds": 1.5}  # fmt: skip
+
+
+def test_plain_lines_when_not_a_terminal() -> None:
+    stream = io.StringIO()
+    bar = outputs.Progress(4, enabled=True, stream=stream)
+    bar.note("hello")
+    bar.round_done(_RECORD, "accuracy")
+    bar.close()
+    assert stream.getvalue().splitlines() == [
+        "hello",
+        "round 3 | loss 0.2500 | accuracy 0.8750 | up 2.5 MB | 1.5s",
+    ]
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_tqdm_bar_on_a_terminal_and_silence_when_disabled() -> None:
+    stream = _Tty()
+    bar = outputs.Progress(4, initial=2, enabled=True, stream=stream)
+    bar.round_done(_RECORD, "accuracy")
+    bar.close()
+    text = stream.getvalue()
+    assert "3/4" in text and "accuracy 0.8750" in text
+    quiet = io.StringIO()
+    off = outputs.Progress(4, enabled=False, stream=quiet)
+    off.note("x")
+    off.round_done(_RECORD, "accuracy")
+    assert quiet.getvalue() == ""
