@@ -85,8 +85,12 @@ class RoundSpec:
 def init_server_state(
     global_params: Any, server_optimizer: optax.GradientTransformation, wire_dtype_: Any
 ) -> ServerState:
-    """Server state for round 0: the global part cast to the wire dtype, a fresh optimiser state."""
-    held = cast_to_wire(global_params, wire_dtype_)
+    """Server state for round 0: the global part cast to the wire dtype, a fresh optimiser state.
+
+    The state owns fresh copies (a float32 cast is a no-op that would alias the caller's params,
+    which a donating round would then delete).
+    """
+    held = jax.tree.map(lambda x: jnp.array(x, copy=True), cast_to_wire(global_params, wire_dtype_))
     return ServerState(held, server_optimizer.init(cast_from_wire(held)), jnp.zeros([], jnp.int32))
 
 

@@ -169,8 +169,10 @@ def test_determinism_same_seed_bitwise_and_donation_safe() -> None:
     b = _run(SPEC_FEDAVG, 1)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    # Donating the server state and local parts changes nothing but memory.
+    # Donating the server state and local parts changes nothing but memory, and never deletes
+    # the caller's parameters (the server state owns copies).
     b = _run(RoundSpec(CLIENT, FEDAVG, "float32", donate=True), 1)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(PARAMS))
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
