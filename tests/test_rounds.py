@@ -164,6 +164,14 @@ def test_sharded_and_chunked_round_equals_plain_round() -> None:
     assert 'manual_axes={"clients"}' in lowered
 
 
+def test_chunk_size_does_not_change_the_round() -> None:
+    spec = RoundSpec(CLIENT, FEDAVG, "float32", chunk_size=2, donate=False)  # 3 = 2 + remainder 1
+    a = _run(SPEC_FEDAVG, 1)
+    b = _run(spec, 1)
+    for x, y in zip(jax.tree.leaves(a[:2]), jax.tree.leaves(b[:2]), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+
+
 def test_determinism_same_seed_bitwise_and_donation_safe() -> None:
     a = _run(SPEC_FEDAVG, 1)
     b = _run(SPEC_FEDAVG, 1)
