@@ -286,11 +286,14 @@ def run_experiment(
     checkpointer = RunCheckpointer(checkpoint_dir(run_dir))
     start_round, history = 0, []
     ck_dir = checkpoint_dir(run_dir)
-    if config.resume and checkpointer.latest_round() is None and ck_dir.is_dir():
-        if any(ck_dir.iterdir()):
+    if config.resume and checkpointer.latest_round() is None:
+        # Without a checkpoint, --resume may only restart a run that finished no round.
+        if (ck_dir.is_dir() and any(ck_dir.iterdir())) or outputs.read_jsonl(
+            run_dir / "metrics.jsonl"
+        ):
             raise UserError(
-                f"no readable checkpoint in {str(ck_dir)!r}; delete it to start over, or use "
-                "another --output-dir"
+                f"no readable checkpoint in {str(ck_dir)!r} to resume from; delete the run to "
+                "start over, or use another --output-dir"
             )
     if config.resume and checkpointer.latest_round() is not None:
         state, meta = checkpointer.restore(_state(setup))
@@ -307,7 +310,9 @@ def run_experiment(
     run_dir.mkdir(parents=True, exist_ok=True)
     outputs.write_json(run_dir / "config.json", config.to_dict())
     partition_mod.save_partition(setup.partition, run_dir / "partition.json")
-    outputs.write_jsonl(run_dir / "metrics.jsonl", history)
+    outputs.write_jsonl(run_dir / "metrics.jsonl", history)  # on --resume: truncated to the ckpt
+    if start_round < config.rounds:
+        (run_dir / "summary.json").unlink(missing_ok=True)  # stale until this run ends
     report = partition_mod.partition_report(
         setup.partition,
         np.asarray(setup.examples.labels),

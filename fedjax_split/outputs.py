@@ -62,10 +62,19 @@ def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a JSONL file; a torn last line (a process killed mid-append) is dropped."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i < len(lines) - 1:
+                raise
+    return records
 
 
 def existing_results(run_dir: str | Path) -> list[str]:

@@ -24,6 +24,9 @@ def test_jsonl_append_then_rewrite_truncates(tmp_path: Path) -> None:
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     outputs.write_jsonl(p, rows[:2])
     assert p.read_text().count("\n") == 2 and outputs.read_jsonl(p) == rows[:2]
+    with p.open("a") as f:
+        f.write('{"round": 3, "lo')  # killed mid-append
+    assert outputs.read_jsonl(p) == rows[:2]
 
 
 def test_existing_results(tmp_path: Path) -> None:

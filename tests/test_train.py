@@ -240,3 +240,17 @@ def test_export_writes_a_loadable_personalised_model(env: dict, straight: Path) 
         params["encoder"]["layer_0"]["output"]["kernel"],
     )
     assert export.main(["--run-dir", str(straight), "--client", "7", "--out", "x"]) == 2
+
+
+def test_resume_without_any_checkpoint_is_refused(
+    env: dict, straight: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Rounds are logged but no checkpoint exists: --resume must not silently start over."""
+    run = env["base"] / "no_ckpt"
+    shutil.copytree(straight, run)
+    shutil.rmtree(run / "checkpoints")
+    before = _digest(run)
+    assert train.main([*_args(env, run), "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no readable checkpoint" in err[0]
+    assert _digest(run) == before
