@@ -90,7 +90,7 @@ def format_round(record: dict[str, Any], metric: str | None) -> str:
         parts.append(f"loss {record['train_loss']:.4f}")
     if metric and record.get(metric) is not None:
         parts.append(f"{metric} {record[metric]:.4f}")
-    parts.append(f"up {record['cum_bytes_up'] / 1e6:.1f} MB")
+    parts.append(f"sent {record['cum_bytes'] / 1e6:.1f} MB")  # cumulative, up + down
     parts.append(f"{record['seconds']:.1f}s")
     return " | ".join(parts)
 

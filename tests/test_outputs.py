@@ -37,7 +37,7 @@ def test_existing_results(tmp_path: Path) -> None:
     assert outputs.existing_results(tmp_path) == ["metrics.jsonl", "checkpoints"]
 
 
-_RECORD = {"round": 3, "train_loss": 0.25, "accuracy": 0.875, "cum_bytes_up": 2_500_000,
+_RECORD = {"round": 3, "train_loss": 0.25, "accuracy": 0.875, "cum_bytes": 2_500_000,
            "seconds": 1.5}  # fmt: skip
 
 
@@ -49,7 +49,7 @@ def test_plain_lines_when_not_a_terminal() -> None:
     bar.close()
     assert stream.getvalue().splitlines() == [
         "hello",
-        "round 3 | loss 0.2500 | accuracy 0.8750 | up 2.5 MB | 1.5s",
+        "round 3 | loss 0.2500 | accuracy 0.8750 | sent 2.5 MB | 1.5s",
     ]
 
 
