@@ -20,7 +20,7 @@ from fedjax_split.errors import UserError
 ALGORITHMS = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad")
 PARTITIONS = ("paper", "dirichlet", "quantity", "iid")
 QUANTIZE = ("none", "fp16", "bf16")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16")  # model compute dtypes; parameters stay fp32
 
 # Server learning rate per algorithm when --server-lr is not given. FedAvg/FedProx/FedAvgM:
 # eta_s = 1 makes the server step the weighted average of the clients' models (FedNLP's default).
