@@ -101,7 +101,9 @@ def _epoch_batches(
         # The partial batch (only in the last window) takes that window's shortest examples, so
         # its padding rows are narrow.
         first = c.size % batch_size
-        cuts = ([first] if first else []) + list(range(first + batch_size, c.size, batch_size))
+        cuts = ([first] if 0 < first < c.size else []) + list(
+            range(first + batch_size, c.size, batch_size)
+        )
         batches.extend(np.split(c, cuts))
     return batches
 

@@ -192,6 +192,20 @@ def test_eval_batches_once_each_sorted_by_length():
         assert np.all(np.diff(lengths[rows]) >= 0)  # no shuffle: ascending length
 
 
+@pytest.mark.parametrize("batch_size", [8, 32, 64])
+def test_clients_smaller_than_one_batch(batch_size):
+    # Regression: a window holding fewer examples than one batch produced an empty batch.
+    tok, clients, labels, lengths = _setup(sizes=(7, 3, 1))
+    for epochs, segs in (
+        (1, make_eval_batches(tok, clients, labels, batch_size=batch_size)),
+        (2, make_client_batches(tok, clients, labels, batch_size=batch_size, epochs=2, seed=0)),
+    ):
+        _check_contents(segs, tok, labels, lengths)
+        for i, ix in enumerate(clients):
+            rows = _per_client_rows(segs)[i]
+            assert np.array_equal(np.sort(rows[rows >= 0]), np.sort(np.tile(ix, epochs)))
+
+
 def test_padding_waste_by_hand():
     tok = _tokenized([3, 8, 5])
     segs = make_client_batches(tok, [np.array([0, 1]), np.array([2])], np.zeros(3, int),
