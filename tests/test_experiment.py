@@ -15,6 +15,14 @@ from fedjax_split import experiment, export
 from fedjax_split.run_checkpoint import RunCheckpointer, checkpoint_dir
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Tokenised-data cache files of these runs go to a temp dir, not the user's cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FEDJAX_SPLIT_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("exp")

@@ -27,6 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = {"batch_size": 32, "local_epochs": 2}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Tokenised-data cache files of these runs go to a temp dir, not the user's cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FEDJAX_SPLIT_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("cli")
