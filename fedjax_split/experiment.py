@@ -76,7 +76,7 @@ def _subset_examples(examples: Any, idx: np.ndarray | None) -> Any:
 
     changes = {
         f: take(getattr(examples, f))
-        for f in ("texts_a", "texts_b", "labels", "groups")
+        for f in ("texts_a", "texts_b", "labels", "groups", "splits")
         if hasattr(examples, f)
     }
     if dataclasses.is_dataclass(examples):

@@ -67,6 +67,23 @@ def test_subsample_indices_are_seeded_sorted_and_distinct() -> None:
     assert experiment.subsample_indices(100, 100, seed=0) is None
 
 
+def test_subsample_keeps_every_per_example_field_aligned() -> None:
+    from fedjax_split.sources import Examples
+
+    n = 10
+    ex = Examples(
+        texts_a=[f"a{i}" for i in range(n)],
+        texts_b=[f"b{i}" for i in range(n)],
+        labels=np.arange(n) % 3,
+        groups=np.array([f"g{i}" for i in range(n)]),
+        splits=np.array([f"s{i}" for i in range(n)]),
+    )
+    sub = experiment._subset_examples(ex, np.array([1, 4, 7]))
+    assert sub.texts_a == ["a1", "a4", "a7"] and sub.texts_b == ["b1", "b4", "b7"]
+    assert sub.labels.tolist() == [1, 1, 1] and sub.groups.tolist() == ["g1", "g4", "g7"]
+    assert sub.splits.tolist() == ["s1", "s4", "s7"] and len(sub) == 3
+
+
 @pytest.fixture(scope="module")
 def partial_fp16(files: dict[str, Path]) -> Path:
     """2 of 3 clients per round, 16-bit wire, critical layer 1 of 2."""
