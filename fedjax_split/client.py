@@ -158,22 +158,25 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
     def train_segment(
         state: ClientState, segment: Segment, received: Any, rng: jax.Array
     ) -> ClientState:
-        def step(state: ClientState, batch: Segment) -> tuple[ClientState, None]:
+        def real_step(state: ClientState, batch: Segment) -> ClientState:
             params, opt_state = state.params, state.opt_state
             key = step_rng(rng, state.steps)
             (_, (loss_sum, n)), grads = grad_fn(params, received, batch, key)
             updates, new_opt_state = opt.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
-            # A step with no real example is padding too (AdamW would still decay the weights).
-            real = jnp.logical_and(batch["step_mask"], n > 0)
-            keep = lambda new, old: jnp.where(real, new, old)  # noqa: E731
             return ClientState(
-                jax.tree.map(keep, new_params, params),
-                jax.tree.map(keep, new_opt_state, opt_state),
-                state.steps + real.astype(jnp.int32),
-                state.loss_sum + jnp.where(real, loss_sum, 0.0),
-                state.num_examples + jnp.where(real, n, 0.0),
-            ), None
+                optax.apply_updates(params, updates),
+                new_opt_state,
+                state.steps + 1,
+                state.loss_sum + loss_sum,
+                state.num_examples + n,
+            )
+
+        def step(state: ClientState, batch: Segment) -> tuple[ClientState, None]:
+            # A step with no real example is padding too (AdamW would still decay the weights).
+            # lax.cond skips the work of a padded step when clients run one at a time
+            # (chunk_size=1); under vmap it becomes a select, which keeps the state exactly.
+            real = jnp.logical_and(batch["step_mask"], jnp.sum(batch["example_mask"]) > 0)
+            return jax.lax.cond(real, real_step, lambda s, _: s, state, batch), None
 
         batches = {key: segment[key] for key in SEGMENT_KEYS}
         return jax.lax.scan(step, state, batches)[0]
