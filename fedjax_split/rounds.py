@@ -52,7 +52,8 @@ SAMPLING_PURPOSE = 1  # np.random.default_rng([seed, round, SAMPLING_PURPOSE])
 class ServerState(NamedTuple):
     """The server's state between rounds (a pytree)."""
 
-    global_params: Any  # held in the wire dtype, as the paper's Algorithm 1
+    global_params: Any  # what is sent: the global part in the wire dtype (paper's Algorithm 1)
+    master: Any  # fp32 master copy that the server optimiser steps (see init_server_state)
     opt_state: Any  # server optimiser state over the fp32 global part
     round: jax.Array  # int32, rounds completed
 
@@ -85,13 +86,18 @@ class RoundSpec:
 def init_server_state(
     global_params: Any, server_optimizer: optax.GradientTransformation, wire_dtype_: Any
 ) -> ServerState:
-    """Server state for round 0: the global part cast to the wire dtype, a fresh optimiser state.
+    """Server state for round 0: an fp32 master copy, its wire-dtype image, a fresh optimiser state.
 
+    Why a master copy: holding only the 16-bit weights (Algorithm 1 read literally) throws away
+    every server step smaller than half a 16-bit ulp, each round anew, so with an adaptive server
+    (FedAdam's steps are ~lr) weights near 1 never move. The wire still carries 16 bits each way
+    and clients still train from the 16-bit weights; for FedAvg (lr 1) the result is the same.
     The state owns fresh copies (a float32 cast is a no-op that would alias the caller's params,
     which a donating round would then delete).
     """
-    held = jax.tree.map(lambda x: jnp.array(x, copy=True), cast_to_wire(global_params, wire_dtype_))
-    return ServerState(held, server_optimizer.init(cast_from_wire(held)), jnp.zeros([], jnp.int32))
+    master = jax.tree.map(lambda x: jnp.array(x, copy=True), cast_from_wire(global_params))
+    held = jax.tree.map(lambda x: jnp.array(x, copy=True), cast_to_wire(master, wire_dtype_))
+    return ServerState(held, master, server_optimizer.init(master), jnp.zeros([], jnp.int32))
 
 
 def round_rng(run_rng: jax.Array, round_index: jax.Array | int) -> jax.Array:
@@ -195,6 +201,8 @@ def round_functions(spec: RoundSpec) -> RoundFns:
 
         if spec.chunk_size is None or spec.chunk_size >= keys.shape[0]:
             return jax.vmap(lambda *a: one(a))(client_states, seg, keys)
+        if spec.chunk_size == 1:  # a plain loop: no vmap, so padded steps' lax.cond skips them
+            return jax.lax.map(one, (client_states, seg, keys))
         return jax.lax.map(one, (client_states, seg, keys), batch_size=spec.chunk_size)
 
     if spec.mesh is not None:
@@ -219,13 +227,20 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         new_globals, new_locals, metrics = jax.vmap(fns.finish)(client_states)
         uploaded = cast_from_wire(cast_to_wire(new_globals, wire))  # upload in the wire dtype
         mean = weighted_mean(uploaded, weights)
-        server_copy = cast_from_wire(state.global_params)
+        server_copy = state.master
         pseudo_grad = jax.tree.map(lambda m, x: x - m, mean, server_copy)  # -Delta
         updates, opt_state = spec.server_optimizer.update(pseudo_grad, state.opt_state, server_copy)
-        new_global = cast_to_wire(optax.apply_updates(server_copy, updates), wire)
+        stepped = optax.apply_updates(server_copy, updates)
+        # Integer leaves (counters) are not trained or averaged: they keep the server's value.
+        master = jax.tree.map(
+            lambda new, old: new if jnp.issubdtype(old.dtype, jnp.floating) else old,
+            stepped,
+            server_copy,
+        )
+        new_global = cast_to_wire(master, wire)
         unpad = lambda x: x[:num_sampled]  # noqa: E731
         return (
-            ServerState(new_global, opt_state, state.round + 1),
+            ServerState(new_global, master, opt_state, state.round + 1),
             jax.tree.map(unpad, new_locals),
             jax.tree.map(unpad, metrics),
         )

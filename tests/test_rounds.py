@@ -213,24 +213,30 @@ def test_16_bit_wire_fedadam_round_vs_hand_formula() -> None:
     spec = RoundSpec(CLIENT, opt, "bfloat16", donate=False)
     state, _ = _setup(1, "bfloat16", opt)
     held = {p: np.asarray(v) for p, v in flatten_paths(state.global_params).items()}
+    master = {p: np.asarray(v) for p, v in flatten_paths(state.master).items()}
     assert all(v.dtype == ml_dtypes.bfloat16 for v in held.values())
+    assert all(v.dtype == np.float32 for v in master.values())
     new_state, _, result = _run(spec, 1)
-    # Reference: clients start from the bf16 weights cast to fp32, upload bf16, server in fp32.
+    # Reference: clients start from the bf16 weights cast to fp32 and upload bf16; the server
+    # steps its fp32 master copy and sends the result's bf16 cast.
     start = {p: v.astype(np.float32) for p, v in held.items()}
     ref = _reference(_unflatten(start))
     for r in ref:
         for p in start:
             r[p] = r[p].astype(ml_dtypes.bfloat16).astype(np.float32)
+    new_master = flatten_paths(new_state.master)
     for path, value in flatten_paths(new_state.global_params).items():
         assert value.dtype == jnp.bfloat16
-        x = start[path].astype(np.float64)
+        x = master[path].astype(np.float64)
         delta = _numpy_weighted_mean(ref, path) - x
         m = (1 - b1) * delta
         v = b2 * tau**2 + (1 - b2) * delta**2
-        want = (x + lr * m / (np.sqrt(v) + tau)).astype(np.float32).astype(ml_dtypes.bfloat16)
-        got = np.asarray(value).astype(np.float32)
-        # one bf16 ulp of slack for rounding-boundary cases
-        np.testing.assert_allclose(got, want.astype(np.float32), rtol=2**-7, atol=1e-6)
+        want = x + lr * m / (np.sqrt(v) + tau)
+        # The master keeps steps far below a bf16 ulp (a 16-bit-only server would lose them).
+        np.testing.assert_allclose(np.asarray(new_master[path]), want, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(
+            np.asarray(value), np.asarray(new_master[path]).astype(ml_dtypes.bfloat16)
+        )
     assert result.bytes_down == result.bytes_up == 2 * _global_param_count(1) * K
 
 
