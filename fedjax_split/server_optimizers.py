@@ -93,12 +93,12 @@ def fedyogi(
 
 
 def fedadagrad(
-    learning_rate: optax.ScalarOrSchedule, tau: float = 1e-3, b1: float = 0.0
+    learning_rate: optax.ScalarOrSchedule, tau: float = 1e-3, b1: float = 0.9
 ) -> optax.GradientTransformation:
-    """FedAdagrad: v = v + D^2; x += lr m / (sqrt(v) + tau).
+    """FedAdagrad: m = b1 m + (1-b1) D; v = v + D^2; x += lr m / (sqrt(v) + tau).
 
-    Algorithm 2 keeps the momentum m for all three rules; b1 = 0 (m = D, plain Adagrad) is the
-    default here, as in Flower's FedAdagrad; pass b1 = 0.9 for momentum.
+    Reddi et al.'s Algorithm 2 keeps the momentum m for all three adaptive rules, so b1 = 0.9 is
+    the default; b1 = 0 gives momentum-free Adagrad (m = D), as in Flower's FedAdagrad.
     """
     return _fed_adaptive(learning_rate, b1, tau, lambda v, d2: v + d2)
 

@@ -80,10 +80,13 @@ def test_yogi_reference_exercises_both_signs() -> None:
     assert {-1.0, 1.0} <= signs
 
 
-def test_fedadagrad_default_is_momentum_free() -> None:
+def test_fedadagrad_default_keeps_algorithm_2_momentum() -> None:
     got = _run(so.fedadagrad(0.1, tau=1e-2), X0)
-    want = _reference("adagrad", 0.1, 0.0, 0.0, 1e-2, X0)
+    want = _reference("adagrad", 0.1, 0.9, 0.0, 1e-2, X0)
     np.testing.assert_allclose(got[-1], want[-1], rtol=2e-5, atol=1e-6)
+    plain = _run(so.fedadagrad(0.1, tau=1e-2, b1=0.0), X0)
+    want_plain = _reference("adagrad", 0.1, 0.0, 0.0, 1e-2, X0)
+    np.testing.assert_allclose(plain[-1], want_plain[-1], rtol=2e-5, atol=1e-6)
 
 
 def test_no_bias_correction_differs_from_optax_adam() -> None:
