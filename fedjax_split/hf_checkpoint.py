@@ -441,6 +441,15 @@ def params_to_tensors(params: Params, config: BertConfig) -> dict[str, np.ndarra
     return out
 
 
+def _umask_modes(directory: Path) -> None:
+    """Sets `directory` and the files in it to the modes the process umask gives new ones."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for f in directory.iterdir():
+        os.chmod(f, 0o666 & ~umask)
+
+
 def save_pretrained(
     params: Params,
     config: BertConfig,
@@ -475,6 +484,7 @@ def save_pretrained(
                 )
             for f in copied:
                 shutil.copy2(tok / f, tmp / f)
+        _umask_modes(tmp)  # mkdtemp makes 0700: give the export the modes a plain mkdir would
         old = None
         if out.exists():
             old = out.parent / f".old-{out.name}-{os.getpid()}"

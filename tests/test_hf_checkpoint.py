@@ -460,3 +460,19 @@ def test_real_minilm_matches_transformers(minilm_dir, tmp_path):
     _, back, _ = load_pretrained(out, num_labels=3)
     for (pa, a), (_, b) in zip(_flat(params).items(), _flat(back).items(), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b)), pa
+
+
+def test_export_has_the_modes_of_a_plain_directory(tmp_path):
+    import os
+    import stat
+
+    from fedjax_split.model import BertConfig, init_params
+
+    config = BertConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=16, max_position_embeddings=16)  # fmt: skip
+    out = save_pretrained(init_params(config, jax.random.key(0)), config, tmp_path / "m")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    for f in out.iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask
