@@ -244,17 +244,27 @@ def evaluate(setup: Setup) -> dict[str, Any]:
     )
     groups = getattr(setup.examples, "groups", None)
     per_client = []
-    for res in results:
+    for i, res in enumerate(results):
         if len(res.labels) == 0:
             continue  # a client without test examples has no metric
         g = None if groups is None else np.asarray(groups)[res.example_index]
-        per_client.append(tasks.compute_metrics(setup.task, res.predictions, res.labels, groups=g))
-    names = sorted(set().union(*per_client)) if per_client else []
-    mean = {
-        m: float(np.mean([pc[m] for pc in per_client if m in pc and pc[m] is not None]))
-        for m in names
-    }
-    return {**mean, "clients": per_client}
+        metrics = tasks.compute_metrics(setup.task, res.predictions, res.labels, groups=g)
+        per_client.append({"client": i, **metrics})
+    return {**mean_over_clients(per_client), "clients": per_client}
+
+
+def mean_over_clients(per_client: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Unweighted mean of each metric over clients (the paper's figure).
+
+    A metric undefined for a client (NaN: e.g. Pearson on a constant test split) is left out of
+    the mean rather than turning it into NaN; the per-client entry keeps it (null in JSON).
+    """
+    names = sorted(set().union(*per_client) - {"client"}) if per_client else []
+    mean = {}
+    for m in names:
+        vals = [pc[m] for pc in per_client if pc.get(m) is not None and np.isfinite(pc[m])]
+        mean[m] = float(np.mean(vals)) if vals else float("nan")
+    return mean
 
 
 def _state(setup: Setup) -> dict[str, Any]:
@@ -299,6 +309,12 @@ def run_experiment(
         state, meta = checkpointer.restore(_state(setup))
         setup.server_state, setup.local_params = state["server_state"], state["local_params"]
         start_round, history = int(meta["round"]), list(meta["history"])
+        saved_model = meta.get("model_config")
+        if saved_model is not None and saved_model != setup.model_config.to_hf_dict():
+            raise UserError(
+                "--resume: the model's config differs from the checkpoint's; use the saved "
+                "--model or another --output-dir"
+            )
         saved_clients = [[list(c["train"]), list(c["test"])] for c in meta["partition"]]
         if saved_clients != _partition_lists(setup.partition):
             raise UserError(
@@ -417,7 +433,7 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
 def make_summary(setup: Setup, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The run at a glance: final and best primary metric, bytes, time, sizes."""
     metric = setup.task.primary_metric
-    evaluated = [h for h in history if h.get(metric) is not None]
+    evaluated = [h for h in history if h.get(metric) is not None and np.isfinite(h[metric])]
     last = history[-1] if history else {}
     final_eval = evaluated[-1] if evaluated else {}
     best = max(evaluated, key=lambda h: h[metric]) if evaluated else {}

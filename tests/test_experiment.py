@@ -206,3 +206,18 @@ def test_evaluate_maps_groups_by_example_index_and_means_over_clients(
     assert out["accuracy"] == pytest.approx((2 / 3 + 0.5) / 2)
     assert out["accuracy_matched"] == pytest.approx(0.75)
     assert out["accuracy_mismatched"] == pytest.approx(0.5)  # over the clients that have it
+
+
+def test_mean_over_clients_skips_undefined_metrics() -> None:
+    per_client = [
+        {"client": 0, "pearson": 0.5, "spearman": 0.25},
+        {"client": 1, "pearson": float("nan"), "spearman": 0.75},  # constant test split
+        {"client": 3, "pearson": 0.9, "spearman": None},
+    ]
+    assert experiment.mean_over_clients(per_client) == {
+        "pearson": pytest.approx(0.7),
+        "spearman": pytest.approx(0.5),
+    }
+    nan = experiment.mean_over_clients([{"client": 0, "pearson": float("nan")}])["pearson"]
+    assert np.isnan(nan)
+    assert experiment.mean_over_clients([]) == {}

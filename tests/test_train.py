@@ -203,6 +203,24 @@ def test_unreadable_checkpoint_with_resume(
     assert _digest(run) == before
 
 
+def test_resume_with_another_model_of_the_same_shapes_is_refused(
+    env: dict, straight: Path, capsys: pytest.CaptureFixture
+) -> None:
+    run = env["base"] / "other_model"
+    shutil.copytree(straight, run)
+    other = env["base"] / "model_gelu_new"
+    shutil.copytree(env["model"], other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["hidden_act"] = "gelu_new"  # same shapes, different function
+    (other / "config.json").write_text(json.dumps(cfg))
+    before = _digest(run)
+    args = [a for a in _args(env, run) if not a.startswith("--model=")]
+    code = train.main([*args, f"--model={other}", "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "model" in err[0]
+    assert _digest(run) == before
+
+
 def test_process_exit_status_and_no_traceback(env: dict) -> None:
     res = _cli(env, _args(env, env["base"] / "never", algorithm="bogus"))
     assert res.returncode == 2
