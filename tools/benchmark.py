@@ -160,6 +160,9 @@ def run(args: argparse.Namespace) -> dict:
         return rounds.run_round(spec, state, locals_k, n_i, segs, rng)[:2]
 
     compile_s, round_s = timed(vmapped, args.repeats)
+    if args.skip_baselines:
+        seq_compile_s = seq_s = step_compile_s = step_s = float("nan")
+        per_client = []
 
     # The same clients one after another: each client's own segments, one jitted update per client.
     update = jax.jit(client.make_client_update(cspec))
@@ -176,7 +179,8 @@ def run(args: argparse.Namespace) -> dict:
         outs = [update(g, local, pc, jax.random.key(i)) for i, pc in enumerate(per_client)]
         return jax.tree.map(lambda *x: sum(x), *[o[0] for o in outs])
 
-    seq_compile_s, seq_s = timed(sequential, max(1, args.repeats // 2))
+    if not args.skip_baselines:
+        seq_compile_s, seq_s = timed(sequential, max(1, args.repeats // 2))
 
     # Step by step from Python: one jitted optimiser step per batch (the naive loop).
     @jax.jit
@@ -209,7 +213,8 @@ def run(args: argparse.Namespace) -> dict:
             out = p
         return out
 
-    step_compile_s, step_s = timed(stepwise, max(1, args.repeats // 2))
+    if not args.skip_baselines:
+        step_compile_s, step_s = timed(stepwise, max(1, args.repeats // 2))
 
     model_flops = sum(flops.train_step_flops(config, 1, int(n)) for x in lengths for n in x)
     model_flops *= args.local_epochs
@@ -243,6 +248,63 @@ def run(args: argparse.Namespace) -> dict:
         "model_flops": model_flops,
         "hardware_flops": hw_flops,
         "peak_memory_bytes": int(mem),
+    }  # fmt: skip
+
+
+def profile_step(args: argparse.Namespace) -> dict:
+    """Milliseconds of the pieces of one client step (forward, backward with and without dropout,
+    the optimiser update), each jitted on its own: where a training step's time goes."""
+    backend = jax.default_backend()
+    dtype = args.dtype or ("bfloat16" if backend == "gpu" else "float32")
+    config, params = model_config(args.model, 2, dtype)
+    apply = make_apply(config)
+    b, t = args.batch_size, args.profile_length
+    ids = jnp.full((b, t), 2000 % config.vocab_size, jnp.int32)
+    ones, zeros = jnp.ones((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32)
+    labels = jnp.zeros((b,), jnp.int32)
+    opt = client.default_client_optimizer(2e-5)
+    key = jax.random.key(0)
+
+    def loss(p, train, k=None):
+        logits = apply(p, ids, ones, zeros, train=train, rng=k)
+        return client.example_losses(logits, labels, False).mean()
+
+    def best_ms(f, *a, n=5):
+        _block(f(*a))
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            _block(f(*a))
+            times.append(time.perf_counter() - t0)
+        return 1e3 * min(times)
+
+    grads = jax.grad(loss)(params, False)
+    state = opt.init(params)
+
+    def full(p, o, k):
+        u, o = opt.update(jax.grad(loss)(p, True, k), o, p)
+        return jax.tree.map(lambda a, c: a + c, p, u), o
+
+    pieces = {
+        "forward": best_ms(jax.jit(lambda p: loss(p, False)), params),
+        "forward_backward_no_dropout": best_ms(jax.jit(jax.grad(lambda p: loss(p, False))), params),
+        "forward_backward_dropout": best_ms(jax.jit(jax.grad(lambda p, k: loss(p, True, k))),
+                                            params, key),
+        "optimizer_update": best_ms(jax.jit(lambda g, o, p: opt.update(g, o, p)), grads, state,
+                                    params),
+        "full_step": best_ms(jax.jit(full), params, state, key),
+    }  # fmt: skip
+    peak = measure_peak(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+    fwd = flops.forward_flops(config, b, t)
+    rates = {
+        "forward": fwd,
+        "forward_backward_no_dropout": 3 * fwd,
+        "forward_backward_dropout": 3 * fwd,
+        "full_step": 3 * fwd,
+    }
+    return {
+        "batch": b, "length": t, "model": args.model, "peak": peak, "ms": pieces,
+        "share_of_peak": {k: v / (pieces[k] / 1e3) / peak["flops_per_s"] for k, v in rates.items()},
     }  # fmt: skip
 
 
@@ -287,12 +349,27 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="compute dtype (default fp32 CPU, bf16 GPU)")
     p.add_argument("--no-bucketing", action="store_true", help="pad every batch to the longest")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions after warm-up")
+    p.add_argument(
+        "--skip-baselines",
+        action="store_true",
+        help="time only the federated round (no one-at-a-time or step-loop runs)",
+    )
+    p.add_argument(
+        "--profile-step",
+        action="store_true",
+        help="time the pieces of one client step instead of whole rounds",
+    )
+    p.add_argument("--profile-length", type=int, default=32, help="sequence length for the profile")
     p.add_argument("--out", default=None, help="JSON file for the results")
     return p.parse_args(argv)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    if args.profile_step:
+        result = profile_step(args)
+        print(json.dumps(result, indent=2))
+        return result
     result = run(args)
     text = json.dumps(result, indent=2)
     if args.out:

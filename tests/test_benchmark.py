@@ -1,0 +1,42 @@
+"""tools/benchmark.py on a tiny model: its derived figures agree with what it measured."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from fedjax_split.flops import train_step_flops
+from fedjax_split.model import BertConfig
+
+_SPEC = importlib.util.spec_from_file_location(
+    "benchmark", Path(__file__).resolve().parents[1] / "tools" / "benchmark.py"
+)
+benchmark = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(benchmark)
+
+
+def test_tiny_round_benchmark(tmp_path):
+    out = tmp_path / "b.json"
+    r = benchmark.main(["--model", "tiny", "--clients", "2", "--examples-per-client", "8",
+                        "--batch-size", "4", "--lengths", "16", "--repeats", "1",
+                        "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == json.loads(json.dumps(r))
+    config = BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64)  # fmt: skip
+    # 2 clients x 8 examples of 16 tokens, one epoch; 16 is a multiple of 8: no padding at all
+    assert r["model_flops"] == 16 * train_step_flops(config, 1, 16)
+    assert r["padding_waste"] == 0.0 and r["hardware_flops"] == r["model_flops"]
+    assert r["real_tokens"] == 16 * 16
+    rd = r["round"]
+    assert rd["mfu"] == pytest.approx(r["model_flops"] / rd["seconds"] / r["peak"]["flops_per_s"])
+    assert r["speedup_vs_sequential"] == pytest.approx(r["sequential"]["seconds"] / rd["seconds"])
+    assert "| tiny | cpu | 2 | 4 | 16 |" in benchmark.markdown_row(r)
+
+
+def test_tiny_step_profile():
+    r = benchmark.main(["--model", "tiny", "--profile-step", "--batch-size", "2",
+                        "--profile-length", "8"])  # fmt: skip
+    assert set(r["ms"]) == {"forward", "forward_backward_no_dropout", "forward_backward_dropout",
+                            "optimizer_update", "full_step"}  # fmt: skip
+    assert all(v > 0 for v in r["ms"].values())
