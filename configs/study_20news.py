@@ -2,7 +2,7 @@
 """Study preset (issue 6): 20 Newsgroups, MiniLM-L6, FedNLP's cross-device regime.
 
 100 clients, Dirichlet label skew alpha = 1, 10 clients sampled per round. CPU-sized: 2,000 of the
-18,821 documents (about 20 per client), 6 rounds of 2 local epochs, 128 tokens.
+18,821 documents (about 20 per client), 4 rounds of 2 local epochs, 128 tokens.
 
   python -m fedjax_split.train --config configs/study_20news.py --output-dir runs/study/news_fedsplit_c3
 """
@@ -19,7 +19,7 @@ def get_config() -> dict:
         partition="dirichlet",
         alpha=1.0,
         max_examples=2000,
-        rounds=6,
+        rounds=4,
         local_epochs=2,
         batch_size=16,
         lr=5e-5,

@@ -105,6 +105,11 @@ def mb_to_reach(run: dict[str, Any], target: float, metric: str = "accuracy") ->
     return None
 
 
+def show(path: Path) -> str:
+    """A run directory as the report names it: relative to the repository when inside it."""
+    return os.path.relpath(path, ROOT) if path.resolve().is_relative_to(ROOT) else str(path)
+
+
 def fmt(x: float | None, digits: int = 2) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
@@ -138,7 +143,7 @@ def method_table(runs: list[dict[str, Any]], baseline: dict[str, Any] | None) ->
         lines.append(
             f"| {method_label(run['config'])} | {fmt(final_metric(run), 4)} | {fmt(best, 4)} | "
             f"{fmt(per_round, 1)} | {fmt(reach, 1) if reach is not None else 'not reached'} | "
-            f"{gain_s} | `{run['dir'].relative_to(ROOT)}` |"
+            f"{gain_s} | `{show(run['dir'])}` |"
         )
     return lines
 
@@ -157,7 +162,7 @@ def seeds_table(runs_dir: Path) -> list[str]:
         std = statistics.stdev(got) if len(got) > 1 else None
         lines.append(f"| {label} | " + " | ".join(fmt(v, 4) for v in vals)
                      + f" | {fmt(mean, 4)} | {fmt(std, 4)} | "
-                     + ", ".join(f"`runs/study/{n}`" for n in names) + " |")  # fmt: skip
+                     + ", ".join(f"`{show(runs_dir / n)}`" for n in names) + " |")  # fmt: skip
     return lines
 
 
@@ -168,13 +173,13 @@ def sweep_table(runs_dir: Path) -> list[str]:
                     (4, "k10_fedsplit_c4"), (5, "k10_fedsplit_c5"), (6, "k10_fedavg")]:  # fmt: skip
         run = load(runs_dir, name)
         if run is None:
-            lines.append(f"| {c} | {2 * c} | n/a | not run | n/a | `runs/study/{name}` |")
+            lines.append(f"| {c} | {2 * c} | n/a | not run | n/a | `{show(runs_dir / name)}` |")
             continue
         rec = run["records"][0]
         per_round = (rec["bytes_up"] + rec["bytes_down"]) / 1e6
         params = rec["bytes_up"] / 4 / run["config"]["clients"]
         lines.append(f"| {c} | {2 * c} | {params / 1e6:.2f}M | {fmt(final_metric(run), 4)} | "
-                     f"{fmt(per_round, 1)} | `runs/study/{name}` |")  # fmt: skip
+                     f"{fmt(per_round, 1)} | `{show(runs_dir / name)}` |")  # fmt: skip
     return lines
 
 
@@ -198,7 +203,7 @@ def plots(runs_dir: Path, fig_dir: Path) -> list[str]:
         if not dirs:
             continue
         for p in plot_runs(dirs, "accuracy", fig_dir / name):
-            lines.append(f"![{p.stem}]({p.relative_to(ROOT / 'docs')})")
+            lines.append(f"![{p.stem}]({os.path.relpath(p, fig_dir.parent)})")
     return lines
 
 
@@ -248,14 +253,14 @@ def report(runs_dir: Path, out: Path) -> None:
         "## 20 Newsgroups, FedNLP cross-device regime",
         "",
         f"Preset `{NEWS}`: 100 clients, Dirichlet label skew alpha = 1, 10 sampled per round, "
-        "2,000 of 18,821 documents (about 20 per client), 6 rounds of 2 local epochs, 128 tokens. "
+        "2,000 of 18,821 documents (about 20 per client), 4 rounds of 2 local epochs, 128 tokens. "
         "Accuracy is the mean over all 100 clients' personalised models on their own test splits.",
         "",
         *method_table(news, base(news)),
         "",
         "## Plots",
         "",
-        *plots(runs_dir, ROOT / "docs" / "figures"),
+        *plots(runs_dir, out.parent / "figures"),
         "",
         "## Commands",
         "",
