@@ -125,6 +125,29 @@ def method_label(config: dict[str, Any]) -> str:
     return f"FedSplitBERT c={c}" + q
 
 
+def majority_baseline(run: dict[str, Any]) -> float:
+    """Mean over clients of the accuracy of predicting the client's majority training label on
+    its own test split: what a model learns from the local label prior alone. Rebuilt from the
+    run's partition.json and the task's labels, subsampled exactly as the run did."""
+    import numpy as np
+
+    from fedjax_split.experiment import subsample_indices
+    from fedjax_split.sources import load_examples
+    from fedjax_split.tasks import get_task
+
+    cfg = run["config"]
+    labels = np.asarray(load_examples(get_task(cfg["task"])).labels)
+    idx = subsample_indices(len(labels), cfg.get("max_examples"), cfg["seed"])
+    labels = labels if idx is None else labels[idx]
+    part = json.loads((run["dir"] / "partition.json").read_text())
+    accs = []
+    for client in part["clients"]:
+        train, test = labels[np.asarray(client["train"])], labels[np.asarray(client["test"])]
+        if test.size:
+            accs.append(float(np.mean(test == np.bincount(train).argmax())))
+    return float(np.mean(accs))
+
+
 def method_table(runs: list[dict[str, Any]], baseline: dict[str, Any] | None) -> list[str]:
     """Paper Table III/V/VI shape: accuracy, bytes per round, MB to reach the target, gain."""
     target = final_metric(baseline) if baseline else None
@@ -133,6 +156,10 @@ def method_table(runs: list[dict[str, Any]], baseline: dict[str, Any] | None) ->
             f"| MB to reach {goal} | gain vs FedAvg | run |")  # fmt: skip
     lines = [head, "|---|---|---|---|---|---|---|"]
     base_mb = mb_to_reach(baseline, target) if baseline else None
+    if baseline is not None and (baseline["dir"] / "partition.json").is_file():
+        lines.append(f"| majority label of each client (no model) | "
+                     f"{fmt(majority_baseline(baseline), 4)} | | | | | "
+                     f"`{show(baseline['dir'])}` partition |")  # fmt: skip
     for run in runs:
         recs = run["records"]
         per_round = (recs[0]["bytes_up"] + recs[0]["bytes_down"]) / 1e6
