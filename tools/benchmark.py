@@ -18,6 +18,7 @@ Definitions (all in the JSON):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -37,6 +38,16 @@ from fedjax_split.model import BertConfig, init_params, make_apply
 from fedjax_split.splitting import merge_params, split_params
 
 
+def _seconds(fn, repeats: int) -> list[float]:
+    """Wall seconds of `repeats` calls of `fn`, each waited on to completion."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def measure_peak(dtype: Any, sizes: tuple[int, ...] = (1024, 2048, 3072), repeats: int = 5) -> dict:
     """Best matmul FLOP/s over square sizes (jitted, inputs on device, timed after warm-up)."""
     best = {"flops_per_s": 0.0}
@@ -45,12 +56,7 @@ def measure_peak(dtype: Any, sizes: tuple[int, ...] = (1024, 2048, 3072), repeat
         b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
         mm = jax.jit(lambda x, y: x @ y)
         mm(a, b).block_until_ready()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            mm(a, b).block_until_ready()
-            times.append(time.perf_counter() - t0)
-        rate = 2 * n**3 / min(times)
+        rate = 2 * n**3 / min(_seconds(functools.partial(mm, a, b), repeats))
         if rate > best["flops_per_s"]:
             best = {"flops_per_s": rate, "n": n, "dtype": jnp.dtype(dtype).name}
     return best
@@ -109,21 +115,10 @@ def synthetic_tokens(lengths: list[np.ndarray], vocab: int) -> Any:
     return Tokenized(ids, [np.zeros(n, np.int32) for n in flat], flat.astype(np.int32))
 
 
-def _block(tree: Any) -> Any:
-    return jax.block_until_ready(tree)
-
-
 def timed(fn, repeats: int) -> tuple[float, float]:
     """(first-call seconds including compilation, median steady-state seconds)."""
-    t0 = time.perf_counter()
-    _block(fn())
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        _block(fn())
-        times.append(time.perf_counter() - t0)
-    return first, statistics.median(times)
+    (first,) = _seconds(fn, 1)
+    return first, statistics.median(_seconds(fn, repeats))
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -270,13 +265,8 @@ def profile_step(args: argparse.Namespace) -> dict:
         return client.example_losses(logits, labels, False).mean()
 
     def best_ms(f, *a, n=5):
-        _block(f(*a))
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            _block(f(*a))
-            times.append(time.perf_counter() - t0)
-        return 1e3 * min(times)
+        _seconds(lambda: f(*a), 1)  # warm-up and compilation
+        return 1e3 * min(_seconds(lambda: f(*a), n))
 
     grads = jax.grad(loss)(params, False)
     state = opt.init(params)
