@@ -8,10 +8,22 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 POSITIVE = ["good", "great", "fine", "superb", "lovely", "fun"]
 NEGATIVE = ["bad", "awful", "poor", "dull", "boring", "weak"]
 FILLER = ["the", "movie", "film", "was", "a", "plot", "story", "very", "quite", "and"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Tokenised-data cache files of these runs go to a temp dir, not the user's cache.
+
+    Autouse in every module that imports it (module scope: one cache per test module).
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FEDJAX_SPLIT_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
 
 
 def write_tiny_model(out_dir: Path, *, num_layers: int = 2, seed: int = 0) -> Path:

@@ -9,18 +9,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from run_fixtures import write_tiny_model, write_tiny_sst2
+from run_fixtures import private_cache, write_tiny_model, write_tiny_sst2  # noqa: F401 (autouse)
 
 from fedjax_split import experiment, export
 from fedjax_split.run_checkpoint import RunCheckpointer, checkpoint_dir
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _private_cache(tmp_path_factory: pytest.TempPathFactory):
-    """Tokenised-data cache files of these runs go to a temp dir, not the user's cache."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FEDJAX_SPLIT_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
 
 
 @pytest.fixture(scope="module")

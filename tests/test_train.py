@@ -18,21 +18,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from run_fixtures import tiny_args, write_tiny_model, write_tiny_sst2
+from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
+    private_cache,
+    tiny_args,
+    write_tiny_model,
+    write_tiny_sst2,
+)
 
 from fedjax_split import train
 
 ROOT = Path(__file__).resolve().parents[1]
 # batch 32 >= every client's 32 training examples: one batch shape, one compilation
 FAST = {"batch_size": 32, "local_epochs": 2}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _private_cache(tmp_path_factory: pytest.TempPathFactory):
-    """Tokenised-data cache files of these runs go to a temp dir, not the user's cache."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("FEDJAX_SPLIT_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
 
 
 @pytest.fixture(scope="module")
