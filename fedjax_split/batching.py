@@ -28,6 +28,16 @@ Measured padding waste (real rotten tomatoes, MiniLM WordPiece, mean 27 tokens, 
 3 epochs, B = 8/16/32): K=3 13.3/13.7/13.0%, K=10 15.7/16.5/18.7%; 66% without bucketing. The
 floor is 11.4% (every example rounded up to a multiple of 8 on its own).
 
+Packing (`packing=True`) removes the padding inside a batch instead of sorting it away: a step's
+examples lie end to end in one token stream input_ids / token_type_ids / position_ids [K, S, N]
+(N: the bucket's most real tokens, rounded up to `pad_to_multiple`), which every token-wise layer
+computes; attention runs on R rows of W >= `pack_width` slots each ([K, S, R, W]: attention_mask =
+batch slot + 1 or 0, row_tokens = stream position), filled first-fit decreasing, and
+token_slots [K, S, N] and cls_index [K, S, B] map back (`model.Layout`). Batches are then plain
+shuffled ones (no length windows: a mixed batch packs as well as a sorted one), bucketed by their
+real tokens. Measured on the same rotten-tomatoes lengths, K=10, B=16, 2 epochs: 13.5% padding at
+64 examples per client and 10.3% at 160 (38% and 25% padded).
+
 Padding rows (example_mask 0) get input_ids = pad_id and attend to position 0 only, so a model
 never sees an all-masked attention row (which could produce NaN that a zero weight cannot cancel).
 """
@@ -175,6 +185,89 @@ def _assemble(
     }
 
 
+def _first_fit(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """First-fit decreasing bin packing: (row, column) of each example's first token, rows used."""
+    order = np.argsort(-lengths, kind="stable")
+    free: list[int] = []
+    row = np.zeros(lengths.size, np.int64)
+    col = np.zeros(lengths.size, np.int64)
+    for i in order:
+        n = int(lengths[i])
+        r = next((j for j, f in enumerate(free) if f >= n), len(free))
+        if r == len(free):
+            free.append(width)
+        row[i], col[i] = r, width - free[r]
+        free[r] -= n
+    return row, col, len(free)
+
+
+def _assemble_packed(
+    packed: Packed,
+    rows: np.ndarray,
+    steps_real: np.ndarray,
+    labels: np.ndarray,
+    num_tokens: int,
+    num_rows: int,
+    row_width: int,
+    is_regression: bool,
+    pad_id: int,
+) -> Segment:
+    """Gathers a packed segment from pool indices `rows` [K, S, B] (-1 = padding).
+
+    Each step's real tokens lie end to end in a flat stream of `num_tokens` positions ([K, S, N]:
+    input_ids, token_type_ids, position_ids restarting at 0 per example), which every token-wise
+    layer computes. Attention runs on `num_rows` rows of `row_width` slots ([K, S, R, W]), filled
+    first-fit decreasing: `row_tokens` names the stream position in each slot, `token_slots` the
+    slot of each stream position, `attention_mask` each slot's batch slot + 1 (0 = empty slot),
+    and `cls_index` [K, S, B] each example's first stream position.
+    """
+    k, s, b = rows.shape
+    flat = (k, s, num_tokens)
+    ids = np.full(flat, pad_id, np.int32)
+    types = np.zeros(flat, np.int32)
+    positions = np.zeros(flat, np.int32)
+    token_slots = np.zeros(flat, np.int32)
+    row_tokens = np.zeros((k, s, num_rows, row_width), np.int32)
+    example_no = np.zeros((k, s, num_rows, row_width), np.int32)
+    cls_index = np.zeros((k, s, b), np.int32)
+    real = rows >= 0
+    for i in range(k):
+        for j in range(s):
+            (slots,) = np.nonzero(real[i, j])
+            lens = packed.lengths[rows[i, j, slots]]
+            r, c, used = _first_fit(lens, row_width)
+            if used > num_rows or lens.sum() > num_tokens:
+                raise AssertionError("a batch does not fit its bucket's packed shape")
+            at = 0
+            for e in np.lexsort((c, r)):  # stream order = row-major slot order
+                n, start = int(lens[e]), int(packed.offsets[rows[i, j, slots[e]]])
+                stream = slice(at, at + n)
+                slot = r[e] * row_width + c[e] + np.arange(n)
+                ids[i, j, stream] = packed.input_ids[start : start + n]
+                types[i, j, stream] = packed.token_type_ids[start : start + n]
+                positions[i, j, stream] = np.arange(n)
+                token_slots[i, j, stream] = slot
+                row_tokens[i, j].reshape(-1)[slot] = np.arange(at, at + n)
+                example_no[i, j].reshape(-1)[slot] = slots[e] + 1
+                cls_index[i, j, slots[e]] = at
+                at += n
+    label_dtype = np.float32 if is_regression else np.int32
+    safe = np.where(real, rows, 0)
+    return {
+        "input_ids": ids,
+        "attention_mask": example_no,
+        "token_type_ids": types,
+        "position_ids": positions,
+        "row_tokens": row_tokens,
+        "token_slots": token_slots,
+        "cls_index": cls_index,
+        "labels": np.where(real, labels[safe], 0).astype(label_dtype),
+        "example_mask": real.astype(np.float32),
+        "step_mask": steps_real,
+        "example_index": rows.astype(np.int32),
+    }
+
+
 def _stack(batches: list[list[np.ndarray]], batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Per-client lists of batches -> rows [K, S, B] (-1 padding) and step_mask [K, S]."""
     k = len(batches)
@@ -205,6 +298,8 @@ def _build(
     max_length: int | None,
     pad_id: int,
     client_ids: Sequence[int] | None = None,
+    packing: bool = False,
+    pack_width: int = 64,
 ) -> list[Segment]:
     if batch_size < 1 or epochs < 1 or pad_to_multiple < 1 or num_buckets < 1:
         raise ValueError("batch_size, epochs, pad_to_multiple and num_buckets must be >= 1")
@@ -221,6 +316,11 @@ def _build(
     if len(ids) != len(clients):
         raise ValueError("client_ids and client_indices differ in length")
     width = lambda longest: _width(longest, pad_to_multiple, max_length)  # noqa: E731
+    if packing:
+        if pack_width < 1:
+            raise ValueError("pack_width must be >= 1")
+        top_len = max((int(packed.lengths[ix].max()) for ix in clients if ix.size), default=1)
+        row_width = max(pack_width, width(top_len))
 
     # per client, per epoch: batches of pool indices
     per_client: list[list[list[np.ndarray]]] = []
@@ -229,18 +329,34 @@ def _build(
         epochs_i = []
         for e in range(epochs):
             rng = np.random.default_rng([*seeds, _TAG_CLIENT, ids[i], e]) if shuffle else None
-            win = window if bucketing else None
+            win = window if bucketing and not packing else None
             epochs_i.append([ix[b] for b in _epoch_batches(lens, batch_size, rng, win)])
         per_client.append(epochs_i)
 
+    # A batch's cost: its longest example (T), or packed, its real tokens (the stream's N).
     def longest(batch: np.ndarray) -> int:
-        return int(packed.lengths[batch].max())
+        return int(packed.lengths[batch].sum() if packing else packed.lengths[batch].max())
+
+    size = (lambda n: _round_up(max(n, 1), pad_to_multiple)) if packing else width  # noqa: E731
+
+    def attention_rows(batches: Any) -> int:
+        """Packed: the most attention rows any of these batches fills (a bucket keeps one R)."""
+        if not packing:
+            return 0
+        return max((_first_fit(packed.lengths[b], row_width)[2] for b in batches), default=1)
+
+    def assemble(rows: np.ndarray, steps: np.ndarray, t: int, num_rows: int) -> Segment:
+        if not packing:
+            return _assemble(packed, rows, steps, labels, t, is_regression, pad_id)
+        return _assemble_packed(
+            packed, rows, steps, labels, t, num_rows, row_width, is_regression, pad_id
+        )
 
     if not bucketing:
         flat = [[b for ep in c for b in ep] for c in per_client]
         rows, steps = _stack(flat, batch_size)
-        top = int(packed.lengths[rows[rows >= 0]].max()) if np.any(rows >= 0) else 1
-        return [_assemble(packed, rows, steps, labels, width(top), is_regression, pad_id)]
+        top = max((longest(b) for c in flat for b in c), default=1)
+        return [assemble(rows, steps, size(top), attention_rows(b for c in flat for b in c))]
 
     num_batches = np.array([len(c[0]) for c in per_client], dtype=np.int64)
     grid = _GRID
@@ -258,7 +374,7 @@ def _build(
         if sl.shape[1]:
             cummax = np.maximum.accumulate(sl.max(axis=0))
             sorted_max[i] = np.where(pos[i] > 0, cummax[np.maximum(pos[i] - 1, 0)], 0)
-    cuts = _choose_cuts(sorted_max, pos, num_buckets, width)
+    cuts = _choose_cuts(sorted_max, pos, num_buckets, size)
     buckets = list(zip(cuts[:-1], cuts[1:], strict=True))
 
     # one (S, T) per bucket, shared by all epochs
@@ -266,7 +382,8 @@ def _build(
     for a, b in buckets:
         count = pos[:, b] - pos[:, a]
         top = int(np.max(np.where(count > 0, sorted_max[:, b], 0))) if np.any(count > 0) else 1
-        shapes.append((int(count.max()), width(top)))
+        members = [x for i, c in enumerate(ranked) for ep in c for x in ep[pos[i, a] : pos[i, b]]]
+        shapes.append((int(count.max()), size(top), attention_rows(members)))
 
     segments = []
     for e in range(epochs):
@@ -277,7 +394,7 @@ def _build(
         )
         for g in order:
             a, b = buckets[g]
-            s, t = shapes[g]
+            s, t, num_rows = shapes[g]
             if s == 0:
                 continue
             chosen = []
@@ -291,7 +408,7 @@ def _build(
             if rows.shape[1] < s:  # a bucket keeps its S in every epoch
                 rows = np.pad(rows, ((0, 0), (0, s - rows.shape[1]), (0, 0)), constant_values=-1)
                 steps = np.pad(steps, ((0, 0), (0, s - steps.shape[1])))
-            segments.append(_assemble(packed, rows, steps, labels, t, is_regression, pad_id))
+            segments.append(assemble(rows, steps, t, num_rows))
     return segments
 
 
@@ -312,6 +429,8 @@ def make_client_batches(
     max_length: int | None = None,
     pad_id: int = 0,
     client_ids: Sequence[int] | None = None,
+    packing: bool = False,
+    pack_width: int = 64,
 ) -> list[Segment]:
     """Training segments for the clients `client_indices` (pool indices into `tokenized`/`labels`).
 
@@ -320,12 +439,16 @@ def make_client_batches(
     `client_ids` (default: positions 0..K-1) key each client's shuffles, so a client sampled into
     a different position of a round gets the same order. Pass `pack(tokenized)` once instead of
     `tokenized` to avoid re-flattening the ragged tokens every round.
+
+    `packing=True` packs each batch's examples into rows of `pack_width` tokens (wider if an
+    example is longer), first-fit decreasing, and adds `position_ids` and `cls_index` (see the
+    module docstring); batches are then plain shuffled batches, bucketed by the rows they fill.
     """
     return _build(
         tokenized, client_indices, labels, batch_size=batch_size, epochs=epochs, seed=seed,
         shuffle=shuffle, pad_to_multiple=pad_to_multiple, is_regression=is_regression,
         bucketing=bucketing, num_buckets=num_buckets, window=window, max_length=max_length,
-        pad_id=pad_id, client_ids=client_ids,
+        pad_id=pad_id, client_ids=client_ids, packing=packing, pack_width=pack_width,
     )  # fmt: skip
 
 
@@ -355,12 +478,22 @@ def make_eval_batches(
     )  # fmt: skip
 
 
-def padding_waste(segments: Sequence[Segment]) -> float:
-    """Fraction of computed token positions that are padding (masked steps and rows included)."""
+def padding_waste(segments: Sequence[Segment], skip_masked_steps: bool = False) -> float:
+    """Fraction of computed token positions that are padding.
+
+    Padding rows and positions always count as computed; masked steps (step_mask False) too,
+    unless `skip_masked_steps` (clients run one at a time, `chunk_size=1`, where `lax.cond`
+    skips them).
+    """
     computed = 0
     real = 0
     for seg in segments:
-        computed += seg["input_ids"].size
-        mask = seg["attention_mask"] * seg["example_mask"][..., None].astype(np.int64)
-        real += int(np.sum(mask * seg["step_mask"][..., None, None]))
+        steps = np.asarray(seg["step_mask"])
+        per_step = int(np.prod(seg["input_ids"].shape[2:]))
+        computed += (int(steps.sum()) if skip_masked_steps else steps.size) * per_step
+        if "cls_index" in seg:  # packed: example numbers, 0 = padding
+            tokens = np.asarray(seg["attention_mask"]) > 0
+        else:
+            tokens = seg["attention_mask"] * seg["example_mask"][..., None].astype(np.int64)
+        real += int(np.sum(tokens * steps.reshape(steps.shape + (1,) * (tokens.ndim - 2))))
     return 0.0 if computed == 0 else 1.0 - real / computed

@@ -38,6 +38,18 @@ SEGMENT_KEYS = (
     "example_mask",
     "step_mask",
 )
+PACKING_KEYS = ("position_ids", "row_tokens", "token_slots", "cls_index")
+"""Extra keys of packed segments (`batching.make_client_batches(packing=True)`)."""
+
+
+def segment_arrays(segment: Segment) -> dict[str, jax.Array]:
+    """The arrays of a segment that a client update consumes (packing keys when present)."""
+    return {k: segment[k] for k in SEGMENT_KEYS + PACKING_KEYS if k in segment}
+
+
+def packing_kwargs(batch: Segment) -> dict[str, jax.Array]:
+    """The packed layout's keyword arguments for the model's apply (none for a padded batch)."""
+    return {k: batch[k] for k in PACKING_KEYS if k in batch}
 
 
 class ClientMetrics(NamedTuple):
@@ -139,6 +151,7 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
             batch["token_type_ids"],
             train=True,
             rng=key,
+            **packing_kwargs(batch),
         )
         mask = batch["example_mask"].astype(jnp.float32)
         n = jnp.sum(mask)
@@ -178,7 +191,7 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
             real = jnp.logical_and(batch["step_mask"], jnp.sum(batch["example_mask"]) > 0)
             return jax.lax.cond(real, real_step, lambda s, _: s, state, batch), None
 
-        batches = {key: segment[key] for key in SEGMENT_KEYS}
+        batches = segment_arrays(segment)
         return jax.lax.scan(step, state, batches)[0]
 
     def finish(state: ClientState) -> tuple[Any, Any, ClientMetrics]:

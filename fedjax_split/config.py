@@ -74,6 +74,7 @@ class ExperimentConfig:
     checkpoint_every: int = 1
     chunk_size: int | None = None
     dtype: str = "float32"
+    packing: bool = False
 
     @property
     def sampled_clients(self) -> int:

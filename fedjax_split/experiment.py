@@ -53,6 +53,7 @@ class Setup:
     eval_segments: Any
     num_global: int
     num_local: int
+    prefetched: tuple[int, list[Any]] | None = None  # (round, its training segments)
 
 
 def subsample_indices(n: int, max_examples: int | None, seed: int) -> np.ndarray | None:
@@ -374,26 +375,40 @@ def _partition_lists(part: Any) -> list[list[list[int]]]:
     return [[np.asarray(c.train).tolist(), np.asarray(c.test).tolist()] for c in part.clients]
 
 
-def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict[str, Any]:
-    """Sample clients, batch their data, run the round, evaluate when due; the round's record."""
-    import jax
-
+def round_batches(setup: Setup, r: int) -> list[Any]:
+    """Round r's training segments for its sampled clients (a pure function of config and r)."""
     from fedjax_split import batching, rounds
 
     config = setup.config
-    t0 = time.perf_counter()
     sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
-    train_idx = [setup.partition.clients[i].train for i in sampled]
-    segments = batching.make_client_batches(
+    return batching.make_client_batches(
         setup.tokenized,
-        train_idx,
+        [setup.partition.clients[i].train for i in sampled],
         np.asarray(setup.examples.labels),
         batch_size=config.batch_size,
         epochs=config.local_epochs,
         seed=[config.seed, r],
         is_regression=setup.task.is_regression,
         client_ids=sampled,
+        packing=config.packing,
     )
+
+
+def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """Sample clients, batch their data, run the round, evaluate when due; the round's record."""
+    import jax
+
+    from fedjax_split import rounds
+
+    config = setup.config
+    t0 = time.perf_counter()
+    sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
+    train_idx = [setup.partition.clients[i].train for i in sampled]
+    if setup.prefetched is not None and setup.prefetched[0] == r:
+        segments = setup.prefetched[1]
+    else:
+        segments = round_batches(setup, r)
+    setup.prefetched = None
     num_examples = np.asarray([len(t) for t in train_idx], np.float32)
     local_sampled = rounds.take_clients(setup.local_params, sampled)
     # the run's key; run_round folds in the round counter and the clients' global ids
@@ -407,6 +422,8 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
         client_ids=sampled,
     )
     setup.local_params = rounds.put_clients(setup.local_params, sampled, new_local)
+    if r < config.rounds:  # the round runs asynchronously: batch the next one meanwhile
+        setup.prefetched = (r + 1, round_batches(setup, r + 1))
     losses = np.asarray(result.train_loss, np.float64)
     record: dict[str, Any] = {
         "round": r,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -181,7 +181,7 @@ class _Embeddings(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, input_ids, token_type_ids, deterministic: bool) -> jax.Array:
+    def __call__(self, input_ids, token_type_ids, position_ids, deterministic: bool) -> jax.Array:
         c = self.config
         init = nn.initializers.normal(c.initializer_range)
         word = nn.Embed(c.vocab_size, c.hidden_size, embedding_init=init, name="word_embeddings")
@@ -194,8 +194,9 @@ class _Embeddings(nn.Module):
         tok = nn.Embed(
             c.type_vocab_size, c.hidden_size, embedding_init=init, name="token_type_embeddings"
         )
-        positions = jnp.arange(input_ids.shape[-1], dtype=jnp.int32)
-        x = word(input_ids) + tok(token_type_ids) + pos(positions)[None]
+        if position_ids is None:
+            position_ids = jnp.arange(input_ids.shape[-1], dtype=jnp.int32)[None]
+        x = word(input_ids) + tok(token_type_ids) + pos(position_ids)
         x = _layer_norm(c)(x)
         return nn.Dropout(c.hidden_dropout_prob)(x, deterministic=deterministic)
 
@@ -206,19 +207,23 @@ class _SelfAttention(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, x, mask, deterministic: bool) -> jax.Array:
+    def __call__(self, x, mask, deterministic: bool, layout=None) -> jax.Array:
         c = self.config
-        b, t, _ = x.shape
-        split = lambda y: y.reshape(b, t, c.num_attention_heads, c.head_dim)
+        # Packed: the projections run on the token stream, attention on its rows (see Layout).
+        rows = (lambda y: y) if layout is None else lambda y: y[0][layout.row_tokens]
+        b, t = mask.shape[0], mask.shape[-1]
+        split = lambda y: rows(y).reshape(b, t, c.num_attention_heads, c.head_dim)
         q = split(_dense(c, c.hidden_size, "query")(x))
         k = split(_dense(c, c.hidden_size, "key")(x))
         v = split(_dense(c, c.hidden_size, "value")(x))
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
-        scores = jnp.where(mask[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1)
         probs = nn.Dropout(c.attention_probs_dropout_prob)(probs, deterministic=deterministic)
         ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v).reshape(b, t, c.hidden_size)
+        if layout is not None:
+            ctx = ctx.reshape(b * t, c.hidden_size)[layout.token_slots][None]
         out = _dense(c, c.hidden_size, "output")(ctx).astype(jnp.float32)
         out = nn.Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
         return _layer_norm(c)(out + x)
@@ -228,9 +233,9 @@ class _Layer(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, x, mask, deterministic: bool) -> jax.Array:
+    def __call__(self, x, mask, deterministic: bool, layout=None) -> jax.Array:
         c = self.config
-        x = _SelfAttention(c, name="attention")(x, mask, deterministic)
+        x = _SelfAttention(c, name="attention")(x, mask, deterministic, layout)
         h = _ACTIVATIONS[c.hidden_act](_dense(c, c.intermediate_size, "intermediate")(x))
         out = _dense(c, c.hidden_size, "output")(h).astype(jnp.float32)
         out = nn.Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
@@ -241,9 +246,9 @@ class _Encoder(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, x, mask, deterministic: bool) -> jax.Array:
+    def __call__(self, x, mask, deterministic: bool, layout=None) -> jax.Array:
         for i in range(self.config.num_hidden_layers):
-            x = _Layer(self.config, name=f"layer_{i}")(x, mask, deterministic)
+            x = _Layer(self.config, name=f"layer_{i}")(x, mask, deterministic, layout)
         return x
 
 
@@ -251,20 +256,64 @@ class _Pooler(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, x) -> jax.Array:
+    def __call__(self, x, cls_index) -> jax.Array:
         c = self.config
-        return jnp.tanh(_dense(c, c.hidden_size, "dense")(x[:, 0]).astype(jnp.float32))
+        first = x[:, 0] if cls_index is None else x.reshape(-1, x.shape[-1])[cls_index]
+        return jnp.tanh(_dense(c, c.hidden_size, "dense")(first).astype(jnp.float32))
+
+
+class Layout(NamedTuple):
+    """Where a packed batch's tokens sit (built by `batching.make_client_batches(packing=True)`).
+
+    The token stream [N] (input ids, types, positions) holds the batch's examples end to end, so
+    embeddings, projections, feed-forward and LayerNorm compute no padding. Attention runs on R rows
+    of W slots: `row_tokens` [R, W] is the stream position in each slot, `token_slots` [N] the
+    slot (flat index into R * W) of each stream position, `cls_index` [B] each example's first
+    stream position.
+    """
+
+    row_tokens: jax.Array
+    token_slots: jax.Array
+    cls_index: jax.Array
+
+
+def _attention_mask(attention_mask: jax.Array, packed: bool) -> jax.Array:
+    """[rows, queries or 1, keys] bool: which keys each query may attend to.
+
+    Unpacked, `attention_mask` [B, T] marks real keys. Packed, it is [R, W] and holds each slot's
+    example number (0 for an empty slot): a token attends to its own example only, and empty slots
+    to empty slots, so no softmax row is empty.
+    """
+    if packed:
+        return attention_mask[:, :, None] == attention_mask[:, None, :]
+    return attention_mask.astype(bool)[:, None, :]
 
 
 class _BertClassifier(nn.Module):
     config: BertConfig
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask, token_type_ids, deterministic: bool, head: bool):
+    def __call__(
+        self,
+        input_ids,
+        attention_mask,
+        token_type_ids,
+        deterministic: bool,
+        head: bool,
+        position_ids=None,
+        layout: Layout | None = None,
+    ):
         c = self.config
-        x = _Embeddings(c, name="embeddings")(input_ids, token_type_ids, deterministic)
-        x = _Encoder(c, name="encoder")(x, attention_mask.astype(bool), deterministic)
-        pooled = _Pooler(c, name="pooler")(x)
+        if layout is not None:  # one stream [1, N]
+            input_ids, token_type_ids, position_ids = (
+                a.reshape(1, -1) for a in (input_ids, token_type_ids, position_ids)
+            )
+        x = _Embeddings(c, name="embeddings")(
+            input_ids, token_type_ids, position_ids, deterministic
+        )
+        mask = _attention_mask(attention_mask, packed=layout is not None)
+        x = _Encoder(c, name="encoder")(x, mask, deterministic, layout)
+        pooled = _Pooler(c, name="pooler")(x, None if layout is None else layout.cls_index)
         if not head:
             return x, pooled
         p = c.hidden_dropout_prob if c.classifier_dropout is None else c.classifier_dropout
@@ -306,6 +355,16 @@ def _defaults(input_ids, attention_mask, token_type_ids):
     return input_ids, jnp.asarray(attention_mask), jnp.asarray(token_type_ids)
 
 
+def _layout(position_ids, row_tokens, token_slots, cls_index) -> Layout | None:
+    """The packed layout when its arrays are given (all of them, with position_ids), else None."""
+    given = [a is not None for a in (row_tokens, token_slots, cls_index)]
+    if not any(given):
+        return None
+    if not all(given) or position_ids is None:
+        raise ValueError("packed input needs position_ids, row_tokens, token_slots and cls_index")
+    return Layout(jnp.asarray(row_tokens), jnp.asarray(token_slots), jnp.asarray(cls_index))
+
+
 def _rngs(train: bool, rng: jax.Array | None) -> dict[str, jax.Array]:
     if not train:
         return {}
@@ -316,7 +375,13 @@ def _rngs(train: bool, rng: jax.Array | None) -> dict[str, jax.Array]:
 
 def make_apply(config: BertConfig) -> Callable[..., jax.Array]:
     """Returns the pure classifier `apply(params, input_ids, attention_mask, token_type_ids, *,
-    train, rng=None) -> logits [B, num_labels]` (fp32). Dropout only when `train=True`."""
+    train, rng=None, **packing) -> logits [B, num_labels]` (fp32).
+
+    Dropout only when `train=True`. Packed input (`batching.make_client_batches(packing=True)`,
+    see `Layout`): input_ids, token_type_ids and `position_ids` are one stream [N],
+    `attention_mask` [R, W] holds each attention slot's example number (0 = empty), and
+    `row_tokens`, `token_slots`, `cls_index` place the tokens; logits are still [B, num_labels].
+    """
     module = _BertClassifier(config)
 
     def apply(
@@ -327,11 +392,17 @@ def make_apply(config: BertConfig) -> Callable[..., jax.Array]:
         *,
         train: bool,
         rng: jax.Array | None = None,
+        position_ids: jax.Array | None = None,
+        row_tokens: jax.Array | None = None,
+        token_slots: jax.Array | None = None,
+        cls_index: jax.Array | None = None,
     ) -> jax.Array:
         ids, mask, types = _defaults(input_ids, attention_mask, token_type_ids)
+        layout = _layout(position_ids, row_tokens, token_slots, cls_index)
         return module.apply(
-            {"params": params}, ids, mask, types, not train, True, rngs=_rngs(train, rng)
-        )
+            {"params": params}, ids, mask, types, not train, True, position_ids, layout,
+            rngs=_rngs(train, rng),
+        )  # fmt: skip
 
     return apply
 
@@ -349,11 +420,17 @@ def make_encode(config: BertConfig) -> Callable[..., tuple[jax.Array, jax.Array]
         *,
         train: bool = False,
         rng: jax.Array | None = None,
+        position_ids: jax.Array | None = None,
+        row_tokens: jax.Array | None = None,
+        token_slots: jax.Array | None = None,
+        cls_index: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         ids, mask, types = _defaults(input_ids, attention_mask, token_type_ids)
+        layout = _layout(position_ids, row_tokens, token_slots, cls_index)
         return module.apply(
-            {"params": params}, ids, mask, types, not train, False, rngs=_rngs(train, rng)
-        )
+            {"params": params}, ids, mask, types, not train, False, position_ids, layout,
+            rngs=_rngs(train, rng),
+        )  # fmt: skip
 
     return encode
 

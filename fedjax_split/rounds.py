@@ -36,11 +36,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_split.aggregation import weighted_mean
 from fedjax_split.client import (
-    SEGMENT_KEYS,
     ClientMetrics,
     ClientSpec,
     ClientState,
     make_client_fns,
+    segment_arrays,
 )
 from fedjax_split.errors import UserError
 from fedjax_split.wire import cast_from_wire, cast_to_wire, tree_bytes, wire_dtype
@@ -216,7 +216,8 @@ def round_functions(spec: RoundSpec) -> RoundFns:
 
     def segment(client_states: ClientState, state: ServerState, seg: Any, keys: jax.Array):
         pad = keys.shape[0] - seg["step_mask"].shape[0]
-        data = _pad_clients({k: seg[k] for k in SEGMENT_KEYS if k != "step_mask"}, pad)
+        arrays = segment_arrays(seg)
+        data = _pad_clients({k: v for k, v in arrays.items() if k != "step_mask"}, pad)
         data["step_mask"] = _pad_clients(seg["step_mask"], pad, False)
         return train(client_states, cast_from_wire(state.global_params), data, keys)
 
@@ -281,7 +282,7 @@ def run_round(
     num_sampled = weights.shape[0]
     if client_ids is None:
         client_ids = np.arange(num_sampled, dtype=np.int32)
-    segs = [{k: seg[k] for k in SEGMENT_KEYS} for seg in segments]
+    segs = [segment_arrays(seg) for seg in segments]
     sent = jax.eval_shape(lambda g: cast_to_wire(g, spec.wire_dtype), server_state.global_params)
     per_client = tree_bytes(sent)
     fns = round_functions(spec)

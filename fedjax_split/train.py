@@ -159,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_optional_int,
     )
     add(
+        "--packing",
+        "Pack each training batch's examples end to end into one token stream instead of "
+        "padding each to the longest: no padding is computed, and batches are plainly "
+        "shuffled rather than length-sorted (docs/benchmarks.md).",
+        action=argparse.BooleanOptionalAction,
+    )
+    add(
         "--dtype",
         "Compute dtype of the model (parameters stay float32).",
         metavar="{float32,bfloat16}",

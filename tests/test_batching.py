@@ -1,6 +1,7 @@
 """batching: contents against the ragged tokens, masks, coverage per epoch, determinism, waste."""
 
 import math
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -233,3 +234,82 @@ def test_padding_waste_under_15_percent_on_real_rotten_tomatoes():
                                    bucketing=False)  # fmt: skip
         assert padding_waste(segs) < 0.15, (batch, padding_waste(segs))
         assert padding_waste(flat) > 0.5
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def _sentence_pool(n: int, seed: int = 0):
+    """Sentence-like lengths (median ~25, long tail to 90), pair-free, with [CLS]=1 first."""
+    from fedjax_split.tokenization import Tokenized
+
+    rng = np.random.default_rng(seed)
+    lengths = np.clip(np.round(rng.lognormal(3.2, 0.45, n)), 3, 90).astype(np.int64)
+    ids = [np.concatenate([[1], rng.integers(5, 999, k - 1)]).astype(np.int32) for k in lengths]
+    types = [(np.arange(k) >= k // 2).astype(np.int32) for k in lengths]
+    return Tokenized(ids, types, lengths.astype(np.int32)), ids, types
+
+
+def test_packed_segments_hold_every_example_once_intact() -> None:
+    tok, ids, types = _sentence_pool(300)
+    clients = [np.arange(0, 90), np.arange(90, 140), np.arange(140, 300)]
+    labels = np.arange(300) % 3
+    segs = make_client_batches(
+        tok, clients, labels, batch_size=8, epochs=2, seed=5, packing=True, pack_width=64
+    )
+    seen = []  # (client position, pool index) of every real example
+    shapes = set()
+    for seg in segs:
+        k, s, n = seg["input_ids"].shape
+        r, w = seg["attention_mask"].shape[2:]
+        shapes.add((s, n, r, w))
+        assert w >= 64 and seg["cls_index"].shape == (k, s, 8)
+        for c in range(k):
+            for j in range(s):
+                slots = seg["attention_mask"][c, j].reshape(-1)
+                rows, back = seg["row_tokens"][c, j].reshape(-1), seg["token_slots"][c, j]
+                used = np.nonzero(slots)[0]
+                np.testing.assert_array_equal(back[rows[used]], used)  # slots <-> stream
+                for e in np.nonzero(seg["example_mask"][c, j])[0]:
+                    ix = seg["example_index"][c, j, e]
+                    start, m = seg["cls_index"][c, j, e], len(ids[ix])
+                    stream = slice(start, start + m)
+                    np.testing.assert_array_equal(seg["input_ids"][c, j, stream], ids[ix])
+                    np.testing.assert_array_equal(seg["token_type_ids"][c, j, stream], types[ix])
+                    np.testing.assert_array_equal(seg["position_ids"][c, j, stream], np.arange(m))
+                    # one example's tokens share a row and carry its slot number
+                    where = back[stream]
+                    assert len(set(where // w)) == 1
+                    assert np.all(slots[where] == e + 1)
+                    assert seg["labels"][c, j, e] == labels[ix]
+                    seen.append((c, int(ix)))
+    # two epochs: every client's example exactly twice
+    counts = Counter(seen)
+    assert set(counts.values()) == {2}
+    assert {ix for _, ix in counts} == set(range(300))
+    assert all(ix in clients[c] for c, ix in counts)
+    assert len(shapes) <= 8  # a bucket keeps one shape over both epochs
+
+
+def test_packing_cuts_padding_below_15_percent() -> None:
+    tok, _, _ = _sentence_pool(1000, seed=1)
+    clients = np.array_split(np.random.default_rng(2).permutation(1000), 10)
+    labels = np.zeros(1000, np.int64)
+    kw = dict(batch_size=16, epochs=2, seed=0)
+    padded = padding_waste(make_client_batches(tok, clients, labels, **kw))
+    packed = padding_waste(make_client_batches(tok, clients, labels, packing=True, **kw))
+    assert packed < 0.15 < padded, (packed, padded)
+
+
+def test_padding_waste_can_skip_masked_steps() -> None:
+    tok, _, _ = _sentence_pool(40)
+    segs = make_client_batches(
+        tok, [np.arange(0, 32), np.arange(32, 40)], np.zeros(40, np.int64), batch_size=8,
+        epochs=1, seed=0, bucketing=False, pad_to_multiple=1,
+    )  # fmt: skip
+    (seg,) = segs
+    assert seg["step_mask"].sum() == 5 and seg["step_mask"].size == 8
+    t = seg["input_ids"].shape[-1]
+    real = sum(len(x) for x in tok.input_ids)
+    assert padding_waste(segs) == pytest.approx(1 - real / (8 * 8 * t))
+    assert padding_waste(segs, skip_masked_steps=True) == pytest.approx(1 - real / (5 * 8 * t))

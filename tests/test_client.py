@@ -180,3 +180,36 @@ def test_adamw_decays_matrices_only() -> None:
     updates, _ = opt.update(zero, opt.init(p), p)
     np.testing.assert_allclose(np.asarray(updates["kernel"]), -0.1 * 0.5 * np.ones((2, 2)))
     np.testing.assert_array_equal(np.asarray(updates["bias"]), np.zeros(2))
+
+
+def test_packed_segments_train_like_padded_ones() -> None:
+    """The same batches, packed or padded, give the same update (no dropout to differ)."""
+    from fedjax_split.batching import make_client_batches
+    from fedjax_split.tokenization import Tokenized
+
+    apply, params = tiny_model(dropout=0.0)
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(2, 16, 22)
+    tok = Tokenized(
+        [rng.integers(1, 50, n).astype(np.int32) for n in lengths],
+        [(np.arange(n) > n // 2).astype(np.int32) for n in lengths],
+        lengths.astype(np.int32),
+    )
+    labels = rng.integers(0, 3, 22)
+    kw = dict(batch_size=4, epochs=2, seed=1, bucketing=False)
+    (padded,) = make_client_batches(tok, [np.arange(22)], labels, **kw)
+    (packed,) = make_client_batches(tok, [np.arange(22)], labels, packing=True, **kw)
+    np.testing.assert_array_equal(padded["example_index"], packed["example_index"])
+    assert packed["input_ids"].size < padded["input_ids"].size
+
+    spec = ClientSpec(apply, False, default_client_optimizer(1e-2))
+    update = jax.jit(make_client_update(spec))
+    g, loc = split_params(params, critical_layer=1)
+    a = update(g, loc, client_slice([padded], 0), jax.random.key(0))
+    b = update(g, loc, client_slice([packed], 0), jax.random.key(0))
+    assert float(a[2].loss_sum) == pytest.approx(float(b[2].loss_sum), rel=1e-5)
+    for x, y in zip(jax.tree.leaves(a[:2]), jax.tree.leaves(b[:2]), strict=True):
+        np.testing.assert_allclose(x, y, atol=2e-5)
+    # the updates really moved the weights (so agreeing is not trivial)
+    assert np.abs(a[0]["embeddings"]["word_embeddings"]["embedding"] - g["embeddings"][
+        "word_embeddings"]["embedding"]).max() > 1e-3  # fmt: skip

@@ -58,6 +58,7 @@ def test_file_then_flags_later_wins(tmp_path: Path) -> None:
         ({"bogus": 1}, "unknown setting"),
         ({"rounds": "3"}, "must be int"),
         ({"rounds": True}, "must be int"),
+        ({"packing": 1}, "must be bool"),
     ],
 )
 def test_bad_values_are_one_line_user_errors(values: dict, needle: str) -> None:
@@ -92,6 +93,8 @@ def test_trajectory_mismatch_ignores_bookkeeping() -> None:
     saved = ExperimentConfig(rounds=4).to_dict()
     assert trajectory_mismatch(saved, ExperimentConfig(rounds=8, resume=True)) == []
     assert trajectory_mismatch(saved, ExperimentConfig(lr=1e-4, seed=2)) == ["lr", "seed"]
+    # packing changes the batches, so a run cannot switch it on resume
+    assert trajectory_mismatch(saved, ExperimentConfig(packing=True)) == ["packing"]
 
 
 def test_every_shipped_config_file_resolves() -> None:

@@ -53,3 +53,28 @@ def test_training_is_three_forward_passes():
     # bert-base, one 128-token sequence, known published figure: ~22.4 GFLOP forward (matmuls)
     base = BertConfig()
     assert forward_flops(base, 1, 128) == pytest.approx(22.4e9, rel=0.02)
+
+
+def test_packed_forward_flops_match_the_models_matmuls():
+    """A packed batch (token stream + attention rows): the formula vs the jaxpr's dot_generals."""
+    from fedjax_split.batching import make_client_batches
+    from fedjax_split.client import packing_kwargs
+    from fedjax_split.flops import packed_forward_flops, segment_train_flops
+    from fedjax_split.tokenization import Tokenized
+
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=48, num_labels=3)  # fmt: skip
+    params = init_params(config, jax.random.key(0))
+    lengths = [7, 3, 12, 5, 9]
+    tok = Tokenized([jnp.ones(n, jnp.int32) for n in lengths], None, lengths)
+    (seg,) = make_client_batches(tok, [range(5)], [0] * 5, batch_size=5, epochs=1, seed=0,
+                                 packing=True, pack_width=16)  # fmt: skip
+    step = {k: v[0, 0] for k, v in seg.items()}
+    n, (r, w) = step["input_ids"].shape[0], step["attention_mask"].shape
+    assert n == 40 and w == 16  # 36 tokens rounded up to a multiple of 8
+    jaxpr = jax.make_jaxpr(
+        lambda p: make_apply(config)(p, step["input_ids"], step["attention_mask"],
+                                     step["token_type_ids"], train=False, **packing_kwargs(step))
+    )(params)  # fmt: skip
+    assert packed_forward_flops(config, n, r, w, 5) == _dot_flops(jaxpr.jaxpr)
+    assert segment_train_flops(config, seg) == 3 * packed_forward_flops(config, n, r, w, 5)

@@ -354,3 +354,65 @@ def test_config_rejects_what_we_do_not_implement(bad):
 def test_config_rejects_bad_dtype():
     with pytest.raises(UserError, match="dtype"):
         BertConfig(dtype="float16")
+
+
+def _packed(ids: np.ndarray, mask: np.ndarray, types: np.ndarray, width: int) -> dict:
+    """The batch as one packed step (batching's packing=True), client and step axes dropped."""
+    from fedjax_split.batching import make_client_batches
+    from fedjax_split.client import packing_kwargs
+    from fedjax_split.tokenization import Tokenized
+
+    n = mask.sum(1)
+    tok = Tokenized(
+        [ids[i, :k] for i, k in enumerate(n)], [types[i, :k] for i, k in enumerate(n)], n
+    )
+    (seg,) = make_client_batches(
+        tok, [np.arange(len(n))], np.zeros(len(n), np.int64), batch_size=len(n), epochs=1,
+        seed=0, shuffle=False, packing=True, pack_width=width,
+    )  # fmt: skip
+    step = {k: v[0, 0] for k, v in seg.items()}
+    assert step["example_index"].tolist() == list(range(len(n)))
+    return step, packing_kwargs(step)
+
+
+@pytest.mark.parametrize("width", [9, 16])
+def test_packed_batch_matches_transformers_example_by_example(width):
+    model = _torch_model(TINY, seed=4)
+    params = _ours_from_torch(model, TINY)
+    ids, mask, types = _batch(np.random.default_rng(1), TINY, lengths=(9, 5, 1, 7, 3, 2))
+    ref_logits, ref_hidden = _torch_run(model, ids, mask, types)
+    step, kw = _packed(ids, mask, types, width)
+    assert step["attention_mask"].shape[0] < 6  # examples really share rows
+    args = (params, step["input_ids"], step["attention_mask"], step["token_type_ids"])
+    logits = make_apply(TINY)(*args, train=False, **kw)
+    hidden, _ = make_encode(TINY)(*args, **kw)
+    np.testing.assert_allclose(logits, ref_logits, atol=2e-5, rtol=0)
+    for i, n in enumerate(mask.sum(1)):
+        start = kw["cls_index"][i]
+        np.testing.assert_allclose(hidden[0, start : start + n], ref_hidden[i, :n], atol=2e-5)
+
+
+def test_packed_gradients_match_padded_gradients():
+    params = init_params(TINY, jax.random.key(2))
+    ids, mask, types = _batch(np.random.default_rng(3), TINY)
+    step, kw = _packed(ids, mask, types, 16)
+    apply = make_apply(TINY)
+
+    def padded(p):
+        return apply(p, ids, mask, types, train=False).sum()
+
+    def packed(p):
+        return apply(p, step["input_ids"], step["attention_mask"], step["token_type_ids"],
+                     train=False, **kw).sum()  # fmt: skip
+
+    for a, b in zip(jax.tree.leaves(jax.grad(padded)(params)),
+                    jax.tree.leaves(jax.grad(packed)(params)), strict=True):  # fmt: skip
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_packed_input_needs_its_whole_layout():
+    params = init_params(TINY, jax.random.key(0))
+    ids = jnp.ones((8,), jnp.int32)
+    with pytest.raises(ValueError, match="row_tokens, token_slots and cls_index"):
+        make_apply(TINY)(params, ids, jnp.ones((1, 8)), ids * 0, train=False,
+                         position_ids=ids, cls_index=jnp.zeros((1,), jnp.int32))  # fmt: skip

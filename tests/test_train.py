@@ -232,9 +232,12 @@ def test_help_explains_every_flag() -> None:
         "--task", "--model", "--data-dir", "--algorithm", "--critical-layer", "--clients",
         "--clients-per-round", "--partition", "--alpha", "--beta", "--rounds", "--local-epochs",
         "--batch-size", "--lr", "--mu", "--quantize", "--max-length", "--max-examples", "--seed",
-        "--output-dir", "--resume", "--config",
+        "--output-dir", "--resume", "--config", "--chunk-size", "--dtype", "--packing",
     ):  # fmt: skip
         assert flag in text, flag
+    assert train.config_from_args(["--packing"]).packing is True
+    assert train.config_from_args(["--no-packing"]).packing is False
+    assert train.config_from_args([]).packing is False
 
 
 def test_config_file_with_flag_override(env: dict, tmp_path: Path) -> None:

@@ -134,9 +134,10 @@ def run(args: argparse.Namespace) -> dict:
     labels = np.random.default_rng([0, 13]).integers(0, 2, offsets[-1])
     segments = batching.make_client_batches(
         tokens, clients_ix, labels, batch_size=args.batch_size, epochs=args.local_epochs, seed=0,
-        bucketing=not args.no_bucketing, max_length=args.max_length,
+        bucketing=not args.no_bucketing, max_length=args.max_length, packing=args.packing,
     )  # fmt: skip
-    waste = batching.padding_waste(segments)
+    skipped = args.chunk_size == 1  # clients one at a time: lax.cond skips masked steps
+    waste = batching.padding_waste(segments, skip_masked_steps=skipped)
     c = config.num_hidden_layers if args.critical_layer is None else args.critical_layer
     g, local = split_params(params, critical_layer=c)
     opt = client.default_client_optimizer(2e-5)
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> dict:
     state = rounds.init_server_state(g, server_opt, "float32")
     locals_k = rounds.replicate(local, args.clients)
     n_i = np.array([len(ix) for ix in clients_ix], np.float32)
-    segs = [{k: jnp.asarray(v) for k, v in s.items() if k in client.SEGMENT_KEYS} for s in segments]
+    segs = [{k: jnp.asarray(v) for k, v in client.segment_arrays(s).items()} for s in segments]
     rng = jax.random.key(0)
 
     def vmapped():
@@ -188,6 +189,7 @@ def run(args: argparse.Namespace) -> dict:
                 batch["token_type_ids"],
                 train=True,
                 rng=key,
+                **client.packing_kwargs(batch),
             )
             per = client.example_losses(logits, batch["labels"], False) * batch["example_mask"]
             return per.sum() / jnp.maximum(batch["example_mask"].sum(), 1.0)
@@ -213,8 +215,7 @@ def run(args: argparse.Namespace) -> dict:
 
     model_flops = sum(flops.train_step_flops(config, 1, int(n)) for x in lengths for n in x)
     model_flops *= args.local_epochs
-    hw_flops = sum(flops.train_step_flops(config, int(np.prod(s["input_ids"].shape[:3])),
-                                          s["input_ids"].shape[3]) for s in segments)  # fmt: skip
+    hw_flops = sum(flops.segment_train_flops(config, s, skipped) for s in segments)
     real_tokens = int(sum(int(x.sum()) for x in lengths)) * args.local_epochs
     mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if backend == "gpu":
@@ -228,6 +229,7 @@ def run(args: argparse.Namespace) -> dict:
                    "examples_per_client": args.examples_per_client, "lengths": args.lengths,
                    "local_epochs": args.local_epochs, "critical_layer": c, "dtype": dtype,
                    "chunk_size": args.chunk_size, "bucketing": not args.no_bucketing,
+                   "packing": args.packing,
                    "segment_shapes": [list(s["input_ids"].shape) for s in segments]},
         "peak": peak,
         "round": {"compile_s": compile_s - round_s, "seconds": round_s,
@@ -338,6 +340,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-size", type=int, default=None, help="clients vmapped at once")
     p.add_argument("--dtype", default=None, help="compute dtype (default fp32 CPU, bf16 GPU)")
     p.add_argument("--no-bucketing", action="store_true", help="pad every batch to the longest")
+    p.add_argument(
+        "--packing",
+        action="store_true",
+        help="pack each batch end to end (no padding computed; see batching.py)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions after warm-up")
     p.add_argument(
         "--skip-baselines",
