@@ -138,8 +138,8 @@ class ClientFns(NamedTuple):
 
 def make_client_fns(spec: ClientSpec) -> ClientFns:
     """`init(global, local)`, `train_segment(state, segment, received_global, rng)` (one segment,
-    arrays [S, B, T]; `received_global` is the downloaded global part FedProx pulls towards) and
-    `finish(state) -> (global, local, metrics)`. All pure and jit/vmap-able."""
+    arrays [S, B, T] or packed; `received_global` is the downloaded global part FedProx pulls
+    towards) and `finish(state) -> (global, local, metrics)`. All pure and jit/vmap-able."""
     opt = spec.optimizer
 
     def loss_fn(trainable: tuple[Any, Any], received: Any, batch: Segment, key: jax.Array):
@@ -206,8 +206,9 @@ def make_client_update(
 ) -> Callable[[Any, Any, Sequence[Segment], jax.Array], tuple[Any, Any, ClientMetrics]]:
     """Returns `update(global_params, local_params, segments, rng) -> (global, local, metrics)`.
 
-    `segments`: one client's segments in order, dicts of arrays [S, B, T] (labels and example_mask
-    [S, B], step_mask [S]). The update is pure and jit/vmap-able; it does not jit itself.
+    `segments`: one client's segments in order, dicts of arrays [S, B, T] or packed (labels and
+    example_mask [S, B], step_mask [S]). The update is pure and jit/vmap-able; it does not jit
+    itself.
     """
     fns = make_client_fns(spec)
 

@@ -408,8 +408,9 @@ def make_apply(config: BertConfig) -> Callable[..., jax.Array]:
 
 
 def make_encode(config: BertConfig) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    """Returns `encode(params, input_ids, attention_mask, token_type_ids, *, train=False, rng=None)
-    -> (last_hidden_state [B, T, H], pooled [B, H])`, both fp32; `params` may lack "classifier"."""
+    """Returns `encode(params, input_ids, attention_mask, token_type_ids, *, train=False, rng=None,
+    **packing) -> (last_hidden_state [B, T, H], pooled [B, H])`, both fp32; `params` may lack
+    "classifier". Packed input (as for `make_apply`) gives the stream [1, N, H] as hidden state."""
     module = _BertClassifier(config)
 
     def encode(

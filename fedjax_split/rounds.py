@@ -269,7 +269,8 @@ def run_round(
     Args:
       local_params: the sampled clients' local parts, stacked on a leading axis K.
       num_examples: [K] training examples per client (the aggregation weights N_i).
-      segments: batching's segments for these clients, arrays [K, S, B, T] / [K, S, B] / [K, S].
+      segments: batching's segments for these clients, arrays [K, S, B, T] / [K, S, B] / [K, S]
+        (or packed: see batching).
       rng: the run's key; the round counter is folded in here.
       client_ids: [K] global ids of the sampled clients (default 0..K-1), for their keys.
     Returns: new server state, new local parts [K], and the round's RoundResult.
