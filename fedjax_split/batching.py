@@ -311,7 +311,7 @@ def _build(
     pad_id: int,
     client_ids: Sequence[int] | None = None,
     packing: bool = False,
-    pack_width: int = 128,
+    pack_width: int = 64,
 ) -> list[Segment]:
     if batch_size < 1 or epochs < 1 or pad_to_multiple < 1 or num_buckets < 1:
         raise ValueError("batch_size, epochs, pad_to_multiple and num_buckets must be >= 1")
@@ -445,7 +445,7 @@ def make_client_batches(
     pad_id: int = 0,
     client_ids: Sequence[int] | None = None,
     packing: bool = False,
-    pack_width: int = 128,
+    pack_width: int = 64,
 ) -> list[Segment]:
     """Training segments for the clients `client_indices` (pool indices into `tokenized`/`labels`).
 

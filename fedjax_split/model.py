@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedjax_split.errors import UserError
 
@@ -210,8 +211,12 @@ class _SelfAttention(nn.Module):
     def __call__(self, x, mask, deterministic: bool, layout=None) -> jax.Array:
         c = self.config
         # Packed: the projections run on the token stream, attention on its rows (see Layout).
-        rows = (lambda y: y) if layout is None else lambda y: y[0][layout.row_tokens]
         b, t = mask.shape[0], mask.shape[-1]
+        if layout is not None:
+            flat_slots = layout.row_tokens.reshape(-1)
+            rows = lambda y: _move(y[0], flat_slots, layout.token_slots, layout.stream_real)
+        else:
+            rows = lambda y: y
         split = lambda y: rows(y).reshape(b, t, c.num_attention_heads, c.head_dim)
         q = split(_dense(c, c.hidden_size, "query")(x))
         k = split(_dense(c, c.hidden_size, "key")(x))
@@ -223,7 +228,8 @@ class _SelfAttention(nn.Module):
         probs = nn.Dropout(c.attention_probs_dropout_prob)(probs, deterministic=deterministic)
         ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v).reshape(b, t, c.hidden_size)
         if layout is not None:
-            ctx = ctx.reshape(b * t, c.hidden_size)[layout.token_slots][None]
+            ctx = _move(ctx.reshape(b * t, -1), layout.token_slots, flat_slots, layout.slot_real)
+            ctx = ctx[None]
         out = _dense(c, c.hidden_size, "output")(ctx).astype(jnp.float32)
         out = nn.Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
         return _layer_norm(c)(out + x)
@@ -275,6 +281,40 @@ class Layout(NamedTuple):
     row_tokens: jax.Array
     token_slots: jax.Array
     cls_index: jax.Array
+    slot_real: jax.Array | None = None  # [R * W] bool, derived by `_complete`
+    stream_real: jax.Array | None = None  # [N] bool, derived by `_complete`
+
+
+def _complete(layout: Layout, attention_mask: jax.Array) -> Layout:
+    """Adds which slots hold a token and which stream positions are real (read by a slot)."""
+    slot_real = attention_mask.reshape(-1) > 0
+    flat = layout.row_tokens.reshape(-1)
+    n = layout.token_slots.shape[0]
+    own = flat[layout.token_slots] == jnp.arange(n, dtype=flat.dtype)
+    return layout._replace(slot_real=slot_real, stream_real=own & slot_real[layout.token_slots])
+
+
+@jax.custom_vjp
+def _move(x: jax.Array, index: jax.Array, inverse: jax.Array, valid: jax.Array) -> jax.Array:
+    """x[index] for a layout change that is one-to-one on the real rows: every valid row m of x
+    is read by exactly one output row, inverse[m]; invalid rows of x are read by no output row
+    whose gradient is non-zero. Its gradient is then the gather g[inverse] (masked), not the
+    scatter-add that autodiff of a gather produces, which XLA:CPU runs slowly."""
+    return x[index]
+
+
+def _move_fwd(x, index, inverse, valid):
+    return x[index], (index, inverse, valid)
+
+
+def _move_bwd(res, g):
+    index, inverse, valid = res
+    gx = jnp.where(valid[:, None], g[inverse], jnp.zeros((), g.dtype))
+    zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+    return gx, zero(index), zero(inverse), zero(valid)
+
+
+_move.defvjp(_move_fwd, _move_bwd)
 
 
 def _attention_mask(attention_mask: jax.Array, packed: bool) -> jax.Array:
@@ -312,6 +352,8 @@ class _BertClassifier(nn.Module):
             input_ids, token_type_ids, position_ids, deterministic
         )
         mask = _attention_mask(attention_mask, packed=layout is not None)
+        if layout is not None:
+            layout = _complete(layout, attention_mask)
         x = _Encoder(c, name="encoder")(x, mask, deterministic, layout)
         pooled = _Pooler(c, name="pooler")(x, None if layout is None else layout.cls_index)
         if not head:

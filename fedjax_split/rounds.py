@@ -202,7 +202,15 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         if spec.chunk_size is None or spec.chunk_size >= keys.shape[0]:
             return jax.vmap(lambda *a: one(a))(client_states, seg, keys)
         if spec.chunk_size == 1:  # a plain loop: no vmap, so padded steps' lax.cond skips them
-            return jax.lax.map(one, (client_states, seg, keys))
+            # The stacked states are the loop's carry, updated in place one client at a time
+            # (lax.map would write a second stacked copy of every state, per segment).
+            def body(i: jax.Array, states: ClientState) -> ClientState:
+                take = lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
+                new = one((jax.tree.map(take, states), jax.tree.map(take, seg), take(keys)))
+                put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, i, 0)  # noqa: E731
+                return jax.tree.map(put, states, new)
+
+            return jax.lax.fori_loop(0, keys.shape[0], body, client_states)
         return jax.lax.map(one, (client_states, seg, keys), batch_size=spec.chunk_size)
 
     if spec.mesh is not None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_split.flops import train_step_flops
+from fedjax_split.flops import packed_forward_flops, train_step_flops
 from fedjax_split.model import BertConfig
 
 _SPEC = importlib.util.spec_from_file_location(
@@ -40,3 +40,17 @@ def test_tiny_step_profile():
     assert set(r["ms"]) == {"forward", "forward_backward_no_dropout", "forward_backward_dropout",
                             "optimizer_update", "full_step"}  # fmt: skip
     assert all(v > 0 for v in r["ms"].values())
+
+
+def test_tiny_packed_round_benchmark():
+    r = benchmark.main(["--model", "tiny", "--clients", "2", "--examples-per-client", "8",
+                        "--batch-size", "4", "--lengths", "16", "--repeats", "1", "--packing",
+                        "--skip-baselines"])  # fmt: skip
+    config = BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64)  # fmt: skip
+    # each batch: 4 examples x 16 tokens = a 64-token stream, no padding; attention on rows of
+    # W = 64 slots, one more row than the 64 tokens need; 2 clients x 2 steps
+    assert r["config"]["packing"] and r["padding_waste"] == 0.0
+    assert r["config"]["segment_shapes"] == [[2, 2, 64]]
+    assert r["hardware_flops"] == 4 * 3 * packed_forward_flops(config, 64, 2, 64, 4)
+    assert r["model_flops"] == 16 * train_step_flops(config, 1, 16)
