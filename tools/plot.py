@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedjax_split.outputs import read_json, read_jsonl
+
 _LABEL_KEYS = ("task", "algorithm", "critical_layer", "quantize", "clients", "partition", "alpha",
                "lr", "local_epochs", "seed", "model")  # fmt: skip
 
@@ -25,9 +27,8 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
     if not metrics_path.is_file():
         raise SystemExit(f"error: {run_dir} has no metrics.jsonl; pass run directories")
     config_path = run_dir / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    records = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()]
-    return config, records
+    config = read_json(config_path) if config_path.is_file() else {}
+    return config, read_jsonl(metrics_path)
 
 
 def labels_for(configs: Sequence[dict[str, Any]], names: Sequence[str]) -> list[str]:
@@ -94,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     metric = args.metric
     if metric is None:
         summary = Path(args.runs[0]) / "summary.json"
-        metric = json.loads(summary.read_text())["primary_metric"] if summary.is_file() else None
+        metric = read_json(summary)["primary_metric"] if summary.is_file() else None
         metric = metric or "accuracy"
     for path in plot_runs(args.runs, metric, args.out):
         print(path)

@@ -12,7 +12,6 @@ interrupted and continued. The report names the directory behind every number.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -23,6 +22,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from fedjax_split.outputs import read_json, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 K10 = "configs/study_rotten_tomatoes_k10.py"
@@ -87,10 +88,12 @@ def load(runs_dir: Path, name: str) -> dict[str, Any] | None:
     d = runs_dir / name
     if not (d / "summary.json").is_file():
         return None
-    records = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    config = json.loads((d / "config.json").read_text())
-    summary = json.loads((d / "summary.json").read_text())
-    return {"dir": d, "config": config, "summary": summary, "records": records}
+    return {
+        "dir": d,
+        "config": read_json(d / "config.json"),
+        "summary": read_json(d / "summary.json"),
+        "records": read_jsonl(d / "metrics.jsonl"),
+    }
 
 
 def final_metric(run: dict[str, Any], metric: str = "accuracy") -> float:
@@ -139,7 +142,7 @@ def majority_baseline(run: dict[str, Any]) -> float:
     labels = np.asarray(load_examples(get_task(cfg["task"])).labels)
     idx = subsample_indices(len(labels), cfg.get("max_examples"), cfg["seed"])
     labels = labels if idx is None else labels[idx]
-    part = json.loads((run["dir"] / "partition.json").read_text())
+    part = read_json(run["dir"] / "partition.json")
     accs = []
     for client in part["clients"]:
         train, test = labels[np.asarray(client["train"])], labels[np.asarray(client["test"])]
