@@ -17,6 +17,11 @@ call per segment (a `lax.scan` over its steps for all clients at once), finish (
 server step). Segments of equal shape share one compiled program, so E epochs x B length buckets
 compile B scans, not E x B; client states stay on device (and sharded) between the calls.
 
+With `chunk_size=1` and no mesh, clients run one at a time and each keeps its state in its own
+buffers for the whole round (`start_each`, `segment_one`, `finish_each`): the host only enqueues
+the per-client segment programs (no device-to-host transfer inside the round), and no state is
+copied in or out of a stacked array per segment, which a loop inside one program has to do.
+
 Keys: round key = fold_in(run key, round), client key = fold_in(round key, client id), step key =
 fold_in(client key, real step index) (see `client.step_rng`).
 """
@@ -34,7 +39,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fedjax_split.aggregation import weighted_mean
+from fedjax_split.aggregation import weighted_mean, weighted_mean_each
 from fedjax_split.client import (
     ClientMetrics,
     ClientSpec,
@@ -166,6 +171,13 @@ class RoundFns(NamedTuple):
     start: Callable[..., Any]
     segment: Callable[..., Any]
     finish: Callable[..., Any]
+    # One client at a time, each client's state in its own buffers (chunk_size=1, no mesh):
+    # start_each(...) -> (tuple of K client states, keys); segment_one(state_i, server_state,
+    # segment, keys, i) -> state_i, client i's rows of the stacked segment; finish_each as finish
+    # with the tuple of states.
+    start_each: Callable[..., Any]
+    segment_one: Callable[..., Any]
+    finish_each: Callable[..., Any]
 
 
 @functools.lru_cache(maxsize=32)
@@ -194,6 +206,17 @@ def round_functions(spec: RoundSpec) -> RoundFns:
             received, _pad_clients(local_params, pad)
         )
         return shard(client_states), shard(keys)
+
+    def start_each(state: ServerState, local_params: Any, client_ids: jax.Array, rng: jax.Array):
+        keys = client_rngs(round_rng(rng, state.round), client_ids)
+        received = cast_from_wire(state.global_params)
+        own = lambda i: jax.tree.map(lambda x: x[i], local_params)  # noqa: E731
+        return tuple(fns.init(received, own(i)) for i in range(keys.shape[0])), keys
+
+    def segment_one(client_state: ClientState, state: ServerState, seg: Any, keys: jax.Array, i):
+        take = lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
+        own = jax.tree.map(take, segment_arrays(seg))
+        return fns.train_segment(client_state, own, cast_from_wire(state.global_params), take(keys))
 
     def train(client_states: ClientState, received: Any, seg: Any, keys: jax.Array):
         def one(args: tuple[ClientState, Any, jax.Array]) -> ClientState:
@@ -229,13 +252,7 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         data["step_mask"] = _pad_clients(seg["step_mask"], pad, False)
         return train(client_states, cast_from_wire(state.global_params), data, keys)
 
-    def finish(state: ServerState, client_states: ClientState, num_examples: jax.Array):
-        num_sampled = num_examples.shape[0]
-        pad = client_states.steps.shape[0] - num_sampled
-        weights = _pad_clients(jnp.asarray(num_examples, jnp.float32), pad, 0.0)
-        new_globals, new_locals, metrics = jax.vmap(fns.finish)(client_states)
-        uploaded = cast_from_wire(cast_to_wire(new_globals, wire))  # upload in the wire dtype
-        mean = weighted_mean(uploaded, weights)
+    def server_step(state: ServerState, mean: Any) -> ServerState:
         server_copy = state.master
         pseudo_grad = jax.tree.map(lambda m, x: x - m, mean, server_copy)  # -Delta
         updates, opt_state = spec.server_optimizer.update(pseudo_grad, state.opt_state, server_copy)
@@ -246,13 +263,25 @@ def round_functions(spec: RoundSpec) -> RoundFns:
             stepped,
             server_copy,
         )
-        new_global = cast_to_wire(master, wire)
+        return ServerState(cast_to_wire(master, wire), master, opt_state, state.round + 1)
+
+    upload = lambda tree: cast_from_wire(cast_to_wire(tree, wire))  # noqa: E731 (in the wire dtype)
+
+    def finish(state: ServerState, client_states: ClientState, num_examples: jax.Array):
+        num_sampled = num_examples.shape[0]
+        pad = client_states.steps.shape[0] - num_sampled
+        weights = _pad_clients(jnp.asarray(num_examples, jnp.float32), pad, 0.0)
+        new_globals, new_locals, metrics = jax.vmap(fns.finish)(client_states)
+        new_state = server_step(state, weighted_mean(upload(new_globals), weights))
         unpad = lambda x: x[:num_sampled]  # noqa: E731
-        return (
-            ServerState(new_global, master, opt_state, state.round + 1),
-            jax.tree.map(unpad, new_locals),
-            jax.tree.map(unpad, metrics),
-        )
+        return new_state, jax.tree.map(unpad, new_locals), jax.tree.map(unpad, metrics)
+
+    def finish_each(state: ServerState, client_states: tuple, num_examples: jax.Array):
+        # No stacked copy of the clients' global parts: they are summed where they lie.
+        new_globals, new_locals, metrics = zip(*(fns.finish(s) for s in client_states), strict=True)
+        mean = weighted_mean_each([upload(g) for g in new_globals], num_examples)
+        stack = lambda trees: jax.tree.map(lambda *x: jnp.stack(x), *trees)  # noqa: E731
+        return server_step(state, mean), stack(new_locals), stack(metrics)
 
     donate = spec.donate
     return RoundFns(
@@ -260,7 +289,15 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         jax.jit(segment, donate_argnums=(0,)),
         # finish's outputs are smaller than the client states: donating those would not help.
         jax.jit(finish, donate_argnums=(0,) if donate else ()),
+        jax.jit(start_each),  # [K, ...] local parts cannot alias per-client states
+        jax.jit(segment_one, donate_argnums=(0,)),
+        jax.jit(finish_each, donate_argnums=(0,) if donate else ()),
     )
+
+
+def one_at_a_time(spec: RoundSpec) -> bool:
+    """Whether a round runs its clients one at a time from the host, each with its own buffers."""
+    return spec.chunk_size == 1 and spec.mesh is None
 
 
 def run_round(
@@ -295,12 +332,19 @@ def run_round(
     sent = jax.eval_shape(lambda g: cast_to_wire(g, spec.wire_dtype), server_state.global_params)
     per_client = tree_bytes(sent)
     fns = round_functions(spec)
-    client_states, keys = fns.start(
-        server_state, local_params, jnp.asarray(client_ids, jnp.int32), rng
-    )
-    for seg in segs:
-        client_states = fns.segment(client_states, server_state, seg, keys)
-    state, new_local, metrics = fns.finish(server_state, client_states, weights)
+    ids = jnp.asarray(client_ids, jnp.int32)
+    if one_at_a_time(spec):
+        each, keys = fns.start_each(server_state, local_params, ids, rng)
+        each, segs = list(each), jax.device_put(segs)  # each client reads its rows on device
+        for i in range(num_sampled):  # enqueued only: nothing is read back until the round ends
+            for seg in segs:
+                each[i] = fns.segment_one(each[i], server_state, seg, keys, np.int32(i))
+        state, new_local, metrics = fns.finish_each(server_state, tuple(each), weights)
+    else:
+        client_states, keys = fns.start(server_state, local_params, ids, rng)
+        for seg in segs:
+            client_states = fns.segment(client_states, server_state, seg, keys)
+        state, new_local, metrics = fns.finish(server_state, client_states, weights)
     train_loss = metrics.loss_sum / jnp.maximum(metrics.num_examples, 1.0)
     result = RoundResult(train_loss, per_client * num_sampled, per_client * num_sampled, metrics)
     return state, new_local, result

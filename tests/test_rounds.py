@@ -27,6 +27,7 @@ from fedjax_split.rounds import (
     RoundSpec,
     client_rngs,
     init_server_state,
+    one_at_a_time,
     put_clients,
     replicate,
     round_functions,
@@ -311,3 +312,21 @@ def test_packed_round_vmapped_chunked_and_one_at_a_time_agree() -> None:
     for path, value in flatten_paths(a[1]).items():
         for k in range(K):
             np.testing.assert_allclose(np.asarray(value[k]), ref[k][path], rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize(("packed", "c"), [(False, 0), (False, 1), (True, 1)])
+def test_host_loop_round_equals_vmapped_round(packed: bool, c: int) -> None:
+    """chunk_size=1 without a mesh: clients run one at a time from the host, each state in its own
+    buffers; same models, losses and metrics as the vmapped round (masked steps included)."""
+    segs = _packed_segments() if packed else SEGMENTS
+    assert not all(s["step_mask"].all() for s in segs)  # some clients have padded steps
+    spec = RoundSpec(CLIENT, FEDAVG, "float32", chunk_size=1, donate=True)
+    assert one_at_a_time(spec)
+    ids = np.array([0, 2, 5], np.int32)  # sampled clients' global ids pick their keys
+    state, local = _setup(c)
+    a = run_round(SPEC_FEDAVG, state, local, WEIGHTS, segs, SEED_KEY, client_ids=ids)
+    state, local = _setup(c)
+    b = run_round(spec, state, local, WEIGHTS, segs, SEED_KEY, client_ids=ids)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    assert [int(s) for s in b[2].metrics.num_steps] == [int(s) for s in a[2].metrics.num_steps]
