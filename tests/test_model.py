@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from fedjax_split.errors import UserError
-from fedjax_split.model import BertConfig, init_params, make_apply, make_encode
+from fedjax_split.model import (
+    DROPOUT_LEVELS,
+    BertConfig,
+    dropout,
+    init_params,
+    make_apply,
+    make_encode,
+)
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -416,3 +423,34 @@ def test_packed_input_needs_its_whole_layout():
     with pytest.raises(ValueError, match="row_tokens, token_slots and cls_index"):
         make_apply(TINY)(params, ids, jnp.ones((1, 8)), ids * 0, train=False,
                          position_ids=ids, cls_index=jnp.zeros((1,), jnp.int32))  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_dropout_rate_scale_and_independent_draws(impl: str) -> None:
+    n = 2_000_003  # odd: the last 32-bit word is half used
+    x = jnp.full((n,), 2.0, jnp.float32)
+    key = jax.random.key(11, impl=impl)
+    out = np.asarray(dropout(x, 0.1, key))
+    dropped = out == 0.0
+    threshold = round(0.1 * DROPOUT_LEVELS)
+    rate = threshold / DROPOUT_LEVELS
+    assert abs(dropped.mean() - rate) < 5 * np.sqrt(rate * (1 - rate) / n)
+    np.testing.assert_allclose(out[~dropped], 2.0 * DROPOUT_LEVELS / (DROPOUT_LEVELS - threshold))
+    assert abs(out.mean() - 2.0) < 5 * 2.0 * np.sqrt(rate / (1 - rate) / n)  # E[dropout(x)] = x
+    # Draws taken from the same 32-bit word (element e and e + words) drop independently.
+    words = -(-n // 2)
+    both = (dropped[: n - words] & dropped[words:]).mean()
+    assert abs(both - rate**2) < 5 * np.sqrt(rate**2 / (n - words))
+    np.testing.assert_array_equal(out, np.asarray(dropout(x, 0.1, key)))  # same key, same mask
+    other = np.asarray(dropout(x, 0.1, jax.random.key(12, impl=impl))) == 0.0
+    assert (other != dropped).mean() > 0.1
+
+
+def test_dropout_edge_rates_and_dtype() -> None:
+    x = jnp.arange(1.0, 9.0, dtype=jnp.bfloat16).reshape(2, 4)
+    key = jax.random.key(0)
+    np.testing.assert_array_equal(dropout(x, 0.0, key), x)
+    np.testing.assert_array_equal(dropout(x, 1.0, key), jnp.zeros_like(x))
+    assert dropout(x, 0.5, key).dtype == jnp.bfloat16
+    grad = jax.grad(lambda v: dropout(v, 0.5, key).sum())(jnp.ones((64,)))
+    assert set(np.unique(np.asarray(grad)).tolist()) == {0.0, 2.0}  # mask times 1/keep
