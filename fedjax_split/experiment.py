@@ -56,6 +56,15 @@ class Setup:
     prefetched: tuple[int, list[Any]] | None = None  # (round, its training segments)
 
 
+def round_chunk_size(chunk_size: int | None, backend: str) -> int | None:
+    """Clients trained at once in a round: as configured, else one at a time on a CPU and all at
+    once on an accelerator. Why: on a CPU each matmul already fills the cores, and the vmapped
+    round holds every client's state at once; it ran 2x slower there (docs/benchmarks.md)."""
+    if chunk_size is not None:
+        return chunk_size
+    return 1 if backend == "cpu" else None
+
+
 def subsample_indices(n: int, max_examples: int | None, seed: int) -> np.ndarray | None:
     """Indices of a uniform subsample (sorted, so the pool keeps its order), or None for all."""
     if max_examples is None or max_examples >= n:
@@ -193,7 +202,7 @@ def build(config: ExperimentConfig) -> Setup:
         client=client_spec,
         server_optimizer=server_opt,
         wire_dtype=wire,
-        chunk_size=config.chunk_size,
+        chunk_size=round_chunk_size(config.chunk_size, jax.default_backend()),
     )
     server_state = rounds.init_server_state(global0, server_opt, wire)
     eval_segments = batching.make_eval_batches(

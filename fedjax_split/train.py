@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--chunk-size",
-        "Train at most this many clients at once (bounds memory).",
+        "Train at most this many clients at once (bounds memory); default: one at a time on a CPU, "
+        "all at once on an accelerator.",
         type=_optional_int,
     )
     add(

@@ -169,11 +169,12 @@ def test_packing_setting_reaches_every_rounds_batches(
     """--packing is wired through: every round trains on packed segments (prefetched ones too)."""
     from fedjax_split import rounds
 
-    seen = []
+    seen, chunks = [], []
     real_run_round = rounds.run_round
 
     def spy(spec, state, local, num_examples, segments, *a, **kw):
         seen.append(all("cls_index" in s for s in segments))
+        chunks.append(spec.chunk_size)
         return real_run_round(spec, state, local, num_examples, segments, *a, **kw)
 
     monkeypatch.setattr(rounds, "run_round", spy)
@@ -184,6 +185,7 @@ def test_packing_setting_reaches_every_rounds_batches(
             _config(files, name, packing=packing, critical_layer=1), progress=False
         )
         assert seen == [packing, packing]  # two rounds, the second one prefetched
+        assert chunks[-1] == 1  # no --chunk-size on a CPU: clients one at a time
         assert json.loads((files["base"] / name / "config.json").read_text())["packing"] is packing
         assert np.isfinite(summary["final"]["accuracy"])
 
@@ -238,3 +240,11 @@ def test_mean_over_clients_skips_undefined_metrics() -> None:
     nan = experiment.mean_over_clients([{"client": 0, "pearson": float("nan")}])["pearson"]
     assert np.isnan(nan)
     assert experiment.mean_over_clients([]) == {}
+
+
+def test_round_chunk_size_defaults_by_backend() -> None:
+    assert experiment.round_chunk_size(None, "cpu") == 1
+    assert experiment.round_chunk_size(None, "gpu") is None
+    assert experiment.round_chunk_size(None, "tpu") is None
+    assert experiment.round_chunk_size(4, "cpu") == 4
+    assert experiment.round_chunk_size(4, "gpu") == 4
