@@ -54,3 +54,13 @@ def test_tiny_packed_round_benchmark():
     assert r["config"]["segment_shapes"] == [[2, 2, 64]]
     assert r["hardware_flops"] == 4 * 3 * packed_forward_flops(config, 64, 2, 64, 4)
     assert r["model_flops"] == 16 * train_step_flops(config, 1, 16)
+
+
+def test_allocator_is_read_from_the_process_maps():
+    glibc = "7f01-7f02 r-xp 00000000 08:01 123 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+    tc = "7f03-7f04 r-xp 00000000 08:01 124 /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4\n"
+    je = "7f05-7f06 r-xp 00000000 08:01 125 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n"
+    assert benchmark.allocator(glibc) == "system"
+    assert benchmark.allocator(glibc + tc) == "tcmalloc"
+    assert benchmark.allocator(je + glibc) == "jemalloc"
+    assert benchmark.allocator() in {"system", "tcmalloc", "jemalloc"}

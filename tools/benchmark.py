@@ -48,6 +48,24 @@ def _seconds(fn, repeats: int) -> list[float]:
     return times
 
 
+def allocator(maps: str | None = None) -> str:
+    """The malloc this process runs on: 'tcmalloc' or 'jemalloc' when preloaded, else 'system'.
+
+    Why it is recorded: XLA:CPU allocates its buffers anew on every call, and glibc's malloc hands
+    large ones back to the kernel, which faults them in again each time; a preloaded tcmalloc
+    keeps them (docs/benchmarks.md measures the difference).
+    """
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return "unknown"
+    for name in ("tcmalloc", "jemalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return "system"
+
+
 def measure_peak(dtype: Any, sizes: tuple[int, ...] = (1024, 2048, 3072), repeats: int = 5) -> dict:
     """Best matmul FLOP/s over square sizes (jitted, inputs on device, timed after warm-up)."""
     best = {"flops_per_s": 0.0}
@@ -224,7 +242,7 @@ def run(args: argparse.Namespace) -> dict:
         "command": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:]),
         "machine": {"backend": backend, "device": str(jax.devices()[0].device_kind),
                     "cpus": os.cpu_count(), "platform": platform.platform(),
-                    "jax": jax.__version__},
+                    "jax": jax.__version__, "allocator": allocator()},
         "config": {"model": args.model, "clients": args.clients, "batch_size": args.batch_size,
                    "examples_per_client": args.examples_per_client, "lengths": args.lengths,
                    "local_epochs": args.local_epochs, "critical_layer": c, "dtype": dtype,
@@ -295,7 +313,8 @@ def profile_step(args: argparse.Namespace) -> dict:
         "full_step": 3 * fwd,
     }
     return {
-        "batch": b, "length": t, "model": args.model, "peak": peak, "ms": pieces,
+        "batch": b, "length": t, "model": args.model, "allocator": allocator(), "peak": peak,
+        "ms": pieces,
         "share_of_peak": {k: v / (pieces[k] / 1e3) / peak["flops_per_s"] for k, v in rates.items()},
     }  # fmt: skip
 
