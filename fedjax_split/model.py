@@ -185,12 +185,12 @@ DROPOUT_LEVELS = 65536  # dropout draws are 16-bit: a rate is rounded to a multi
 def dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
     """Inverted dropout whose masks come from 16-bit draws, four per threefry hash.
 
-    Why not flax's nn.Dropout: it draws a float32 uniform per element, one threefry hash each, and
-    those hashes were 16% of a MiniLM training step on CPU. A hash gives 64 random bits, which are
-    four independent 16-bit draws here. An element is dropped when its draw is below
-    round(rate * 65536), so the rate is exact to 1/65536 (0.1 -> 0.100006), and kept elements are
-    scaled by the inverse of the exact keep probability, so E[dropout(x)] = x. Keys of another
-    PRNG implementation than threefry fall back to 32-bit words from jax.random.bits (two draws).
+    Why not flax's nn.Dropout: it draws a float32 uniform per element, one threefry hash each;
+    making one MiniLM step's masks took 12.0 ms that way on CPU, 5.6 ms here. A hash gives 64
+    random bits, which are four independent 16-bit draws here. An element is dropped when its draw
+    is below round(rate * 65536), so the rate is exact to 1/65536 (0.1 -> 0.100006), and kept
+    elements are scaled by the inverse of the exact keep probability, so E[dropout(x)] = x. Keys
+    of another PRNG implementation than threefry fall back to jax.random.bits (two draws a word).
     """
     threshold = int(round(rate * DROPOUT_LEVELS))
     if threshold <= 0:
