@@ -12,6 +12,7 @@ import pytest
 
 from fedjax_split.errors import UserError
 from fedjax_split.model import (
+    _DRAW_BLOCK,
     DROPOUT_LEVELS,
     BertConfig,
     dropout,
@@ -437,13 +438,27 @@ def test_dropout_rate_scale_and_independent_draws(impl: str) -> None:
     assert abs(dropped.mean() - rate) < 5 * np.sqrt(rate * (1 - rate) / n)
     np.testing.assert_allclose(out[~dropped], 2.0 * DROPOUT_LEVELS / (DROPOUT_LEVELS - threshold))
     assert abs(out.mean() - 2.0) < 5 * 2.0 * np.sqrt(rate / (1 - rate) / n)  # E[dropout(x)] = x
-    # Draws taken from the same 32-bit word (element e and e + words) drop independently.
-    words = -(-n // 2)
-    both = (dropped[: n - words] & dropped[words:]).mean()
-    assert abs(both - rate**2) < 5 * np.sqrt(rate**2 / (n - words))
+    # Draws from one hash (elements e + q L of a block of 4 L, q = 0..3) drop independently:
+    # those from one 32-bit word (q = 0, 1) and from its two words (q = 0, 2).
+    block = 4 * _DRAW_BLOCK
+    quarters = dropped[: n - n % block].reshape(-1, 4, _DRAW_BLOCK)
+    for q in (1, 2, 3):
+        both = (quarters[:, 0] & quarters[:, q]).mean()
+        assert abs(both - rate**2) < 5 * np.sqrt(rate**2 / quarters[:, 0].size)
     np.testing.assert_array_equal(out, np.asarray(dropout(x, 0.1, key)))  # same key, same mask
     other = np.asarray(dropout(x, 0.1, jax.random.key(12, impl=impl))) == 0.0
     assert (other != dropped).mean() > 0.1
+
+
+def test_dropout_mask_depends_on_flat_index_only() -> None:
+    """A longer or shorter leading axis (a packed stream cut to a client's own tokens, fewer
+    attention rows) leaves the masks of the elements both shapes hold unchanged."""
+    key = jax.random.key(5)
+    x = jnp.ones((3001, 7), jnp.float32)
+    full = np.asarray(dropout(x, 0.1, key))
+    for rows in (1, 146, 147, 2000):  # 146 * 7 < 1024 < 147 * 7: cuts inside and past a block
+        np.testing.assert_array_equal(np.asarray(dropout(x[:rows], 0.1, key)), full[:rows])
+    assert 0.05 < (full == 0).mean() < 0.15
 
 
 def test_dropout_edge_rates_and_dtype() -> None:
