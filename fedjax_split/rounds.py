@@ -20,7 +20,9 @@ compile B scans, not E x B; client states stay on device (and sharded) between t
 With `chunk_size=1` and no mesh, clients run one at a time and each keeps its state in its own
 buffers for the whole round (`start_each`, `segment_one`, `finish_each`): the host only enqueues
 the per-client segment programs (no device-to-host transfer inside the round), and no state is
-copied in or out of a stacked array per segment, which a loop inside one program has to do.
+copied in or out of a stacked array per segment, which a loop inside one program has to do. Each
+client trains on its own part of each segment (`batching.client_segments`): packed parts are cut to
+the round's smallest shape that holds them, and segments where it has no real step are skipped.
 
 Keys: round key = fold_in(run key, round), client key = fold_in(round key, client id), step key =
 fold_in(client key, real step index) (see `client.step_rng`).
@@ -40,6 +42,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_split.aggregation import weighted_mean, weighted_mean_each
+from fedjax_split.batching import client_segments
 from fedjax_split.client import (
     ClientMetrics,
     ClientSpec,
@@ -172,9 +175,9 @@ class RoundFns(NamedTuple):
     segment: Callable[..., Any]
     finish: Callable[..., Any]
     # One client at a time, each client's state in its own buffers (chunk_size=1, no mesh):
-    # start_each(...) -> (tuple of K client states, keys); segment_one(state_i, server_state,
-    # segment, keys, i) -> state_i, client i's rows of the stacked segment; finish_each as finish
-    # with the tuple of states.
+    # start_each(...) -> (tuple of K client states, tuple of K keys); segment_one(state_i,
+    # server_state, segment_i, key_i) -> state_i, segment_i client i's own part of a segment
+    # (`batching.client_segments`); finish_each as finish with the tuple of states.
     start_each: Callable[..., Any]
     segment_one: Callable[..., Any]
     finish_each: Callable[..., Any]
@@ -211,12 +214,14 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         keys = client_rngs(round_rng(rng, state.round), client_ids)
         received = cast_from_wire(state.global_params)
         own = lambda i: jax.tree.map(lambda x: x[i], local_params)  # noqa: E731
-        return tuple(fns.init(received, own(i)) for i in range(keys.shape[0])), keys
+        num = keys.shape[0]
+        return tuple(fns.init(received, own(i)) for i in range(num)), tuple(
+            keys[i] for i in range(num)
+        )
 
-    def segment_one(client_state: ClientState, state: ServerState, seg: Any, keys: jax.Array, i):
-        take = lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)  # noqa: E731
-        own = jax.tree.map(take, segment_arrays(seg))
-        return fns.train_segment(client_state, own, cast_from_wire(state.global_params), take(keys))
+    def segment_one(client_state: ClientState, state: ServerState, seg: Any, key: jax.Array):
+        own = jax.tree.map(lambda x: x[0], segment_arrays(seg))  # a segment of one client
+        return fns.train_segment(client_state, own, cast_from_wire(state.global_params), key)
 
     def train(client_states: ClientState, received: Any, seg: Any, keys: jax.Array):
         def one(args: tuple[ClientState, Any, jax.Array]) -> ClientState:
@@ -335,10 +340,14 @@ def run_round(
     ids = jnp.asarray(client_ids, jnp.int32)
     if one_at_a_time(spec):
         each, keys = fns.start_each(server_state, local_params, ids, rng)
-        each, segs = list(each), jax.device_put(segs)  # each client reads its rows on device
+        each = list(each)
+        # Each client gets its own part of every segment, cut to the round's smallest shape that
+        # holds it (none where it has no real step); on device before the first program runs.
+        own = jax.device_put(client_segments(segs))
         for i in range(num_sampled):  # enqueued only: nothing is read back until the round ends
-            for seg in segs:
-                each[i] = fns.segment_one(each[i], server_state, seg, keys, np.int32(i))
+            for parts in own:
+                if parts[i] is not None:
+                    each[i] = fns.segment_one(each[i], server_state, parts[i], keys[i])
         state, new_local, metrics = fns.finish_each(server_state, tuple(each), weights)
     else:
         client_states, keys = fns.start(server_state, local_params, ids, rng)

@@ -7,7 +7,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from fedjax_split.batching import make_client_batches, make_eval_batches, padding_waste
+from fedjax_split.batching import (
+    client_segments,
+    make_client_batches,
+    make_eval_batches,
+    packed_shape,
+    padding_waste,
+)
 
 
 def _tokenized(lengths):
@@ -264,25 +270,7 @@ def test_packed_segments_hold_every_example_once_intact() -> None:
         r, w = seg["attention_mask"].shape[2:]
         shapes.add((s, n, r, w))
         assert w >= 64 and seg["cls_index"].shape == (k, s, 8)
-        for c in range(k):
-            for j in range(s):
-                slots = seg["attention_mask"][c, j].reshape(-1)
-                rows, back = seg["row_tokens"][c, j].reshape(-1), seg["token_slots"][c, j]
-                used = np.nonzero(slots)[0]
-                np.testing.assert_array_equal(back[rows[used]], used)  # slots <-> stream
-                for e in np.nonzero(seg["example_mask"][c, j])[0]:
-                    ix = seg["example_index"][c, j, e]
-                    start, m = seg["cls_index"][c, j, e], len(ids[ix])
-                    stream = slice(start, start + m)
-                    np.testing.assert_array_equal(seg["input_ids"][c, j, stream], ids[ix])
-                    np.testing.assert_array_equal(seg["token_type_ids"][c, j, stream], types[ix])
-                    np.testing.assert_array_equal(seg["position_ids"][c, j, stream], np.arange(m))
-                    # one example's tokens share a row and carry its slot number
-                    where = back[stream]
-                    assert len(set(where // w)) == 1
-                    assert np.all(slots[where] == e + 1)
-                    assert seg["labels"][c, j, e] == labels[ix]
-                    seen.append((c, int(ix)))
+        seen += _packed_examples(seg, ids, types, labels)
     # two epochs: every client's example exactly twice
     counts = Counter(seen)
     assert set(counts.values()) == {2}
@@ -293,6 +281,86 @@ def test_packed_segments_hold_every_example_once_intact() -> None:
     first = sorted(_packed_shape(s) for s in segs[:per_epoch])
     assert first == sorted(_packed_shape(s) for s in segs[per_epoch:])
     assert shapes == set(first)
+
+
+def _packed_examples(seg, ids, types, labels) -> list[tuple[int, int]]:
+    """Checks that every real example of a packed segment lies intact in its stream and in one
+    attention row; returns (client position, pool index) of each."""
+    seen = []
+    k, s, _ = seg["input_ids"].shape
+    w = seg["attention_mask"].shape[-1]
+    for c in range(k):
+        for j in range(s):
+            slots = seg["attention_mask"][c, j].reshape(-1)
+            rows, back = seg["row_tokens"][c, j].reshape(-1), seg["token_slots"][c, j]
+            used = np.nonzero(slots)[0]
+            np.testing.assert_array_equal(back[rows[used]], used)  # slots <-> stream
+            for e in np.nonzero(seg["example_mask"][c, j])[0]:
+                ix = seg["example_index"][c, j, e]
+                start, m = seg["cls_index"][c, j, e], len(ids[ix])
+                stream = slice(start, start + m)
+                assert start + m <= seg["input_ids"].shape[-1]
+                np.testing.assert_array_equal(seg["input_ids"][c, j, stream], ids[ix])
+                np.testing.assert_array_equal(seg["token_type_ids"][c, j, stream], types[ix])
+                np.testing.assert_array_equal(seg["position_ids"][c, j, stream], np.arange(m))
+                # one example's tokens share a row and carry its slot number
+                where = back[stream]
+                assert len(set(where // w)) == 1
+                assert np.all(slots[where] == e + 1)
+                assert seg["labels"][c, j, e] == labels[ix]
+                seen.append((c, int(ix)))
+    return seen
+
+
+def test_client_segments_cut_packed_parts_to_the_smallest_shape_that_holds_them() -> None:
+    tok, ids, types = _sentence_pool(300)
+    clients = [np.arange(0, 90), np.arange(90, 140), np.arange(140, 300), np.arange(0)]
+    labels = np.arange(300) % 3
+    segs = make_client_batches(
+        tok, clients, labels, batch_size=8, epochs=2, seed=5, packing=True, pack_width=64
+    )
+    shapes = {packed_shape(s) for s in segs}
+    assert len(shapes) > 1
+    cut = 0
+    for seg, parts in zip(segs, client_segments(segs), strict=True):
+        assert len(parts) == 4 and parts[3] is None  # the empty client has no real step
+        s, n, r = packed_shape(seg)
+        for c, part in enumerate(parts[:3]):
+            real = seg["step_mask"][c] & (seg["example_mask"][c].sum(-1) > 0)
+            if not real.any():
+                assert part is None
+                continue
+            # the same examples, intact, in the same steps and slots
+            here = _packed_examples(part, ids, types, labels)
+            alone = {key: value[c : c + 1] for key, value in seg.items()}
+            assert here == _packed_examples(alone, ids, types, labels)
+            assert len(here) == int(seg["example_mask"][c].sum())
+            for key in ("labels", "example_mask", "step_mask", "cls_index", "example_index"):
+                np.testing.assert_array_equal(part[key][0], seg[key][c])
+            # cut to the smallest of the round's shapes (nothing new to compile) that holds it
+            slots = seg["attention_mask"][c][real] > 0
+            tokens, used = slots.sum(axis=(1, 2)).max(), slots.any(axis=2).sum(axis=1).max()
+            fits = [x for x in shapes if x[0] == s and x[1] >= tokens and x[2] >= used]
+            assert packed_shape(part) == min(fits)
+            assert part["row_tokens"].shape == part["attention_mask"].shape
+            cut += packed_shape(part)[1] < n
+    assert cut > 0
+    whole = padding_waste(segs, skip_masked_steps=True)
+    parts = [p for ps in client_segments(segs) for p in ps if p is not None]
+    assert padding_waste(parts, skip_masked_steps=True) < whole
+
+
+def test_client_segments_keep_padded_parts_whole() -> None:
+    tok, clients, labels, _ = _setup()
+    segs = make_client_batches(tok, clients, labels, batch_size=4, epochs=1, seed=0)
+    for seg, parts in zip(segs, client_segments(segs), strict=True):
+        for c, part in enumerate(parts):
+            if part is None:
+                assert not np.any(seg["step_mask"][c] & (seg["example_mask"][c].sum(-1) > 0))
+                continue
+            assert part.keys() == seg.keys()
+            for key in seg:
+                np.testing.assert_array_equal(part[key], seg[key][c : c + 1])
 
 
 def _packed_shape(seg) -> tuple[int, ...]:
