@@ -64,3 +64,34 @@ def test_allocator_is_read_from_the_process_maps():
     assert benchmark.allocator(glibc + tc) == "tcmalloc"
     assert benchmark.allocator(je + glibc) == "jemalloc"
     assert benchmark.allocator() in {"system", "tcmalloc", "jemalloc"}
+
+
+def test_op_breakdown_by_phase_and_kind():
+    hlo = "\n".join([
+        '  %dot.1 = f32[4,4]{1,0} dot(%a, %b), metadata={op_name="jit(f)/jvp(M)/q"}',
+        '  %ynn_fusion.2 = f32[4,4]{1,0} fusion(%a), metadata={op_name="jit(f)/transpose(jvp(M))"}',
+        '  %add_fusion = f32[4]{0} fusion(%a), metadata={op_name="jit(f)/add"}',
+        '  %while.3 = (s32[]) while(%t), metadata={op_name="jit(f)/jvp(M)/_Dropout/while"}',
+    ])  # fmt: skip
+    ev = lambda name, us: {"ph": "X", "name": name, "dur": us}  # noqa: E731
+    events = [ev("dot.1", 1000), ev("dot.1", 3000), ev("ynn_fusion.2", 2000),
+              ev("add_fusion", 500), ev("while.3", 100), ev("ThunkExecutor::Execute", 9999),
+              {"ph": "i", "name": "dot.1"}]  # fmt: skip
+    r = benchmark.op_breakdown(events, hlo, steps=2)
+    assert r["ms_per_step"] == {"forward matmul": 2.0, "backward matmul": 1.0,
+                                "optimizer elementwise": 0.25, "forward loop": 0.05}  # fmt: skip
+    assert [o["op"] for o in r["top_ops"]] == ["dot.1", "ynn_fusion.2", "add_fusion", "while.3"]
+
+
+def test_tiny_op_profile_in_a_fresh_process():
+    """XLA:CPU traces its ops only with a flag set before jax starts: the script sets it."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "benchmark.py"
+    out = subprocess.run([sys.executable, str(script), "--model", "tiny", "--op-profile",
+                          "--batch-size", "2", "--profile-length", "8"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    r = json.loads(out)
+    assert r["ms_per_step"]["forward matmul"] > 0 and r["ms_per_step"]["backward matmul"] > 0
+    assert r["ms_per_step"]["optimizer elementwise"] > 0 and r["traced_step_ms"] > 0

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import json
 import os
 import platform
+import re
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -155,7 +158,11 @@ def run(args: argparse.Namespace) -> dict:
         bucketing=not args.no_bucketing, max_length=args.max_length, packing=args.packing,
     )  # fmt: skip
     skipped = args.chunk_size == 1  # clients one at a time: lax.cond skips masked steps
-    waste = batching.padding_waste(segments, skip_masked_steps=skipped)
+    # One at a time, each client computes its own part of each segment (packed: cut to the
+    # round's smallest shape that holds it); the baselines below train the same parts.
+    parts = list(zip(*batching.client_segments(segments), strict=True))  # [client][segment]
+    computed = [p for ps in parts for p in ps if p is not None] if skipped else segments
+    waste = batching.padding_waste(computed, skip_masked_steps=skipped)
     c = config.num_hidden_layers if args.critical_layer is None else args.critical_layer
     g, local = split_params(params, critical_layer=c)
     opt = client.default_client_optimizer(2e-5)
@@ -181,12 +188,14 @@ def run(args: argparse.Namespace) -> dict:
     # The same clients one after another: each client's own segments, one jitted update per client.
     update = jax.jit(client.make_client_update(cspec))
     per_client = []
-    for i in range(args.clients):  # only the client's real steps: no masked work when alone
+    for own_parts in parts:  # only the client's real steps: no masked work when alone
         own = []
-        for s in segs:
-            real = np.flatnonzero(np.asarray(s["step_mask"][i]))
-            if real.size:
-                own.append({k: v[i][real] for k, v in s.items()})
+        for part in own_parts:
+            if part is not None:
+                real = np.flatnonzero(part["step_mask"][0])
+                own.append(
+                    {k: jnp.asarray(v[0][real]) for k, v in client.segment_arrays(part).items()}
+                )
         per_client.append(own)
 
     def sequential():
@@ -233,7 +242,7 @@ def run(args: argparse.Namespace) -> dict:
 
     model_flops = sum(flops.train_step_flops(config, 1, int(n)) for x in lengths for n in x)
     model_flops *= args.local_epochs
-    hw_flops = sum(flops.segment_train_flops(config, s, skipped) for s in segments)
+    hw_flops = sum(flops.segment_train_flops(config, s, skipped) for s in computed)
     real_tokens = int(sum(int(x.sum()) for x in lengths)) * args.local_epochs
     mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if backend == "gpu":
@@ -266,23 +275,30 @@ def run(args: argparse.Namespace) -> dict:
     }  # fmt: skip
 
 
-def profile_step(args: argparse.Namespace) -> dict:
-    """Milliseconds of the pieces of one client step (forward, backward with and without dropout,
-    the optimiser update), each jitted on its own: where a training step's time goes."""
-    backend = jax.default_backend()
-    dtype = args.dtype or ("bfloat16" if backend == "gpu" else "float32")
+def _step_problem(args: argparse.Namespace) -> tuple[BertConfig, Any, Any, Any, str]:
+    """One client batch of `--batch-size` x `--profile-length` tokens: (config, params,
+    loss(params, train, key), the client optimiser, compute dtype)."""
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     config, params = model_config(args.model, 2, dtype)
     apply = make_apply(config)
     b, t = args.batch_size, args.profile_length
     ids = jnp.full((b, t), 2000 % config.vocab_size, jnp.int32)
     ones, zeros = jnp.ones((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32)
     labels = jnp.zeros((b,), jnp.int32)
-    opt = client.default_client_optimizer(2e-5)
-    key = jax.random.key(0)
 
     def loss(p, train, k=None):
         logits = apply(p, ids, ones, zeros, train=train, rng=k)
         return client.example_losses(logits, labels, False).mean()
+
+    return config, params, loss, client.default_client_optimizer(2e-5), dtype
+
+
+def profile_step(args: argparse.Namespace) -> dict:
+    """Milliseconds of the pieces of one client step (forward, backward with and without dropout,
+    the optimiser update), each jitted on its own: where a training step's time goes."""
+    config, params, loss, opt, dtype = _step_problem(args)
+    b, t = args.batch_size, args.profile_length
+    key = jax.random.key(0)
 
     def best_ms(f, *a, n=5):
         _seconds(lambda: f(*a), 1)  # warm-up and compilation
@@ -317,6 +333,79 @@ def profile_step(args: argparse.Namespace) -> dict:
         "ms": pieces,
         "share_of_peak": {k: v / (pieces[k] / 1e3) / peak["flops_per_s"] for k, v in rates.items()},
     }  # fmt: skip
+
+
+_OP_FLAG = "--xla_cpu_enable_xprof_traceme=true"  # XLA:CPU then traces every op it runs
+
+
+def op_breakdown(events: list[dict], hlo_text: str, steps: int) -> dict:
+    """Milliseconds per step of a compiled step's ops, by phase (forward / backward / optimizer,
+    from each op's jax op_name) and kind (matmul: dot or YNNPACK fusion; elementwise: the rest),
+    from the op events of a profiler trace (perfetto JSON) of `steps` steps of `hlo_text`.
+    Ops that run at the same time both count, and a loop's time also holds the ops it runs (the
+    dropout hashes), so the sum can exceed the wall time."""
+    names = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = .*op_name=\"([^\"]*)\"", line)
+        if m:
+            names[m.group(1)] = m.group(2)
+    table: dict[str, float] = {}
+    ops: dict[str, float] = {}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or name not in names:
+            continue
+        op_name = names[name]
+        phase = ("backward" if "transpose(jvp(" in op_name else
+                 "forward" if "jvp(" in op_name else "optimizer")  # fmt: skip
+        loop = name.startswith(("while", "call", "conditional"))
+        kind = (
+            "matmul"
+            if name.startswith(("dot", "ynn_fusion"))
+            else "loop"
+            if loop
+            else "elementwise"
+        )
+        ms = e.get("dur", 0) / 1e3 / steps
+        table[f"{phase} {kind}"] = table.get(f"{phase} {kind}", 0.0) + ms
+        ops[name] = ops.get(name, 0.0) + ms
+    top = sorted(ops.items(), key=lambda x: -x[1])[:15]
+    return {"ms_per_step": dict(sorted(table.items(), key=lambda x: -x[1])),
+            "top_ops": [{"op": n, "ms": v, "op_name": names[n]} for n, v in top]}  # fmt: skip
+
+
+def op_profile(args: argparse.Namespace, steps: int = 5) -> dict:
+    """One client's full training step (grad + AdamW, donated), traced op by op: run in a fresh
+    process (main sets the XLA flag that makes XLA:CPU trace its ops before jax starts)."""
+    _, params, loss, opt, _ = _step_problem(args)
+    b, t = args.batch_size, args.profile_length
+
+    def full(p, o, k):
+        u, o = opt.update(jax.grad(loss)(p, True, k), o, p)
+        return jax.tree.map(lambda a, c: a + c, p, u), o
+
+    step = jax.jit(full, donate_argnums=(0, 1))
+    state, key = opt.init(params), jax.random.key(0)
+    hlo = step.lower(params, state, key).compile().as_text()
+    for i in range(3):
+        params, state = jax.block_until_ready(step(params, state, jax.random.fold_in(key, i)))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d, create_perfetto_trace=True)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            params, state = jax.block_until_ready(step(params, state, jax.random.fold_in(key, i)))
+        wall = (time.perf_counter() - t0) / steps
+        jax.profiler.stop_trace()
+        (trace,) = Path(d).glob("**/*.trace.json.gz")
+        data = json.loads(gzip.decompress(trace.read_bytes()))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    out = op_breakdown(events, hlo, steps)
+    if not out["ms_per_step"]:
+        raise SystemExit(
+            f"no op events in the trace: run in a fresh process with XLA_FLAGS={_OP_FLAG}"
+        )
+    return {"batch": b, "length": t, "model": args.model, "allocator": allocator(),
+            "traced_step_ms": 1e3 * wall, **out}  # fmt: skip
 
 
 def markdown_row(r: dict) -> str:
@@ -375,6 +464,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="time the pieces of one client step instead of whole rounds",
     )
+    p.add_argument(
+        "--op-profile",
+        action="store_true",
+        help="trace one client step op by op (forward / backward / optimizer, matmul / rest)",
+    )
     p.add_argument("--profile-length", type=int, default=32, help="sequence length for the profile")
     p.add_argument("--out", default=None, help="JSON file for the results")
     return p.parse_args(argv)  # fmt: skip
@@ -382,6 +476,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    if args.op_profile:
+        result = op_profile(args)
+        print(json.dumps(result, indent=2))
+        return result
     if args.profile_step:
         result = profile_step(args)
         print(json.dumps(result, indent=2))
@@ -398,4 +496,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    if "--op-profile" in sys.argv[1:] and _OP_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OP_FLAG}".strip()
     main()
