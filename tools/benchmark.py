@@ -358,14 +358,12 @@ def op_breakdown(events: list[dict], hlo_text: str, steps: int) -> dict:
         op_name = names[name]
         phase = ("backward" if "transpose(jvp(" in op_name else
                  "forward" if "jvp(" in op_name else "optimizer")  # fmt: skip
-        loop = name.startswith(("while", "call", "conditional"))
-        kind = (
-            "matmul"
-            if name.startswith(("dot", "ynn_fusion"))
-            else "loop"
-            if loop
-            else "elementwise"
-        )
+        if name.startswith(("dot", "ynn_fusion")):
+            kind = "matmul"
+        elif name.startswith(("while", "call", "conditional")):
+            kind = "loop"
+        else:
+            kind = "elementwise"
         ms = e.get("dur", 0) / 1e3 / steps
         table[f"{phase} {kind}"] = table.get(f"{phase} {kind}", 0.0) + ms
         ops[name] = ops.get(name, 0.0) + ms
@@ -384,9 +382,10 @@ def op_profile(args: argparse.Namespace, steps: int = 5) -> dict:
         u, o = opt.update(jax.grad(loss)(p, True, k), o, p)
         return jax.tree.map(lambda a, c: a + c, p, u), o
 
-    step = jax.jit(full, donate_argnums=(0, 1))
     state, key = opt.init(params), jax.random.key(0)
-    hlo = step.lower(params, state, key).compile().as_text()
+    # The executable that runs is the one whose HLO names the traced ops (compiled once).
+    step = jax.jit(full, donate_argnums=(0, 1)).lower(params, state, key).compile()
+    hlo = step.as_text()
     for i in range(3):
         params, state = jax.block_until_ready(step(params, state, jax.random.fold_in(key, i)))
     with tempfile.TemporaryDirectory() as d:
