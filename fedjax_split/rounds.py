@@ -214,10 +214,7 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         keys = client_rngs(round_rng(rng, state.round), client_ids)
         received = cast_from_wire(state.global_params)
         own = lambda i: jax.tree.map(lambda x: x[i], local_params)  # noqa: E731
-        num = keys.shape[0]
-        return tuple(fns.init(received, own(i)) for i in range(num)), tuple(
-            keys[i] for i in range(num)
-        )
+        return tuple(fns.init(received, own(i)) for i in range(keys.shape[0])), tuple(keys)
 
     def segment_one(client_state: ClientState, state: ServerState, seg: Any, key: jax.Array):
         own = jax.tree.map(lambda x: x[0], segment_arrays(seg))  # a segment of one client
