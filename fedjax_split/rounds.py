@@ -23,6 +23,8 @@ the per-client segment programs (no device-to-host transfer inside the round), a
 copied in or out of a stacked array per segment, which a loop inside one program has to do. Each
 client trains on its own part of each segment (`batching.client_segments`): packed parts are cut to
 the round's smallest shape that holds them, and segments where it has no real step are skipped.
+With several devices (`RoundSpec.devices`, by default every local one: on a CPU see
+`devices.use_cpu_devices`), client i runs on device i % D, all devices at once.
 
 Keys: round key = fold_in(run key, round), client key = fold_in(round key, client id), step key =
 fold_in(client key, real step index) (see `client.step_rng`).
@@ -89,6 +91,11 @@ class RoundSpec:
     chunk_size: int | None = None
     mesh: Mesh | None = None
     donate: bool = True
+    # Clients one at a time (chunk_size=1, no mesh): the devices they are dealt to round-robin,
+    # each device running its clients one after another, all devices at once. None: every local
+    # device of the default backend (on a CPU, `devices.use_cpu_devices` makes several). With
+    # one device, the round runs where its inputs are.
+    devices: tuple[Any, ...] | None = None
 
 
 def init_server_state(
@@ -177,10 +184,14 @@ class RoundFns(NamedTuple):
     # One client at a time, each client's state in its own buffers (chunk_size=1, no mesh):
     # start_each(...) -> (tuple of K client states, tuple of K keys); segment_one(state_i,
     # server_state, segment_i, key_i) -> state_i, segment_i client i's own part of a segment
-    # (`batching.client_segments`); finish_each as finish with the tuple of states.
+    # (`batching.client_segments`); finish_each as finish with the tuple of states. Clients on
+    # several devices: finish_one(state_i) -> (uploaded global_i, local_i, metrics_i) on each
+    # client's device, then combine(server_state, tuple of those, num_examples) on the first.
     start_each: Callable[..., Any]
     segment_one: Callable[..., Any]
     finish_each: Callable[..., Any]
+    finish_one: Callable[..., Any]
+    combine: Callable[..., Any]
 
 
 @functools.lru_cache(maxsize=32)
@@ -278,12 +289,19 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         unpad = lambda x: x[:num_sampled]  # noqa: E731
         return new_state, jax.tree.map(unpad, new_locals), jax.tree.map(unpad, metrics)
 
-    def finish_each(state: ServerState, client_states: tuple, num_examples: jax.Array):
+    def finish_one(client_state: ClientState) -> tuple[Any, Any, ClientMetrics]:
+        new_global, new_local, metrics = fns.finish(client_state)
+        return upload(new_global), new_local, metrics
+
+    def combine(state: ServerState, finished: tuple, num_examples: jax.Array):
         # No stacked copy of the clients' global parts: they are summed where they lie.
-        new_globals, new_locals, metrics = zip(*(fns.finish(s) for s in client_states), strict=True)
-        mean = weighted_mean_each([upload(g) for g in new_globals], num_examples)
+        new_globals, new_locals, metrics = zip(*finished, strict=True)
+        mean = weighted_mean_each(list(new_globals), num_examples)
         stack = lambda trees: jax.tree.map(lambda *x: jnp.stack(x), *trees)  # noqa: E731
         return server_step(state, mean), stack(new_locals), stack(metrics)
+
+    def finish_each(state: ServerState, client_states: tuple, num_examples: jax.Array):
+        return combine(state, tuple(finish_one(s) for s in client_states), num_examples)
 
     donate = spec.donate
     return RoundFns(
@@ -294,12 +312,65 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         jax.jit(start_each),  # [K, ...] local parts cannot alias per-client states
         jax.jit(segment_one, donate_argnums=(0,)),
         jax.jit(finish_each, donate_argnums=(0,) if donate else ()),
+        jax.jit(finish_one, donate_argnums=(0,)),
+        jax.jit(combine, donate_argnums=(0,) if donate else ()),
     )
 
 
 def one_at_a_time(spec: RoundSpec) -> bool:
     """Whether a round runs its clients one at a time from the host, each with its own buffers."""
     return spec.chunk_size == 1 and spec.mesh is None
+
+
+def round_devices(spec: RoundSpec) -> tuple[Any, ...]:
+    """The devices a one-at-a-time round deals its clients to (see RoundSpec.devices)."""
+    return tuple(jax.local_devices()) if spec.devices is None else tuple(spec.devices)
+
+
+def _run_dealt(
+    fns: RoundFns,
+    devices: tuple[Any, ...],
+    server_state: ServerState,
+    local_params: Any,
+    ids: jax.Array,
+    rng: jax.Array,
+    segs: list[dict[str, Any]],
+    weights: np.ndarray,
+) -> tuple[ServerState, Any, ClientMetrics]:
+    """One-at-a-time round with client i on devices[i % D]: each device runs its clients one
+    after another while the other devices run theirs. The clients compute what they would on one
+    device (same programs, same inputs); their uploads are summed on devices[0] in client order.
+
+    Why: on a CPU, two streams of small client steps keep both cores busier than one stream
+    whose every op is split across them (docs/benchmarks.md measures it).
+    """
+    num = len(weights)
+    own = client_segments(segs)  # [segment][client]
+    each: list[Any] = [None] * num
+    keys: list[Any] = [None] * num
+    here: dict[int, ServerState] = {}
+    for d, device in enumerate(devices):
+        mine = np.arange(d, num, len(devices))
+        if mine.size:
+            here[d] = jax.device_put(server_state, device)
+            local_here, ids_here, rng_here = jax.device_put(
+                (jax.tree.map(lambda x, t=mine: x[t], local_params), ids[mine], rng), device
+            )
+            states, ks = fns.start_each(here[d], local_here, ids_here, rng_here)
+            for j, i in enumerate(mine):
+                each[i], keys[i] = states[j], ks[j]
+    # Programs are enqueued one per device in turn (client d's first segment, client d + 1's on
+    # the next device, ...), so that no device waits for the host to reach its clients; the host
+    # only enqueues, it reads nothing back.
+    num_devices = len(devices)
+    for first in range(0, num, num_devices):
+        for parts in own:
+            for i in range(first, min(first + num_devices, num)):
+                if parts[i] is not None:
+                    part = jax.device_put(parts[i], devices[i % num_devices])
+                    each[i] = fns.segment_one(each[i], here[i % num_devices], part, keys[i])
+    finished = tuple(jax.device_put(fns.finish_one(s), devices[0]) for s in each)
+    return fns.combine(jax.device_put(server_state, devices[0]), finished, weights)
 
 
 def run_round(
@@ -335,7 +406,12 @@ def run_round(
     per_client = tree_bytes(sent)
     fns = round_functions(spec)
     ids = jnp.asarray(client_ids, jnp.int32)
-    if one_at_a_time(spec):
+    devices = round_devices(spec)
+    if one_at_a_time(spec) and len(devices) > 1:
+        state, new_local, metrics = _run_dealt(
+            fns, devices, server_state, local_params, ids, rng, segs, weights
+        )
+    elif one_at_a_time(spec):
         each, keys = fns.start_each(server_state, local_params, ids, rng)
         each = list(each)
         # Each client gets its own part of every segment, cut to the round's smallest shape that

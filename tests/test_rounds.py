@@ -31,6 +31,7 @@ from fedjax_split.rounds import (
     one_at_a_time,
     put_clients,
     replicate,
+    round_devices,
     round_functions,
     round_rng,
     run_round,
@@ -336,3 +337,48 @@ def test_host_loop_round_equals_vmapped_round(packed: bool, c: int) -> None:
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
     assert [int(s) for s in b[2].metrics.num_steps] == [int(s) for s in a[2].metrics.num_steps]
+
+
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+def test_clients_dealt_to_devices_train_what_one_device_trains(monkeypatch, wire: str) -> None:
+    """Clients one at a time, dealt round-robin to 2 devices: client i's segment programs run on
+    device i % 2, and the round's outputs are bit-identical to the same round on one device
+    (same programs and inputs; uploads summed on the first device in client order)."""
+    import dataclasses
+
+    from fedjax_split import rounds
+
+    devices = tuple(jax.devices()[:2])
+    assert len(devices) == 2  # conftest forces 2 CPU devices
+    segs = _packed_segments()
+    one = RoundSpec(CLIENT, FEDAVG, wire, chunk_size=1, donate=False, devices=devices[:1])
+    two = dataclasses.replace(one, devices=devices)
+    assert round_devices(two) == devices and round_devices(dataclasses.replace(one, devices=None))
+
+    seen: list = []  # the device of each segment program's client state, in enqueue order
+    real = rounds.round_functions
+
+    def recording(spec: RoundSpec) -> rounds.RoundFns:
+        fns = real(spec)
+
+        def segment_one(state, server_state, part, key):
+            seen.append(list(state.steps.devices())[0])
+            return fns.segment_one(state, server_state, part, key)
+
+        return fns._replace(segment_one=segment_one)
+
+    monkeypatch.setattr(rounds, "round_functions", recording)
+    ids = np.array([0, 2, 5], np.int32)
+    state, local = _setup(1, wire)
+    a = run_round(one, state, local, WEIGHTS, segs, SEED_KEY, client_ids=ids)
+    assert set(seen) == {devices[0]}
+    seen.clear()
+    state, local = _setup(1, wire)
+    b = run_round(two, state, local, WEIGHTS, segs, SEED_KEY, client_ids=ids)
+    parts = client_segments(segs)
+    want = [devices[i % 2] for first in range(0, K, 2) for p in parts
+            for i in range(first, min(first + 2, K)) if p[i] is not None]  # fmt: skip
+    assert seen == want and set(want) == set(devices)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert not isinstance(y, jax.Array) or list(y.devices()) == [devices[0]]
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
