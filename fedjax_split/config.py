@@ -73,6 +73,7 @@ class ExperimentConfig:
     eval_every: int = 1
     checkpoint_every: int = 1
     chunk_size: int | None = None
+    cpu_devices: int | None = None
     dtype: str = "float32"
     packing: bool = False
 
@@ -112,6 +113,7 @@ _NON_TRAJECTORY = {
     "eval_every",
     "checkpoint_every",
     "chunk_size",
+    "cpu_devices",
     "data_dir",
     "model",
 }
@@ -157,7 +159,7 @@ def _coerce(name: str, value: Any) -> Any:
             return None
         raise UserError(f"setting {name!r} cannot be null; give a value or leave it out")
     expected = type(default) if default is not None else None
-    if name in ("critical_layer", "clients_per_round", "max_examples", "chunk_size"):
+    if name in ("critical_layer", "clients_per_round", "max_examples", "chunk_size", "cpu_devices"):
         expected = int
     elif name in ("server_lr",):
         expected = float
@@ -212,7 +214,7 @@ def validate(config: ExperimentConfig) -> None:
         if getattr(config, name) < 1:
             flag = "--" + name.replace("_", "-")
             raise UserError(f"{flag} must be at least 1, got {getattr(config, name)}")
-    for name in ("max_examples", "chunk_size"):
+    for name in ("max_examples", "chunk_size", "cpu_devices"):
         value = getattr(config, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

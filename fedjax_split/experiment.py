@@ -140,6 +140,7 @@ def build(config: ExperimentConfig) -> Setup:
     from fedjax_split import (
         batching,
         client,
+        devices,
         hf_checkpoint,
         partition,
         rounds,
@@ -203,6 +204,7 @@ def build(config: ExperimentConfig) -> Setup:
         server_optimizer=server_opt,
         wire_dtype=wire,
         chunk_size=round_chunk_size(config.chunk_size, jax.default_backend()),
+        devices=devices.for_rounds(config.cpu_devices, jax.default_backend()),
     )
     server_state = rounds.init_server_state(global0, server_opt, wire)
     eval_segments = batching.make_eval_batches(
@@ -296,6 +298,9 @@ def run_experiment(
         config = resolve_config(overrides=config)
     check(config)
     _check_run_dir(config)
+    from fedjax_split.devices import use_cpu_devices
+
+    use_cpu_devices(config.cpu_devices)  # before the first JAX computation (see devices.py)
     setup = build(config)
     run_dir = config.run_dir
 
@@ -458,6 +463,8 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
 
 def make_summary(setup: Setup, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The run at a glance: final and best primary metric, bytes, time, sizes."""
+    from fedjax_split import rounds
+
     metric = setup.task.primary_metric
     evaluated = [h for h in history if h.get(metric) is not None and np.isfinite(h[metric])]
     last = history[-1] if history else {}
@@ -477,6 +484,9 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]]) -> dict[str, A
         "cum_bytes_down": last.get("cum_bytes_down", 0),
         "cum_bytes": last.get("cum_bytes", 0),
         "seconds": float(sum(h["seconds"] for h in history)),
+        "round_devices": len(rounds.round_devices(setup.round_spec))
+        if rounds.one_at_a_time(setup.round_spec)
+        else 1,
         "global_params": setup.num_global,
         "local_params_per_client": setup.num_local,
         "run_dir": str(setup.config.run_dir),

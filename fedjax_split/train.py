@@ -160,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_optional_int,
     )
     add(
+        "--cpu-devices",
+        "CPU devices that clients trained one at a time are dealt to, each running its clients "
+        "while the others run theirs (default 1). 2 made a 10-client round 10%% faster on 2 cores "
+        "but compiles every program once per device (docs/benchmarks.md). Results do not "
+        "depend on it.",
+        type=_optional_int,
+        metavar="N",
+    )
+    add(
         "--packing",
         "Pack each training batch's examples end to end into one token stream instead of "
         "padding each to the longest: no padding is computed, and batches are plainly "

@@ -59,6 +59,8 @@ def test_file_then_flags_later_wins(tmp_path: Path) -> None:
         ({"rounds": "3"}, "must be int"),
         ({"rounds": True}, "must be int"),
         ({"packing": 1}, "must be bool"),
+        ({"cpu_devices": 0}, "--cpu-devices must be at least 1"),
+        ({"cpu_devices": 1.5}, "must be int"),
     ],
 )
 def test_bad_values_are_one_line_user_errors(values: dict, needle: str) -> None:
@@ -92,6 +94,8 @@ def test_critical_layer_against_model_depth() -> None:
 def test_trajectory_mismatch_ignores_bookkeeping() -> None:
     saved = ExperimentConfig(rounds=4).to_dict()
     assert trajectory_mismatch(saved, ExperimentConfig(rounds=8, resume=True)) == []
+    # clients dealt to more devices train the same models (tests/test_rounds.py)
+    assert trajectory_mismatch(saved, ExperimentConfig(cpu_devices=1, chunk_size=1)) == []
     assert trajectory_mismatch(saved, ExperimentConfig(lr=1e-4, seed=2)) == ["lr", "seed"]
     # packing changes the batches, so a run cannot switch it on resume
     assert trajectory_mismatch(saved, ExperimentConfig(packing=True)) == ["packing"]

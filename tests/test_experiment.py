@@ -182,10 +182,12 @@ def test_packing_setting_reaches_every_rounds_batches(
         name = f"packing_{packing}"
         seen.clear()
         summary = experiment.run_experiment(
-            _config(files, name, packing=packing, critical_layer=1), progress=False
+            _config(files, name, packing=packing, critical_layer=1, cpu_devices=1 + packing),
+            progress=False,
         )
         assert seen == [packing, packing]  # two rounds, the second one prefetched
         assert chunks[-1] == 1  # no --chunk-size on a CPU: clients one at a time
+        assert summary["round_devices"] == 1 + packing  # --cpu-devices (conftest has 2)
         assert json.loads((files["base"] / name / "config.json").read_text())["packing"] is packing
         assert np.isfinite(summary["final"]["accuracy"])
 

@@ -233,11 +233,14 @@ def test_help_explains_every_flag() -> None:
         "--clients-per-round", "--partition", "--alpha", "--beta", "--rounds", "--local-epochs",
         "--batch-size", "--lr", "--mu", "--quantize", "--max-length", "--max-examples", "--seed",
         "--output-dir", "--resume", "--config", "--chunk-size", "--dtype", "--packing",
+        "--cpu-devices",
     ):  # fmt: skip
         assert flag in text, flag
     assert train.config_from_args(["--packing"]).packing is True
     assert train.config_from_args(["--no-packing"]).packing is False
     assert train.config_from_args([]).packing is False
+    assert train.config_from_args(["--cpu-devices", "1"]).cpu_devices == 1
+    assert train.config_from_args([]).cpu_devices is None  # default: one device
 
 
 def test_config_file_with_flag_override(env: dict, tmp_path: Path) -> None:
