@@ -32,6 +32,7 @@ def test_tiny_round_benchmark(tmp_path):
     assert rd["mfu"] == pytest.approx(r["model_flops"] / rd["seconds"] / r["peak"]["flops_per_s"])
     assert r["speedup_vs_sequential"] == pytest.approx(r["sequential"]["seconds"] / rd["seconds"])
     assert "| tiny | cpu | 2 | 4 | 16 |" in benchmark.markdown_row(r)
+    assert r["machine"]["round_devices"] == 1  # vmapped: one program on one device
 
 
 def test_tiny_step_profile():
@@ -45,12 +46,13 @@ def test_tiny_step_profile():
 def test_tiny_packed_round_benchmark():
     r = benchmark.main(["--model", "tiny", "--clients", "2", "--examples-per-client", "8",
                         "--batch-size", "4", "--lengths", "16", "--repeats", "1", "--packing",
-                        "--skip-baselines"])  # fmt: skip
+                        "--skip-baselines", "--chunk-size", "1"])  # fmt: skip
     config = BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=4, intermediate_size=64)  # fmt: skip
     # each batch: 4 examples x 16 tokens = a 64-token stream, no padding; attention on rows of
     # W = 64 slots, one more row than the 64 tokens need; 2 clients x 2 steps
     assert r["config"]["packing"] and r["padding_waste"] == 0.0
+    assert r["machine"]["round_devices"] == 2  # one at a time, dealt to conftest's 2 devices
     assert r["config"]["segment_shapes"] == [[2, 2, 64]]
     assert r["hardware_flops"] == 4 * 3 * packed_forward_flops(config, 64, 2, 64, 4)
     assert r["model_flops"] == 16 * train_step_flops(config, 1, 16)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_split import batching, client, flops, rounds, server_optimizers
+from fedjax_split.devices import use_cpu_devices
 from fedjax_split.model import BertConfig, init_params, make_apply
 from fedjax_split.splitting import merge_params, split_params
 
@@ -251,7 +252,9 @@ def run(args: argparse.Namespace) -> dict:
         "command": " ".join(["python", "tools/benchmark.py"] + sys.argv[1:]),
         "machine": {"backend": backend, "device": str(jax.devices()[0].device_kind),
                     "cpus": os.cpu_count(), "platform": platform.platform(),
-                    "jax": jax.__version__, "allocator": allocator()},
+                    "jax": jax.__version__, "allocator": allocator(),
+                   "round_devices": len(rounds.round_devices(spec))
+                   if rounds.one_at_a_time(spec) else 1},
         "config": {"model": args.model, "clients": args.clients, "batch_size": args.batch_size,
                    "examples_per_client": args.examples_per_client, "lengths": args.lengths,
                    "local_epochs": args.local_epochs, "critical_layer": c, "dtype": dtype,
@@ -452,6 +455,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="pack each batch end to end (no padding computed; see batching.py)",
     )
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        help="CPU devices the one-at-a-time round deals clients to (default: 2 on 2+ cores)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions after warm-up")
     p.add_argument(
         "--skip-baselines",
@@ -475,6 +484,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    use_cpu_devices(args.cpu_devices)  # before the first JAX computation
     if args.op_profile:
         result = op_profile(args)
         print(json.dumps(result, indent=2))
