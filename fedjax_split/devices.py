@@ -24,19 +24,20 @@ def use_cpu_devices(count: int | None) -> int:
     Once the backends have started their count is fixed: then fewer devices than `count` is a
     UserError (restart the process or notebook runtime), and more is fine (the first are used).
     """
-    if count is not None and count < 1:
+    if count is None:
+        return len(jax.devices("cpu"))
+    if count < 1:
         raise UserError(f"--cpu-devices must be at least 1, got {count}")
-    if count is not None:
-        try:
-            jax.config.update(_SETTING, count)
-        except RuntimeError:  # the backends have started already
-            have = len(jax.devices("cpu"))
-            if have < count:
-                raise UserError(
-                    f"JAX has started with {have} CPU device(s), so --cpu-devices {count} cannot "
-                    "apply; set it before any JAX computation (in a notebook: restart the "
-                    "runtime and run the experiment first), or leave it unset"
-                ) from None
+    try:
+        jax.config.update(_SETTING, count)
+    except RuntimeError:  # the backends have started already
+        have = len(jax.devices("cpu"))
+        if have < count:
+            raise UserError(
+                f"JAX has started with {have} CPU device(s), so --cpu-devices {count} cannot "
+                "apply; set it before any JAX computation (in a notebook: restart the runtime "
+                "and run the experiment first), or leave it unset"
+            ) from None
     return len(jax.devices("cpu"))
 
 

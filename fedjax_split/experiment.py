@@ -484,9 +484,7 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]]) -> dict[str, A
         "cum_bytes_down": last.get("cum_bytes_down", 0),
         "cum_bytes": last.get("cum_bytes", 0),
         "seconds": float(sum(h["seconds"] for h in history)),
-        "round_devices": len(rounds.round_devices(setup.round_spec))
-        if rounds.one_at_a_time(setup.round_spec)
-        else 1,
+        "round_devices": len(rounds.round_devices(setup.round_spec)),
         "global_params": setup.num_global,
         "local_params_per_client": setup.num_local,
         "run_dir": str(setup.config.run_dir),

@@ -18,12 +18,12 @@ server step). Segments of equal shape share one compiled program, so E epochs x 
 compile B scans, not E x B; client states stay on device (and sharded) between the calls.
 
 With `chunk_size=1` and no mesh, clients run one at a time and each keeps its state in its own
-buffers for the whole round (`start_each`, `segment_one`, `finish_each`): the host only enqueues
-the per-client segment programs (no device-to-host transfer inside the round), and no state is
-copied in or out of a stacked array per segment, which a loop inside one program has to do. Each
-client trains on its own part of each segment (`batching.client_segments`): packed parts are cut to
-the round's smallest shape that holds them, and segments where it has no real step are skipped.
-With several devices (`RoundSpec.devices`, by default every local one: on a CPU see
+buffers for the whole round (`start_each`, `segment_one`, `finish_one`, `combine`): the host only
+enqueues the per-client segment programs (no device-to-host transfer inside the round), and no
+state is copied in or out of a stacked array per segment, which a loop inside one program has to
+do. Each client trains on its own part of each segment (`batching.client_segments`): packed parts
+are cut to the round's smallest shape that holds them, and segments where it has no real step are
+skipped. With several devices (`RoundSpec.devices`, by default every local one: on a CPU see
 `devices.use_cpu_devices`), client i runs on device i % D, all devices at once.
 
 Keys: round key = fold_in(run key, round), client key = fold_in(round key, client id), step key =
@@ -93,8 +93,7 @@ class RoundSpec:
     donate: bool = True
     # Clients one at a time (chunk_size=1, no mesh): the devices they are dealt to round-robin,
     # each device running its clients one after another, all devices at once. None: every local
-    # device of the default backend (on a CPU, `devices.use_cpu_devices` makes several). With
-    # one device, the round runs where its inputs are.
+    # device of the default backend (on a CPU, `devices.use_cpu_devices` makes several).
     devices: tuple[Any, ...] | None = None
 
 
@@ -184,12 +183,11 @@ class RoundFns(NamedTuple):
     # One client at a time, each client's state in its own buffers (chunk_size=1, no mesh):
     # start_each(...) -> (tuple of K client states, tuple of K keys); segment_one(state_i,
     # server_state, segment_i, key_i) -> state_i, segment_i client i's own part of a segment
-    # (`batching.client_segments`); finish_each as finish with the tuple of states. Clients on
-    # several devices: finish_one(state_i) -> (uploaded global_i, local_i, metrics_i) on each
-    # client's device, then combine(server_state, tuple of those, num_examples) on the first.
+    # (`batching.client_segments`); finish_one(state_i) -> (uploaded global_i, local_i,
+    # metrics_i) on the client's device; combine(server_state, tuple of those, num_examples) on
+    # the first device, as finish.
     start_each: Callable[..., Any]
     segment_one: Callable[..., Any]
-    finish_each: Callable[..., Any]
     finish_one: Callable[..., Any]
     combine: Callable[..., Any]
 
@@ -300,9 +298,6 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         stack = lambda trees: jax.tree.map(lambda *x: jnp.stack(x), *trees)  # noqa: E731
         return server_step(state, mean), stack(new_locals), stack(metrics)
 
-    def finish_each(state: ServerState, client_states: tuple, num_examples: jax.Array):
-        return combine(state, tuple(finish_one(s) for s in client_states), num_examples)
-
     donate = spec.donate
     return RoundFns(
         jax.jit(start, donate_argnums=(1,) if donate else ()),
@@ -311,7 +306,6 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         jax.jit(finish, donate_argnums=(0,) if donate else ()),
         jax.jit(start_each),  # [K, ...] local parts cannot alias per-client states
         jax.jit(segment_one, donate_argnums=(0,)),
-        jax.jit(finish_each, donate_argnums=(0,) if donate else ()),
         jax.jit(finish_one, donate_argnums=(0,)),
         jax.jit(combine, donate_argnums=(0,) if donate else ()),
     )
@@ -323,11 +317,17 @@ def one_at_a_time(spec: RoundSpec) -> bool:
 
 
 def round_devices(spec: RoundSpec) -> tuple[Any, ...]:
-    """The devices a one-at-a-time round deals its clients to (see RoundSpec.devices)."""
+    """The devices a round's clients train on: the mesh's; one at a time, spec.devices or every
+    local device (dealt round-robin); else the first local device (a vmapped round without a mesh
+    runs where its inputs are)."""
+    if spec.mesh is not None:
+        return tuple(spec.mesh.devices.flat)
+    if not one_at_a_time(spec):
+        return tuple(jax.local_devices()[:1])
     return tuple(jax.local_devices()) if spec.devices is None else tuple(spec.devices)
 
 
-def _run_dealt(
+def _run_one_at_a_time(
     fns: RoundFns,
     devices: tuple[Any, ...],
     server_state: ServerState,
@@ -340,9 +340,11 @@ def _run_dealt(
     """One-at-a-time round with client i on devices[i % D]: each device runs its clients one
     after another while the other devices run theirs. The clients compute what they would on one
     device (same programs, same inputs); their uploads are summed on devices[0] in client order.
+    Each client trains on its own part of every segment, cut to the round's smallest shape that
+    holds it (none where it has no real step).
 
-    Why: on a CPU, two streams of small client steps keep both cores busier than one stream
-    whose every op is split across them (docs/benchmarks.md measures it).
+    Why several devices: on a CPU, two streams of small client steps keep both cores busier than
+    one stream whose every op is split across them (docs/benchmarks.md measures it).
     """
     num = len(weights)
     own = client_segments(segs)  # [segment][client]
@@ -406,22 +408,10 @@ def run_round(
     per_client = tree_bytes(sent)
     fns = round_functions(spec)
     ids = jnp.asarray(client_ids, jnp.int32)
-    devices = round_devices(spec)
-    if one_at_a_time(spec) and len(devices) > 1:
-        state, new_local, metrics = _run_dealt(
-            fns, devices, server_state, local_params, ids, rng, segs, weights
+    if one_at_a_time(spec):
+        state, new_local, metrics = _run_one_at_a_time(
+            fns, round_devices(spec), server_state, local_params, ids, rng, segs, weights
         )
-    elif one_at_a_time(spec):
-        each, keys = fns.start_each(server_state, local_params, ids, rng)
-        each = list(each)
-        # Each client gets its own part of every segment, cut to the round's smallest shape that
-        # holds it (none where it has no real step); on device before the first program runs.
-        own = jax.device_put(client_segments(segs))
-        for i in range(num_sampled):  # enqueued only: nothing is read back until the round ends
-            for parts in own:
-                if parts[i] is not None:
-                    each[i] = fns.segment_one(each[i], server_state, parts[i], keys[i])
-        state, new_local, metrics = fns.finish_each(server_state, tuple(each), weights)
     else:
         client_states, keys = fns.start(server_state, local_params, ids, rng)
         for seg in segs:

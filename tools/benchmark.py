@@ -253,8 +253,7 @@ def run(args: argparse.Namespace) -> dict:
         "machine": {"backend": backend, "device": str(jax.devices()[0].device_kind),
                     "cpus": os.cpu_count(), "platform": platform.platform(),
                     "jax": jax.__version__, "allocator": allocator(),
-                   "round_devices": len(rounds.round_devices(spec))
-                   if rounds.one_at_a_time(spec) else 1},
+                   "round_devices": len(rounds.round_devices(spec))},
         "config": {"model": args.model, "clients": args.clients, "batch_size": args.batch_size,
                    "examples_per_client": args.examples_per_client, "lengths": args.lengths,
                    "local_epochs": args.local_epochs, "critical_layer": c, "dtype": dtype,
@@ -459,7 +458,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--cpu-devices",
         type=int,
         default=None,
-        help="CPU devices the one-at-a-time round deals clients to (default: 2 on 2+ cores)",
+        help="CPU devices the one-at-a-time round deals clients to (default: JAX's, 1)",
     )
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions after warm-up")
     p.add_argument(
