@@ -21,6 +21,7 @@ ALGORITHMS = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad"
 PARTITIONS = ("paper", "dirichlet", "quantity", "iid")
 QUANTIZE = ("none", "fp16", "bf16")
 DTYPES = ("float32", "bfloat16")  # model compute dtypes; parameters stay fp32
+ATTENTIONS = ("xla", "cudnn")  # model.ATTENTION_IMPLEMENTATIONS
 
 # Server learning rate per algorithm when --server-lr is not given. FedAvg/FedProx/FedAvgM:
 # eta_s = 1 makes the server step the weighted average of the clients' models (FedNLP's default).
@@ -76,6 +77,7 @@ class ExperimentConfig:
     cpu_devices: int | None = None
     dtype: str = "float32"
     packing: bool = False
+    attention: str = "xla"
 
     @property
     def sampled_clients(self) -> int:
@@ -114,6 +116,7 @@ _NON_TRAJECTORY = {
     "checkpoint_every",
     "chunk_size",
     "cpu_devices",
+    "attention",  # the same attention by another kernel: rounding moves, as on another machine
     "data_dir",
     "model",
 }
@@ -202,6 +205,7 @@ def validate(config: ExperimentConfig) -> None:
     _check_choice("partition", config.partition, PARTITIONS)
     _check_choice("quantize", config.quantize, QUANTIZE)
     _check_choice("dtype", config.dtype, DTYPES)
+    _check_choice("attention", config.attention, ATTENTIONS)
     if config.clients < 1:
         raise UserError(f"--clients must be at least 1, got {config.clients}")
     if config.clients_per_round is not None and not 1 <= config.clients_per_round <= config.clients:

@@ -142,6 +142,7 @@ def build(config: ExperimentConfig) -> Setup:
         client,
         devices,
         hf_checkpoint,
+        model,
         partition,
         rounds,
         server_optimizers,
@@ -152,12 +153,14 @@ def build(config: ExperimentConfig) -> Setup:
     )
 
     task = tasks.get_task(config.task)
+    model.check_attention(config.attention, config.dtype, jax.default_backend())
     pre = hf_checkpoint.load_pretrained(
         config.model,
         num_labels=task.num_labels,
         seed=config.seed,
         problem_type="regression" if task.is_regression else None,
         dtype=config.dtype,
+        attention=config.attention,
     )
     model_config = pre.config
     c = validate_critical_layer(config, model_config.num_hidden_layers)
@@ -297,10 +300,14 @@ def run_experiment(
     if isinstance(config, dict):
         config = resolve_config(overrides=config)
     check(config)
-    _check_run_dir(config)
+    import jax
+
     from fedjax_split.devices import use_cpu_devices
+    from fedjax_split.model import check_attention
 
     use_cpu_devices(config.cpu_devices)  # before the first JAX computation (see devices.py)
+    check_attention(config.attention, config.dtype, jax.default_backend())
+    _check_run_dir(config)
     setup = build(config)
     run_dir = config.run_dir
 

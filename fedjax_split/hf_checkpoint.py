@@ -413,6 +413,7 @@ def load_pretrained(
     seed: int = 0,
     problem_type: str | None = None,
     dtype: str = "float32",
+    attention: str = "xla",
 ) -> Pretrained:
     """Loads a BERT checkpoint for sequence classification (regression: num_labels=1).
 
@@ -421,7 +422,13 @@ def load_pretrained(
     model_dir = resolve_model(name_or_path)
     if problem_type is None:
         problem_type = "regression" if num_labels == 1 else "single_label_classification"
-    config = load_config(model_dir, num_labels=num_labels, problem_type=problem_type, dtype=dtype)
+    config = load_config(
+        model_dir,
+        num_labels=num_labels,
+        problem_type=problem_type,
+        dtype=dtype,
+        attention=attention,
+    )
     params = params_from_tensors(read_weights(model_dir), config, seed=seed, source=str(model_dir))
     return Pretrained(make_apply(config), params, config, model_dir)
 

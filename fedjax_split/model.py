@@ -33,6 +33,10 @@ Params = dict[str, Any]
 BERT_MODEL_TYPES = frozenset({"bert"})
 PROBLEM_TYPES = ("single_label_classification", "regression")
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# "xla": our einsum attention (any dtype, dropout on the probabilities); "cudnn": jax's fused
+# cuDNN attention (GPU, 16-bit) wherever no dropout is applied to the probabilities.
+ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
+_FUSED_IMPLEMENTATION = "cudnn"  # what attention="cudnn" asks jax for (tests run jax's "xla")
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # HF "gelu" is the exact erf form
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
@@ -68,6 +72,7 @@ class BertConfig:
     problem_type: str = "single_label_classification"
     classifier_dropout: float | None = None
     dtype: str = "float32"
+    attention: str = "xla"  # ATTENTION_IMPLEMENTATIONS; a kernel choice, not part of HF's config
 
     def __post_init__(self) -> None:
         if self.hidden_act not in _ACTIVATIONS:
@@ -92,6 +97,10 @@ class BertConfig:
         if self.dtype not in COMPUTE_DTYPES:
             raise UserError(
                 f"unsupported compute dtype {self.dtype!r}; use one of {COMPUTE_DTYPES}"
+            )
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise UserError(
+                f"unsupported attention {self.attention!r}; use one of {ATTENTION_IMPLEMENTATIONS}"
             )
 
     @property
@@ -120,7 +129,8 @@ class BertConfig:
             )
         if d.get("is_decoder") or d.get("add_cross_attention"):
             raise UserError("decoder BERT configs are not supported; use an encoder checkpoint")
-        names = {f.name for f in dataclasses.fields(cls)} - {"dtype", "num_labels", "problem_type"}
+        ours = {"dtype", "attention", "num_labels", "problem_type"}
+        names = {f.name for f in dataclasses.fields(cls)} - ours
         kwargs: dict[str, Any] = {k: d[k] for k in names if k in d and d[k] is not None}
         if "classifier_dropout" in d:
             kwargs["classifier_dropout"] = d["classifier_dropout"]
@@ -142,6 +152,7 @@ class BertConfig:
         """The config.json of a `BertForSequenceClassification` with fp32 weights."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         del d["dtype"]  # our compute dtype; HF's `dtype` means storage, which is fp32
+        del d["attention"]
         d.update(
             model_type="bert",
             architectures=["BertForSequenceClassification"],
@@ -254,6 +265,29 @@ class _Embeddings(nn.Module):
         return _Dropout(c.hidden_dropout_prob)(x, deterministic=deterministic)
 
 
+def fused_attention(q, k, v, mask, implementation: str = "cudnn") -> jax.Array:
+    """softmax(q k^T / sqrt(d), masked) v through `jax.nn.dot_product_attention`.
+
+    q, k, v [B, T, heads, d]; mask bool [B, 1 or T, T] (True: the query may attend to the key).
+    Why: on a GPU, cuDNN's fused kernel never writes the [B, heads, T, T] scores to memory. It has
+    no dropout of the probabilities that our keys control, so the model uses it only where none
+    is applied (evaluation; training with attention_probs_dropout_prob 0). jax's "xla"
+    implementation computes what our einsum path does (fp32 scores and softmax, probabilities
+    cast to v's dtype), which is how the tests check this call on a CPU.
+    """
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=implementation)
+
+
+def check_attention(attention: str, dtype: str, backend: str) -> None:
+    """UserError unless `attention` can run in compute `dtype` on `backend` ("cpu", "gpu", ...):
+    cuDNN's fused attention exists on GPUs only, for 16-bit inputs."""
+    if attention == "cudnn" and (backend != "gpu" or dtype != "bfloat16"):
+        raise UserError(
+            f"--attention cudnn needs a GPU and --dtype bfloat16 (here: {backend}, {dtype}); "
+            "use --attention xla"
+        )
+
+
 class _SelfAttention(nn.Module):
     """Query/key/value projections, masked softmax, output projection, residual, LayerNorm."""
 
@@ -273,12 +307,19 @@ class _SelfAttention(nn.Module):
         q = split(_dense(c, c.hidden_size, "query")(x))
         k = split(_dense(c, c.hidden_size, "key")(x))
         v = split(_dense(c, c.hidden_size, "value")(x))
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
-        scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1)
-        probs = _Dropout(c.attention_probs_dropout_prob)(probs, deterministic=deterministic)
-        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v).reshape(b, t, c.hidden_size)
+        # Built on both paths: linen names it _Dropout_0 either way, so the output dropout below
+        # keeps its name, hence its key, whichever kernel runs.
+        probs_dropout = _Dropout(c.attention_probs_dropout_prob)
+        if c.attention == "cudnn" and (deterministic or c.attention_probs_dropout_prob <= 0):
+            ctx = fused_attention(q, k, v, mask, _FUSED_IMPLEMENTATION)
+        else:
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+            scores = scores / jnp.sqrt(jnp.float32(c.head_dim))
+            scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
+            probs = jax.nn.softmax(scores, axis=-1)
+            probs = probs_dropout(probs, deterministic=deterministic)
+            ctx = jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
+        ctx = ctx.reshape(b, t, c.hidden_size)
         if layout is not None:
             ctx = _move(ctx.reshape(b * t, -1), layout.token_slots, flat_slots, layout.slot_real)
             ctx = ctx[None]

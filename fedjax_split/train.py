@@ -180,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Compute dtype of the model (parameters stay float32).",
         metavar="{float32,bfloat16}",
     )
+    add(
+        "--attention",
+        "Attention kernel: xla (default, anywhere) or cudnn (jax's fused cuDNN attention; GPU "
+        "with --dtype bfloat16; used where no dropout hits the attention probabilities).",
+        metavar="{xla,cudnn}",
+    )
     return p
 
 

@@ -58,6 +58,22 @@ def test_tiny_packed_round_benchmark():
     assert r["model_flops"] == 16 * train_step_flops(config, 1, 16)
 
 
+def test_cudnn_attention_off_a_gpu_is_a_one_line_error_with_status_2(tmp_path):
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "benchmark.py"
+    res = subprocess.run([sys.executable, str(script), "--model", "tiny", "--profile-step",
+                          "--attention", "cudnn", "--dtype", "float32",
+                          "--out", str(tmp_path / "b.json")],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("error: --attention cudnn needs a GPU and --dtype bfloat16 (here: ")
+    assert line.endswith(", float32); use --attention xla")
+    assert not (tmp_path / "b.json").exists()
+
+
 def test_allocator_is_read_from_the_process_maps():
     glibc = "7f01-7f02 r-xp 00000000 08:01 123 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
     tc = "7f03-7f04 r-xp 00000000 08:01 124 /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4\n"

@@ -61,6 +61,7 @@ def test_file_then_flags_later_wins(tmp_path: Path) -> None:
         ({"packing": 1}, "must be bool"),
         ({"cpu_devices": 0}, "--cpu-devices must be at least 1"),
         ({"cpu_devices": 1.5}, "must be int"),
+        ({"attention": "flash"}, "unknown attention"),
     ],
 )
 def test_bad_values_are_one_line_user_errors(values: dict, needle: str) -> None:
@@ -96,6 +97,8 @@ def test_trajectory_mismatch_ignores_bookkeeping() -> None:
     assert trajectory_mismatch(saved, ExperimentConfig(rounds=8, resume=True)) == []
     # clients dealt to more devices train the same models (tests/test_rounds.py)
     assert trajectory_mismatch(saved, ExperimentConfig(cpu_devices=1, chunk_size=1)) == []
+    # another attention kernel computes the same attention (a GPU run may resume on a CPU)
+    assert trajectory_mismatch(saved, ExperimentConfig(attention="cudnn")) == []
     assert trajectory_mismatch(saved, ExperimentConfig(lr=1e-4, seed=2)) == ["lr", "seed"]
     # packing changes the batches, so a run cannot switch it on resume
     assert trajectory_mismatch(saved, ExperimentConfig(packing=True)) == ["packing"]

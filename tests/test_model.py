@@ -15,6 +15,7 @@ from fedjax_split.model import (
     _DRAW_BLOCK,
     DROPOUT_LEVELS,
     BertConfig,
+    check_attention,
     dropout,
     init_params,
     make_apply,
@@ -424,6 +425,83 @@ def test_packed_input_needs_its_whole_layout():
     with pytest.raises(ValueError, match="row_tokens, token_slots and cls_index"):
         make_apply(TINY)(params, ids, jnp.ones((1, 8)), ids * 0, train=False,
                          position_ids=ids, cls_index=jnp.zeros((1,), jnp.int32))  # fmt: skip
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list:
+    """attention="cudnn" routed to jax's "xla" implementation of the same call (a CPU has no
+    cuDNN), counting the calls: what the model passes to jax.nn.dot_product_attention is checked,
+    only the kernel differs on a GPU."""
+    from fedjax_split import model
+
+    calls = []
+    real = model.fused_attention
+
+    def counted(q, k, v, mask, implementation):
+        calls.append(implementation)
+        return real(q, k, v, mask, "xla")
+
+    monkeypatch.setattr(model, "fused_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_attention_matches_transformers(fused_calls: list, packed: bool) -> None:
+    fused = dataclasses.replace(TINY, attention="cudnn")
+    model = _torch_model(TINY, seed=5)
+    params = _ours_from_torch(model, TINY)
+    ids, mask, types = _batch(np.random.default_rng(2), TINY, lengths=(9, 5, 1, 7, 3))
+    ref_logits, ref_hidden = _torch_run(model, ids, mask, types)
+    if packed:
+        step, kw = _packed(ids, mask, types, 16)
+        args = (params, step["input_ids"], step["attention_mask"], step["token_type_ids"])
+    else:
+        args, kw = (params, ids, mask, types), {}
+    logits = make_apply(fused)(*args, train=False, **kw)
+    assert fused_calls == ["cudnn"] * TINY.num_hidden_layers  # every layer took the fused call
+    np.testing.assert_allclose(logits, ref_logits, atol=2e-5, rtol=0)
+    if not packed:
+        hidden, _ = make_encode(fused)(*args)
+        for i, n in enumerate(mask.sum(1)):
+            np.testing.assert_allclose(hidden[i, :n], ref_hidden[i, :n], atol=2e-5)
+    bf = dataclasses.replace(fused, dtype="bfloat16")
+    ref_bf = make_apply(dataclasses.replace(bf, attention="xla"))(*args, train=False, **kw)
+    np.testing.assert_allclose(make_apply(bf)(*args, train=False, **kw), ref_bf, atol=2e-2)
+
+
+def test_fused_attention_only_where_no_dropout_hits_the_probabilities(fused_calls: list) -> None:
+    """Training with attention dropout keeps the einsum path (its masks come from our keys), so a
+    cudnn run trains exactly what an xla run does; without that dropout it is fused too."""
+    params = init_params(TINY, jax.random.key(9))
+    ids, mask, types = _batch(np.random.default_rng(5), TINY)
+    key = jax.random.key(3)
+    fused = dataclasses.replace(TINY, attention="cudnn")
+    train = make_apply(fused)(params, ids, mask, types, train=True, rng=key)
+    assert fused_calls == []
+    np.testing.assert_array_equal(train, make_apply(TINY)(params, ids, mask, types, train=True,
+                                                          rng=key))  # fmt: skip
+    no_attn_drop = dataclasses.replace(fused, attention_probs_dropout_prob=0.0)
+    out = make_apply(no_attn_drop)(params, ids, mask, types, train=True, rng=key)
+    assert len(fused_calls) == TINY.num_hidden_layers
+    ref = make_apply(dataclasses.replace(no_attn_drop, attention="xla"))(
+        params, ids, mask, types, train=True, rng=key
+    )
+    np.testing.assert_allclose(out, ref, atol=1e-5)  # the same hidden dropout masks
+
+
+def test_attention_setting_is_ours_and_checked() -> None:
+    fused = dataclasses.replace(TINY, attention="cudnn")
+    assert "attention" not in fused.to_hf_dict()  # a kernel choice, not part of HF's config
+    assert BertConfig.from_hf_dict(fused.to_hf_dict()) == TINY
+    assert BertConfig.from_hf_dict(TINY.to_hf_dict(), attention="cudnn") == fused
+    with pytest.raises(UserError, match="unsupported attention"):
+        BertConfig(attention="flash")
+    check_attention("xla", "float32", "cpu")
+    check_attention("cudnn", "bfloat16", "gpu")
+    for dtype, backend in [("bfloat16", "cpu"), ("float32", "gpu"), ("bfloat16", "tpu")]:
+        with pytest.raises(UserError, match="--attention cudnn needs a GPU") as e:
+            check_attention("cudnn", dtype, backend)
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])

@@ -159,6 +159,7 @@ BAD = [
     ({"clients": 0}, "--clients must be at least 1"),
     ({"clients_per_round": 5}, "--clients-per-round must be in 1..3"),
     ({"data_dir": "/nonexistent/glue"}, "data dir"),
+    ({"attention": "cudnn"}, "--attention cudnn needs a GPU and --dtype bfloat16"),
 ]
 
 
@@ -233,7 +234,7 @@ def test_help_explains_every_flag() -> None:
         "--clients-per-round", "--partition", "--alpha", "--beta", "--rounds", "--local-epochs",
         "--batch-size", "--lr", "--mu", "--quantize", "--max-length", "--max-examples", "--seed",
         "--output-dir", "--resume", "--config", "--chunk-size", "--dtype", "--packing",
-        "--cpu-devices",
+        "--cpu-devices", "--attention",
     ):  # fmt: skip
         assert flag in text, flag
     assert train.config_from_args(["--packing"]).packing is True
@@ -241,6 +242,8 @@ def test_help_explains_every_flag() -> None:
     assert train.config_from_args([]).packing is False
     assert train.config_from_args(["--cpu-devices", "1"]).cpu_devices == 1
     assert train.config_from_args([]).cpu_devices is None  # default: one device
+    assert train.config_from_args(["--attention", "cudnn"]).attention == "cudnn"
+    assert train.config_from_args([]).attention == "xla"
 
 
 def test_config_file_with_flag_override(env: dict, tmp_path: Path) -> None:

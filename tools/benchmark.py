@@ -38,7 +38,8 @@ import numpy as np
 
 from fedjax_split import batching, client, flops, rounds, server_optimizers
 from fedjax_split.devices import use_cpu_devices
-from fedjax_split.model import BertConfig, init_params, make_apply
+from fedjax_split.errors import UserError
+from fedjax_split.model import BertConfig, check_attention, init_params, make_apply
 from fedjax_split.splitting import merge_params, split_params
 
 
@@ -84,12 +85,15 @@ def measure_peak(dtype: Any, sizes: tuple[int, ...] = (1024, 2048, 3072), repeat
     return best
 
 
-def model_config(name: str, num_labels: int, dtype: str) -> tuple[BertConfig, Any]:
+def model_config(
+    name: str, num_labels: int, dtype: str, attention: str = "xla"
+) -> tuple[BertConfig, Any]:
     """Config and parameters: the real MiniLM weights, or a random config of the named size."""
+    check_attention(attention, dtype, jax.default_backend())
     if name == "minilm-l6":
         from fedjax_split.hf_checkpoint import load_pretrained
 
-        pre = load_pretrained("minilm-l6", num_labels=num_labels, dtype=dtype)
+        pre = load_pretrained("minilm-l6", num_labels=num_labels, dtype=dtype, attention=attention)
         return pre.config, pre.params
     shapes = {
         "bert-base-random": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
@@ -101,7 +105,7 @@ def model_config(name: str, num_labels: int, dtype: str) -> tuple[BertConfig, An
     }  # fmt: skip
     if name not in shapes:
         sys.exit(f"error: unknown --model {name!r}; use minilm-l6 or one of {sorted(shapes)}")
-    config = BertConfig(num_labels=num_labels, dtype=dtype, **shapes[name])
+    config = BertConfig(num_labels=num_labels, dtype=dtype, attention=attention, **shapes[name])
     return config, init_params(config, jax.random.key(0))
 
 
@@ -147,7 +151,7 @@ def run(args: argparse.Namespace) -> dict:
     backend = jax.default_backend()
     dtype = args.dtype or ("bfloat16" if backend == "gpu" else "float32")
     peak = measure_peak(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
-    config, params = model_config(args.model, 2, dtype)
+    config, params = model_config(args.model, 2, dtype, args.attention)
     apply = make_apply(config)
     lengths = client_lengths(args.lengths, args.clients, args.examples_per_client, args.max_length)
     tokens = synthetic_tokens(lengths, config.vocab_size)
@@ -257,6 +261,7 @@ def run(args: argparse.Namespace) -> dict:
         "config": {"model": args.model, "clients": args.clients, "batch_size": args.batch_size,
                    "examples_per_client": args.examples_per_client, "lengths": args.lengths,
                    "local_epochs": args.local_epochs, "critical_layer": c, "dtype": dtype,
+                   "attention": args.attention,
                    "chunk_size": args.chunk_size, "bucketing": not args.no_bucketing,
                    "packing": args.packing,
                    "segment_shapes": [list(s["input_ids"].shape) for s in segments]},
@@ -281,7 +286,7 @@ def _step_problem(args: argparse.Namespace) -> tuple[BertConfig, Any, Any, Any, 
     """One client batch of `--batch-size` x `--profile-length` tokens: (config, params,
     loss(params, train, key), the client optimiser, compute dtype)."""
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-    config, params = model_config(args.model, 2, dtype)
+    config, params = model_config(args.model, 2, dtype, args.attention)
     apply = make_apply(config)
     b, t = args.batch_size, args.profile_length
     ids = jnp.full((b, t), 2000 % config.vocab_size, jnp.int32)
@@ -448,6 +453,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--critical-layer", type=int, default=None, help="split layer c (default L)")
     p.add_argument("--chunk-size", type=int, default=None, help="clients vmapped at once")
     p.add_argument("--dtype", default=None, help="compute dtype (default fp32 CPU, bf16 GPU)")
+    p.add_argument(
+        "--attention",
+        default="xla",
+        choices=("xla", "cudnn"),
+        help="attention kernel; cudnn (GPU, bf16) runs where no dropout hits the probabilities: "
+        "evaluation and --profile-step's forward, not the training rounds",
+    )
     p.add_argument("--no-bucketing", action="store_true", help="pad every batch to the longest")
     p.add_argument(
         "--packing",
@@ -506,4 +518,8 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     if "--op-profile" in sys.argv[1:] and _OP_FLAG not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_OP_FLAG}".strip()
-    main()
+    try:
+        main()
+    except UserError as e:  # a one-line error, exit status 2, as the CLI
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
