@@ -445,7 +445,8 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
     setup.local_params = rounds.put_clients(setup.local_params, sampled, new_local)
     if r < config.rounds:  # the round runs asynchronously: batch the next one meanwhile
         setup.prefetched = (r + 1, round_batches(setup, r + 1))
-    losses = np.asarray(result.train_loss, np.float64)
+    losses = np.asarray(result.train_loss, np.float64)  # waits for the round's last program
+    t_train = time.perf_counter()
     record: dict[str, Any] = {
         "round": r,
         "clients_sampled": sampled.tolist(),
@@ -454,6 +455,7 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
     }
     if r % config.eval_every == 0 or r == config.rounds:
         record.update(evaluate(setup))
+    t_eval = time.perf_counter()
     up, down = int(result.bytes_up), int(result.bytes_down)
     cum_up = up + (previous["cum_bytes_up"] if previous else 0)
     cum_down = down + (previous["cum_bytes_down"] if previous else 0)
@@ -463,7 +465,11 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
         cum_bytes_up=cum_up,
         cum_bytes_down=cum_down,
         cum_bytes=cum_up + cum_down,
-        seconds=time.perf_counter() - t0,
+        seconds=t_eval - t0,
+        # where the round's time went: sampling, batching, training and the server step (with
+        # the first round's compilation), then evaluation (0 when not due)
+        train_seconds=t_train - t0,
+        eval_seconds=t_eval - t_train,
     )
     return record
 
@@ -491,6 +497,9 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]]) -> dict[str, A
         "cum_bytes_down": last.get("cum_bytes_down", 0),
         "cum_bytes": last.get("cum_bytes", 0),
         "seconds": float(sum(h["seconds"] for h in history)),
+        # a run resumed from records written before the split counts their parts as 0
+        "train_seconds": float(sum(h.get("train_seconds", 0.0) for h in history)),
+        "eval_seconds": float(sum(h.get("eval_seconds", 0.0) for h in history)),
         "round_devices": len(rounds.round_devices(setup.round_spec)),
         "global_params": setup.num_global,
         "local_params_per_client": setup.num_local,

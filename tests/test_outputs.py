@@ -51,6 +51,8 @@ def test_plain_lines_when_not_a_terminal() -> None:
         "hello",
         "round 3 | loss 0.2500 | accuracy 0.8750 | sent 2.5 MB | 1.5s",
     ]
+    line = outputs.format_round({**_RECORD, "train_seconds": 1.25, "eval_seconds": 0.25}, None)
+    assert line.endswith("| 1.5s (eval 0.2s)")  # the evaluation's share, when it ran
 
 
 class _Tty(io.StringIO):

@@ -70,7 +70,7 @@ def _metrics(run: Path) -> list[dict]:
 
 
 def _without_time(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in records]
+    return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in records]
 
 
 def _digest(run: Path) -> dict[str, str]:
@@ -101,12 +101,16 @@ def test_straight_run_writes_every_output(straight: Path) -> None:
     for i, r in enumerate(records, 1):
         assert r["cum_bytes_up"] == i * per_round and r["cum_bytes"] == 2 * i * per_round
         assert np.isfinite(r["train_loss"]) and r["seconds"] >= 0
+        assert r["train_seconds"] > 0 and r["eval_seconds"] > 0  # tiny runs evaluate every round
+        assert r["seconds"] == pytest.approx(r["train_seconds"] + r["eval_seconds"], abs=1e-9)
         assert len(r["clients"]) == 3 and len(r["train_loss_clients"]) == 3
         mean = np.mean([c["accuracy"] for c in r["clients"]])
         assert r["accuracy"] == pytest.approx(mean, abs=1e-12)
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["rounds"] == 4 and summary["primary_metric"] == "accuracy"
     assert summary["final"]["accuracy"] == records[-1]["accuracy"]
+    for key in ("seconds", "train_seconds", "eval_seconds"):
+        assert summary[key] == pytest.approx(sum(r[key] for r in records))
     config = json.loads((straight / "config.json").read_text())
     assert config["critical_layer"] == 1 and config["clients"] == 3
     part = json.loads((straight / "partition.json").read_text())
@@ -126,7 +130,7 @@ def test_interrupted_then_resumed_run_matches_straight_run(env: dict, straight: 
     assert _without_time(_metrics(out)) == _without_time(_metrics(straight))
     a = json.loads((out / "summary.json").read_text())
     b = json.loads((straight / "summary.json").read_text())
-    assert a["final"] == {**b["final"], "seconds": a["final"]["seconds"]}
+    assert _without_time([a["final"]]) == _without_time([b["final"]])
 
 
 def test_sigkilled_run_resumes_to_the_same_result(env: dict, straight: Path) -> None:
