@@ -446,6 +446,7 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
     if r < config.rounds:  # the round runs asynchronously: batch the next one meanwhile
         setup.prefetched = (r + 1, round_batches(setup, r + 1))
     losses = np.asarray(result.train_loss, np.float64)  # waits for the round's last program
+    jax.block_until_ready(setup.local_params)  # and put_clients, so that t_train is the round's
     t_train = time.perf_counter()
     record: dict[str, Any] = {
         "round": r,

@@ -34,7 +34,7 @@ BERT_MODEL_TYPES = frozenset({"bert"})
 PROBLEM_TYPES = ("single_label_classification", "regression")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # "xla": our einsum attention (any dtype, dropout on the probabilities); "cudnn": jax's fused
-# cuDNN attention (GPU, 16-bit) wherever no dropout is applied to the probabilities.
+# cuDNN attention (GPU, 16-bit) in evaluation.
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 _FUSED_IMPLEMENTATION = "cudnn"  # what attention="cudnn" asks jax for (tests run jax's "xla")
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -101,6 +101,11 @@ class BertConfig:
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise UserError(
                 f"unsupported attention {self.attention!r}; use one of {ATTENTION_IMPLEMENTATIONS}"
+            )
+        if self.attention == "cudnn" and (self.head_dim % 8 or self.head_dim > 128):
+            raise UserError(
+                f"--attention cudnn needs a head size that is a multiple of 8 and at most 128, "
+                f"got {self.head_dim}; use --attention xla"
             )
 
     @property
@@ -269,13 +274,16 @@ def fused_attention(q, k, v, mask, implementation: str = "cudnn") -> jax.Array:
     """softmax(q k^T / sqrt(d), masked) v through `jax.nn.dot_product_attention`.
 
     q, k, v [B, T, heads, d]; mask bool [B, 1 or T, T] (True: the query may attend to the key).
-    Why: on a GPU, cuDNN's fused kernel never writes the [B, heads, T, T] scores to memory. It has
-    no dropout of the probabilities that our keys control, so the model uses it only where none
-    is applied (evaluation; training with attention_probs_dropout_prob 0). jax's "xla"
-    implementation computes what our einsum path does (fp32 scores and softmax, probabilities
-    cast to v's dtype), which is how the tests check this call on a CPU.
+    Why: on a GPU, cuDNN's fused kernel never writes the [B, heads, T, T] scores to memory. The
+    model calls it in evaluation only: it cannot draw our dropout masks, and in jax 0.10 its
+    gradient does not batch under vmap (the vmapped round). jax's "xla" implementation computes
+    what our einsum path does (fp32 scores and softmax, probabilities cast to v's dtype), which
+    is how the tests check this call on a CPU. cuDNN takes the mask as a bias of the full
+    [B, heads, T, T] shape (a padded [B, 1, 1, T] one fails its shape check), hence the broadcast.
     """
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=implementation)
+    b, t, heads, _ = q.shape
+    mask = jnp.broadcast_to(mask[:, None], (b, heads, t, k.shape[1]))
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
 
 
 def check_attention(attention: str, dtype: str, backend: str) -> None:
@@ -310,7 +318,7 @@ class _SelfAttention(nn.Module):
         # Built on both paths: linen names it _Dropout_0 either way, so the output dropout below
         # keeps its name, hence its key, whichever kernel runs.
         probs_dropout = _Dropout(c.attention_probs_dropout_prob)
-        if c.attention == "cudnn" and (deterministic or c.attention_probs_dropout_prob <= 0):
+        if c.attention == "cudnn" and deterministic:  # evaluation (see fused_attention)
             ctx = fused_attention(q, k, v, mask, _FUSED_IMPLEMENTATION)
         else:
             scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
@@ -470,10 +478,12 @@ def _plain(tree: Any) -> Any:
 def init_params(config: BertConfig, rng: jax.Array) -> Params:
     """Fresh fp32 parameters: N(0, initializer_range) weights, zero biases, unit LayerNorm, like HF.
 
-    The padding token's word embedding is zeroed, as in HF's `_init_weights`.
+    The padding token's word embedding is zeroed, as in HF's `_init_weights`. The attention
+    kernel has no parameters, so the tracing call that creates them uses the einsum (anywhere).
     """
     dummy = jnp.zeros((1, 1), jnp.int32)
-    variables = _BertClassifier(config).init(rng, dummy, dummy + 1, dummy, True, True)
+    module = _BertClassifier(dataclasses.replace(config, attention="xla"))
+    variables = module.init(rng, dummy, dummy + 1, dummy, True, True)
     params = _plain(variables["params"])
     emb = params["embeddings"]["word_embeddings"]["embedding"]
     if 0 <= config.pad_token_id < config.vocab_size:

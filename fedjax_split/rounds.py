@@ -355,9 +355,13 @@ def _run_one_at_a_time(
         mine = np.arange(d, num, len(devices))
         if mine.size:
             here[d] = jax.device_put(server_state, device)
-            local_here, ids_here, rng_here = jax.device_put(
-                (jax.tree.map(lambda x, t=mine: x[t], local_params), ids[mine], rng), device
+            # one device: every client, as they are (gathering them all would copy them all)
+            local_here, ids_here = (
+                (local_params, ids)
+                if len(devices) == 1
+                else (jax.tree.map(lambda x, t=mine: x[t], local_params), ids[mine])
             )
+            local_here, ids_here, rng_here = jax.device_put((local_here, ids_here, rng), device)
             states, ks = fns.start_each(here[d], local_here, ids_here, rng_here)
             for j, i in enumerate(mine):
                 each[i], keys[i] = states[j], ks[j]

@@ -183,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--attention",
         "Attention kernel: xla (default, anywhere) or cudnn (jax's fused cuDNN attention; GPU "
-        "with --dtype bfloat16; used where no dropout hits the attention probabilities).",
+        "with --dtype bfloat16; evaluation only, training keeps xla's).",
         metavar="{xla,cudnn}",
     )
     return p

@@ -469,24 +469,51 @@ def test_fused_attention_matches_transformers(fused_calls: list, packed: bool) -
     np.testing.assert_allclose(make_apply(bf)(*args, train=False, **kw), ref_bf, atol=2e-2)
 
 
-def test_fused_attention_only_where_no_dropout_hits_the_probabilities(fused_calls: list) -> None:
-    """Training with attention dropout keeps the einsum path (its masks come from our keys), so a
-    cudnn run trains exactly what an xla run does; without that dropout it is fused too."""
+@pytest.mark.parametrize("attention_dropout", [0.1, 0.0])
+def test_fused_attention_only_in_evaluation(fused_calls: list, attention_dropout: float) -> None:
+    """Training keeps the einsum path (its dropout masks come from our keys; cuDNN's gradient
+    does not batch under vmap), so a cudnn run trains exactly what an xla run does."""
     params = init_params(TINY, jax.random.key(9))
     ids, mask, types = _batch(np.random.default_rng(5), TINY)
     key = jax.random.key(3)
-    fused = dataclasses.replace(TINY, attention="cudnn")
+    xla = dataclasses.replace(TINY, attention_probs_dropout_prob=attention_dropout)
+    fused = dataclasses.replace(xla, attention="cudnn")
     train = make_apply(fused)(params, ids, mask, types, train=True, rng=key)
     assert fused_calls == []
-    np.testing.assert_array_equal(train, make_apply(TINY)(params, ids, mask, types, train=True,
-                                                          rng=key))  # fmt: skip
-    no_attn_drop = dataclasses.replace(fused, attention_probs_dropout_prob=0.0)
-    out = make_apply(no_attn_drop)(params, ids, mask, types, train=True, rng=key)
+    ref = make_apply(xla)(params, ids, mask, types, train=True, rng=key)
+    np.testing.assert_array_equal(train, ref)
+    grads = jax.grad(lambda p: make_apply(fused)(p, ids, mask, types, train=True, rng=key).sum())
+    assert fused_calls == [] and grads(params)
+    make_apply(fused)(params, ids, mask, types, train=False)
     assert len(fused_calls) == TINY.num_hidden_layers
-    ref = make_apply(dataclasses.replace(no_attn_drop, attention="xla"))(
-        params, ids, mask, types, train=True, rng=key
-    )
-    np.testing.assert_allclose(out, ref, atol=1e-5)  # the same hidden dropout masks
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_fused_attention_passes_cudnns_own_checks_vmapped(packed: bool, monkeypatch) -> None:
+    """The real "cudnn" call, traced (not run: no GPU here) through jax's cuDNN shape and layout
+    checks and its vmap rule, as the vmapped evaluation calls it. A padded [B, 1, 1, T] mask or
+    one broadcast over heads only by the caller fails here, not only on a GPU."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 90800)  # cuDNN 9.8 "found"
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda *a, **k: True)
+    config = dataclasses.replace(TINY, attention="cudnn", dtype="bfloat16")
+    params = init_params(config, jax.random.key(0))  # anywhere: init traces the einsum
+    assert jax.tree.structure(params) == jax.tree.structure(init_params(TINY, jax.random.key(0)))
+    ids, mask, types = _batch(np.random.default_rng(6), TINY, lengths=(9, 5, 1, 7), t=16)
+    if packed:
+        step, kw = _packed(ids, mask, types, 16)
+        batch = (step["input_ids"], step["attention_mask"], step["token_type_ids"])
+    else:
+        batch, kw = (ids, mask, types), {}
+    two = lambda x: jnp.stack([jnp.asarray(x)] * 2)  # noqa: E731  two clients
+    stacked = jax.tree.map(two, params)
+    apply = make_apply(config)
+    out = jax.eval_shape(
+        jax.vmap(lambda p, *xs: apply(p, *xs, train=False, **kw)),
+        stacked, *map(two, batch),
+    )  # fmt: skip
+    assert out.shape == (2, 4, TINY.num_labels)
 
 
 def test_attention_setting_is_ours_and_checked() -> None:
@@ -496,6 +523,10 @@ def test_attention_setting_is_ours_and_checked() -> None:
     assert BertConfig.from_hf_dict(TINY.to_hf_dict(), attention="cudnn") == fused
     with pytest.raises(UserError, match="unsupported attention"):
         BertConfig(attention="flash")
+    assert BertConfig(hidden_size=256, num_attention_heads=2, attention="cudnn").head_dim == 128
+    for hidden, heads in [(32, 8), (512, 2), (36, 3)]:  # head sizes 4, 256, 12
+        with pytest.raises(UserError, match="multiple of 8 and at most 128"):
+            BertConfig(hidden_size=hidden, num_attention_heads=heads, attention="cudnn")
     check_attention("xla", "float32", "cpu")
     check_attention("cudnn", "bfloat16", "gpu")
     for dtype, backend in [("bfloat16", "cpu"), ("float32", "gpu"), ("bfloat16", "tpu")]:

@@ -354,6 +354,9 @@ def test_clients_dealt_to_devices_train_what_one_device_trains(monkeypatch, wire
     one = RoundSpec(CLIENT, FEDAVG, wire, chunk_size=1, donate=False, devices=devices[:1])
     two = dataclasses.replace(one, devices=devices)
     assert round_devices(two) == devices and round_devices(dataclasses.replace(one, devices=None))
+    mesh = jax.sharding.Mesh(np.array(devices), ("clients",))
+    assert round_devices(dataclasses.replace(one, chunk_size=2, mesh=mesh)) == devices
+    assert round_devices(dataclasses.replace(one, chunk_size=None)) == devices[:1]  # vmapped
 
     seen: list = []  # the device of each segment program's client state, in enqueue order
     real = rounds.round_functions

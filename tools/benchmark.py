@@ -85,11 +85,15 @@ def measure_peak(dtype: Any, sizes: tuple[int, ...] = (1024, 2048, 3072), repeat
     return best
 
 
+def compute_dtype(args: argparse.Namespace) -> str:
+    """--dtype, by default bf16 on a GPU and fp32 elsewhere (whose matmul peak is measured)."""
+    return args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+
+
 def model_config(
     name: str, num_labels: int, dtype: str, attention: str = "xla"
 ) -> tuple[BertConfig, Any]:
     """Config and parameters: the real MiniLM weights, or a random config of the named size."""
-    check_attention(attention, dtype, jax.default_backend())
     if name == "minilm-l6":
         from fedjax_split.hf_checkpoint import load_pretrained
 
@@ -149,7 +153,7 @@ def timed(fn, repeats: int) -> tuple[float, float]:
 
 def run(args: argparse.Namespace) -> dict:
     backend = jax.default_backend()
-    dtype = args.dtype or ("bfloat16" if backend == "gpu" else "float32")
+    dtype = compute_dtype(args)
     peak = measure_peak(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
     config, params = model_config(args.model, 2, dtype, args.attention)
     apply = make_apply(config)
@@ -285,7 +289,7 @@ def run(args: argparse.Namespace) -> dict:
 def _step_problem(args: argparse.Namespace) -> tuple[BertConfig, Any, Any, Any, str]:
     """One client batch of `--batch-size` x `--profile-length` tokens: (config, params,
     loss(params, train, key), the client optimiser, compute dtype)."""
-    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    dtype = compute_dtype(args)
     config, params = model_config(args.model, 2, dtype, args.attention)
     apply = make_apply(config)
     b, t = args.batch_size, args.profile_length
@@ -457,8 +461,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--attention",
         default="xla",
         choices=("xla", "cudnn"),
-        help="attention kernel; cudnn (GPU, bf16) runs where no dropout hits the probabilities: "
-        "evaluation and --profile-step's forward, not the training rounds",
+        help="attention kernel; cudnn (GPU, bf16) runs in evaluation only: --profile-step's "
+        "forward row, not the training rounds",
     )
     p.add_argument("--no-bucketing", action="store_true", help="pad every batch to the longest")
     p.add_argument(
@@ -496,6 +500,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     use_cpu_devices(args.cpu_devices)  # before the first JAX computation
+    check_attention(args.attention, compute_dtype(args), jax.default_backend())  # before timing
     if args.op_profile:
         result = op_profile(args)
         print(json.dumps(result, indent=2))
