@@ -142,7 +142,6 @@ def build(config: ExperimentConfig) -> Setup:
         client,
         devices,
         hf_checkpoint,
-        model,
         partition,
         rounds,
         server_optimizers,
@@ -153,7 +152,6 @@ def build(config: ExperimentConfig) -> Setup:
     )
 
     task = tasks.get_task(config.task)
-    model.check_attention(config.attention, config.dtype, jax.default_backend())
     pre = hf_checkpoint.load_pretrained(
         config.model,
         num_labels=task.num_labels,

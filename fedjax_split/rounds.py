@@ -346,19 +346,19 @@ def _run_one_at_a_time(
     Why several devices: on a CPU, two streams of small client steps keep both cores busier than
     one stream whose every op is split across them (docs/benchmarks.md measures it).
     """
-    num = len(weights)
+    num, num_devices = len(weights), len(devices)
     own = client_segments(segs)  # [segment][client]
     each: list[Any] = [None] * num
     keys: list[Any] = [None] * num
     here: dict[int, ServerState] = {}
     for d, device in enumerate(devices):
-        mine = np.arange(d, num, len(devices))
+        mine = np.arange(d, num, num_devices)
         if mine.size:
             here[d] = jax.device_put(server_state, device)
-            # one device: every client, as they are (gathering them all would copy them all)
+            # a device with every client takes them as they are (a gather would copy them all)
             local_here, ids_here = (
                 (local_params, ids)
-                if len(devices) == 1
+                if mine.size == num
                 else (jax.tree.map(lambda x, t=mine: x[t], local_params), ids[mine])
             )
             local_here, ids_here, rng_here = jax.device_put((local_here, ids_here, rng), device)
@@ -368,7 +368,6 @@ def _run_one_at_a_time(
     # Programs are enqueued one per device in turn (client d's first segment, client d + 1's on
     # the next device, ...), so that no device waits for the host to reach its clients; the host
     # only enqueues, it reads nothing back.
-    num_devices = len(devices)
     for first in range(0, num, num_devices):
         for parts in own:
             for i in range(first, min(first + num_devices, num)):

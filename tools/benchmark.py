@@ -39,7 +39,13 @@ import numpy as np
 from fedjax_split import batching, client, flops, rounds, server_optimizers
 from fedjax_split.devices import use_cpu_devices
 from fedjax_split.errors import UserError
-from fedjax_split.model import BertConfig, check_attention, init_params, make_apply
+from fedjax_split.model import (
+    ATTENTION_IMPLEMENTATIONS,
+    BertConfig,
+    check_attention,
+    init_params,
+    make_apply,
+)
 from fedjax_split.splitting import merge_params, split_params
 
 
@@ -460,7 +466,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--attention",
         default="xla",
-        choices=("xla", "cudnn"),
+        choices=ATTENTION_IMPLEMENTATIONS,
         help="attention kernel; cudnn (GPU, bf16) runs in evaluation only: --profile-step's "
         "forward row, not the training rounds",
     )
