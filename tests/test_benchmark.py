@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_split.flops import packed_forward_flops, train_step_flops
-from fedjax_split.model import BertConfig
+from fedjax_split.flops import forward_flops, packed_forward_flops, train_step_flops
+from fedjax_split.model import BertConfig, init_params
 
 _SPEC = importlib.util.spec_from_file_location(
     "benchmark", Path(__file__).resolve().parents[1] / "tools" / "benchmark.py"
@@ -41,6 +41,38 @@ def test_tiny_step_profile():
     assert set(r["ms"]) == {"forward", "forward_backward_no_dropout", "forward_backward_dropout",
                             "optimizer_update", "full_step"}  # fmt: skip
     assert all(v > 0 for v in r["ms"].values())
+
+
+def test_torch_reference_times_the_same_model_against_the_same_peak():
+    import jax
+
+    r = benchmark.main(["--model", "tiny", "--profile-step", "--batch-size", "2",
+                        "--profile-length", "8", "--torch-reference"])  # fmt: skip
+    config = BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64)  # fmt: skip
+    ours = init_params(config, jax.random.key(0))
+    ref = r["torch"]
+    assert ref["parameters"] == sum(x.size for x in jax.tree.leaves(ours))  # the same shapes
+    assert set(ref["ms"]) == {"forward", "full_step"} and all(v > 0 for v in ref["ms"].values())
+    fwd = forward_flops(config, 2, 8)
+    peak = r["peak"]["flops_per_s"]  # the machine's peak, measured by JAX, not torch's own
+    seconds = {k: v / 1e3 for k, v in ref["ms"].items()}
+    assert ref["share_of_peak"]["forward"] == pytest.approx(fwd / seconds["forward"] / peak)
+    assert ref["share_of_peak"]["full_step"] == pytest.approx(3 * fwd / seconds["full_step"] / peak)
+    assert ref["own_peak_flops_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "tiny", "--torch-reference"], "--torch-reference goes with --profile-step"),
+        (["--model", "bert-huge"], "unknown --model 'bert-huge'; use minilm-l6 or one of"),
+        (["--model", "tiny", "--lengths", "imdb"], "unknown --lengths 'imdb'; use rotten_tomatoes"),
+    ],
+)
+def test_bad_arguments_are_user_errors(argv, message):  # __main__ prints them, exit status 2
+    with pytest.raises(benchmark.UserError, match=message):
+        benchmark.main(argv)
 
 
 def test_tiny_packed_round_benchmark():

@@ -6,8 +6,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-import pytest
-
 _SPEC = importlib.util.spec_from_file_location(
     "plot", Path(__file__).resolve().parents[1] / "tools" / "plot.py"
 )
@@ -48,6 +46,13 @@ def test_writes_two_pngs(tmp_path: Path) -> None:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
 
 
-def test_missing_metrics_file_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="no metrics.jsonl"):
-        plot.load_run(tmp_path)
+def test_missing_metrics_file_is_a_one_line_error_with_status_2(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "plot.py"
+    argv = [sys.executable, str(script), str(tmp_path), "--out", str(tmp_path / "fig")]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == f"error: {tmp_path} has no metrics.jsonl; pass run directories"
+    assert not list(tmp_path.glob("fig*"))

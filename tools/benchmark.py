@@ -114,7 +114,7 @@ def model_config(
                      intermediate_size=64),
     }  # fmt: skip
     if name not in shapes:
-        sys.exit(f"error: unknown --model {name!r}; use minilm-l6 or one of {sorted(shapes)}")
+        raise UserError(f"unknown --model {name!r}; use minilm-l6 or one of {sorted(shapes)}")
     config = BertConfig(num_labels=num_labels, dtype=dtype, attention=attention, **shapes[name])
     return config, init_params(config, jax.random.key(0))
 
@@ -127,7 +127,7 @@ def client_lengths(
     if spec.isdigit():
         return [np.full(per_client, int(spec), np.int32) for _ in range(num_clients)]
     if spec != "rotten_tomatoes":
-        sys.exit(f"error: unknown --lengths {spec!r}; use rotten_tomatoes or a number like 128")
+        raise UserError(f"unknown --lengths {spec!r}; use rotten_tomatoes or a number like 128")
     from fedjax_split.sources import load_examples
     from fedjax_split.tasks import get_task
     from fedjax_split.tokenization import load_tokenizer, tokenize
@@ -345,11 +345,72 @@ def profile_step(args: argparse.Namespace) -> dict:
         "forward_backward_dropout": 3 * fwd,
         "full_step": 3 * fwd,
     }
-    return {
+    out = {
         "batch": b, "length": t, "model": args.model, "allocator": allocator(), "peak": peak,
         "ms": pieces,
         "share_of_peak": {k: v / (pieces[k] / 1e3) / peak["flops_per_s"] for k, v in rates.items()},
     }  # fmt: skip
+    if args.torch_reference:
+        ref = torch_reference(config, b, t)
+        ref["share_of_peak"] = {
+            k: rates[k] / (ms / 1e3) / peak["flops_per_s"] for k, ms in ref["ms"].items()
+        }
+        out["torch"] = ref
+    return out
+
+
+def torch_reference(config: BertConfig, b: int, t: int, repeats: int = 10) -> dict:
+    """The same client step in PyTorch: transformers' BertForSequenceClassification of the same
+    shape (random weights: the work does not depend on them), train mode with dropout, torch's
+    fused AdamW, the same inputs. What a mature CPU framework makes of this machine, as a yardstick
+    for our step; torch's own fp32 matmul peak is measured too (median of `repeats`)."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise UserError(f"--torch-reference needs torch ({e}); pip install -e '.[test]'") from e
+
+    torch.manual_seed(0)
+    hf = transformers.BertConfig(**config.to_hf_dict())
+    net = transformers.BertForSequenceClassification(hf)
+    opt = torch.optim.AdamW(net.parameters(), lr=2e-5, weight_decay=0.01, fused=True)
+    ids = torch.full((b, t), 2000 % config.vocab_size, dtype=torch.long)
+    ones, zeros = torch.ones((b, t), dtype=torch.long), torch.zeros((b, t), dtype=torch.long)
+    labels = torch.zeros((b,), dtype=torch.long)
+
+    def forward():
+        net.eval()
+        with torch.no_grad():
+            net(input_ids=ids, attention_mask=ones, token_type_ids=zeros)
+
+    def full_step():
+        net.train()
+        opt.zero_grad(set_to_none=True)
+        net(input_ids=ids, attention_mask=ones, token_type_ids=zeros, labels=labels).loss.backward()
+        opt.step()
+
+    def median_ms(f, n=repeats):
+        for _ in range(3):
+            f()  # warm-up
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times)
+
+    peak = 0.0
+    for n in (1024, 2048, 3072):
+        x, y = torch.randn(n, n), torch.randn(n, n)
+        peak = max(peak, 2 * n**3 / (median_ms(lambda x=x, y=y: x @ y, 5) / 1e3))
+    return {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "attention": hf._attn_implementation,
+        "parameters": sum(x.numel() for x in net.parameters()),
+        "ms": {"forward": median_ms(forward), "full_step": median_ms(full_step)},
+        "own_peak_flops_per_s": peak,
+    }
 
 
 _OP_FLAG = "--xla_cpu_enable_xprof_traceme=true"  # XLA:CPU then traces every op it runs
@@ -499,6 +560,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="trace one client step op by op (forward / backward / optimizer, matmul / rest)",
     )
     p.add_argument("--profile-length", type=int, default=32, help="sequence length for the profile")
+    p.add_argument(
+        "--torch-reference",
+        action="store_true",
+        help="with --profile-step: time the same step in PyTorch too (fp32 on CPU; needs torch)",
+    )
     p.add_argument("--out", default=None, help="JSON file for the results")
     return p.parse_args(argv)  # fmt: skip
 
@@ -507,6 +573,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     use_cpu_devices(args.cpu_devices)  # before the first JAX computation
     check_attention(args.attention, compute_dtype(args), jax.default_backend())  # before timing
+    if args.torch_reference and not (
+        args.profile_step and compute_dtype(args) == "float32" and jax.default_backend() == "cpu"
+    ):
+        raise UserError("--torch-reference goes with --profile-step, fp32, on a CPU")
     if args.op_profile:
         result = op_profile(args)
         print(json.dumps(result, indent=2))

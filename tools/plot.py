@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedjax_split.errors import UserError
 from fedjax_split.outputs import read_json, read_jsonl
 
 _LABEL_KEYS = ("task", "algorithm", "critical_layer", "quantize", "clients", "partition", "alpha",
@@ -25,7 +26,7 @@ def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]
     run_dir = Path(run_dir)
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
-        raise SystemExit(f"error: {run_dir} has no metrics.jsonl; pass run directories")
+        raise UserError(f"{run_dir} has no metrics.jsonl; pass run directories")
     config_path = run_dir / "config.json"
     config = read_json(config_path) if config_path.is_file() else {}
     return config, read_jsonl(metrics_path)
@@ -103,4 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except UserError as e:  # a one-line error, exit status 2, as the CLI
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
