@@ -475,7 +475,7 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
 
 def make_summary(setup: Setup, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The run at a glance: final and best primary metric, bytes, time, sizes."""
-    from fedjax_split import rounds
+    from fedjax_split import malloc, rounds
 
     metric = setup.task.primary_metric
     evaluated = [h for h in history if h.get(metric) is not None and np.isfinite(h[metric])]
@@ -500,6 +500,7 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]]) -> dict[str, A
         "train_seconds": float(sum(h.get("train_seconds", 0.0) for h in history)),
         "eval_seconds": float(sum(h.get("eval_seconds", 0.0) for h in history)),
         "round_devices": len(rounds.round_devices(setup.round_spec)),
+        "allocator": malloc.allocator(),  # the seconds depend on it (fedjax_split.malloc)
         "global_params": setup.num_global,
         "local_params_per_client": setup.num_local,
         "run_dir": str(setup.config.run_dir),

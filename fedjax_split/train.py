@@ -248,5 +248,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """Warnings as the CLI's other messages: one line, no source line that reads like a crash."""
+    return f"warning: {message}\n"
+
+
+def cli() -> None:
+    """`python -m fedjax_split.train` and `fedjax-split-train`: `main` in a process on tcmalloc
+    where it is installed (fedjax_split.malloc), with one-line warnings."""
+    from fedjax_split import malloc
+
+    malloc.reexec_with_tcmalloc()
+    import warnings
+
+    warnings.formatwarning = _one_line_warning
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -106,16 +106,6 @@ def test_cudnn_attention_off_a_gpu_is_a_one_line_error_with_status_2(tmp_path):
     assert not (tmp_path / "b.json").exists()
 
 
-def test_allocator_is_read_from_the_process_maps():
-    glibc = "7f01-7f02 r-xp 00000000 08:01 123 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
-    tc = "7f03-7f04 r-xp 00000000 08:01 124 /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4\n"
-    je = "7f05-7f06 r-xp 00000000 08:01 125 /usr/lib/x86_64-linux-gnu/libjemalloc.so.2\n"
-    assert benchmark.allocator(glibc) == "system"
-    assert benchmark.allocator(glibc + tc) == "tcmalloc"
-    assert benchmark.allocator(je + glibc) == "jemalloc"
-    assert benchmark.allocator() in {"system", "tcmalloc", "jemalloc"}
-
-
 def test_op_breakdown_by_phase_and_kind():
     hlo = "\n".join([
         '  %dot.1 = f32[4,4]{1,0} dot(%a, %b), metadata={op_name="jit(f)/jvp(M)/q"}',

@@ -25,7 +25,7 @@ from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
     write_tiny_sst2,
 )
 
-from fedjax_split import train
+from fedjax_split import malloc, train
 
 ROOT = Path(__file__).resolve().parents[1]
 # batch 32 >= every client's 32 training examples: one batch shape, one compilation
@@ -45,7 +45,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
-    proc_env.pop("FEDJAX_SPLIT_STOP_AFTER_ROUND", None)
+    for name in ("FEDJAX_SPLIT_STOP_AFTER_ROUND", "LD_PRELOAD", malloc.ENV):
+        proc_env.pop(name, None)  # every CLI run starts on the system's malloc
     return {"base": base, "model": model, "data": data, "env": proc_env}
 
 
@@ -111,6 +112,8 @@ def test_straight_run_writes_every_output(straight: Path) -> None:
     assert summary["final"]["accuracy"] == records[-1]["accuracy"]
     for key in ("seconds", "train_seconds", "eval_seconds"):
         assert summary[key] == pytest.approx(sum(r[key] for r in records))
+    # the CLI re-executed itself on tcmalloc where it is installed (it is where CI runs)
+    assert summary["allocator"] == ("system" if malloc.find_tcmalloc() is None else "tcmalloc")
     config = json.loads((straight / "config.json").read_text())
     assert config["critical_layer"] == 1 and config["clients"] == 3
     part = json.loads((straight / "partition.json").read_text())
@@ -290,3 +293,32 @@ def test_resume_without_any_checkpoint_is_refused(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no readable checkpoint" in err[0]
     assert _digest(run) == before
+
+
+def test_cli_reexecutes_before_main_and_prints_warnings_on_one_line() -> None:
+    """train.cli with a stand-in main: main already runs on tcmalloc (where installed), a warning
+    is one line on stderr, and main's status is the process's."""
+    probe = (
+        "import warnings\n"
+        "from fedjax_split import malloc, train\n"
+        "def main():\n"
+        "    print(malloc.allocator())\n"
+        "    warnings.warn('model: freshly initialised from seed 0: classifier.weight')\n"
+        "    return 3\n"
+        "train.main = main\n"
+        "train.cli()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", malloc.ENV)}
+    env["PYTHONPATH"] = str(ROOT)
+    res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert res.returncode == 3, res.stderr
+    assert res.stdout == ("system" if malloc.find_tcmalloc() is None else "tcmalloc") + "\n"
+    assert res.stderr == "warning: model: freshly initialised from seed 0: classifier.weight\n"
+
+
+def test_console_script_goes_through_cli() -> None:
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="fedjax-split-train")
+    assert script.value == "fedjax_split.train:cli"  # not main: cli re-executes on tcmalloc

@@ -39,6 +39,7 @@ import numpy as np
 from fedjax_split import batching, client, flops, rounds, server_optimizers
 from fedjax_split.devices import use_cpu_devices
 from fedjax_split.errors import UserError
+from fedjax_split.malloc import allocator
 from fedjax_split.model import (
     ATTENTION_IMPLEMENTATIONS,
     BertConfig,
@@ -57,24 +58,6 @@ def _seconds(fn, repeats: int) -> list[float]:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
     return times
-
-
-def allocator(maps: str | None = None) -> str:
-    """The malloc this process runs on: 'tcmalloc' or 'jemalloc' when preloaded, else 'system'.
-
-    Why it is recorded: XLA:CPU allocates its buffers anew on every call, and glibc's malloc hands
-    large ones back to the kernel, which faults them in again each time; a preloaded tcmalloc
-    keeps them (docs/benchmarks.md measures the difference).
-    """
-    if maps is None:
-        try:
-            maps = Path("/proc/self/maps").read_text()
-        except OSError:
-            return "unknown"
-    for name in ("tcmalloc", "jemalloc"):
-        if f"lib{name}" in maps:
-            return name
-    return "system"
 
 
 def measure_peak(dtype: Any, sizes: tuple[int, ...] = (1024, 2048, 3072), repeats: int = 5) -> dict:
