@@ -4,10 +4,12 @@ the CLI with tcmalloc preloaded when it is installed.
 Why: XLA:CPU allocates its temporaries anew on every call, and glibc's malloc hands buffers over
 32 MB back to the kernel on free, so every call faults its memory in again (28% of a CPU round's
 time was in the kernel; docs/benchmarks.md). tcmalloc keeps them: the README's rotten-tomatoes job
-takes about 10% less time, the benchmark's rounds 25-30% less, with bit-identical results. The
-allocator is fixed when a process starts, so the CLI (`train.cli`) re-executes itself once, the
-same command line, with LD_PRELOAD set. FEDJAX_SPLIT_MALLOC=system opts out. In a notebook the
-kernel's process must be started with LD_PRELOAD itself.
+took 6-9% less time, the benchmark's rounds about 30% less, with the same results. The allocator
+is fixed when a process starts, so the CLI (`train.cli`) re-executes itself once, the same
+command line, with LD_PRELOAD set, and only when that command line is the CLI's own (`python -m
+fedjax_split.train ...` or the `fedjax-split-train` script; never a notebook, `-c`, stdin or a
+wrapper). It leaves alone a process whose user preloads anything. FEDJAX_SPLIT_MALLOC=system
+opts out; the child inherits LD_PRELOAD, and so do the processes it starts.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from __future__ import annotations
 import ctypes.util
 import os
 import sys
+import sysconfig
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-ENV = "FEDJAX_SPLIT_MALLOC"  # "system": keep the process's malloc; "tcmalloc": already re-executed
-LIBRARY = "libtcmalloc_minimal.so.4"  # Debian/Ubuntu: apt-get install libtcmalloc-minimal4
-SEARCH_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
-               "/usr/lib", "/usr/local/lib")  # fmt: skip
+from fedjax_split.errors import UserError
+
+ENV = "FEDJAX_SPLIT_MALLOC"  # auto (default): tcmalloc where installed; system: leave it
+_MARK = "FEDJAX_SPLIT_MALLOC_REEXECUTED"  # set in the child: a preload that fails cannot loop
+LIBRARIES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")  # apt: libtcmalloc-minimal4
+MODULE, SCRIPT = "fedjax_split.train", "fedjax-split-train"
 
 
 def allocator(maps: str | None = None) -> str:
@@ -38,37 +43,66 @@ def allocator(maps: str | None = None) -> str:
     return "system"
 
 
-def find_tcmalloc(dirs: Sequence[str] = SEARCH_DIRS) -> str | None:
+def search_dirs() -> tuple[str, ...]:
+    """Library directories of this machine's own architecture (Debian's multiarch dir first)."""
+    multiarch = sysconfig.get_config_var("MULTIARCH")
+    own = (f"/usr/lib/{multiarch}",) if multiarch else ()
+    return (*own, "/usr/lib64", "/usr/lib", "/usr/local/lib")
+
+
+def find_tcmalloc(dirs: Sequence[str] | None = None) -> str | None:
     """Path of an installed tcmalloc (the minimal build, then the full one), or None."""
-    for d in dirs:
-        for name in (LIBRARY, "libtcmalloc.so.4"):
+    for d in search_dirs() if dirs is None else dirs:
+        for name in LIBRARIES:
             if (Path(d) / name).is_file():
                 return str(Path(d) / name)
-    found = ctypes.util.find_library("tcmalloc_minimal")
-    return found or None
+    return ctypes.util.find_library("tcmalloc_minimal") or None
 
 
-def preloaded_env(
-    environ: Mapping[str, str], platform: str, current: str, library: str | None
-) -> dict[str, str] | None:
-    """The environment to re-execute with, tcmalloc first in LD_PRELOAD, or None to run on as is:
-    off Linux, opted out, already re-executed once (so a preload that does not take cannot loop),
-    already on tcmalloc or jemalloc, or no tcmalloc installed."""
-    if platform != "linux" or environ.get(ENV) in ("system", "tcmalloc"):
+def own_command_line(
+    orig_argv: Sequence[str], argv: Sequence[str], modules: Mapping[str, object]
+) -> list[str] | None:
+    """The command line that started this CLI, to run again, or None when the process is
+    something else that merely called it (IPython or Jupyter, `-c`, a script read from stdin,
+    another module or script): re-running that would repeat its side effects or replace it."""
+    if "IPython" in modules:
         return None
-    if current != "system" or library is None:
+    args = list(argv[1:])
+    head = list(orig_argv[: len(orig_argv) - len(args)])
+    if len(head) < 2 or list(orig_argv[len(head) :]) != args:
         return None
-    preload = " ".join(p for p in (library, environ.get("LD_PRELOAD", "")) if p)
-    return {**environ, "LD_PRELOAD": preload, ENV: "tcmalloc"}
+    if head[-2:] == ["-m", MODULE] or Path(head[-1]).name == SCRIPT == Path(argv[0]).name:
+        return list(orig_argv)
+    return None
+
+
+def should_preload(environ: Mapping[str, str], platform: str, current: str) -> bool:
+    """Whether to look for tcmalloc at all: not off Linux, opted out, already re-executed once, on
+    a malloc other than the system's, or with anything preloaded already (the user's choice: a
+    sanitizer, another malloc)."""
+    mode = environ.get(ENV, "auto")
+    if mode not in ("auto", "system"):
+        raise UserError(f"{ENV}={mode!r}: use auto (tcmalloc where installed) or system")
+    return not (
+        platform != "linux"
+        or mode == "system"
+        or environ.get(_MARK)
+        or environ.get("LD_PRELOAD")
+        or current != "system"
+    )
 
 
 def reexec_with_tcmalloc() -> None:
     """Replaces this process by the same command line with tcmalloc preloaded (see
-    `preloaded_env`); returns without doing anything when there is no reason to. Call it first
+    `should_preload` and `own_command_line`); returns when there is no reason to. Call it first
     thing, before anything is computed or written."""
-    env = preloaded_env(os.environ, sys.platform, allocator(), find_tcmalloc())
-    if env is None or not sys.executable:
+    if not should_preload(os.environ, sys.platform, allocator()):
         return
+    command = own_command_line(sys.orig_argv, sys.argv, sys.modules)
+    library = find_tcmalloc()  # after the cheap checks: its fallback runs ldconfig
+    if command is None or library is None or not sys.executable:
+        return
+    env = {**os.environ, "LD_PRELOAD": library, _MARK: "1"}
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    os.execve(sys.executable, [sys.executable, *command[1:]], env)

@@ -249,18 +249,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:
-    """Warnings as the CLI's other messages: one line, no source line that reads like a crash."""
-    return f"warning: {message}\n"
+    """Warnings as the CLI's other messages, on one line: a source line under them reads like a
+    crash. Ours are plain UserWarnings; others keep their category and origin."""
+    if category is UserWarning:
+        return f"warning: {message}\n"
+    return f"warning: {category.__name__}: {message} ({filename}:{lineno})\n"
 
 
 def cli() -> None:
     """`python -m fedjax_split.train` and `fedjax-split-train`: `main` in a process on tcmalloc
     where it is installed (fedjax_split.malloc), with one-line warnings."""
-    from fedjax_split import malloc
-
-    malloc.reexec_with_tcmalloc()
     import warnings
 
+    from fedjax_split import malloc
+    from fedjax_split.errors import UserError
+
+    try:
+        malloc.reexec_with_tcmalloc()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     warnings.formatwarning = _one_line_warning
     sys.exit(main())
 

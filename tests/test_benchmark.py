@@ -43,11 +43,15 @@ def test_tiny_step_profile():
     assert all(v > 0 for v in r["ms"].values())
 
 
-def test_torch_reference_times_the_same_model_against_the_same_peak():
+def test_torch_reference_times_the_same_model_against_the_same_peak(tmp_path):
     import jax
 
+    out = tmp_path / "step.json"
     r = benchmark.main(["--model", "tiny", "--profile-step", "--batch-size", "2",
-                        "--profile-length", "8", "--torch-reference"])  # fmt: skip
+                        "--profile-length", "8", "--torch-reference", "--peak-sizes", "128,256",
+                        "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == json.loads(json.dumps(r))
+    assert r["peak"]["n"] in (128, 256)
     config = BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=4, intermediate_size=64)  # fmt: skip
     ours = init_params(config, jax.random.key(0))
@@ -66,6 +70,10 @@ def test_torch_reference_times_the_same_model_against_the_same_peak():
     "argv, message",
     [
         (["--model", "tiny", "--torch-reference"], "--torch-reference goes with --profile-step"),
+        (
+            ["--model", "tiny", "--profile-step", "--op-profile", "--torch-reference"],
+            r"--profile-step \(alone\)",
+        ),
         (["--model", "bert-huge"], "unknown --model 'bert-huge'; use minilm-l6 or one of"),
         (["--model", "tiny", "--lengths", "imdb"], "unknown --lengths 'imdb'; use rotten_tomatoes"),
     ],

@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from run_fixtures import tcmalloc_installed
 
 from fedjax_split import malloc
+from fedjax_split.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 GLIBC = "7f01-7f02 r-xp 00000000 08:01 123 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
@@ -22,6 +24,12 @@ def test_allocator_is_read_from_the_process_maps():
     assert malloc.allocator(GLIBC + TC) == "tcmalloc"
     assert malloc.allocator(JE + GLIBC) == "jemalloc"
     assert malloc.allocator() in {"system", "tcmalloc", "jemalloc"}
+
+
+def test_search_dirs_start_with_this_architecture(monkeypatch) -> None:
+    monkeypatch.setattr(malloc.sysconfig, "get_config_var", lambda name: "aarch64-linux-gnu")
+    assert malloc.search_dirs()[0] == "/usr/lib/aarch64-linux-gnu"
+    assert "/usr/lib/x86_64-linux-gnu" not in malloc.search_dirs()
 
 
 def test_find_tcmalloc_prefers_the_minimal_build(tmp_path: Path, monkeypatch) -> None:
@@ -38,56 +46,105 @@ def test_find_tcmalloc_prefers_the_minimal_build(tmp_path: Path, monkeypatch) ->
     assert malloc.find_tcmalloc([str(a), str(b)]) == str(a / "libtcmalloc.so.4")
 
 
-def test_preloaded_env_puts_tcmalloc_first_and_marks_the_child():
-    env = malloc.preloaded_env({"PATH": "/bin", "LD_PRELOAD": "/x/libfoo.so"}, "linux", "system",
-                               "/l/libtcmalloc_minimal.so.4")  # fmt: skip
-    assert env == {"PATH": "/bin", "LD_PRELOAD": "/l/libtcmalloc_minimal.so.4 /x/libfoo.so",
-                   malloc.ENV: "tcmalloc"}  # fmt: skip
-    env = malloc.preloaded_env({}, "linux", "system", "/l/libtcmalloc_minimal.so.4")
-    assert env == {"LD_PRELOAD": "/l/libtcmalloc_minimal.so.4", malloc.ENV: "tcmalloc"}
+def test_find_tcmalloc_finds_what_ldconfig_knows() -> None:
+    assert (malloc.find_tcmalloc() is not None) == tcmalloc_installed()
+
+
+def test_should_preload_on_linux_with_the_system_malloc_and_nothing_preloaded():
+    assert malloc.should_preload({}, "linux", "system")
+    assert malloc.should_preload({malloc.ENV: "auto", "LD_PRELOAD": ""}, "linux", "system")
 
 
 @pytest.mark.parametrize(
-    "environ, platform, current, library",
+    "environ, platform, current",
     [
-        ({}, "darwin", "unknown", "/l/libtcmalloc.so.4"),  # not Linux
-        ({malloc.ENV: "system"}, "linux", "system", "/l/libtcmalloc.so.4"),  # opted out
-        ({malloc.ENV: "tcmalloc"}, "linux", "system", "/l/libtcmalloc.so.4"),  # tried once
-        ({}, "linux", "tcmalloc", "/l/libtcmalloc.so.4"),  # already on it
-        ({}, "linux", "jemalloc", "/l/libtcmalloc.so.4"),  # someone chose another
-        ({}, "linux", "system", None),  # not installed
+        ({}, "darwin", "unknown"),  # not Linux
+        ({malloc.ENV: "system"}, "linux", "system"),  # opted out
+        ({malloc._MARK: "1"}, "linux", "system"),  # re-executed once already
+        ({"LD_PRELOAD": "/usr/lib/libasan.so.8"}, "linux", "system"),  # the user's preload
+        ({}, "linux", "tcmalloc"),  # already on it
+        ({}, "linux", "jemalloc"),  # someone chose another
     ],
 )
-def test_preloaded_env_leaves_the_process_alone(environ, platform, current, library):
-    assert malloc.preloaded_env(environ, platform, current, library) is None
+def test_should_preload_leaves_the_process_alone(environ, platform, current):
+    assert not malloc.should_preload(environ, platform, current)
 
 
-_PROBE = (
-    "import os, sys; from fedjax_split import malloc; print('before', flush=True); "
-    "malloc.reexec_with_tcmalloc(); print(malloc.allocator(), os.environ.get(malloc.ENV), "
-    "sys.argv[1:])"
-)
+def test_an_unknown_mode_is_a_user_error():
+    with pytest.raises(UserError, match=r"FEDJAX_SPLIT_MALLOC='off': use auto .* or system"):
+        malloc.should_preload({malloc.ENV: "off"}, "linux", "system")
 
 
-def _probe(**env: str) -> list[str]:
-    inherited = {k: v for k, v in os.environ.items() if k not in (malloc.ENV, "LD_PRELOAD")}
-    proc_env = {**inherited, "PYTHONPATH": str(ROOT), **env}
-    res = subprocess.run([sys.executable, "-c", _PROBE, "--task=sst2", "x y"], env=proc_env,
+PY = "/venv/bin/python"
+ARGS = ["--task=sst2", "x y"]
+TRAIN = "/src/fedjax_split/train.py"  # sys.argv[0] under -m
+
+
+@pytest.mark.parametrize(
+    "orig_argv, argv",
+    [
+        ([PY, "-m", "fedjax_split.train", *ARGS], [TRAIN, *ARGS]),
+        ([PY, "-X", "dev", "-m", "fedjax_split.train", *ARGS], [TRAIN, *ARGS]),
+        ([PY, "/venv/bin/fedjax-split-train", *ARGS], ["/venv/bin/fedjax-split-train", *ARGS]),
+        ([PY, "-m", "fedjax_split.train"], [TRAIN]),  # no arguments
+    ],
+)  # fmt: skip
+def test_own_command_line_is_the_cli_started_as_itself(orig_argv, argv):
+    assert malloc.own_command_line(orig_argv, argv, {}) == orig_argv
+
+
+@pytest.mark.parametrize(
+    "orig_argv, argv, modules",
+    [
+        ([PY, "-c", "import x", *ARGS], ["-c", *ARGS], {}),  # python -c
+        ([PY, "-", *ARGS], ["-", *ARGS], {}),  # a script on stdin: it cannot be read again
+        ([PY, *ARGS], ["", *ARGS], {}),  # python < script
+        ([PY, "-m", "wrapper", *ARGS], ["/w/wrapper.py", *ARGS], {}),  # another module
+        ([PY, "run_many.py", *ARGS], ["run_many.py", *ARGS], {}),  # another script
+        ([PY, "-m", "fedjax_split.train", "a"], ["/t.py", "b"], {}),  # argv changed since
+        ([PY, "-m", "ipykernel_launcher", "-f", "k.json"], ["/t.py", "-f", "k.json"],
+         {"IPython": object()}),  # %run in a notebook kernel
+    ],
+)  # fmt: skip
+def test_own_command_line_refuses_other_programs(orig_argv, argv, modules):
+    assert malloc.own_command_line(orig_argv, argv, modules) is None
+
+
+def _run(tmp_path: Path, *command: str, **env: str) -> list[str]:
+    """`python *command` with a probe module/script that calls reexec_with_tcmalloc, as the CLI
+    does, on behalf of the module `probe_cli` (standing in for fedjax_split.train)."""
+    probe = (
+        "import os, sys\n"
+        "from fedjax_split import malloc\n"
+        "malloc.MODULE = 'probe_cli'\n"
+        "print('before', flush=True)\n"
+        "malloc.reexec_with_tcmalloc()\n"
+        "print(malloc.allocator(), os.environ.get(malloc._MARK), sys.argv[1:])\n"
+    )
+    (tmp_path / "probe_cli.py").write_text(probe)
+    drop = ("LD_PRELOAD", malloc.ENV, malloc._MARK)
+    inherited = {k: v for k, v in os.environ.items() if k not in drop}
+    proc_env = {**inherited, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), **env}
+    res = subprocess.run([sys.executable, *command, *ARGS], env=proc_env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode == 0, res.stderr
     return res.stdout.splitlines()
 
 
-def test_reexecution_runs_the_same_command_on_tcmalloc_where_installed():
-    """A real re-execution on this machine: the same arguments, on tcmalloc when it is installed
-    (it is, where CI runs), on the system's malloc otherwise; never more than once."""
-    lines = _probe()
-    if malloc.find_tcmalloc() is None:
-        assert lines == ["before", "system None ['--task=sst2', 'x y']"]
+def test_reexecution_runs_the_same_command_once_on_tcmalloc(tmp_path: Path) -> None:
+    """A real execve, where ldconfig knows a tcmalloc (it does where CI runs)."""
+    lines = _run(tmp_path, "-m", "probe_cli")
+    if tcmalloc_installed():
+        # the first process printed "before" and became the second, which printed it again
+        assert lines == ["before", "before", f"tcmalloc 1 {ARGS}"]
     else:
-        # the first process printed "before", then became the second, which printed it again
-        assert lines == ["before", "before", "tcmalloc tcmalloc ['--task=sst2', 'x y']"]
+        assert lines == ["before", f"system None {ARGS}"]
 
 
-def test_reexecution_can_be_turned_off():
-    assert _probe(**{malloc.ENV: "system"}) == ["before", "system system ['--task=sst2', 'x y']"]
+def test_no_reexecution_when_opted_out_or_not_started_as_the_cli(tmp_path: Path) -> None:
+    assert _run(tmp_path, "-m", "probe_cli", **{malloc.ENV: "system"}) == [
+        "before",
+        f"system None {ARGS}",
+    ]
+    # the same probe run as a script, not as the CLI's module: a wrapper must not run twice
+    assert _run(tmp_path, "probe_cli.py") == ["before", f"system None {ARGS}"]

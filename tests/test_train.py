@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
     private_cache,
+    tcmalloc_installed,
     tiny_args,
     write_tiny_model,
     write_tiny_sst2,
@@ -45,7 +46,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
-    for name in ("FEDJAX_SPLIT_STOP_AFTER_ROUND", "LD_PRELOAD", malloc.ENV):
+    for name in ("FEDJAX_SPLIT_STOP_AFTER_ROUND", "LD_PRELOAD", malloc.ENV, malloc._MARK):
         proc_env.pop(name, None)  # every CLI run starts on the system's malloc
     return {"base": base, "model": model, "data": data, "env": proc_env}
 
@@ -112,8 +113,8 @@ def test_straight_run_writes_every_output(straight: Path) -> None:
     assert summary["final"]["accuracy"] == records[-1]["accuracy"]
     for key in ("seconds", "train_seconds", "eval_seconds"):
         assert summary[key] == pytest.approx(sum(r[key] for r in records))
-    # the CLI re-executed itself on tcmalloc where it is installed (it is where CI runs)
-    assert summary["allocator"] == ("system" if malloc.find_tcmalloc() is None else "tcmalloc")
+    # the CLI re-executed itself on tcmalloc where ldconfig knows one (it does where CI runs)
+    assert summary["allocator"] == ("tcmalloc" if tcmalloc_installed() else "system")
     config = json.loads((straight / "config.json").read_text())
     assert config["critical_layer"] == 1 and config["clients"] == 3
     part = json.loads((straight / "partition.json").read_text())
@@ -296,25 +297,37 @@ def test_resume_without_any_checkpoint_is_refused(
 
 
 def test_cli_reexecutes_before_main_and_prints_warnings_on_one_line() -> None:
-    """train.cli with a stand-in main: main already runs on tcmalloc (where installed), a warning
-    is one line on stderr, and main's status is the process's."""
+    """train.cli with stand-ins for the re-execution and main (the real re-execution is in
+    test_malloc and the runs above): order, one-line warnings, main's exit status."""
     probe = (
         "import warnings\n"
         "from fedjax_split import malloc, train\n"
+        "malloc.reexec_with_tcmalloc = lambda: print('reexec')\n"
         "def main():\n"
-        "    print(malloc.allocator())\n"
+        "    print('main')\n"
         "    warnings.warn('model: freshly initialised from seed 0: classifier.weight')\n"
+        "    warnings.warn_explicit('overflow', RuntimeWarning, 'lib.py', 7)\n"
         "    return 3\n"
         "train.main = main\n"
         "train.cli()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", malloc.ENV)}
-    env["PYTHONPATH"] = str(ROOT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                          timeout=120)  # fmt: skip
     assert res.returncode == 3, res.stderr
-    assert res.stdout == ("system" if malloc.find_tcmalloc() is None else "tcmalloc") + "\n"
-    assert res.stderr == "warning: model: freshly initialised from seed 0: classifier.weight\n"
+    assert res.stdout == "reexec\nmain\n"
+    assert res.stderr.splitlines() == [
+        "warning: model: freshly initialised from seed 0: classifier.weight",
+        "warning: RuntimeWarning: overflow (lib.py:7)",
+    ]
+
+
+def test_an_unknown_malloc_mode_is_a_one_line_error(env: dict) -> None:
+    res = _cli(env, _args(env, env["base"] / "never_malloc"), FEDJAX_SPLIT_MALLOC="off")
+    assert res.returncode == 2
+    want = "error: FEDJAX_SPLIT_MALLOC='off': use auto (tcmalloc where installed) or system\n"
+    assert res.stderr == want
+    assert not (env["base"] / "never_malloc").exists()
 
 
 def test_console_script_goes_through_cli() -> None:

@@ -143,7 +143,7 @@ def timed(fn, repeats: int) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> dict:
     backend = jax.default_backend()
     dtype = compute_dtype(args)
-    peak = measure_peak(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+    peak = measure_peak(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32, args.peak_sizes)
     config, params = model_config(args.model, 2, dtype, args.attention)
     apply = make_apply(config)
     lengths = client_lengths(args.lengths, args.clients, args.examples_per_client, args.max_length)
@@ -320,7 +320,7 @@ def profile_step(args: argparse.Namespace) -> dict:
                                     params),
         "full_step": best_ms(jax.jit(full), params, state, key),
     }  # fmt: skip
-    peak = measure_peak(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32)
+    peak = measure_peak(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32, args.peak_sizes)
     fwd = flops.forward_flops(config, b, t)
     rates = {
         "forward": fwd,
@@ -334,7 +334,7 @@ def profile_step(args: argparse.Namespace) -> dict:
         "share_of_peak": {k: v / (pieces[k] / 1e3) / peak["flops_per_s"] for k, v in rates.items()},
     }  # fmt: skip
     if args.torch_reference:
-        ref = torch_reference(config, b, t)
+        ref = torch_reference(config, b, t, args.peak_sizes)
         ref["share_of_peak"] = {
             k: rates[k] / (ms / 1e3) / peak["flops_per_s"] for k, ms in ref["ms"].items()
         }
@@ -342,11 +342,14 @@ def profile_step(args: argparse.Namespace) -> dict:
     return out
 
 
-def torch_reference(config: BertConfig, b: int, t: int, repeats: int = 10) -> dict:
+def torch_reference(
+    config: BertConfig, b: int, t: int, peak_sizes: tuple[int, ...], repeats: int = 5
+) -> dict:
     """The same client step in PyTorch: transformers' BertForSequenceClassification of the same
     shape (random weights: the work does not depend on them), train mode with dropout, torch's
     fused AdamW, the same inputs. What a mature CPU framework makes of this machine, as a yardstick
-    for our step; torch's own fp32 matmul peak is measured too (median of `repeats`)."""
+    for our step; torch's own fp32 matmul peak is measured too. Timed as ours: best of `repeats`
+    after warm-up, for the step and the peak alike."""
     try:
         import torch
         import transformers
@@ -372,26 +375,26 @@ def torch_reference(config: BertConfig, b: int, t: int, repeats: int = 10) -> di
         net(input_ids=ids, attention_mask=ones, token_type_ids=zeros, labels=labels).loss.backward()
         opt.step()
 
-    def median_ms(f, n=repeats):
+    def best_ms(f):
         for _ in range(3):
             f()  # warm-up
         times = []
-        for _ in range(n):
+        for _ in range(repeats):
             t0 = time.perf_counter()
             f()
             times.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(times)
+        return 1e3 * min(times)
 
     peak = 0.0
-    for n in (1024, 2048, 3072):
+    for n in peak_sizes:
         x, y = torch.randn(n, n), torch.randn(n, n)
-        peak = max(peak, 2 * n**3 / (median_ms(lambda x=x, y=y: x @ y, 5) / 1e3))
+        peak = max(peak, 2 * n**3 / (best_ms(lambda x=x, y=y: x @ y) / 1e3))
     return {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "attention": hf._attn_implementation,
         "parameters": sum(x.numel() for x in net.parameters()),
-        "ms": {"forward": median_ms(forward), "full_step": median_ms(full_step)},
+        "ms": {"forward": best_ms(forward), "full_step": best_ms(full_step)},
         "own_peak_flops_per_s": peak,
     }
 
@@ -548,6 +551,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="with --profile-step: time the same step in PyTorch too (fp32 on CPU; needs torch)",
     )
+    p.add_argument(
+        "--peak-sizes",
+        type=lambda text: tuple(int(n) for n in text.split(",")),
+        default=(1024, 2048, 3072),
+        help="square matmul sizes the peak is the best of (default 1024,2048,3072)",
+    )
     p.add_argument("--out", default=None, help="JSON file for the results")
     return p.parse_args(argv)  # fmt: skip
 
@@ -557,25 +566,26 @@ def main(argv: list[str] | None = None) -> dict:
     use_cpu_devices(args.cpu_devices)  # before the first JAX computation
     check_attention(args.attention, compute_dtype(args), jax.default_backend())  # before timing
     if args.torch_reference and not (
-        args.profile_step and compute_dtype(args) == "float32" and jax.default_backend() == "cpu"
+        args.profile_step
+        and not args.op_profile
+        and compute_dtype(args) == "float32"
+        and jax.default_backend() == "cpu"
     ):
-        raise UserError("--torch-reference goes with --profile-step, fp32, on a CPU")
+        raise UserError("--torch-reference goes with --profile-step (alone), fp32, on a CPU")
     if args.op_profile:
         result = op_profile(args)
-        print(json.dumps(result, indent=2))
-        return result
-    if args.profile_step:
+    elif args.profile_step:
         result = profile_step(args)
-        print(json.dumps(result, indent=2))
-        return result
-    result = run(args)
+    else:
+        result = run(args)
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
     print(text)
-    print(MARKDOWN_HEADER)
-    print(markdown_row(result))
+    if not (args.op_profile or args.profile_step):
+        print(MARKDOWN_HEADER)
+        print(markdown_row(result))
     return result
 
 
