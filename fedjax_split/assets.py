@@ -29,7 +29,7 @@ import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from fedjax_split.errors import UserError
+from fedjax_split.errors import UserError, report
 
 CACHE_ENV = "FEDJAX_SPLIT_CACHE"
 _STALE_TMP_SECONDS = 24 * 3600
@@ -287,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, asset in sorted(ASSETS.items()):
                 print(f"{name}\t{asset.requirement}\t{cached_path(name) or '(not cached)'}")
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return UserError.exit_code
+        return report(e)
     return 0
 
 

@@ -6,8 +6,17 @@ line that names the problem and the fix; the CLI prints it and exits with status
 
 from __future__ import annotations
 
+import sys
+
 
 class UserError(Exception):
     """A problem with the user's input or environment, reported as one line, exit status 2."""
 
     exit_code = 2
+
+
+def report(error: UserError) -> int:
+    """Prints `error: <one line>` to stderr, the form every command line here uses, and returns
+    the exit status to end with."""
+    print(f"error: {error}", file=sys.stderr)
+    return error.exit_code

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedjax_split.errors import UserError
+from fedjax_split.errors import UserError, report
 
 
 def personalised_params(run_dir: str | Path, client: int, round_: int | None = None) -> Any:
@@ -61,8 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         out = export_client(args.run_dir, args.client, args.out, args.round)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     print(f"wrote client {args.client}'s personalised model to {out}")
     return 0
 

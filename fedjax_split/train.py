@@ -213,7 +213,7 @@ def _interrupt_hook() -> Callable[[int, dict], None] | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fedjax_split.errors import UserError
+    from fedjax_split.errors import UserError, report
 
     config = None
     try:
@@ -222,8 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         summary = run_experiment(config, progress=True, on_round_end=_interrupt_hook())
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     except KeyboardInterrupt:
         where = "no checkpoint yet"
         if config is not None:
@@ -262,13 +261,12 @@ def cli() -> None:
     import warnings
 
     from fedjax_split import malloc
-    from fedjax_split.errors import UserError
+    from fedjax_split.errors import UserError, report
 
     try:
         malloc.reexec_with_tcmalloc()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report(e))
     warnings.formatwarning = _one_line_warning
     sys.exit(main())
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from fedjax_split import batching, client, flops, rounds, server_optimizers
 from fedjax_split.devices import use_cpu_devices
-from fedjax_split.errors import UserError
+from fedjax_split.errors import UserError, report
 from fedjax_split.malloc import allocator
 from fedjax_split.model import (
     ATTENTION_IMPLEMENTATIONS,
@@ -595,5 +595,4 @@ if __name__ == "__main__":
     try:
         main()
     except UserError as e:  # a one-line error, exit status 2, as the CLI
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report(e))

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedjax_split.errors import UserError
+from fedjax_split.errors import UserError, report
 from fedjax_split.outputs import read_json, read_jsonl
 
 _LABEL_KEYS = ("task", "algorithm", "critical_layer", "quantize", "clients", "partition", "alpha",
@@ -107,5 +107,4 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except UserError as e:  # a one-line error, exit status 2, as the CLI
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report(e))
