@@ -375,7 +375,7 @@ def _run_one_at_a_time(
                     part = jax.device_put(parts[i], devices[i % num_devices])
                     each[i] = fns.segment_one(each[i], here[i % num_devices], part, keys[i])
     finished = tuple(jax.device_put(fns.finish_one(s), devices[0]) for s in each)
-    return fns.combine(jax.device_put(server_state, devices[0]), finished, weights)
+    return fns.combine(here[0], finished, weights)  # device 0 always holds client 0
 
 
 def run_round(

@@ -111,3 +111,11 @@ def test_every_shipped_config_file_resolves() -> None:
         cfg = resolve_config(load_config_file(f))
         assert "python -m fedjax_split.train" in f.read_text(), f"{f.name}: no run command"
         assert cfg.rounds >= 1
+
+
+def test_choices_mirror_the_models_own() -> None:
+    """config.py keeps its own copies so that parsing flags imports no jax; they must agree."""
+    from fedjax_split import config, model
+
+    assert config.DTYPES == model.COMPUTE_DTYPES
+    assert config.ATTENTIONS == model.ATTENTION_IMPLEMENTATIONS

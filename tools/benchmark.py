@@ -378,12 +378,7 @@ def torch_reference(
     def best_ms(f):
         for _ in range(3):
             f()  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t0)
-        return 1e3 * min(times)
+        return 1e3 * min(_seconds(f, repeats))  # torch returns when done: nothing to wait on
 
     peak = 0.0
     for n in peak_sizes:
