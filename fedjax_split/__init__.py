@@ -12,16 +12,39 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "BertConfig": "fedjax_split.model",
-    "init_params": "fedjax_split.model",
-    "make_apply": "fedjax_split.model",
-    "load_pretrained": "fedjax_split.hf_checkpoint",
-    "save_pretrained": "fedjax_split.hf_checkpoint",
-    "load_tokenizer": "fedjax_split.tokenization",
-    "split_params": "fedjax_split.splitting",
-    "merge_params": "fedjax_split.splitting",
-    "server_optimizers": "fedjax_split.server_optimizers",
-    "get_task": "fedjax_split.tasks",
+    # models
+    "BertConfig": "fedjax_split.models.bert",
+    "init_params": "fedjax_split.models.bert",
+    "make_apply": "fedjax_split.models.bert",
+    "load_pretrained": "fedjax_split.models.hf_checkpoint",
+    "save_pretrained": "fedjax_split.models.hf_checkpoint",
+    # data
+    "get_task": "fedjax_split.data.tasks",
+    "load_tokenizer": "fedjax_split.data.tokenization",
+    # the federated core
+    "GLOBAL": "fedjax_split.fed.roles",
+    "LOCAL": "fedjax_split.fed.roles",
+    "FROZEN": "fedjax_split.fed.roles",
+    "critical_layer_rule": "fedjax_split.fed.roles",
+    "head_only_rule": "fedjax_split.fed.roles",
+    "regex_rule": "fedjax_split.fed.roles",
+    "freeze_rule": "fedjax_split.fed.roles",
+    "layer_schedule": "fedjax_split.fed.roles",
+    "partition": "fedjax_split.fed.roles",
+    "split_params": "fedjax_split.fed.roles",
+    "merge_params": "fedjax_split.fed.roles",
+    "ClientSpec": "fedjax_split.fed.client",
+    "default_client_optimizer": "fedjax_split.fed.client",
+    "weighted_mean": "fedjax_split.fed.aggregation",
+    "ServerState": "fedjax_split.fed.server",
+    "init_server_state": "fedjax_split.fed.server",
+    "server_update": "fedjax_split.fed.server",
+    "server_optimizers": "fedjax_split.fed.server_optimizers",
+    # simulation and runs
+    "RoundSpec": "fedjax_split.sim.rounds",
+    "run_round": "fedjax_split.sim.rounds",
+    "replicate": "fedjax_split.sim.rounds",
+    "run_experiment": "fedjax_split.run.experiment",
     "UserError": "fedjax_split.errors",
 }
 

@@ -23,10 +23,10 @@ def personalised_params(run_dir: str | Path, client: int, round_: int | None = N
     import jax
     import jax.numpy as jnp
 
-    from fedjax_split.model import BertConfig
-    from fedjax_split.run_checkpoint import RunCheckpointer, checkpoint_dir
-    from fedjax_split.splitting import merge_params
-    from fedjax_split.wire import cast_from_wire
+    from fedjax_split.fed.roles import merge_params
+    from fedjax_split.fed.wire import cast_from_wire
+    from fedjax_split.models.bert import BertConfig
+    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 
     ck = RunCheckpointer(checkpoint_dir(run_dir))
     state, meta = ck.restore_untyped(round_)
@@ -35,14 +35,14 @@ def personalised_params(run_dir: str | Path, client: int, round_: int | None = N
         raise UserError(f"--client {client} is outside 0..{num_clients - 1} for this run")
     global_params = cast_from_wire(state["server_state"]["global_params"], jnp.float32)
     local = jax.tree.map(lambda x: x[client], state["local_params"])
-    params = merge_params(global_params, local)
+    params = merge_params(global_params, local, state.get("frozen", {}))
     return params, BertConfig.from_hf_dict(meta["model_config"]), meta.get("model_dir")
 
 
 def export_client(
     run_dir: str | Path, client: int, out_dir: str | Path, round_: int | None = None
 ) -> Path:
-    from fedjax_split.hf_checkpoint import save_pretrained
+    from fedjax_split.models.hf_checkpoint import save_pretrained
 
     params, config, model_dir = personalised_params(run_dir, client, round_)
     tok = model_dir if model_dir is not None and Path(model_dir).is_dir() else None

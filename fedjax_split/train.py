@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fedjax_split.config import ALGORITHMS, PARTITIONS, QUANTIZE, ExperimentConfig
+from fedjax_split.run.config import ALGORITHMS, PARTITIONS, QUANTIZE, ExperimentConfig
 
 _D = ExperimentConfig()
 
@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         "Server algorithm; FedSplitBERT is any algorithm with --critical-layer < L.",
         choices=None,
         metavar="{" + ",".join(ALGORITHMS) + "}",
+    )
+    add(
+        "--freeze",
+        "Regex over Hugging Face tensor names (re.search): matching parameters are frozen, "
+        "neither trained nor sent, whatever --critical-layer says; e.g. 'embeddings\\.' or "
+        "'embeddings\\.|encoder\\.layer\\.[0-2]\\.'.",
+        metavar="REGEX",
     )
     add(
         "--critical-layer",
@@ -191,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(argv: Sequence[str] | None = None) -> ExperimentConfig:
     """Parse flags and resolve them against defaults and the --config file."""
-    from fedjax_split.config import load_config_file, resolve_config
+    from fedjax_split.run.config import load_config_file, resolve_config
 
     given = vars(build_parser().parse_args(argv))
     file_values = load_config_file(given["config"]) if "config" in given else {}
@@ -218,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = None
     try:
         config = config_from_args(argv)
-        from fedjax_split.experiment import run_experiment
+        from fedjax_split.run.experiment import run_experiment
 
         summary = run_experiment(config, progress=True, on_round_end=_interrupt_hook())
     except UserError as e:
@@ -226,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         where = "no checkpoint yet"
         if config is not None:
-            from fedjax_split.run_checkpoint import RunCheckpointer, checkpoint_dir
+            from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 
             try:
                 latest = RunCheckpointer(checkpoint_dir(config.run_dir)).latest_round()
@@ -257,11 +264,11 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 def cli() -> None:
     """`python -m fedjax_split.train` and `fedjax-split-train`: `main` in a process on tcmalloc
-    where it is installed (fedjax_split.malloc), with one-line warnings."""
+    where it is installed (fedjax_split.run.malloc), with one-line warnings."""
     import warnings
 
-    from fedjax_split import malloc
     from fedjax_split.errors import UserError, report
+    from fedjax_split.run import malloc
 
     try:
         malloc.reexec_with_tcmalloc()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from fedjax_split.model import BertConfig, init_params, make_apply
+from fedjax_split.models.bert import BertConfig, init_params, make_apply
 
 VOCAB, HIDDEN, LAYERS, INTER, POS, TYPES = 50, 16, 2, 32, 16, 2
 
@@ -77,3 +78,22 @@ def make_segments(
 def client_slice(segments: list[dict[str, np.ndarray]], k: int) -> list[dict[str, np.ndarray]]:
     """Client k's segments without the client axis."""
     return [{name: v[k] for name, v in seg.items()} for seg in segments]
+
+
+def reference_loss(apply, params, batch, key, is_regression):
+    """Masked mean loss written independently of client.py (log-softmax / squared error)."""
+    logits = apply(
+        params,
+        batch["input_ids"],
+        batch["attention_mask"],
+        batch["token_type_ids"],
+        train=True,
+        rng=key,
+    )
+    mask = jnp.asarray(batch["example_mask"])
+    if is_regression:
+        per = (logits[:, 0] - batch["labels"]) ** 2
+    else:
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        per = -jnp.take_along_axis(logp, jnp.asarray(batch["labels"])[:, None], axis=1)[:, 0]
+    return jnp.sum(per * mask) / jnp.sum(mask)

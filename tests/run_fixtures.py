@@ -30,8 +30,8 @@ def write_tiny_model(out_dir: Path, *, num_layers: int = 2, seed: int = 0) -> Pa
     """A 2-layer hidden-32 BERT with random weights and a word-level vocab, saved in HF format."""
     import jax
 
-    from fedjax_split.hf_checkpoint import save_pretrained
-    from fedjax_split.model import BertConfig, init_params
+    from fedjax_split.models.bert import BertConfig, init_params
+    from fedjax_split.models.hf_checkpoint import save_pretrained
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *POSITIVE, *NEGATIVE, *FILLER]
     tok_dir = out_dir.parent / (out_dir.name + "_tok")
@@ -87,8 +87,9 @@ def tiny_args(model: Path, data: Path, out: Path, **extra: object) -> list[str]:
 
 
 def tcmalloc_installed() -> bool:
-    """Whether the dynamic linker knows a tcmalloc, asked of ldconfig (not of fedjax_split.malloc,
-    whose search it checks). The CLI tests expect their runs on it exactly then."""
+    """Whether the dynamic linker knows a tcmalloc, asked of ldconfig (not of
+    fedjax_split.run.malloc, whose search it checks). The CLI tests expect their runs on it
+    exactly then."""
     import shutil
     import subprocess
 

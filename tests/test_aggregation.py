@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_split.aggregation import weighted_mean, weighted_mean_each
+from fedjax_split.fed.aggregation import weighted_mean, weighted_mean_each
 
 
 def test_weighted_mean_is_weighted_and_over_client_axis_only() -> None:

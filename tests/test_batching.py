@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from fedjax_split.batching import (
+from fedjax_split.data.batching import (
     client_segments,
     make_client_batches,
     make_eval_batches,
@@ -223,9 +223,9 @@ def test_padding_waste_by_hand():
 
 @pytest.mark.slow
 def test_padding_waste_under_15_percent_on_real_rotten_tomatoes():
-    from fedjax_split.partition import partition_clients
-    from fedjax_split.sources import load_examples
-    from fedjax_split.tokenization import load_tokenizer, tokenize
+    from fedjax_split.data.partition import partition_clients
+    from fedjax_split.data.sources import load_examples
+    from fedjax_split.data.tokenization import load_tokenizer, tokenize
 
     ex = load_examples("rotten_tomatoes")
     tok = tokenize(load_tokenizer("minilm-l6"), ex.texts_a, max_length=128)
@@ -247,7 +247,7 @@ def test_padding_waste_under_15_percent_on_real_rotten_tomatoes():
 
 def _sentence_pool(n: int, seed: int = 0):
     """Sentence-like lengths (median ~25, long tail to 90), pair-free, with [CLS]=1 first."""
-    from fedjax_split.tokenization import Tokenized
+    from fedjax_split.data.tokenization import Tokenized
 
     rng = np.random.default_rng(seed)
     lengths = np.clip(np.round(rng.lognormal(3.2, 0.45, n)), 3, 90).astype(np.int64)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_split.flops import forward_flops, packed_forward_flops, train_step_flops
-from fedjax_split.model import BertConfig, init_params
+from fedjax_split.models.bert import BertConfig, init_params
+from fedjax_split.models.flops import forward_flops, packed_forward_flops, train_step_flops
 
 _SPEC = importlib.util.spec_from_file_location(
     "benchmark", Path(__file__).resolve().parents[1] / "tools" / "benchmark.py"

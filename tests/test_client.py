@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from fedcore_helpers import client_slice, make_segments, tiny_model
+from fedcore_helpers import client_slice, make_segments, reference_loss, tiny_model
 
-from fedjax_split.client import (
+from fedjax_split.errors import UserError
+from fedjax_split.fed.client import (
     ClientSpec,
     client_optimizer,
     default_client_optimizer,
@@ -17,33 +18,13 @@ from fedjax_split.client import (
     prox_term,
     step_rng,
 )
-from fedjax_split.errors import UserError
-from fedjax_split.splitting import merge_params, split_params
+from fedjax_split.fed.roles import merge_params, split_params
 
 
 def _assert_trees_equal(a, b) -> None:
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert jax.tree.structure(a) == jax.tree.structure(b)
-
-
-def _reference_loss(apply, params, batch, key, is_regression):
-    """Masked mean loss written independently of client.py (log-softmax / squared error)."""
-    logits = apply(
-        params,
-        batch["input_ids"],
-        batch["attention_mask"],
-        batch["token_type_ids"],
-        train=True,
-        rng=key,
-    )
-    mask = jnp.asarray(batch["example_mask"])
-    if is_regression:
-        per = (logits[:, 0] - batch["labels"]) ** 2
-    else:
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        per = -jnp.take_along_axis(logp, jnp.asarray(batch["labels"])[:, None], axis=1)[:, 0]
-    return jnp.sum(per * mask) / jnp.sum(mask)
 
 
 @pytest.mark.parametrize("num_labels", [3, 1])
@@ -61,7 +42,7 @@ def test_two_sgd_steps_match_reference_gradient(num_labels: int) -> None:
     losses = []
     for s in range(2):
         batch = {k: v[s] for k, v in seg[0].items()}
-        loss, grads = jax.value_and_grad(_reference_loss, argnums=1)(
+        loss, grads = jax.value_and_grad(reference_loss, argnums=1)(
             apply, p, batch, jax.random.fold_in(rng, s), num_labels == 1
         )
         losses.append(float(loss) * batch["example_mask"].sum())
@@ -161,8 +142,8 @@ def test_dropout_keys_differ_per_step_and_follow_fold_in() -> None:
     apply, params = tiny_model(dropout=0.3)
     seg = client_slice(make_segments(np.random.default_rng(3), [1], 1), 0)
     x = {k: v[0] for k, v in seg[0].items()}
-    l0 = _reference_loss(apply, params, x, step_rng(key, 0), False)
-    l1 = _reference_loss(apply, params, x, step_rng(key, 1), False)
+    l0 = reference_loss(apply, params, x, step_rng(key, 0), False)
+    l1 = reference_loss(apply, params, x, step_rng(key, 1), False)
     assert float(l0) != float(l1)
 
 
@@ -184,8 +165,8 @@ def test_adamw_decays_matrices_only() -> None:
 
 def test_packed_segments_train_like_padded_ones() -> None:
     """The same batches, packed or padded, give the same update (no dropout to differ)."""
-    from fedjax_split.batching import make_client_batches
-    from fedjax_split.tokenization import Tokenized
+    from fedjax_split.data.batching import make_client_batches
+    from fedjax_split.data.tokenization import Tokenized
 
     apply, params = tiny_model(dropout=0.0)
     rng = np.random.default_rng(4)

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_split.config import (
+from fedjax_split.errors import UserError
+from fedjax_split.run.config import (
     ExperimentConfig,
     load_config_file,
     resolve_config,
     trajectory_mismatch,
     validate_critical_layer,
 )
-from fedjax_split.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -115,7 +115,8 @@ def test_every_shipped_config_file_resolves() -> None:
 
 def test_choices_mirror_the_models_own() -> None:
     """config.py keeps its own copies so that parsing flags imports no jax; they must agree."""
-    from fedjax_split import config, model
+    from fedjax_split.models import bert as model
+    from fedjax_split.run import config
 
     assert config.DTYPES == model.COMPUTE_DTYPES
     assert config.ATTENTIONS == model.ATTENTION_IMPLEMENTATIONS

@@ -9,8 +9,8 @@ import sys
 import jax
 import pytest
 
-from fedjax_split import devices
 from fedjax_split.errors import UserError
+from fedjax_split.sim import devices
 
 
 def test_after_start_the_count_is_kept_or_a_user_error() -> None:
@@ -29,7 +29,7 @@ def test_after_start_the_count_is_kept_or_a_user_error() -> None:
 def test_before_start_the_count_is_applied() -> None:
     """In a fresh process (no XLA_FLAGS), the count asked for is the count JAX starts with."""
     code = (
-        "import jax; from fedjax_split.devices import use_cpu_devices as u; "
+        "import jax; from fedjax_split.sim.devices import use_cpu_devices as u; "
         "print(u(3), len(jax.devices('cpu')), u(None))"
     )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -6,13 +6,13 @@ import jax
 import numpy as np
 from fedcore_helpers import make_segments, tiny_model
 
-from fedjax_split.evaluation import (
+from fedjax_split.fed.roles import merge_params, split_params
+from fedjax_split.sim.evaluation import (
     ClientPredictions,
     client_metrics,
     evaluate_clients,
     evaluate_pooled,
 )
-from fedjax_split.splitting import merge_params, split_params
 
 K = 3
 

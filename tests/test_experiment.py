@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from run_fixtures import private_cache, write_tiny_model, write_tiny_sst2  # noqa: F401 (autouse)
 
-from fedjax_split import experiment, export
-from fedjax_split.run_checkpoint import RunCheckpointer, checkpoint_dir
+from fedjax_split import export
+from fedjax_split.run import experiment
+from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_subsample_indices_are_seeded_sorted_and_distinct() -> None:
 
 
 def test_subsample_keeps_every_per_example_field_aligned() -> None:
-    from fedjax_split.sources import Examples
+    from fedjax_split.data.sources import Examples
 
     n = 10
     ex = Examples(
@@ -99,8 +100,8 @@ def test_fp16_wire_bytes_counted_by_hand(files: dict[str, Path], partial_fp16: P
 def test_only_sampled_clients_local_parts_change(
     files: dict[str, Path], partial_fp16: Path
 ) -> None:
-    from fedjax_split.hf_checkpoint import load_pretrained
-    from fedjax_split.splitting import split_params
+    from fedjax_split.fed.roles import split_params
+    from fedjax_split.models.hf_checkpoint import load_pretrained
 
     first = json.loads((partial_fp16 / "metrics.jsonl").read_text().splitlines()[0])
     state, meta = RunCheckpointer(checkpoint_dir(partial_fp16)).restore_untyped(1)
@@ -123,7 +124,7 @@ def test_personalised_metrics_match_transformers(
     torch = pytest.importorskip("torch")
     from transformers import BertForSequenceClassification, BertTokenizerFast
 
-    from fedjax_split import sources, tasks
+    from fedjax_split.data import sources, tasks
 
     last = json.loads((partial_fp16 / "metrics.jsonl").read_text().splitlines()[-1])
     part = json.loads((partial_fp16 / "partition.json").read_text())
@@ -167,7 +168,7 @@ def test_packing_setting_reaches_every_rounds_batches(
     files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--packing is wired through: every round trains on packed segments (prefetched ones too)."""
-    from fedjax_split import rounds
+    from fedjax_split.sim import rounds
 
     seen, chunks = [], []
     real_run_round = rounds.run_round
@@ -198,8 +199,9 @@ def test_evaluate_maps_groups_by_example_index_and_means_over_clients(
     """MNLI: matched/mismatched accuracy per client via each row's pool index; unweighted mean."""
     from types import SimpleNamespace
 
-    from fedjax_split import evaluation, tasks
-    from fedjax_split.evaluation import ClientPredictions
+    from fedjax_split.data import tasks
+    from fedjax_split.sim import evaluation
+    from fedjax_split.sim.evaluation import ClientPredictions
 
     groups = np.array(["matched", "mismatched", "matched", "mismatched", "matched", "matched"])
     results = [  # client 0: rows 3, 0, 1 (bucketed order); client 1: rows 5, 2
@@ -250,3 +252,77 @@ def test_round_chunk_size_defaults_by_backend() -> None:
     assert experiment.round_chunk_size(None, "tpu") is None
     assert experiment.round_chunk_size(4, "cpu") == 4
     assert experiment.round_chunk_size(4, "gpu") == 4
+
+
+def test_freeze_sends_nothing_frozen_and_keeps_it_bit_identical(files: dict[str, Path]) -> None:
+    """--critical-layer L --freeze 'embeddings\\.': every parameter but the embeddings is global
+    and sent (4 bytes each, each way, per client); the embeddings stay exactly the checkpoint's."""
+    from fedjax_split.models.hf_checkpoint import read_weights
+
+    out = files["base"] / "frozen"
+    summary = experiment.run_experiment(
+        _config(files, "frozen", critical_layer=None, freeze=r"embeddings\."), progress=False
+    )
+    weights = {n.removeprefix("bert."): w for n, w in read_weights(files["model"]).items()}
+    total = sum(int(np.prod(w.shape)) for w in weights.values())
+    embeddings = sum(int(np.prod(w.shape)) for n, w in weights.items() if ".embeddings." in f".{n}")
+    assert embeddings == _global_count_by_hand(files["model"], 0)  # the hand count agrees
+    assert summary["frozen_params"] == embeddings
+    assert summary["global_params"] == total - embeddings
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        assert r["bytes_up"] == r["bytes_down"] == 3 * 4 * (total - embeddings)
+    state, _ = RunCheckpointer(checkpoint_dir(out)).restore_untyped()
+    frozen = state["frozen"]["embeddings"]
+    assert set(state["server_state"]["master"]) == {"encoder", "pooler", "classifier"}
+    for ours, theirs in (
+        ("word_embeddings", "word_embeddings"),
+        ("position_embeddings", "position_embeddings"),
+    ):
+        np.testing.assert_array_equal(
+            np.asarray(frozen[ours]["embedding"]), weights[f"embeddings.{theirs}.weight"]
+        )
+    np.testing.assert_array_equal(
+        np.asarray(frozen["LayerNorm"]["scale"]), weights["embeddings.LayerNorm.weight"]
+    )
+    # the export holds them too (the personalised model is global + local + frozen)
+    exported = export.export_client(out, 1, files["base"] / "frozen_export")
+    again = read_weights(exported)
+    key = [k for k in again if k.endswith("embeddings.word_embeddings.weight")][0]
+    np.testing.assert_array_equal(again[key], weights["embeddings.word_embeddings.weight"])
+
+
+def test_minilm_freeze_embeddings_at_c6_sends_all_but_the_embeddings() -> None:
+    """The issue's case on MiniLM's shapes (no weights needed): --critical-layer 6 --freeze
+    'embeddings\\.' sends 4 bytes x (every parameter but the embeddings) per client each way."""
+    import jax.numpy as jnp
+
+    from fedjax_split.fed import server_optimizers
+    from fedjax_split.fed.client import ClientSpec
+    from fedjax_split.fed.roles import critical_layer_rule, freeze_rule, partition
+    from fedjax_split.models.bert import BertConfig, init_params
+    from fedjax_split.models.hf_checkpoint import hf_names
+    from fedjax_split.sim.rounds import RoundSpec, client_bytes
+
+    config = BertConfig(
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        intermediate_size=1536,
+        num_labels=2,
+    )  # all-MiniLM-L6-v2's shape
+    shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    names = {p: n for p, (n, _) in hf_names(config).items()}
+    rule = freeze_rule(critical_layer_rule(6, 6), r"embeddings\.", names)
+    g, local, frozen = partition(shapes, rule)
+    h, i, v = 384, 1536, 30522
+    emb = (v + 512 + 2) * h + 2 * h
+    layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
+    everything_else = 6 * layer + (h * h + h) + (h * 2 + 2)  # layers, pooler, classifier
+    count = lambda t: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(t))  # noqa: E731
+    assert count(frozen) == emb and local == {}
+    spec = RoundSpec(ClientSpec(None, False, None), server_optimizers.fedavg(), "float32")
+    assert client_bytes(spec, g) == (4 * everything_else, 4 * everything_else)
+    half = RoundSpec(ClientSpec(None, False, None), server_optimizers.fedavg(), "bfloat16")
+    assert client_bytes(half, g) == (2 * everything_else, 2 * everything_else)
+    assert jnp.dtype(jax.tree.leaves(g)[0].dtype) == jnp.float32

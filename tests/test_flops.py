@@ -7,8 +7,8 @@ import jax.extend.core
 import jax.numpy as jnp
 import pytest
 
-from fedjax_split.flops import forward_flops, train_step_flops
-from fedjax_split.model import BertConfig, init_params, make_apply
+from fedjax_split.models.bert import BertConfig, init_params, make_apply
+from fedjax_split.models.flops import forward_flops, train_step_flops
 
 
 def _dot_flops(jaxpr) -> int:
@@ -57,10 +57,10 @@ def test_training_is_three_forward_passes():
 
 def test_packed_forward_flops_match_the_models_matmuls():
     """A packed batch (token stream + attention rows): the formula vs the jaxpr's dot_generals."""
-    from fedjax_split.batching import make_client_batches
-    from fedjax_split.client import packing_kwargs
-    from fedjax_split.flops import packed_forward_flops, segment_train_flops
-    from fedjax_split.tokenization import Tokenized
+    from fedjax_split.data.batching import make_client_batches
+    from fedjax_split.data.tokenization import Tokenized
+    from fedjax_split.fed.client import packing_kwargs
+    from fedjax_split.models.flops import packed_forward_flops, segment_train_flops
 
     config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=48, num_labels=3)  # fmt: skip

@@ -17,10 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_split import assets, hf_checkpoint
+from fedjax_split.data import assets
 from fedjax_split.errors import UserError
-from fedjax_split.hf_checkpoint import load_pretrained, resolve_model, save_pretrained
-from fedjax_split.model import BertConfig, init_params, make_apply, make_encode
+from fedjax_split.models import hf_checkpoint
+from fedjax_split.models.bert import BertConfig, init_params, make_apply, make_encode
+from fedjax_split.models.hf_checkpoint import load_pretrained, resolve_model, save_pretrained
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -466,7 +467,7 @@ def test_export_has_the_modes_of_a_plain_directory(tmp_path):
     import os
     import stat
 
-    from fedjax_split.model import BertConfig, init_params
+    from fedjax_split.models.bert import BertConfig, init_params
 
     config = BertConfig(vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=16, max_position_embeddings=16)  # fmt: skip

@@ -1,4 +1,4 @@
-"""fedjax_split.malloc: the malloc a process runs on, and the CLI's one re-execution on tcmalloc."""
+"""fedjax_split.run.malloc: the malloc a process runs on, and the CLI's re-execution on tcmalloc."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from run_fixtures import tcmalloc_installed
 
-from fedjax_split import malloc
 from fedjax_split.errors import UserError
+from fedjax_split.run import malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 GLIBC = "7f01-7f02 r-xp 00000000 08:01 123 /usr/lib/x86_64-linux-gnu/libc.so.6\n"

@@ -6,7 +6,7 @@ import io
 import json
 from pathlib import Path
 
-from fedjax_split import outputs
+from fedjax_split.run import outputs
 
 
 def test_write_json_is_strict_json_and_leaves_no_temp(tmp_path: Path) -> None:

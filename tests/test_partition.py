@@ -5,14 +5,14 @@ import json
 import numpy as np
 import pytest
 
-from fedjax_split.errors import UserError
-from fedjax_split.partition import (
+from fedjax_split.data.partition import (
     _fill_counts,
     load_partition,
     partition_clients,
     partition_report,
     save_partition,
 )
+from fedjax_split.errors import UserError
 
 # The paper's tables, typed in again here (share of class 1 first, see partition.py's note).
 TABLE_I_FIRST = {"mrpc": [85, 75, 25], "cola": [90.5, 83, 40], "qqp": [70, 37, 13],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -17,14 +19,17 @@ from fedcore_helpers import (
     VOCAB,
     client_slice,
     make_segments,
+    reference_loss,
     tiny_model,
 )
 
-from fedjax_split import server_optimizers
-from fedjax_split.batching import client_segments
-from fedjax_split.client import ClientSpec, make_client_update
+from fedjax_split.data.batching import client_segments
 from fedjax_split.errors import UserError
-from fedjax_split.rounds import (
+from fedjax_split.fed import server_optimizers
+from fedjax_split.fed.client import ClientSpec, make_client_update
+from fedjax_split.fed.roles import flatten_paths, merge_params, split_params
+from fedjax_split.fed.wire import cast_to_wire
+from fedjax_split.sim.rounds import (
     RoundSpec,
     client_rngs,
     init_server_state,
@@ -38,8 +43,6 @@ from fedjax_split.rounds import (
     sample_clients,
     take_clients,
 )
-from fedjax_split.splitting import flatten_paths, merge_params, split_params
-from fedjax_split.wire import cast_to_wire
 
 K = 3
 WEIGHTS = np.array([5, 20, 75])  # distinct, so unweighted averaging would be caught
@@ -79,7 +82,7 @@ def _reference(global_start: dict, client_ids=(0, 1, 2), segments=SEGMENTS, roun
 
 
 def _unflatten(flat: dict) -> dict:
-    from fedjax_split.splitting import unflatten_paths
+    from fedjax_split.fed.roles import unflatten_paths
 
     return unflatten_paths(flat)
 
@@ -101,14 +104,22 @@ def _numpy_weighted_mean(per_client: list[dict], path: str) -> np.ndarray:
     return np.tensordot(WEIGHTS / WEIGHTS.sum(), stack, axes=1)
 
 
+_LAYER = (  # parameters of one encoder layer, counted by hand from the architecture
+    4 * (HIDDEN * HIDDEN + HIDDEN)
+    + 2 * HIDDEN
+    + (HIDDEN * INTER + INTER)
+    + (INTER * HIDDEN + HIDDEN)
+    + 2 * HIDDEN
+)
+
+
 def _global_param_count(c: int) -> int:
     """Hand count from the architecture: embeddings + c encoder layers (+ pooler/head at c = L)."""
-    h, i = HIDDEN, INTER
+    h = HIDDEN
     emb = (VOCAB + POS + TYPES) * h + 2 * h
-    layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
     if c == 0:
         return 0
-    total = emb + c * layer
+    total = emb + c * _LAYER
     return total + (h * h + h) + (h * 3 + 3) if c == LAYERS else total
 
 
@@ -276,8 +287,8 @@ def test_bad_weights_are_user_errors() -> None:
 
 def _packed_segments() -> list[dict]:
     """Packed segments for the K clients (different sizes, so some steps are masked)."""
-    from fedjax_split.batching import make_client_batches
-    from fedjax_split.tokenization import Tokenized
+    from fedjax_split.data.batching import make_client_batches
+    from fedjax_split.data.tokenization import Tokenized
 
     rng = np.random.default_rng(9)
     lengths = rng.integers(2, POS + 1, 40)
@@ -346,7 +357,7 @@ def test_clients_dealt_to_devices_train_what_one_device_trains(monkeypatch, wire
     (same programs and inputs; uploads summed on the first device in client order)."""
     import dataclasses
 
-    from fedjax_split import rounds
+    from fedjax_split.sim import rounds
 
     devices = tuple(jax.devices()[:2])
     assert len(devices) == 2  # conftest forces 2 CPU devices
@@ -364,9 +375,9 @@ def test_clients_dealt_to_devices_train_what_one_device_trains(monkeypatch, wire
     def recording(spec: RoundSpec) -> rounds.RoundFns:
         fns = real(spec)
 
-        def segment_one(state, server_state, part, key):
+        def segment_one(state, server_state, part, key, frozen):
             seen.append(list(state.steps.devices())[0])
-            return fns.segment_one(state, server_state, part, key)
+            return fns.segment_one(state, server_state, part, key, frozen)
 
         return fns._replace(segment_one=segment_one)
 
@@ -385,3 +396,96 @@ def test_clients_dealt_to_devices_train_what_one_device_trains(monkeypatch, wire
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         assert not isinstance(y, jax.Array) or list(y.devices()) == [devices[0]]
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _frozen_reference(trained_global: dict, frozen: dict, client_ids=(0, 1, 2)) -> list[dict]:
+    """Clients trained one at a time by a plain loop over steps, independent of the client update:
+    the whole model in one tree, frozen leaves held by optax.multi_transform's set_to_zero."""
+    frozen_paths = set(flatten_paths(frozen))
+
+    grad = jax.jit(jax.grad(lambda p, b, k: reference_loss(APPLY, p, b, k, False)))
+    out = []
+    for pos, cid in enumerate(client_ids):
+        own = {p: jnp.asarray(v[pos]) for p, v in CLIENT_PARAMS.items()}
+        own.update(flatten_paths(trained_global))
+        own.update(flatten_paths(frozen))
+        params = _unflatten(own)
+        labels = _unflatten({p: "f" if p in frozen_paths else "t" for p in own})
+        opt = optax.multi_transform({"t": optax.sgd(0.3), "f": optax.set_to_zero()}, labels)
+        opt_state = opt.init(params)
+        key = jax.random.fold_in(jax.random.fold_in(SEED_KEY, 0), cid)
+        taken = 0
+        for seg in client_slice(SEGMENTS, pos):
+            for s in range(seg["step_mask"].shape[0]):
+                batch = {k: v[s] for k, v in seg.items()}
+                if not batch["step_mask"] or batch["example_mask"].sum() == 0:
+                    continue
+                g = grad(params, batch, jax.random.fold_in(key, taken))
+                updates, opt_state = opt.update(g, opt_state, params)
+                params = optax.apply_updates(params, updates)
+                taken += 1
+        out.append({p: np.asarray(v) for p, v in flatten_paths(params).items()})
+    return out
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1])
+def test_frozen_parts_are_constants_passed_once_and_never_sent(chunk_size: int | None) -> None:
+    from fedjax_split.fed.roles import critical_layer_rule, freeze_rule, partition
+
+    rule = freeze_rule(critical_layer_rule(1, LAYERS), "^embeddings/")  # paths match as they are
+    g0, _, frozen = partition(PARAMS, rule)
+    assert set(frozen) == {"embeddings"} and set(g0) == {"encoder"}
+    local = {
+        p: v
+        for p, v in CLIENT_PARAMS.items()
+        if p.startswith(("encoder/layer_1", "pooler", "classifier"))
+    }
+    spec = RoundSpec(CLIENT, FEDAVG, "float32", chunk_size=chunk_size, donate=False)
+    state = init_server_state(g0, FEDAVG, "float32")
+    frozen_before = {p: np.asarray(v).copy() for p, v in flatten_paths(frozen).items()}
+    state, new_local, result = run_round(
+        spec, state, _unflatten(local), WEIGHTS, SEGMENTS, SEED_KEY, frozen=frozen
+    )
+    ref = _frozen_reference(g0, frozen)
+    for path, value in flatten_paths(state.master).items():
+        np.testing.assert_allclose(
+            np.asarray(value), _numpy_weighted_mean(ref, path), rtol=2e-5, atol=2e-6, err_msg=path
+        )
+    for path, value in flatten_paths(new_local).items():
+        for k in range(K):
+            np.testing.assert_allclose(np.asarray(value[k]), ref[k][path], rtol=2e-5, atol=2e-6)
+    for path, value in frozen_before.items():
+        for k in range(K):  # the reference's frozen leaves never moved ...
+            np.testing.assert_array_equal(ref[k][path], value)
+        np.testing.assert_array_equal(np.asarray(flatten_paths(frozen)[path]), value)  # nor ours
+    # ... and they are not the server's: neither in its state nor in a message
+    assert not any(p.startswith("embeddings/") for p in flatten_paths(state.master))
+    assert result.bytes_down == result.bytes_up == 4 * _LAYER * K
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1])
+def test_a_scheduled_round_trains_only_its_layer_and_leaves_the_rest_exact(chunk_size) -> None:
+    g0, _ = split_params(PARAMS, critical_layer=LAYERS)
+    trained = frozenset(
+        p for p in flatten_paths(g0) if p.startswith(("encoder/layer_1/", "classifier/"))
+    )
+    opt = server_optimizers.fedavgm(1.0, momentum=0.9)
+    spec = RoundSpec(CLIENT, opt, "bfloat16", chunk_size=chunk_size, donate=False, trained=trained)
+    start = init_server_state(g0, opt, "bfloat16")
+    state, new_local, result = run_round(spec, start, {}, WEIGHTS, SEGMENTS, SEED_KEY)
+    before, after = flatten_paths(start.master), flatten_paths(state.master)
+    for path in before:
+        if path in trained:  # kernels move by more than bf16's rounding; LayerNorm may not
+            assert not path.endswith("kernel") or not np.array_equal(after[path], before[path])
+        else:
+            np.testing.assert_array_equal(after[path], before[path], err_msg=path)
+    # the same round with everything trained moves the other layers: the schedule did the work
+    free = run_round(
+        dataclasses.replace(spec, trained=None), start, {}, WEIGHTS, SEGMENTS, SEED_KEY
+    )[0]
+    assert not np.array_equal(
+        flatten_paths(free.master)["encoder/layer_0/output/bias"],
+        before["encoder/layer_0/output/bias"],
+    )
+    assert result.bytes_up == 2 * (_LAYER + HIDDEN * 3 + 3) * K  # bf16: the trained part only
+    assert result.bytes_down == 2 * _global_param_count(LAYERS) * K  # the whole global part

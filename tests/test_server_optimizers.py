@@ -8,9 +8,9 @@ import numpy as np
 import optax
 import pytest
 
-from fedjax_split import server_optimizers as so
-from fedjax_split.aggregation import weighted_mean
 from fedjax_split.errors import UserError
+from fedjax_split.fed import server_optimizers as so
+from fedjax_split.fed.aggregation import weighted_mean
 
 ROUNDS = 4
 

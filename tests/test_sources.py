@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fedjax_split import sources
+from fedjax_split.data import sources
+from fedjax_split.data.sources import load_examples, tokenize_examples
 from fedjax_split.errors import UserError
-from fedjax_split.sources import load_examples, tokenize_examples
 
 
 def _tsv(path, rows):
@@ -311,7 +311,7 @@ def test_corrupt_cache_file_is_rewritten(tmp_path, glue_tsv):
 
 @pytest.mark.slow
 def test_tokenize_cache_with_the_real_tokenizer(tmp_path, monkeypatch):
-    from fedjax_split import tokenization
+    from fedjax_split.data import tokenization
 
     ex = load_examples("trec")
     small = sources.Examples(ex.texts_a[:50], None, ex.labels[:50])

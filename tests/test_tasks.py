@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from fedjax_split.data.tasks import TASKS, compute_metrics, get_task
 from fedjax_split.errors import UserError
-from fedjax_split.tasks import TASKS, compute_metrics, get_task
 
 GLUE = ("cola", "sst2", "mrpc", "qqp", "mnli", "qnli", "rte", "wnli", "stsb")
 

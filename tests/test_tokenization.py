@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedjax_split import assets, tokenization
+from fedjax_split.data import assets, tokenization
+from fedjax_split.data.tokenization import Tokenized, load_tokenizer, tokenize
 from fedjax_split.errors import UserError
-from fedjax_split.tokenization import Tokenized, load_tokenizer, tokenize
 
 A = [
     "The film was a delight from start to finish.",

@@ -26,7 +26,8 @@ from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
     write_tiny_sst2,
 )
 
-from fedjax_split import malloc, train
+from fedjax_split import train
+from fedjax_split.run import malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 # batch 32 >= every client's 32 training examples: one batch shape, one compilation
@@ -168,6 +169,7 @@ BAD = [
     ({"clients_per_round": 5}, "--clients-per-round must be in 1..3"),
     ({"data_dir": "/nonexistent/glue"}, "data dir"),
     ({"attention": "cudnn"}, "--attention cudnn needs a GPU and --dtype bfloat16"),
+    ({"freeze": "embeddings.("}, "--freeze"),
 ]
 
 
@@ -265,7 +267,7 @@ def test_export_writes_a_loadable_personalised_model(env: dict, straight: Path) 
     import jax
 
     from fedjax_split import export
-    from fedjax_split.hf_checkpoint import load_pretrained
+    from fedjax_split.models.hf_checkpoint import load_pretrained
 
     out = export.export_client(straight, 1, env["base"] / "export1")
     params, config, _ = export.personalised_params(straight, 1)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedjax_split.errors import UserError
-from fedjax_split.wire import cast_from_wire, cast_to_wire, param_count, tree_bytes, wire_dtype
+from fedjax_split.fed.wire import cast_from_wire, cast_to_wire, param_count, tree_bytes, wire_dtype
 
 
 def _tree() -> dict:

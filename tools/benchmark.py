@@ -8,8 +8,9 @@ against a step-by-step Python loop, with utilisation against this machine's meas
 Definitions (all in the JSON):
 - peak: the best fp32 (CPU) or bf16 (GPU) FLOP/s of large square jitted matmuls, measured in the
   same process just before the rounds.
-- model FLOPs: matmul FLOPs (fedjax_split.flops) of the examples actually trained, each at its own
-  length; hardware FLOPs: the same for every computed position (padding, masked steps included).
+- model FLOPs: matmul FLOPs (fedjax_split.models.flops) of the examples actually trained, each at
+  its own length; hardware FLOPs: the same for every computed position (padding, masked steps
+  included).
   MFU = model FLOP/s / peak; HFU = hardware FLOP/s / peak.
 - padding waste: share of computed token positions that are padding.
 - seconds per round: steady state (median over --repeats), compilation reported apart.
@@ -36,18 +37,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_split import batching, client, flops, rounds, server_optimizers
-from fedjax_split.devices import use_cpu_devices
+from fedjax_split.data import batching
 from fedjax_split.errors import UserError, report
-from fedjax_split.malloc import allocator
-from fedjax_split.model import (
+from fedjax_split.fed import client, server_optimizers
+from fedjax_split.fed.roles import merge_params, split_params
+from fedjax_split.models import flops
+from fedjax_split.models.bert import (
     ATTENTION_IMPLEMENTATIONS,
     BertConfig,
     check_attention,
     init_params,
     make_apply,
 )
-from fedjax_split.splitting import merge_params, split_params
+from fedjax_split.run.malloc import allocator
+from fedjax_split.sim import rounds
+from fedjax_split.sim.devices import use_cpu_devices
 
 
 def _seconds(fn, repeats: int) -> list[float]:
@@ -84,7 +88,7 @@ def model_config(
 ) -> tuple[BertConfig, Any]:
     """Config and parameters: the real MiniLM weights, or a random config of the named size."""
     if name == "minilm-l6":
-        from fedjax_split.hf_checkpoint import load_pretrained
+        from fedjax_split.models.hf_checkpoint import load_pretrained
 
         pre = load_pretrained("minilm-l6", num_labels=num_labels, dtype=dtype, attention=attention)
         return pre.config, pre.params
@@ -111,9 +115,9 @@ def client_lengths(
         return [np.full(per_client, int(spec), np.int32) for _ in range(num_clients)]
     if spec != "rotten_tomatoes":
         raise UserError(f"unknown --lengths {spec!r}; use rotten_tomatoes or a number like 128")
-    from fedjax_split.sources import load_examples
-    from fedjax_split.tasks import get_task
-    from fedjax_split.tokenization import load_tokenizer, tokenize
+    from fedjax_split.data.sources import load_examples
+    from fedjax_split.data.tasks import get_task
+    from fedjax_split.data.tokenization import load_tokenizer, tokenize
 
     ex = load_examples(get_task("rotten_tomatoes"))
     pick = rng.choice(len(ex.texts_a), size=num_clients * per_client, replace=False)
@@ -125,7 +129,7 @@ def client_lengths(
 
 def synthetic_tokens(lengths: list[np.ndarray], vocab: int) -> Any:
     """Ragged token ids of the given lengths ([CLS]=101 first), shaped like tokenize's output."""
-    from fedjax_split.tokenization import Tokenized
+    from fedjax_split.data.tokenization import Tokenized
 
     rng = np.random.default_rng([0, 11])
     flat = np.concatenate(lengths)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedjax_split.errors import UserError, report
-from fedjax_split.outputs import read_json, read_jsonl
+from fedjax_split.run.outputs import read_json, read_jsonl
 
 _LABEL_KEYS = ("task", "algorithm", "critical_layer", "quantize", "clients", "partition", "alpha",
                "lr", "local_epochs", "seed", "model")  # fmt: skip

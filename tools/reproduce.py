@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fedjax_split.outputs import read_json, read_jsonl
+from fedjax_split.run.outputs import read_json, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 K10 = "configs/study_rotten_tomatoes_k10.py"
@@ -134,9 +134,9 @@ def majority_baseline(run: dict[str, Any]) -> float:
     run's partition.json and the task's labels, subsampled exactly as the run did."""
     import numpy as np
 
-    from fedjax_split.experiment import subsample_indices
-    from fedjax_split.sources import load_examples
-    from fedjax_split.tasks import get_task
+    from fedjax_split.data.sources import load_examples
+    from fedjax_split.data.tasks import get_task
+    from fedjax_split.run.experiment import subsample_indices
 
     cfg = run["config"]
     labels = np.asarray(load_examples(get_task(cfg["task"])).labels)

@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from fedjax_split import assets
+from fedjax_split.data import assets
 from fedjax_split.errors import UserError
-from fedjax_split.model import BertConfig, Params, make_apply
+from fedjax_split.models.bert import BertConfig, Params, make_apply
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = (

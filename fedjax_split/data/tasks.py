@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from fedjax_split import metrics as _metrics
+from fedjax_split.data import metrics as _metrics
 from fedjax_split.errors import UserError
 
 NEWSGROUPS = (

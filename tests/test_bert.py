@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fedjax_split.errors import UserError
-from fedjax_split.model import (
+from fedjax_split.models.bert import (
     _DRAW_BLOCK,
     DROPOUT_LEVELS,
     BertConfig,
@@ -367,9 +367,9 @@ def test_config_rejects_bad_dtype():
 
 def _packed(ids: np.ndarray, mask: np.ndarray, types: np.ndarray, width: int) -> dict:
     """The batch as one packed step (batching's packing=True), client and step axes dropped."""
-    from fedjax_split.batching import make_client_batches
-    from fedjax_split.client import packing_kwargs
-    from fedjax_split.tokenization import Tokenized
+    from fedjax_split.data.batching import make_client_batches
+    from fedjax_split.data.tokenization import Tokenized
+    from fedjax_split.fed.client import packing_kwargs
 
     n = mask.sum(1)
     tok = Tokenized(
@@ -432,7 +432,7 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list:
     """attention="cudnn" routed to jax's "xla" implementation of the same call (a CPU has no
     cuDNN), counting the calls: what the model passes to jax.nn.dot_product_attention is checked,
     only the kernel differs on a GPU."""
-    from fedjax_split import model
+    from fedjax_split.models import bert as model
 
     calls = []
     real = model.fused_attention

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
+from fedjax_split.data.tasks import Task, get_task
 from fedjax_split.errors import UserError
-from fedjax_split.tasks import Task, get_task
 
 SCHEMES = ("paper", "dirichlet", "quantity", "iid")
-_FORMAT = "fedjax_split.partition/v1"
+_FORMAT = "fedjax_split.data.partition/v1"
 
 # Label shares per client, columns in label-id order. The paper prints binary shares as "a/b"
 # without naming the classes; we read `a` as the share of class 1 (acceptable, equivalent,

@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from fedjax_split.data.tasks import Task, get_task
 from fedjax_split.errors import UserError
-from fedjax_split.tasks import Task, get_task
 
 SOURCES = ("auto", "hub", "local", "offline")
 HUB_DATASET = "nyu-mll/glue"
@@ -432,7 +432,7 @@ def _load_offline(task: Task, root: Path | None) -> Examples:
             f"task {task.name} has no offline copy; use the hub or {_layout_hint(task)}"
         )
     if root is None:
-        from fedjax_split import assets
+        from fedjax_split.data import assets
 
         root = assets.fetch(task.asset)
     return _OFFLINE_LOADERS[task.name](task, _corpus_files(task, root))
@@ -519,11 +519,11 @@ def tokenize_examples(
     A cache file is written atomically (temp file + rename), so readers never see a partial one;
     an unreadable cache file is ignored and rewritten.
     """
-    from fedjax_split.tokenization import Tokenized, tokenize
+    from fedjax_split.data.tokenization import Tokenized, tokenize
 
     task = get_task(task)
     if cache_dir is None:
-        from fedjax_split import assets
+        from fedjax_split.data import assets
 
         cache_dir = assets.cache_dir() / "tokenized"
     cache_dir = Path(cache_dir)

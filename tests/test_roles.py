@@ -1,4 +1,5 @@
-"""Tests for the global/local split: exact inverse, the critical-layer rule, other rules."""
+"""Tests for parameter roles: exact inverse, the critical-layer rule, other rules, --freeze over
+Hugging Face names, schedules."""
 
 from __future__ import annotations
 
@@ -6,15 +7,25 @@ import numpy as np
 import pytest
 
 from fedjax_split.errors import UserError
-from fedjax_split.splitting import (
+from fedjax_split.fed.roles import (
+    FROZEN,
+    GLOBAL,
+    LOCAL,
     critical_layer_rule,
     flatten_paths,
+    freeze_rule,
     head_only_rule,
+    layer_schedule,
     merge_params,
     num_layers,
+    partition,
     regex_rule,
+    role_labels,
+    select,
     split_params,
 )
+from fedjax_split.models.bert import BertConfig
+from fedjax_split.models.hf_checkpoint import hf_names
 
 L = 3
 
@@ -113,11 +124,11 @@ def test_num_layers_and_rule_validation() -> None:
 
 def test_layer_rule_does_not_confuse_layer_1_and_layer_10() -> None:
     rule = critical_layer_rule(2, 12)
-    assert rule("encoder/layer_1/output/bias")
-    assert not rule("encoder/layer_10/output/bias")
-    assert not rule("encoder/layer_2/output/bias")
-    assert rule("embeddings/LayerNorm/scale")
-    assert not rule("pooler/dense/kernel") and not rule("classifier/bias")
+    assert rule("encoder/layer_1/output/bias") == GLOBAL
+    assert rule("encoder/layer_10/output/bias") == LOCAL
+    assert rule("encoder/layer_2/output/bias") == LOCAL
+    assert rule("embeddings/LayerNorm/scale") == GLOBAL
+    assert rule("pooler/dense/kernel") == LOCAL and rule("classifier/bias") == LOCAL
 
 
 def test_head_only_rule() -> None:
@@ -141,5 +152,85 @@ def test_regex_rule() -> None:
 
 def test_merge_rejects_overlap() -> None:
     params = _tree(np.random.default_rng(5))
-    with pytest.raises(ValueError, match="both"):
+    with pytest.raises(ValueError, match="two parts"):
         merge_params(params, {"classifier": params["classifier"]})
+
+
+def _names() -> dict[str, str]:
+    config = BertConfig(
+        vocab_size=10,
+        hidden_size=4,
+        num_hidden_layers=L,
+        num_attention_heads=1,
+        intermediate_size=8,
+        max_position_embeddings=6,
+        num_labels=3,
+    )
+    return {path: name for path, (name, _) in hf_names(config).items()}
+
+
+def test_names_cover_the_test_tree() -> None:
+    # the freeze tests below match HF names, so every path of the tree must have one
+    assert set(_names()) == set(flatten_paths(_tree(np.random.default_rng(0))))
+
+
+@pytest.mark.parametrize("c", [0, 2, L])
+def test_freeze_over_hf_names_wins_over_the_critical_layer(c: int) -> None:
+    params = _tree(np.random.default_rng(6))
+    rule = freeze_rule(critical_layer_rule(c, L), r"embeddings\.|encoder\.layer\.[0-1]\.", _names())
+    parts = partition(params, rule)
+    paths = set(flatten_paths(params))
+    frozen = {
+        p for p in paths if p.startswith(("embeddings/", "encoder/layer_0/", "encoder/layer_1/"))
+    }
+    assert set(flatten_paths(parts.frozen)) == frozen
+    unfrozen_global = {p for p in paths - frozen if critical_layer_rule(c, L)(p) == GLOBAL}
+    assert set(flatten_paths(parts.global_)) == unfrozen_global
+    assert set(flatten_paths(parts.local)) == paths - frozen - unfrozen_global
+    _assert_same(merge_params(*parts), params)  # the very same arrays: no copy, no cast
+
+
+def test_freeze_matches_names_not_paths_and_composes_with_any_rule() -> None:
+    names = _names()
+    assert (
+        names["encoder/layer_1/attention/query/kernel"]
+        == "encoder.layer.1.attention.self.query.weight"
+    )
+    rule = freeze_rule(head_only_rule(), r"attention\.self\.query\.weight$", names)
+    assert rule("encoder/layer_1/attention/query/kernel") == FROZEN
+    assert rule("encoder/layer_1/attention/query/bias") == GLOBAL  # 'bias', not 'weight'
+    assert rule("classifier/kernel") == LOCAL
+    # our path spelling ("layer_1") does not match the HF-name regex
+    assert freeze_rule(head_only_rule(), r"layer_1", names)("encoder/layer_1/output/bias") == GLOBAL
+    assert freeze_rule(head_only_rule(), None) is not None
+    with pytest.raises(UserError, match="--freeze"):
+        freeze_rule(head_only_rule(), "(")
+
+
+def test_split_params_refuses_a_freezing_rule_and_labels_are_checked() -> None:
+    params = _tree(np.random.default_rng(7))
+    with pytest.raises(ValueError, match="partition"):
+        split_params(params, rule=lambda p: FROZEN if p.startswith("pooler/") else GLOBAL)
+    with pytest.raises(ValueError, match="roles are"):
+        role_labels(params, lambda p: "shared")
+    labels = role_labels(params, critical_layer_rule(1, L))
+    assert labels["encoder/layer_0/output/bias"] == GLOBAL
+    assert labels["encoder/layer_1/output/bias"] == LOCAL
+
+
+def test_select_and_layer_schedule() -> None:
+    params = _tree(np.random.default_rng(8))
+    g = partition(params, critical_layer_rule(L, L)).global_
+    paths = frozenset(flatten_paths(g))
+    schedule = layer_schedule(lambda r: (r - 1) % L, always=("classifier/",))
+    for r in (1, 2, 3, 4):
+        trained = schedule(r, paths)
+        layer = (r - 1) % L
+        assert trained == {
+            p for p in paths if p.startswith((f"encoder/layer_{layer}/", "classifier/"))
+        }
+        chosen, rest = select(g, trained)
+        assert set(flatten_paths(chosen)) == trained
+        _assert_same(merge_params(chosen, rest), params)
+    everything, nothing = select(g, None)
+    assert everything == g and nothing == {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import runpy
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ class ExperimentConfig:
     data_dir: str | None = None
     algorithm: str = "fedavg"
     critical_layer: int | None = 6
+    freeze: str | None = None
     clients: int = 3
     clients_per_round: int | None = None
     partition: str = "paper"
@@ -166,7 +168,7 @@ def _coerce(name: str, value: Any) -> Any:
         expected = int
     elif name in ("server_lr",):
         expected = float
-    elif name in ("data_dir", "output_dir", "config"):
+    elif name in ("data_dir", "output_dir", "config", "freeze"):
         expected = str
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -241,6 +243,14 @@ def validate(config: ExperimentConfig) -> None:
             f"--critical-layer must be in 0..L (L = the model's layers), got "
             f"{config.critical_layer}"
         )
+    if config.freeze is not None:
+        try:
+            re.compile(config.freeze)
+        except re.error as e:
+            raise UserError(
+                f"--freeze {config.freeze!r} is not a valid regex ({e}); pass a Python regex "
+                r"over Hugging Face tensor names, e.g. 'embeddings\.'"
+            ) from None
     if config.data_dir is not None and not Path(config.data_dir).is_dir():
         raise UserError(f"data dir {config.data_dir!r} does not exist; pass an existing --data-dir")
 

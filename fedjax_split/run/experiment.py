@@ -17,15 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from fedjax_split import outputs
-from fedjax_split.config import (
+from fedjax_split.errors import UserError
+from fedjax_split.run import outputs
+from fedjax_split.run.config import (
     ExperimentConfig,
     resolve_config,
     trajectory_mismatch,
     validate,
     validate_critical_layer,
 )
-from fedjax_split.errors import UserError
 
 # `purpose` components of numpy seeds, so no two uses of the seed share a stream.
 _SUBSAMPLE = 0  # purpose of the subsample's numpy seed (rounds uses 1 for sampling)
@@ -50,9 +50,11 @@ class Setup:
     round_spec: Any
     server_state: Any
     local_params: Any  # stacked over all clients: leading axis K
+    frozen: Any  # one copy for every client, never trained or sent
     eval_segments: Any
     num_global: int
     num_local: int
+    num_frozen: int
     prefetched: tuple[int, list[Any]] | None = None  # (round, its training segments)
 
 
@@ -125,7 +127,8 @@ def _check_run_dir(config: ExperimentConfig) -> None:
 def check(config: ExperimentConfig) -> int:
     """Cheap checks of a config against the task registry and the model's depth (reads only the
     model's config.json); returns the critical layer as an int in 0..L."""
-    from fedjax_split import hf_checkpoint, tasks
+    from fedjax_split.data import tasks
+    from fedjax_split.models import hf_checkpoint
 
     validate(config)
     tasks.get_task(config.task)
@@ -137,19 +140,10 @@ def build(config: ExperimentConfig) -> Setup:
     """Load task, data, model; partition, tokenise, split, initialise. Writes nothing."""
     import jax
 
-    from fedjax_split import (
-        batching,
-        client,
-        devices,
-        hf_checkpoint,
-        partition,
-        rounds,
-        server_optimizers,
-        sources,
-        splitting,
-        tasks,
-        tokenization,
-    )
+    from fedjax_split.data import batching, partition, sources, tasks, tokenization
+    from fedjax_split.fed import client, roles, server_optimizers
+    from fedjax_split.models import hf_checkpoint
+    from fedjax_split.sim import devices, rounds
 
     task = tasks.get_task(config.task)
     pre = hf_checkpoint.load_pretrained(
@@ -186,7 +180,11 @@ def build(config: ExperimentConfig) -> Setup:
     tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
     tokenized = sources.tokenize_examples(examples, tokenizer, task, config.max_length)
 
-    global0, local0 = splitting.split_params(pre.params, c)
+    names = {path: name for path, (name, _) in hf_checkpoint.hf_names(model_config).items()}
+    rule = roles.freeze_rule(
+        roles.critical_layer_rule(c, model_config.num_hidden_layers), config.freeze, names
+    )
+    global0, local0, frozen = roles.partition(pre.params, rule)
     k = config.clients
     # every client starts from the same pretrained (and seeded head) local part
     local_all = jax.tree.map(jax.numpy.array, rounds.replicate(local0, k))
@@ -229,9 +227,11 @@ def build(config: ExperimentConfig) -> Setup:
         round_spec=round_spec,
         server_state=server_state,
         local_params=local_all,
+        frozen=frozen,
         eval_segments=eval_segments,
         num_global=count(global0),
         num_local=count(local0),
+        num_frozen=count(frozen),
     )
 
 
@@ -243,10 +243,14 @@ def evaluate(setup: Setup) -> dict[str, Any]:
     """
     import jax.numpy as jnp
 
-    from fedjax_split import evaluation, tasks, wire
+    from fedjax_split.data import tasks
+    from fedjax_split.fed import roles, wire
+    from fedjax_split.sim import evaluation
 
     # the server holds the global part in the wire dtype; clients cast what they receive to fp32
-    global_params = wire.cast_from_wire(setup.server_state.global_params, jnp.float32)
+    global_params = roles.merge_params(
+        wire.cast_from_wire(setup.server_state.global_params, jnp.float32), setup.frozen
+    )
     results = evaluation.evaluate_clients(
         setup.apply,
         global_params,
@@ -281,7 +285,10 @@ def mean_over_clients(per_client: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 
 def _state(setup: Setup) -> dict[str, Any]:
-    return {"server_state": setup.server_state, "local_params": setup.local_params}
+    """What a checkpoint holds: the frozen part too (when there is one), so that an export needs
+    nothing but the run directory; runs without one keep the layout of older checkpoints."""
+    state = {"server_state": setup.server_state, "local_params": setup.local_params}
+    return {**state, "frozen": setup.frozen} if setup.frozen else state
 
 
 def run_experiment(
@@ -300,8 +307,8 @@ def run_experiment(
     check(config)
     import jax
 
-    from fedjax_split.devices import use_cpu_devices
-    from fedjax_split.model import check_attention
+    from fedjax_split.models.bert import check_attention
+    from fedjax_split.sim.devices import use_cpu_devices
 
     use_cpu_devices(config.cpu_devices)  # before the first JAX computation (see devices.py)
     check_attention(config.attention, config.dtype, jax.default_backend())
@@ -309,9 +316,9 @@ def run_experiment(
     setup = build(config)
     run_dir = config.run_dir
 
-    from fedjax_split import partition as partition_mod
-    from fedjax_split import sources
-    from fedjax_split.run_checkpoint import RunCheckpointer, checkpoint_dir
+    from fedjax_split.data import partition as partition_mod
+    from fedjax_split.data import sources
+    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 
     checkpointer = RunCheckpointer(checkpoint_dir(run_dir))
     start_round, history = 0, []
@@ -328,6 +335,7 @@ def run_experiment(
     if config.resume and checkpointer.latest_round() is not None:
         state, meta = checkpointer.restore(_state(setup))
         setup.server_state, setup.local_params = state["server_state"], state["local_params"]
+        setup.frozen = state.get("frozen", setup.frozen)
         start_round, history = int(meta["round"]), list(meta["history"])
         saved_model = meta.get("model_config")
         if saved_model is not None and saved_model != setup.model_config.to_hf_dict():
@@ -360,6 +368,7 @@ def run_experiment(
         f"{config.algorithm}, critical layer {setup.critical_layer}/"
         f"{setup.model_config.num_hidden_layers}, {setup.num_global:,} global / "
         f"{setup.num_local:,} local parameters per client"
+        + (f" / {setup.num_frozen:,} frozen" if setup.num_frozen else "")
         + (f"; resuming after round {start_round}" if start_round else "")
     )
     if not start_round:
@@ -396,7 +405,8 @@ def _partition_lists(part: Any) -> list[list[list[int]]]:
 
 def round_batches(setup: Setup, r: int) -> list[Any]:
     """Round r's training segments for its sampled clients (a pure function of config and r)."""
-    from fedjax_split import batching, rounds
+    from fedjax_split.data import batching
+    from fedjax_split.sim import rounds
 
     config = setup.config
     sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
@@ -417,7 +427,7 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
     """Sample clients, batch their data, run the round, evaluate when due; the round's record."""
     import jax
 
-    from fedjax_split import rounds
+    from fedjax_split.sim import rounds
 
     config = setup.config
     t0 = time.perf_counter()
@@ -439,6 +449,7 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
         segments,
         jax.random.key(config.seed),
         client_ids=sampled,
+        frozen=setup.frozen,
     )
     setup.local_params = rounds.put_clients(setup.local_params, sampled, new_local)
     if r < config.rounds:  # the round runs asynchronously: batch the next one meanwhile
@@ -475,7 +486,8 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
 
 def make_summary(setup: Setup, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The run at a glance: final and best primary metric, bytes, time, sizes."""
-    from fedjax_split import malloc, rounds
+    from fedjax_split.run import malloc
+    from fedjax_split.sim import rounds
 
     metric = setup.task.primary_metric
     evaluated = [h for h in history if h.get(metric) is not None and np.isfinite(h[metric])]
@@ -500,8 +512,9 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]]) -> dict[str, A
         "train_seconds": float(sum(h.get("train_seconds", 0.0) for h in history)),
         "eval_seconds": float(sum(h.get("eval_seconds", 0.0) for h in history)),
         "round_devices": len(rounds.round_devices(setup.round_spec)),
-        "allocator": malloc.allocator(),  # the seconds depend on it (fedjax_split.malloc)
+        "allocator": malloc.allocator(),  # the seconds depend on it (fedjax_split.run.malloc)
         "global_params": setup.num_global,
         "local_params_per_client": setup.num_local,
+        "frozen_params": setup.num_frozen,
         "run_dir": str(setup.config.run_dir),
     }

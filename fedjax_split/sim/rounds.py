@@ -7,10 +7,13 @@ Steps (FedSplitBERT's Algorithm 1 with a FedOpt server):
    sharded over its 'clients' axis (`shard_map`), padded with weight-0 clients to a multiple of the
    device count;
 3. upload: each client's new global part is cast to the wire dtype;
-4. the server takes the example-weighted mean in fp32, forms -Delta against its own copy, applies
-   its optax optimiser and stores the new global part in the wire dtype again.
-Bytes are counted from the arrays sent: the global part in the wire dtype, once per sampled client
-each way (zero when the split leaves nothing global).
+4. the server takes the example-weighted mean in fp32 and steps the global part
+   (`fed.server.server_update`, the seam every execution strategy shares).
+Frozen parameters are passed to the clients once, as one unstacked tree (not per client, not
+cast). With `RoundSpec.trained` (a schedule's choice for the round) clients train and upload only
+those global parameters; the others enter the model as constants, like the frozen ones.
+Bytes are counted from the arrays sent: down, the global part in the wire dtype; up, its trained
+part; once per sampled client (zero when the split leaves nothing global).
 
 The round runs as three jitted pieces (`round_functions`): start (download, client states), one
 call per segment (a `lax.scan` over its steps for all clients at once), finish (upload, aggregate,
@@ -43,29 +46,24 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fedjax_split.aggregation import weighted_mean, weighted_mean_each
-from fedjax_split.batching import client_segments
-from fedjax_split.client import (
+from fedjax_split.data.batching import client_segments
+from fedjax_split.errors import UserError
+from fedjax_split.fed.aggregation import weighted_mean, weighted_mean_each
+from fedjax_split.fed.client import (
     ClientMetrics,
     ClientSpec,
     ClientState,
     make_client_fns,
     segment_arrays,
 )
-from fedjax_split.errors import UserError
-from fedjax_split.wire import cast_from_wire, cast_to_wire, tree_bytes, wire_dtype
+from fedjax_split.fed.roles import merge_params, select
+from fedjax_split.fed.server import ServerState, init_server_state, server_update, upload
+from fedjax_split.fed.wire import cast_from_wire, cast_to_wire, tree_bytes, wire_dtype
+
+__all__ = ["ServerState", "init_server_state"]  # re-exported: rounds build on the server's state
 
 CLIENT_AXIS = "clients"
 SAMPLING_PURPOSE = 1  # np.random.default_rng([seed, round, SAMPLING_PURPOSE])
-
-
-class ServerState(NamedTuple):
-    """The server's state between rounds (a pytree)."""
-
-    global_params: Any  # what is sent: the global part in the wire dtype (paper's Algorithm 1)
-    master: Any  # fp32 master copy that the server optimiser steps (see init_server_state)
-    opt_state: Any  # server optimiser state over the fp32 global part
-    round: jax.Array  # int32, rounds completed
 
 
 class RoundResult(NamedTuple):
@@ -95,23 +93,8 @@ class RoundSpec:
     # each device running its clients one after another, all devices at once. None: every local
     # device of the default backend (on a CPU, `devices.use_cpu_devices` makes several).
     devices: tuple[Any, ...] | None = None
-
-
-def init_server_state(
-    global_params: Any, server_optimizer: optax.GradientTransformation, wire_dtype_: Any
-) -> ServerState:
-    """Server state for round 0: an fp32 master copy, its wire-dtype image, a fresh optimiser state.
-
-    Why a master copy: holding only the 16-bit weights (Algorithm 1 read literally) throws away
-    every server step smaller than half a 16-bit ulp, each round anew, so with an adaptive server
-    (FedAdam's steps are ~lr) weights near 1 never move. The wire still carries 16 bits each way
-    and clients still train from the 16-bit weights; for FedAvg (lr 1) the result is the same.
-    The state owns fresh copies (a float32 cast is a no-op that would alias the caller's params,
-    which a donating round would then delete).
-    """
-    master = jax.tree.map(lambda x: jnp.array(x, copy=True), cast_from_wire(global_params))
-    held = jax.tree.map(lambda x: jnp.array(x, copy=True), cast_to_wire(master, wire_dtype_))
-    return ServerState(held, master, server_optimizer.init(master), jnp.zeros([], jnp.int32))
+    # The paths of the global parameters trained this round (a schedule's choice); None: all.
+    trained: frozenset[str] | None = None
 
 
 def round_rng(run_rng: jax.Array, round_index: jax.Array | int) -> jax.Array:
@@ -172,7 +155,7 @@ class RoundFns(NamedTuple):
     """A round as three jitted pieces; `segment` compiles once per distinct segment shape.
 
     start(server_state, local_params, client_ids, rng) -> (client_states, keys)
-    segment(client_states, server_state, segment, keys) -> client_states
+    segment(client_states, server_state, segment, keys, frozen) -> client_states
     finish(server_state, client_states, num_examples) -> (server_state, new_local, metrics)
     Client states and keys are padded with weight-0 clients to a multiple of the device count.
     """
@@ -182,7 +165,7 @@ class RoundFns(NamedTuple):
     finish: Callable[..., Any]
     # One client at a time, each client's state in its own buffers (chunk_size=1, no mesh):
     # start_each(...) -> (tuple of K client states, tuple of K keys); segment_one(state_i,
-    # server_state, segment_i, key_i) -> state_i, segment_i client i's own part of a segment
+    # server_state, segment_i, key_i, frozen) -> state_i, segment_i client i's own part of a segment
     # (`batching.client_segments`); finish_one(state_i) -> (uploaded global_i, local_i,
     # metrics_i) on the client's device; combine(server_state, tuple of those, num_examples) on
     # the first device, as finish.
@@ -210,10 +193,16 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         sharding = NamedSharding(spec.mesh, clients)
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
 
+    def download(state: ServerState, frozen: Any = None) -> tuple[Any, Any]:
+        """(trained global part, constants) as a client holds them: received in the wire dtype,
+        cast to fp32; the constants are the frozen parameters and the untrained global ones."""
+        trained, untrained = select(cast_from_wire(state.global_params), spec.trained)
+        return trained, untrained if frozen is None else merge_params(frozen, untrained)
+
     def start(state: ServerState, local_params: Any, client_ids: jax.Array, rng: jax.Array):
         pad = -client_ids.shape[0] % num_devices
         keys = _pad_clients(client_rngs(round_rng(rng, state.round), client_ids), pad)
-        received = cast_from_wire(state.global_params)  # download, cast to fp32 by each client
+        received = download(state)[0]
         client_states = jax.vmap(fns.init, in_axes=(None, 0), axis_size=keys.shape[0])(
             received, _pad_clients(local_params, pad)
         )
@@ -221,17 +210,22 @@ def round_functions(spec: RoundSpec) -> RoundFns:
 
     def start_each(state: ServerState, local_params: Any, client_ids: jax.Array, rng: jax.Array):
         keys = client_rngs(round_rng(rng, state.round), client_ids)
-        received = cast_from_wire(state.global_params)
+        received = download(state)[0]
         own = lambda i: jax.tree.map(lambda x: x[i], local_params)  # noqa: E731
         return tuple(fns.init(received, own(i)) for i in range(keys.shape[0])), tuple(keys)
 
-    def segment_one(client_state: ClientState, state: ServerState, seg: Any, key: jax.Array):
+    def segment_one(
+        client_state: ClientState, state: ServerState, seg: Any, key: jax.Array, frozen: Any = None
+    ):
         own = jax.tree.map(lambda x: x[0], segment_arrays(seg))  # a segment of one client
-        return fns.train_segment(client_state, own, cast_from_wire(state.global_params), key)
+        received, constants = download(state, frozen)
+        return fns.train_segment(client_state, own, received, key, constants)
 
-    def train(client_states: ClientState, received: Any, seg: Any, keys: jax.Array):
+    def train(
+        client_states: ClientState, received: Any, seg: Any, keys: jax.Array, constants: Any
+    ):
         def one(args: tuple[ClientState, Any, jax.Array]) -> ClientState:
-            return fns.train_segment(args[0], args[1], received, args[2])
+            return fns.train_segment(args[0], args[1], received, args[2], constants)
 
         if spec.chunk_size is None or spec.chunk_size >= keys.shape[0]:
             return jax.vmap(lambda *a: one(a))(client_states, seg, keys)
@@ -251,45 +245,40 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         train = jax.shard_map(
             train,
             mesh=spec.mesh,
-            in_specs=(clients, PartitionSpec(), clients, clients),
+            in_specs=(clients, PartitionSpec(), clients, clients, PartitionSpec()),
             out_specs=clients,
             check_vma=False,
         )
 
-    def segment(client_states: ClientState, state: ServerState, seg: Any, keys: jax.Array):
+    def segment(
+        client_states: ClientState,
+        state: ServerState,
+        seg: Any,
+        keys: jax.Array,
+        frozen: Any = None,
+    ):
         pad = keys.shape[0] - seg["step_mask"].shape[0]
         arrays = segment_arrays(seg)
         data = _pad_clients({k: v for k, v in arrays.items() if k != "step_mask"}, pad)
         data["step_mask"] = _pad_clients(seg["step_mask"], pad, False)
-        return train(client_states, cast_from_wire(state.global_params), data, keys)
+        received, constants = download(state, frozen)
+        return train(client_states, received, data, keys, constants)
 
     def server_step(state: ServerState, mean: Any) -> ServerState:
-        server_copy = state.master
-        pseudo_grad = jax.tree.map(lambda m, x: x - m, mean, server_copy)  # -Delta
-        updates, opt_state = spec.server_optimizer.update(pseudo_grad, state.opt_state, server_copy)
-        stepped = optax.apply_updates(server_copy, updates)
-        # Integer leaves (counters) are not trained or averaged: they keep the server's value.
-        master = jax.tree.map(
-            lambda new, old: new if jnp.issubdtype(old.dtype, jnp.floating) else old,
-            stepped,
-            server_copy,
-        )
-        return ServerState(cast_to_wire(master, wire), master, opt_state, state.round + 1)
-
-    upload = lambda tree: cast_from_wire(cast_to_wire(tree, wire))  # noqa: E731 (in the wire dtype)
+        return server_update(state, mean, spec.server_optimizer, wire, spec.trained)
 
     def finish(state: ServerState, client_states: ClientState, num_examples: jax.Array):
         num_sampled = num_examples.shape[0]
         pad = client_states.steps.shape[0] - num_sampled
         weights = _pad_clients(jnp.asarray(num_examples, jnp.float32), pad, 0.0)
         new_globals, new_locals, metrics = jax.vmap(fns.finish)(client_states)
-        new_state = server_step(state, weighted_mean(upload(new_globals), weights))
+        new_state = server_step(state, weighted_mean(upload(new_globals, wire), weights))
         unpad = lambda x: x[:num_sampled]  # noqa: E731
         return new_state, jax.tree.map(unpad, new_locals), jax.tree.map(unpad, metrics)
 
     def finish_one(client_state: ClientState) -> tuple[Any, Any, ClientMetrics]:
         new_global, new_local, metrics = fns.finish(client_state)
-        return upload(new_global), new_local, metrics
+        return upload(new_global, wire), new_local, metrics
 
     def combine(state: ServerState, finished: tuple, num_examples: jax.Array):
         # No stacked copy of the clients' global parts: they are summed where they lie.
@@ -336,6 +325,7 @@ def _run_one_at_a_time(
     rng: jax.Array,
     segs: list[dict[str, Any]],
     weights: np.ndarray,
+    frozen: Any,
 ) -> tuple[ServerState, Any, ClientMetrics]:
     """One-at-a-time round with client i on devices[i % D]: each device runs its clients one
     after another while the other devices run theirs. The clients compute what they would on one
@@ -350,11 +340,11 @@ def _run_one_at_a_time(
     own = client_segments(segs)  # [segment][client]
     each: list[Any] = [None] * num
     keys: list[Any] = [None] * num
-    here: dict[int, ServerState] = {}
+    here: dict[int, tuple[ServerState, Any]] = {}  # device -> (server state, frozen) there
     for d, device in enumerate(devices):
         mine = np.arange(d, num, num_devices)
         if mine.size:
-            here[d] = jax.device_put(server_state, device)
+            here[d] = jax.device_put((server_state, frozen), device)
             # a device with every client takes them as they are (a gather would copy them all)
             local_here, ids_here = (
                 (local_params, ids)
@@ -362,7 +352,7 @@ def _run_one_at_a_time(
                 else (jax.tree.map(lambda x, t=mine: x[t], local_params), ids[mine])
             )
             local_here, ids_here, rng_here = jax.device_put((local_here, ids_here, rng), device)
-            states, ks = fns.start_each(here[d], local_here, ids_here, rng_here)
+            states, ks = fns.start_each(here[d][0], local_here, ids_here, rng_here)
             for j, i in enumerate(mine):
                 each[i], keys[i] = states[j], ks[j]
     # Programs are enqueued one per device in turn (client d's first segment, client d + 1's on
@@ -373,9 +363,18 @@ def _run_one_at_a_time(
             for i in range(first, min(first + num_devices, num)):
                 if parts[i] is not None:
                     part = jax.device_put(parts[i], devices[i % num_devices])
-                    each[i] = fns.segment_one(each[i], here[i % num_devices], part, keys[i])
+                    state_there, frozen_there = here[i % num_devices]
+                    each[i] = fns.segment_one(each[i], state_there, part, keys[i], frozen_there)
     finished = tuple(jax.device_put(fns.finish_one(s), devices[0]) for s in each)
-    return fns.combine(here[0], finished, weights)  # device 0 always holds client 0
+    return fns.combine(here[0][0], finished, weights)  # device 0 always holds client 0
+
+
+def client_bytes(spec: RoundSpec, global_params: Any) -> tuple[int, int]:
+    """(bytes down, bytes up) of one sampled client in a round: the global part in the wire dtype
+    down (a client needs the whole current global part), its trained part up. Frozen and local
+    parameters are never sent. Works on arrays or shape structs."""
+    sent = jax.eval_shape(lambda g: cast_to_wire(g, spec.wire_dtype), global_params)
+    return tree_bytes(sent), tree_bytes(select(sent, spec.trained)[0])
 
 
 def run_round(
@@ -386,6 +385,7 @@ def run_round(
     segments: Sequence[Mapping[str, Any]],
     rng: jax.Array,
     client_ids: Any = None,
+    frozen: Any = None,
 ) -> tuple[ServerState, Any, RoundResult]:
     """Runs one round for the sampled clients.
 
@@ -396,6 +396,7 @@ def run_round(
         (or packed: see batching).
       rng: the run's key; the round counter is folded in here.
       client_ids: [K] global ids of the sampled clients (default 0..K-1), for their keys.
+      frozen: the frozen parameters, one copy for every client (default none).
     Returns: new server state, new local parts [K], and the round's RoundResult.
     """
     weights = np.asarray(num_examples)
@@ -407,19 +408,21 @@ def run_round(
     if client_ids is None:
         client_ids = np.arange(num_sampled, dtype=np.int32)
     segs = [segment_arrays(seg) for seg in segments]
-    sent = jax.eval_shape(lambda g: cast_to_wire(g, spec.wire_dtype), server_state.global_params)
-    per_client = tree_bytes(sent)
+    frozen = {} if frozen is None else frozen
+    per_client_down, per_client_up = client_bytes(spec, server_state.global_params)
     fns = round_functions(spec)
     ids = jnp.asarray(client_ids, jnp.int32)
     if one_at_a_time(spec):
         state, new_local, metrics = _run_one_at_a_time(
-            fns, round_devices(spec), server_state, local_params, ids, rng, segs, weights
+            fns, round_devices(spec), server_state, local_params, ids, rng, segs, weights, frozen
         )
     else:
         client_states, keys = fns.start(server_state, local_params, ids, rng)
         for seg in segs:
-            client_states = fns.segment(client_states, server_state, seg, keys)
+            client_states = fns.segment(client_states, server_state, seg, keys, frozen)
         state, new_local, metrics = fns.finish(server_state, client_states, weights)
     train_loss = metrics.loss_sum / jnp.maximum(metrics.num_examples, 1.0)
-    result = RoundResult(train_loss, per_client * num_sampled, per_client * num_sampled, metrics)
+    result = RoundResult(
+        train_loss, per_client_down * num_sampled, per_client_up * num_sampled, metrics
+    )
     return state, new_local, result

@@ -2,7 +2,9 @@
 
 The client starts from the received global part and its own persistent local part, trains the
 merged model with its client optimiser (AdamW by default, SGD as in the paper's Algorithm 1), and
-returns the new global part (to upload), the new local part (kept) and training metrics.
+returns the new global part (to upload), the new local part (kept) and training metrics. Frozen
+parameters (and global ones a schedule leaves out of the round) enter the model as constants: no
+gradient, no optimiser state, no FedProx term.
 
 The optimiser state is initialised afresh at the start of every round: that is FedNLP's practice,
 and keeping AdamW moments per client would cost two extra copies of the model per client. A
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_split.errors import UserError
-from fedjax_split.splitting import merge_params
+from fedjax_split.fed.roles import merge_params
 
 Apply = Callable[..., jax.Array]
 Segment = Mapping[str, jax.Array]
@@ -132,20 +134,23 @@ class ClientFns(NamedTuple):
     shape (length buckets x epochs repeat shapes) instead of one per segment."""
 
     init: Callable[[Any, Any], ClientState]
-    train_segment: Callable[[ClientState, Segment, Any, jax.Array], ClientState]
+    train_segment: Callable[[ClientState, Segment, Any, jax.Array, Any], ClientState]
     finish: Callable[[ClientState], tuple[Any, Any, ClientMetrics]]
 
 
 def make_client_fns(spec: ClientSpec) -> ClientFns:
-    """`init(global, local)`, `train_segment(state, segment, received_global, rng)` (one segment,
-    arrays [S, B, T] or packed; `received_global` is the downloaded global part FedProx pulls
-    towards) and `finish(state) -> (global, local, metrics)`. All pure and jit/vmap-able."""
+    """`init(global, local)`, `train_segment(state, segment, received_global, rng, constants)`
+    (one segment, arrays [S, B, T] or packed; `received_global` is the downloaded global part
+    FedProx pulls towards; `constants` the frozen parameters, fp32, not trained) and
+    `finish(state) -> (global, local, metrics)`. All pure and jit/vmap-able."""
     opt = spec.optimizer
 
-    def loss_fn(trainable: tuple[Any, Any], received: Any, batch: Segment, key: jax.Array):
+    def loss_fn(
+        trainable: tuple[Any, Any], received: Any, batch: Segment, key: jax.Array, constants: Any
+    ):
         g, loc = trainable
         logits = spec.apply(
-            merge_params(g, loc),
+            merge_params(g, loc, constants),
             batch["input_ids"],
             batch["attention_mask"],
             batch["token_type_ids"],
@@ -169,12 +174,13 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
         return ClientState(trainable, opt.init(trainable), jnp.zeros([], jnp.int32), zero, zero)
 
     def train_segment(
-        state: ClientState, segment: Segment, received: Any, rng: jax.Array
+        state: ClientState, segment: Segment, received: Any, rng: jax.Array, constants: Any = None
     ) -> ClientState:
+        constants = {} if constants is None else constants
         def real_step(state: ClientState, batch: Segment) -> ClientState:
             params, opt_state = state.params, state.opt_state
             key = step_rng(rng, state.steps)
-            (_, (loss_sum, n)), grads = grad_fn(params, received, batch, key)
+            (_, (loss_sum, n)), grads = grad_fn(params, received, batch, key, constants)
             updates, new_opt_state = opt.update(grads, opt_state, params)
             return ClientState(
                 optax.apply_updates(params, updates),
@@ -203,19 +209,26 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
 
 def make_client_update(
     spec: ClientSpec,
-) -> Callable[[Any, Any, Sequence[Segment], jax.Array], tuple[Any, Any, ClientMetrics]]:
-    """Returns `update(global_params, local_params, segments, rng) -> (global, local, metrics)`.
+) -> Callable[..., tuple[Any, Any, ClientMetrics]]:
+    """Returns `update(global_params, local_params, segments, rng, constants=None) -> (global,
+    local, metrics)`.
 
     `segments`: one client's segments in order, dicts of arrays [S, B, T] or packed (labels and
-    example_mask [S, B], step_mask [S]). The update is pure and jit/vmap-able; it does not jit
-    itself.
+    example_mask [S, B], step_mask [S]); `constants`: frozen parameters (not trained). The update
+    is pure and jit/vmap-able; it does not jit itself.
     """
     fns = make_client_fns(spec)
 
-    def update(global_params: Any, local_params: Any, segments: Sequence[Segment], rng: jax.Array):
+    def update(
+        global_params: Any,
+        local_params: Any,
+        segments: Sequence[Segment],
+        rng: jax.Array,
+        constants: Any = None,
+    ):
         state = fns.init(global_params, local_params)
         for seg in segments:
-            state = fns.train_segment(state, seg, global_params, rng)
+            state = fns.train_segment(state, seg, global_params, rng, constants)
         return fns.finish(state)
 
     return update

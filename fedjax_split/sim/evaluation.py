@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_split.splitting import merge_params
+from fedjax_split.fed.roles import merge_params
 
 Apply = Callable[..., jax.Array]
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from fedjax_split.errors import UserError
-from fedjax_split.run_checkpoint import RunCheckpointer
+from fedjax_split.run.checkpoint import RunCheckpointer
 
 
 class _State(NamedTuple):
@@ -90,7 +90,7 @@ _SAVER = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from fedjax_split.run_checkpoint import RunCheckpointer
+    from fedjax_split.run.checkpoint import RunCheckpointer
     ck = RunCheckpointer(sys.argv[1])
     r = 0
     while True:

