@@ -20,6 +20,9 @@ _EXPORTS = {
     "save_pretrained": "fedjax_split.models.hf_checkpoint",
     # data
     "get_task": "fedjax_split.data.tasks",
+    "CLASSIFICATION": "fedjax_split.data.objectives",
+    "REGRESSION": "fedjax_split.data.objectives",
+    "TOKEN_CLASSIFICATION": "fedjax_split.data.objectives",
     "load_tokenizer": "fedjax_split.data.tokenization",
     # the federated core
     "GLOBAL": "fedjax_split.fed.roles",

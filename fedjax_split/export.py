@@ -4,7 +4,8 @@
 
 The personalised model is the global part (as the client received it, cast to fp32) merged with
 that client's local part, both from the run's latest checkpoint (or --round). The result loads in
-transformers as `BertForSequenceClassification` and in fedjax_split via `load_pretrained`.
+transformers as `BertForSequenceClassification` (`BertForTokenClassification` for a token task) and
+in fedjax_split via `load_pretrained`.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from fedjax_split.data.batching import (
     packed_shape,
     padding_waste,
 )
+from fedjax_split.data.objectives import REGRESSION
 
 
 def _tokenized(lengths):
@@ -161,7 +162,7 @@ def test_regression_labels_and_max_length_cap():
     tok = _tokenized(lengths)
     scores = np.array([0.5, 4.75, 2.0, 3.25], np.float32)
     segs = make_client_batches(tok, [np.array([0, 1]), np.array([2, 3])], scores, batch_size=2,
-                               epochs=1, seed=0, is_regression=True, bucketing=False,
+                               epochs=1, seed=0, objective=REGRESSION, bucketing=False,
                                max_length=12)  # fmt: skip
     (seg,) = segs
     assert seg["input_ids"].shape == (2, 1, 2, 12)  # 16 capped at 12
@@ -182,7 +183,7 @@ def test_client_without_examples_gets_only_masked_steps(bucketing):
 
 def test_fractional_class_labels_are_rejected():
     tok = _tokenized([3, 4])
-    with pytest.raises(ValueError, match="is_regression=True"):
+    with pytest.raises(ValueError, match="objective=REGRESSION"):
         make_client_batches(tok, [np.array([0, 1])], np.array([0.5, 1.0]), batch_size=2,
                             epochs=1, seed=0)  # fmt: skip
 

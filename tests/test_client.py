@@ -9,6 +9,7 @@ import optax
 import pytest
 from fedcore_helpers import client_slice, make_segments, reference_loss, tiny_model
 
+from fedjax_split.data.objectives import CLASSIFICATION, REGRESSION
 from fedjax_split.errors import UserError
 from fedjax_split.fed.client import (
     ClientSpec,
@@ -33,7 +34,7 @@ def test_two_sgd_steps_match_reference_gradient(num_labels: int) -> None:
     segs = make_segments(np.random.default_rng(0), [2], 2, num_labels=num_labels)
     seg = client_slice(segs, 0)
     lr = 0.5
-    spec = ClientSpec(apply, num_labels == 1, optax.sgd(lr))
+    spec = ClientSpec(apply, REGRESSION if num_labels == 1 else CLASSIFICATION, optax.sgd(lr))
     g, loc = split_params(params, critical_layer=1)
     rng = jax.random.key(7)
     new_g, new_l, metrics = jax.jit(make_client_update(spec))(g, loc, seg, rng)
@@ -75,7 +76,7 @@ def test_padded_steps_leave_client_bitwise_unchanged() -> None:
     no_rows["example_mask"] = np.zeros_like(no_rows["example_mask"])
     padded.append(no_rows)
 
-    spec = ClientSpec(apply, False, default_client_optimizer(1e-3), prox_mu=0.01)
+    spec = ClientSpec(apply, CLASSIFICATION, default_client_optimizer(1e-3), prox_mu=0.01)
     update = jax.jit(make_client_update(spec))
     g, loc = split_params(params, critical_layer=1)
     key = jax.random.key(3)
@@ -110,8 +111,8 @@ def test_fedprox_in_client_update_acts_on_global_part_only() -> None:
     g, loc = split_params(params, critical_layer=1)
     lr, mu = 0.5, 0.7
     key = jax.random.key(0)
-    plain = jax.jit(make_client_update(ClientSpec(apply, False, optax.sgd(lr))))
-    prox = jax.jit(make_client_update(ClientSpec(apply, False, optax.sgd(lr), prox_mu=mu)))
+    plain = jax.jit(make_client_update(ClientSpec(apply, CLASSIFICATION, optax.sgd(lr))))
+    prox = jax.jit(make_client_update(ClientSpec(apply, CLASSIFICATION, optax.sgd(lr), prox_mu=mu)))
     one_step = [{**seg[0], "step_mask": np.array([True, False])}]  # same shapes: no recompile
     g1, _, _ = plain(g, loc, one_step, key)
     g2p, l2p, _ = plain(g, loc, seg, key)
@@ -183,7 +184,7 @@ def test_packed_segments_train_like_padded_ones() -> None:
     np.testing.assert_array_equal(padded["example_index"], packed["example_index"])
     assert packed["input_ids"].size < padded["input_ids"].size
 
-    spec = ClientSpec(apply, False, default_client_optimizer(1e-2))
+    spec = ClientSpec(apply, CLASSIFICATION, default_client_optimizer(1e-2))
     update = jax.jit(make_client_update(spec))
     g, loc = split_params(params, critical_layer=1)
     a = update(g, loc, client_slice([padded], 0), jax.random.key(0))

@@ -297,6 +297,7 @@ def test_minilm_freeze_embeddings_at_c6_sends_all_but_the_embeddings() -> None:
     'embeddings\\.' sends 4 bytes x (every parameter but the embeddings) per client each way."""
     import jax.numpy as jnp
 
+    from fedjax_split.data.objectives import CLASSIFICATION
     from fedjax_split.fed import server_optimizers
     from fedjax_split.fed.client import ClientSpec
     from fedjax_split.fed.roles import critical_layer_rule, freeze_rule, partition
@@ -321,8 +322,8 @@ def test_minilm_freeze_embeddings_at_c6_sends_all_but_the_embeddings() -> None:
     everything_else = 6 * layer + (h * h + h) + (h * 2 + 2)  # layers, pooler, classifier
     count = lambda t: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(t))  # noqa: E731
     assert count(frozen) == emb and local == {}
-    spec = RoundSpec(ClientSpec(None, False, None), server_optimizers.fedavg(), "float32")
+    spec = RoundSpec(ClientSpec(None, CLASSIFICATION, None), server_optimizers.fedavg(), "float32")
     assert client_bytes(spec, g) == (4 * everything_else, 4 * everything_else)
-    half = RoundSpec(ClientSpec(None, False, None), server_optimizers.fedavg(), "bfloat16")
+    half = RoundSpec(ClientSpec(None, CLASSIFICATION, None), server_optimizers.fedavg(), "bfloat16")
     assert client_bytes(half, g) == (2 * everything_else, 2 * everything_else)
     assert jnp.dtype(jax.tree.leaves(g)[0].dtype) == jnp.float32

@@ -477,3 +477,45 @@ def test_export_has_the_modes_of_a_plain_directory(tmp_path):
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
     for f in out.iterdir():
         assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask
+
+
+# ----------------------------------------------------------------------------- token head
+
+
+def test_token_head_matches_torch_both_ways(torch_classifier, tmp_path):
+    """A BertForTokenClassification written by transformers loads with the token head (no pooler)
+    and gives the same per-token logits; our export of it loads back in torch, labels named."""
+    model = _randomise(transformers.BertForTokenClassification(_hf_config(num_labels=5)), seed=4)
+    model.save_pretrained(tmp_path / "torch_tok")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing missing, nothing unexpected
+        apply, params, config = load_pretrained(tmp_path / "torch_tok", num_labels=5, head="token")
+    assert "pooler" not in params and config.head == "token"
+    ids, mask, types = _inputs(np.random.default_rng(1), TINY.vocab_size)
+    ref = _torch_out(model, ids, mask, types).logits.numpy()
+    ours = np.asarray(apply(params, ids, mask, types, train=False))
+    assert ours.shape == ref.shape == (3, 7, 5)
+    np.testing.assert_allclose(ours, ref, atol=2e-5)
+    # export with tag names, read by transformers' own Auto class
+    tags = ("O", "B-loc", "I-loc", "B-per", "I-per")
+    named = dataclasses.replace(config, label_names=tags)
+    out = save_pretrained(params, named, tmp_path / "export_tok")
+    back = transformers.AutoModelForTokenClassification.from_pretrained(out).eval()
+    assert type(back).__name__ == "BertForTokenClassification"
+    assert [back.config.id2label[i] for i in range(5)] == list(tags)
+    again = _torch_out(back, ids, mask, types).logits.numpy()
+    np.testing.assert_allclose(again, ref, atol=2e-5)
+    assert np.array_equal(again.argmax(-1), ours.argmax(-1))  # same predictions
+    reloaded = load_pretrained(out, num_labels=5, head="token")
+    assert reloaded.config.label_names == tags and reloaded.config.head == "token"
+
+
+def test_a_sequence_checkpoint_feeds_a_token_head_without_its_pooler(torch_classifier):
+    _, path = torch_classifier
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, params, _ = load_pretrained(path, num_labels=3, head="token")
+    messages = " ".join(str(w.message) for w in caught)
+    assert "pooler" not in messages  # dropped as transformers drops it, not reported
+    assert "classifier" in messages  # 3 labels instead of 2: a fresh head, reported
+    assert set(params) == {"embeddings", "encoder", "classifier"}

@@ -24,6 +24,7 @@ from fedcore_helpers import (
 )
 
 from fedjax_split.data.batching import client_segments
+from fedjax_split.data.objectives import CLASSIFICATION
 from fedjax_split.errors import UserError
 from fedjax_split.fed import server_optimizers
 from fedjax_split.fed.client import ClientSpec, make_client_update
@@ -48,7 +49,7 @@ K = 3
 WEIGHTS = np.array([5, 20, 75])  # distinct, so unweighted averaging would be caught
 SEED_KEY = jax.random.key(42)
 APPLY, PARAMS = tiny_model(dropout=0.1)
-CLIENT = ClientSpec(APPLY, False, optax.sgd(0.3))
+CLIENT = ClientSpec(APPLY, CLASSIFICATION, optax.sgd(0.3))
 FEDAVG = server_optimizers.fedavg(1.0)
 SEGMENTS = make_segments(np.random.default_rng(0), [3, 1, 2], 3, num_segments=2)
 

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_split.data import batching
+from fedjax_split.data.objectives import CLASSIFICATION
 from fedjax_split.errors import UserError, report
 from fedjax_split.fed import client, server_optimizers
 from fedjax_split.fed.roles import merge_params, split_params
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> dict:
     c = config.num_hidden_layers if args.critical_layer is None else args.critical_layer
     g, local = split_params(params, critical_layer=c)
     opt = client.default_client_optimizer(2e-5)
-    cspec = client.ClientSpec(apply=apply, is_regression=False, optimizer=opt)
+    cspec = client.ClientSpec(apply=apply, objective=CLASSIFICATION, optimizer=opt)
     server_opt = server_optimizers.fedavg()
     spec = rounds.RoundSpec(
         client=cspec, server_optimizer=server_opt, chunk_size=args.chunk_size, donate=False
@@ -220,8 +221,8 @@ def run(args: argparse.Namespace) -> dict:
                 rng=key,
                 **client.packing_kwargs(batch),
             )
-            per = client.example_losses(logits, batch["labels"], False) * batch["example_mask"]
-            return per.sum() / jnp.maximum(batch["example_mask"].sum(), 1.0)
+            total, n = CLASSIFICATION.loss_sums(logits, batch["labels"], batch["example_mask"])
+            return total / jnp.maximum(n, 1.0)
 
         grads = jax.grad(loss)(p)
         updates, o = opt.update(grads, o, p)
@@ -292,7 +293,7 @@ def _step_problem(args: argparse.Namespace) -> tuple[BertConfig, Any, Any, Any, 
 
     def loss(p, train, k=None):
         logits = apply(p, ids, ones, zeros, train=train, rng=k)
-        return client.example_losses(logits, labels, False).mean()
+        return CLASSIFICATION.unit_losses(logits, labels).mean()
 
     return config, params, loss, client.default_client_optimizer(2e-5), dtype
 

@@ -2,7 +2,8 @@
 
 A *segment* is a dict of numpy arrays with a client axis K and a step axis S (see
 docs/architecture.md): input_ids / attention_mask / token_type_ids int32 [K, S, B, T], labels
-[K, S, B] (int32, float32 for regression), example_mask float32 [K, S, B], step_mask bool [K, S],
+[K, S, B] (int32, float32 for regression; a token task's int32 [K, S, B, T], IGNORE where no
+label is: see data.objectives), example_mask float32 [K, S, B], step_mask bool [K, S],
 and example_index int32 [K, S, B] (pool index of each row, -1 for padding; the client update
 ignores it, evaluation uses it to map predictions back to examples). Segments are consumed in
 order; T differs between segments.
@@ -53,6 +54,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from fedjax_split.data.objectives import CLASSIFICATION, IGNORE, Classification
+
 Segment = dict[str, np.ndarray]
 _TAG_CLIENT = 0x63_6C_69  # "cli"
 _TAG_ORDER = 0x6F_72_64  # "ord"
@@ -66,10 +69,13 @@ class Packed(NamedTuple):
     token_type_ids: np.ndarray  # int32 [total tokens]
     offsets: np.ndarray  # int64 [N]
     lengths: np.ndarray  # int64 [N]
+    labels: np.ndarray | None = None  # int32 [total tokens]: a token task's labels (IGNORE: none)
 
 
 def pack(tokenized: Any) -> Packed:
-    """Flattens a `tokenization.Tokenized` (ragged lists of int32 arrays); Packed passes through."""
+    """Flattens a `tokenization.Tokenized` (ragged lists of int32 arrays); Packed passes through.
+
+    A Tokenized with per-token `labels` (token tasks) keeps them aligned with the tokens."""
     if isinstance(tokenized, Packed):
         return tokenized
     lengths = np.asarray([len(a) for a in tokenized.input_ids], dtype=np.int64)
@@ -81,7 +87,14 @@ def pack(tokenized: Any) -> Packed:
         types = np.zeros(ids.shape, np.int32)
     if types.shape != ids.shape:
         raise ValueError("token_type_ids and input_ids differ in length")
-    return Packed(ids.astype(np.int32), types, offsets, lengths)
+    token_labels = getattr(tokenized, "labels", None)
+    if token_labels is not None:
+        token_labels = (
+            np.concatenate(token_labels).astype(np.int32) if lengths.size else np.zeros(0, np.int32)
+        )
+        if token_labels.shape != ids.shape:
+            raise ValueError("token labels and input_ids differ in length")
+    return Packed(ids.astype(np.int32), types, offsets, lengths, token_labels)
 
 
 def _seed_list(seed: int | Sequence[int]) -> list[int]:
@@ -172,10 +185,11 @@ def _assemble(
     steps_real: np.ndarray,
     labels: np.ndarray,
     width: int,
-    is_regression: bool,
+    label_dtype: Any,
     pad_id: int,
 ) -> Segment:
-    """Gathers a segment from pool indices `rows` [K, S, B] (-1 = padding)."""
+    """Gathers a segment from pool indices `rows` [K, S, B] (-1 = padding). A token task's
+    labels are [K, S, B, T], IGNORE on padding."""
     real = rows >= 0
     safe = np.where(real, rows, 0)
     lengths = np.where(real, packed.lengths[safe], 0)
@@ -186,8 +200,11 @@ def _assemble(
     types = np.where(valid, packed.token_type_ids[gather] if packed.input_ids.size else 0, 0)
     attention = valid.copy()
     attention[..., 0] |= ~real  # padding rows attend to position 0 only (no empty softmax row)
-    label_dtype = np.float32 if is_regression else np.int32
-    seg_labels = np.where(real, labels[safe], 0).astype(label_dtype)
+    if packed.labels is not None:
+        seg_labels = np.where(valid, packed.labels[gather] if packed.input_ids.size else 0, IGNORE)
+    else:
+        seg_labels = np.where(real, labels[safe], 0)
+    seg_labels = seg_labels.astype(label_dtype)
     return {
         "input_ids": input_ids.astype(np.int32),
         "attention_mask": attention.astype(np.int32),
@@ -223,7 +240,7 @@ def _assemble_packed(
     num_tokens: int,
     num_rows: int,
     row_width: int,
-    is_regression: bool,
+    label_dtype: Any,
     pad_id: int,
 ) -> Segment:
     """Gathers a packed segment from pool indices `rows` [K, S, B] (-1 = padding).
@@ -233,11 +250,13 @@ def _assemble_packed(
     layer computes. Attention runs on `num_rows` rows of `row_width` slots ([K, S, R, W]), filled
     first-fit decreasing: `row_tokens` names the stream position in each slot, `token_slots` the
     slot of each stream position, `attention_mask` each slot's batch slot + 1 (0 = empty slot),
-    and `cls_index` [K, S, B] each example's first stream position.
+    and `cls_index` [K, S, B] each example's first stream position. A token task's labels
+    follow the stream ([K, S, N], IGNORE on padding).
     """
     k, s, b = rows.shape
     flat = (k, s, num_tokens)
     ids = np.full(flat, pad_id, np.int32)
+    stream_labels = np.full(flat, IGNORE, np.int32) if packed.labels is not None else None
     types = np.zeros(flat, np.int32)
     positions = np.zeros(flat, np.int32)
     token_slots = np.zeros(flat, np.int32)
@@ -259,14 +278,16 @@ def _assemble_packed(
                 slot = r[e] * row_width + c[e] + np.arange(n)
                 ids[i, j, stream] = packed.input_ids[start : start + n]
                 types[i, j, stream] = packed.token_type_ids[start : start + n]
+                if stream_labels is not None:
+                    stream_labels[i, j, stream] = packed.labels[start : start + n]
                 positions[i, j, stream] = np.arange(n)
                 token_slots[i, j, stream] = slot
                 row_tokens[i, j].reshape(-1)[slot] = np.arange(at, at + n)
                 example_no[i, j].reshape(-1)[slot] = slots[e] + 1
                 cls_index[i, j, slots[e]] = at
                 at += n
-    label_dtype = np.float32 if is_regression else np.int32
     safe = np.where(real, rows, 0)
+    example_labels = np.where(real, labels[safe], 0) if stream_labels is None else stream_labels
     return {
         "input_ids": ids,
         "attention_mask": example_no,
@@ -275,7 +296,7 @@ def _assemble_packed(
         "row_tokens": row_tokens,
         "token_slots": token_slots,
         "cls_index": cls_index,
-        "labels": np.where(real, labels[safe], 0).astype(label_dtype),
+        "labels": example_labels.astype(label_dtype),
         "example_mask": real.astype(np.float32),
         "step_mask": steps_real,
         "example_index": rows.astype(np.int32),
@@ -305,7 +326,7 @@ def _build(
     seed: int | Sequence[int],
     shuffle: bool,
     pad_to_multiple: int,
-    is_regression: bool,
+    objective: Classification,
     bucketing: bool,
     num_buckets: int,
     window: int | None,
@@ -321,9 +342,13 @@ def _build(
         raise ValueError("no clients")
     packed = pack(tokenized)
     labels = np.asarray(labels)
-    if not is_regression and not np.issubdtype(labels.dtype, np.integer):
+    label_dtype = objective.label_dtype
+    if objective.per_token != (packed.labels is not None):
+        raise ValueError(f"the {objective.name} objective needs per-token labels exactly when "
+                         "it is a token task; tokenise with labels (or drop them)")
+    if np.issubdtype(label_dtype, np.integer) and not np.issubdtype(labels.dtype, np.integer):
         if np.any(labels != np.round(labels)):
-            raise ValueError("class labels must be integers; pass is_regression=True for scores")
+            raise ValueError("class labels must be integers; pass objective=REGRESSION for scores")
     clients = [np.asarray(ix, dtype=np.int64).reshape(-1) for ix in client_indices]
     seeds = _seed_list(seed)
     ids = list(range(len(clients))) if client_ids is None else [int(c) for c in client_ids]
@@ -363,9 +388,9 @@ def _build(
 
     def assemble(rows: np.ndarray, steps: np.ndarray, t: int, num_rows: int) -> Segment:
         if not packing:
-            return _assemble(packed, rows, steps, labels, t, is_regression, pad_id)
+            return _assemble(packed, rows, steps, labels, t, label_dtype, pad_id)
         return _assemble_packed(
-            packed, rows, steps, labels, t, num_rows, row_width, is_regression, pad_id
+            packed, rows, steps, labels, t, num_rows, row_width, label_dtype, pad_id
         )
 
     if not bucketing:
@@ -439,7 +464,7 @@ def make_client_batches(
     seed: int | Sequence[int],
     shuffle: bool = True,
     pad_to_multiple: int = 8,
-    is_regression: bool = False,
+    objective: Classification = CLASSIFICATION,
     bucketing: bool = True,
     num_buckets: int = 8,
     window: int = 200,
@@ -464,7 +489,7 @@ def make_client_batches(
     """
     return _build(
         tokenized, client_indices, labels, batch_size=batch_size, epochs=epochs, seed=seed,
-        shuffle=shuffle, pad_to_multiple=pad_to_multiple, is_regression=is_regression,
+        shuffle=shuffle, pad_to_multiple=pad_to_multiple, objective=objective,
         bucketing=bucketing, num_buckets=num_buckets, window=window, max_length=max_length,
         pad_id=pad_id, client_ids=client_ids, packing=packing, pack_width=pack_width,
     )  # fmt: skip
@@ -477,7 +502,7 @@ def make_eval_batches(
     *,
     batch_size: int,
     pad_to_multiple: int = 8,
-    is_regression: bool = False,
+    objective: Classification = CLASSIFICATION,
     bucketing: bool = True,
     num_buckets: int = 8,
     max_length: int | None = None,
@@ -490,7 +515,7 @@ def make_eval_batches(
     window = max(1, max((np.asarray(ix).size for ix in client_indices), default=1))
     return _build(
         tokenized, client_indices, labels, batch_size=batch_size, epochs=1, seed=0,
-        shuffle=False, pad_to_multiple=pad_to_multiple, is_regression=is_regression,
+        shuffle=False, pad_to_multiple=pad_to_multiple, objective=objective,
         bucketing=bucketing, num_buckets=num_buckets, window=window, max_length=max_length,
         pad_id=pad_id,
     )  # fmt: skip
@@ -540,7 +565,10 @@ def _client_part(segment: Segment, i: int, shapes: set) -> Segment | None:
     used = int(slots.any(axis=2).sum(axis=1).max())  # first-fit fills rows 0, 1, ...
     fits = [(n, r) for s, n, r in shapes if s == shape[0] and n >= tokens and r >= used]
     n, rows = min(fits, default=shape[1:])
-    for key in ("input_ids", "token_type_ids", "position_ids", "token_slots"):
+    stream = ["input_ids", "token_type_ids", "position_ids", "token_slots"]
+    if own["labels"].shape == own["input_ids"].shape:  # a token task's labels follow the stream
+        stream.append("labels")
+    for key in stream:
         own[key] = own[key][..., :n]
     for key in ("row_tokens", "attention_mask"):
         own[key] = own[key][..., :rows, :]

@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 
 from fedjax_split.data import metrics as _metrics
+from fedjax_split.data.objectives import CLASSIFICATION, REGRESSION, Classification
 from fedjax_split.errors import UserError
 
 NEWSGROUPS = (
@@ -50,13 +51,17 @@ class Task:
     text_fields: tuple[str, ...]
     label_field: str
     num_labels: int
-    is_regression: bool
+    objective: Classification  # what the model is trained on and predicts (data.objectives)
     label_names: tuple[str, ...]
     metrics: tuple[str, ...]
     primary_metric: str
     kind: str = "glue"
     asset: str | None = None
     groups: tuple[str, ...] = ()
+
+    @property
+    def is_regression(self) -> bool:
+        return self.objective is REGRESSION
 
     @property
     def is_pair(self) -> bool:
@@ -70,7 +75,7 @@ def _glue(name, fields, labels, metrics, primary, groups=()) -> Task:
         text_fields=fields,
         label_field="label",
         num_labels=1 if regression else len(labels),
-        is_regression=regression,
+        objective=REGRESSION if regression else CLASSIFICATION,
         label_names=labels,
         metrics=metrics,
         primary_metric=primary,
@@ -84,7 +89,7 @@ def _offline(name, asset, labels) -> Task:
         text_fields=("text",),
         label_field="label",
         num_labels=len(labels),
-        is_regression=False,
+        objective=CLASSIFICATION,
         label_names=labels,
         metrics=("accuracy",),
         primary_metric="accuracy",

@@ -24,6 +24,7 @@ class Tokenized(NamedTuple):
     input_ids: list[np.ndarray]
     token_type_ids: list[np.ndarray]
     lengths: np.ndarray  # int32 [N]
+    labels: list[np.ndarray] | None = None  # a token task's int32 label per token (IGNORE: none)
 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Any:

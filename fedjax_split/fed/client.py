@@ -57,17 +57,19 @@ def packing_kwargs(batch: Segment) -> dict[str, jax.Array]:
 class ClientMetrics(NamedTuple):
     """Training metrics of one client in one round (scalars; stacked [K] by rounds)."""
 
-    loss_sum: jax.Array  # sum of per-example data losses (no FedProx term) over real examples
-    num_examples: jax.Array  # real examples processed, all epochs
+    loss_sum: jax.Array  # sum of the data losses (no FedProx term) over the loss's units
+    num_examples: jax.Array  # the loss's units processed, all epochs: real examples (labelled
+    # tokens for a token task), so that loss_sum / num_examples is the objective's mean loss
     num_steps: jax.Array  # real (unmasked) optimiser steps
 
 
 @dataclasses.dataclass(frozen=True)
 class ClientSpec:
-    """What a client update needs: the model's `apply`, the loss kind, the optimiser, FedProx mu."""
+    """What a client update needs: the model's `apply`, the task's objective (its loss: see
+    `data.objectives`), the optimiser, FedProx mu."""
 
     apply: Apply
-    is_regression: bool
+    objective: Any
     optimizer: optax.GradientTransformation
     prox_mu: float = 0.0
 
@@ -100,14 +102,6 @@ def step_rng(client_rng: jax.Array, step: jax.Array | int) -> jax.Array:
     return jax.random.fold_in(client_rng, step)
 
 
-def example_losses(logits: jax.Array, labels: jax.Array, is_regression: bool) -> jax.Array:
-    """Per-example loss: cross-entropy on class ids, or squared error on logits[:, 0]."""
-    logits = logits.astype(jnp.float32)
-    if is_regression:
-        return jnp.square(logits[:, 0] - labels.astype(jnp.float32))
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels.astype(jnp.int32))
-
-
 def prox_term(global_params: Any, received_global: Any, mu: float) -> jax.Array:
     """FedProx's (mu/2) ||w_g - w_g_received||^2 over the global part only."""
     sq = [
@@ -125,8 +119,8 @@ class ClientState(NamedTuple):
     params: tuple[Any, Any]  # (global part, local part) being trained
     opt_state: Any  # client optimiser state, fresh each round
     steps: jax.Array  # int32 real steps so far: the index of the next dropout key
-    loss_sum: jax.Array  # fp32 sum of per-example data losses
-    num_examples: jax.Array  # fp32 real examples seen
+    loss_sum: jax.Array  # fp32 sum of the data losses
+    num_examples: jax.Array  # fp32 loss units seen (see ClientMetrics)
 
 
 class ClientFns(NamedTuple):
@@ -158,9 +152,7 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
             rng=key,
             **packing_kwargs(batch),
         )
-        mask = batch["example_mask"].astype(jnp.float32)
-        n = jnp.sum(mask)
-        loss_sum = jnp.sum(example_losses(logits, batch["labels"], spec.is_regression) * mask)
+        loss_sum, n = spec.objective.loss_sums(logits, batch["labels"], batch["example_mask"])
         loss = loss_sum / jnp.maximum(n, 1.0)
         if spec.prox_mu:
             loss = loss + prox_term(g, received, spec.prox_mu)

@@ -32,6 +32,13 @@ Params = dict[str, Any]
 # HF model types whose checkpoints are laid out exactly like BertModel (absolute positions from 0).
 BERT_MODEL_TYPES = frozenset({"bert"})
 PROBLEM_TYPES = ("single_label_classification", "regression")
+# "sequence": pooler on [CLS] + classifier (BertForSequenceClassification); "token": classifier on
+# every token, no pooler (BertForTokenClassification).
+HEADS = ("sequence", "token")
+_ARCHITECTURES = {
+    "sequence": "BertForSequenceClassification",
+    "token": "BertForTokenClassification",
+}
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # "xla": our einsum attention (any dtype, dropout on the probabilities); "cudnn": jax's fused
 # cuDNN attention (GPU, 16-bit) in evaluation.
@@ -73,6 +80,8 @@ class BertConfig:
     classifier_dropout: float | None = None
     dtype: str = "float32"
     attention: str = "xla"  # ATTENTION_IMPLEMENTATIONS; a kernel choice, not part of HF's config
+    head: str = "sequence"  # HEADS; HF's config says it by its `architectures`
+    label_names: tuple[str, ...] = ()  # HF's id2label, when the task names its labels
 
     def __post_init__(self) -> None:
         if self.hidden_act not in _ACTIVATIONS:
@@ -97,6 +106,12 @@ class BertConfig:
         if self.dtype not in COMPUTE_DTYPES:
             raise UserError(
                 f"unsupported compute dtype {self.dtype!r}; use one of {COMPUTE_DTYPES}"
+            )
+        if self.head not in HEADS:
+            raise UserError(f"unsupported head {self.head!r}; use one of {HEADS}")
+        if self.label_names and len(self.label_names) != self.num_labels:
+            raise UserError(
+                f"{len(self.label_names)} label names for {self.num_labels} labels; give one each"
             )
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise UserError(
@@ -134,7 +149,7 @@ class BertConfig:
             )
         if d.get("is_decoder") or d.get("add_cross_attention"):
             raise UserError("decoder BERT configs are not supported; use an encoder checkpoint")
-        ours = {"dtype", "attention", "num_labels", "problem_type"}
+        ours = {"dtype", "attention", "num_labels", "problem_type", "head", "label_names"}
         names = {f.name for f in dataclasses.fields(cls)} - ours
         kwargs: dict[str, Any] = {k: d[k] for k in names if k in d and d[k] is not None}
         if "classifier_dropout" in d:
@@ -145,7 +160,19 @@ class BertConfig:
             kwargs["num_labels"] = len(d["id2label"])
         if d.get("problem_type") in PROBLEM_TYPES:
             kwargs["problem_type"] = d["problem_type"]
+        if _ARCHITECTURES["token"] in (d.get("architectures") or ()):
+            kwargs["head"] = "token"
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        id2label = d.get("id2label") or {}
+        names = [id2label.get(str(i), id2label.get(i)) for i in range(len(id2label))]
+        generic = [f"LABEL_{i}" for i in range(len(names))]
+        if (  # the checkpoint's own label names, when they fit the labels asked for
+            "label_names" not in kwargs
+            and names not in ([], generic)
+            and None not in names
+            and len(names) == kwargs.get("num_labels", len(names))
+        ):
+            kwargs["label_names"] = tuple(names)
         if "problem_type" not in kwargs and kwargs.get("num_labels") == 1:
             kwargs["problem_type"] = "regression"
         unknown = set(kwargs) - {f.name for f in dataclasses.fields(cls)}
@@ -154,17 +181,19 @@ class BertConfig:
         return cls(**kwargs)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json of a `BertForSequenceClassification` with fp32 weights."""
+        """The config.json of a `BertForSequenceClassification` (or, with the token head,
+        `BertForTokenClassification`) with fp32 weights."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        del d["dtype"]  # our compute dtype; HF's `dtype` means storage, which is fp32
-        del d["attention"]
+        for ours in ("dtype", "attention", "head", "label_names"):
+            del d[ours]  # dtype: our compute dtype (HF's `dtype` means storage, which is fp32)
+        names = self.label_names or tuple(f"LABEL_{i}" for i in range(self.num_labels))
         d.update(
             model_type="bert",
-            architectures=["BertForSequenceClassification"],
+            architectures=[_ARCHITECTURES[self.head]],
             position_embedding_type="absolute",
             dtype="float32",
-            id2label={str(i): f"LABEL_{i}" for i in range(self.num_labels)},
-            label2id={f"LABEL_{i}": i for i in range(self.num_labels)},
+            id2label={str(i): name for i, name in enumerate(names)},
+            label2id={name: i for i, name in enumerate(names)},
         )
         return d
 
@@ -456,10 +485,18 @@ class _BertClassifier(nn.Module):
         if layout is not None:
             layout = _complete(layout, attention_mask)
         x = _Encoder(c, name="encoder")(x, mask, deterministic, layout)
+        p = c.hidden_dropout_prob if c.classifier_dropout is None else c.classifier_dropout
+        if c.head == "token":  # every token's own logits; no pooler, as in HF
+            if not head:
+                return x, None
+            h = _Dropout(p)(x, deterministic=deterministic)
+            logits = _dense(c, c.num_labels, "classifier")(h)
+            if layout is not None:  # the stream [1, N, C] -> [N, C], like its labels
+                logits = logits.reshape(-1, c.num_labels)
+            return logits.astype(jnp.float32)
         pooled = _Pooler(c, name="pooler")(x, None if layout is None else layout.cls_index)
         if not head:
             return x, pooled
-        p = c.hidden_dropout_prob if c.classifier_dropout is None else c.classifier_dropout
         h = _Dropout(p)(pooled, deterministic=deterministic)
         logits = _dense(c, c.num_labels, "classifier")(h)
         return logits.astype(jnp.float32)
@@ -520,7 +557,8 @@ def _rngs(train: bool, rng: jax.Array | None) -> dict[str, jax.Array]:
 
 def make_apply(config: BertConfig) -> Callable[..., jax.Array]:
     """Returns the pure classifier `apply(params, input_ids, attention_mask, token_type_ids, *,
-    train, rng=None, **packing) -> logits [B, num_labels]` (fp32).
+    train, rng=None, **packing) -> logits [B, num_labels]` (fp32); with the token head, logits
+    [B, T, num_labels] (packed: [N, num_labels], one row per stream position).
 
     Dropout only when `train=True`. Packed input (`batching.make_client_batches(packing=True)`,
     see `Layout`): input_ids, token_type_ids and `position_ids` are one stream [N],

@@ -9,9 +9,10 @@ Missing encoder tensors are an error; the pooler and classifier are freshly init
 seed when absent (or when the checkpoint's head has another label count); unexpected tensors such
 as MLM heads are reported in a warning.
 
-Export: `save_pretrained` writes a `BertForSequenceClassification` directory (config.json,
-model.safetensors with `bert.`-prefixed names plus `classifier.*`, tokenizer files) that
-transformers loads in PyTorch and that `load_pretrained` reads back bit-identically.
+Export: `save_pretrained` writes a `BertForSequenceClassification` directory (with the token
+head, `BertForTokenClassification`): config.json, model.safetensors with `bert.`-prefixed names
+plus `classifier.*`, tokenizer files; transformers loads it in PyTorch and `load_pretrained`
+reads it back bit-identically.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def hf_names(config: BertConfig) -> dict[str, tuple[str, bool]]:
         dense(f"{o}/intermediate", f"{t}.intermediate.dense")
         dense(f"{o}/output", f"{t}.output.dense")
         norm(f"{o}/LayerNorm", f"{t}.output.LayerNorm")
-    dense("pooler/dense", "pooler.dense")
+    if config.head == "sequence":  # BertForTokenClassification has no pooler
+        dense("pooler/dense", "pooler.dense")
     dense("classifier", "classifier")
     return names
 
@@ -393,7 +395,11 @@ def params_from_tensors(
             f"{source} lacks {len(missing)} encoder tensors ({shown}); "
             "use a complete BERT checkpoint"
         )
-    unexpected = sorted(by_name[n] for n in set(by_name) - used)
+    # a token head has no pooler (transformers drops it too); other leftovers are worth a warning
+    leftover = set(by_name) - used
+    if config.head == "token":
+        leftover = {n for n in leftover if not n.startswith("pooler.")}
+    unexpected = sorted(by_name[n] for n in leftover)
     if unexpected:
         warnings.warn(
             f"{source}: ignoring {len(unexpected)} unexpected tensors: {', '.join(unexpected)}",
@@ -414,8 +420,11 @@ def load_pretrained(
     problem_type: str | None = None,
     dtype: str = "float32",
     attention: str = "xla",
+    head: str = "sequence",
+    label_names: tuple[str, ...] = (),
 ) -> Pretrained:
-    """Loads a BERT checkpoint for sequence classification (regression: num_labels=1).
+    """Loads a BERT checkpoint for sequence classification (regression: num_labels=1) or, with
+    `head="token"`, token classification (no pooler).
 
     Returns `Pretrained`, which unpacks as `apply, params, config`; `.model_dir` holds the files.
     """
@@ -428,13 +437,15 @@ def load_pretrained(
         problem_type=problem_type,
         dtype=dtype,
         attention=attention,
+        head=head,
+        label_names=tuple(label_names) or None,
     )
     params = params_from_tensors(read_weights(model_dir), config, seed=seed, source=str(model_dir))
     return Pretrained(make_apply(config), params, config, model_dir)
 
 
 def params_to_tensors(params: Params, config: BertConfig) -> dict[str, np.ndarray]:
-    """Our tree -> HF `BertForSequenceClassification` tensors (fp32, torch layout)."""
+    """Our tree -> HF `BertFor{Sequence,Token}Classification` tensors (fp32, torch layout)."""
     out = {}
     for path, (name, transpose) in hf_names(config).items():
         arr = np.asarray(jax.device_get(_get(params, path)), dtype=np.float32)
@@ -464,7 +475,8 @@ def save_pretrained(
     *,
     tokenizer_dir: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """Writes an HF `BertForSequenceClassification` directory; returns its path.
+    """Writes an HF `BertForSequenceClassification` (token head: `BertForTokenClassification`)
+    directory; returns its path.
 
     Written into a temporary sibling and renamed into place, so `out_dir` is never half-written.
     An existing `out_dir` is replaced only if empty or holding a config.json (an earlier export).

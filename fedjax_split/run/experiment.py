@@ -193,7 +193,7 @@ def build(config: ExperimentConfig) -> Setup:
     server_opt = server_optimizers.get(server_name, learning_rate=config.effective_server_lr)
     client_spec = client.ClientSpec(
         apply=pre.apply,
-        is_regression=task.is_regression,
+        objective=task.objective,
         optimizer=client.default_client_optimizer(config.lr),
         prox_mu=config.prox_mu,
     )
@@ -211,7 +211,7 @@ def build(config: ExperimentConfig) -> Setup:
         [cs.test for cs in part.clients],
         labels,
         batch_size=max(config.batch_size, 32),
-        is_regression=task.is_regression,
+        objective=task.objective,
     )
     count = lambda t: int(sum(np.size(x) for x in jax.tree.leaves(t)))  # noqa: E731
     return Setup(
@@ -256,7 +256,7 @@ def evaluate(setup: Setup) -> dict[str, Any]:
         global_params,
         setup.local_params,
         setup.eval_segments,
-        setup.task.is_regression,
+        setup.task.objective,
         chunk_size=setup.config.chunk_size,
     )
     groups = getattr(setup.examples, "groups", None)
@@ -417,7 +417,7 @@ def round_batches(setup: Setup, r: int) -> list[Any]:
         batch_size=config.batch_size,
         epochs=config.local_epochs,
         seed=[config.seed, r],
-        is_regression=setup.task.is_regression,
+        objective=setup.task.objective,
         client_ids=sampled,
         packing=config.packing,
     )

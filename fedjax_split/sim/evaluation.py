@@ -14,16 +14,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from fedjax_split.data.objectives import IGNORE
 from fedjax_split.fed.roles import merge_params
 
 Apply = Callable[..., jax.Array]
 
 
 class ClientPredictions(NamedTuple):
-    """One client's predictions (class ids, or scores for regression) and labels, real rows only."""
+    """One client's predictions (class ids, scores for regression, or per-token class ids [n, T]
+    with labels IGNORE where no label is) and labels, real rows only."""
 
     predictions: np.ndarray
     labels: np.ndarray
@@ -31,7 +32,7 @@ class ClientPredictions(NamedTuple):
 
 
 @functools.lru_cache(maxsize=32)
-def _predict_fn(apply: Apply, is_regression: bool, chunk_size: int | None):
+def _predict_fn(apply: Apply, objective: Any, chunk_size: int | None):
     def one_client(global_params: Any, local: Any, seg: Mapping[str, jax.Array]) -> jax.Array:
         params = merge_params(global_params, local)
 
@@ -43,9 +44,7 @@ def _predict_fn(apply: Apply, is_regression: bool, chunk_size: int | None):
                 batch["token_type_ids"],
                 train=False,
             )
-            if is_regression:
-                return logits[:, 0].astype(jnp.float32)
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return objective.predict(logits)
 
         return jax.lax.map(one_step, seg)
 
@@ -63,7 +62,7 @@ def evaluate_clients(
     global_params: Any,
     local_params: Any,
     segments: Sequence[Mapping[str, Any]],
-    is_regression: bool,
+    objective: Any,
     *,
     chunk_size: int | None = None,
 ) -> list[ClientPredictions]:
@@ -73,7 +72,7 @@ def evaluate_clients(
     batching's segments of the clients' test splits ([K, S, B, T] ...). Returns K results.
     """
     columns: list[dict[str, list[np.ndarray]]] = []
-    predict = _predict_fn(apply, is_regression, chunk_size)
+    predict = _predict_fn(apply, objective, chunk_size)
     for seg in segments:
         inputs = {k: seg[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
         rows = {"predictions": np.asarray(predict(global_params, local_params, inputs))}
@@ -87,21 +86,32 @@ def evaluate_clients(
             for name, values in rows.items():
                 client[name].append(values[k][real[k]])
     return [
-        ClientPredictions(**{name: np.concatenate(parts) for name, parts in client.items()})
+        ClientPredictions(**{name: _concat(parts) for name, parts in client.items()})
         for client in columns
     ]
+
+
+def _concat(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """Rows of all segments; per-token rows [n, T] of segments of different T are right-padded
+    to the longest with IGNORE (a label no metric reads)."""
+    width = max((p.shape[1] for p in parts if p.ndim == 2), default=None)
+    if width is None:
+        return np.concatenate(parts)
+    return np.concatenate(
+        [np.pad(p, ((0, 0), (0, width - p.shape[1])), constant_values=IGNORE) for p in parts]
+    )
 
 
 def evaluate_pooled(
     apply: Apply,
     params: Any,
     segments: Sequence[Mapping[str, Any]],
-    is_regression: bool,
+    objective: Any,
     *,
     chunk_size: int | None = None,
 ) -> ClientPredictions:
     """The one global model (no local part) on the union of all clients' test rows."""
-    per_client = evaluate_clients(apply, params, {}, segments, is_regression, chunk_size=chunk_size)
+    per_client = evaluate_clients(apply, params, {}, segments, objective, chunk_size=chunk_size)
     has_index = all(c.example_index is not None for c in per_client)
     return ClientPredictions(
         np.concatenate([c.predictions for c in per_client]),
