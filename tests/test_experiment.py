@@ -214,6 +214,7 @@ def test_evaluate_maps_groups_by_example_index_and_means_over_clients(
         config=SimpleNamespace(chunk_size=None),
         apply=None,
         local_params={},
+        frozen={},
         eval_segments=[],
         task=tasks.get_task("mnli"),
         examples=SimpleNamespace(groups=groups),

@@ -115,7 +115,7 @@ def _run(tmp_path: Path, *command: str, **env: str) -> list[str]:
     does, on behalf of the module `probe_cli` (standing in for fedjax_split.train)."""
     probe = (
         "import os, sys\n"
-        "from fedjax_split import malloc\n"
+        "from fedjax_split.run import malloc\n"
         "malloc.MODULE = 'probe_cli'\n"
         "print('before', flush=True)\n"
         "malloc.reexec_with_tcmalloc()\n"

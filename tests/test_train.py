@@ -303,7 +303,8 @@ def test_cli_reexecutes_before_main_and_prints_warnings_on_one_line() -> None:
     test_malloc and the runs above): order, one-line warnings, main's exit status."""
     probe = (
         "import warnings\n"
-        "from fedjax_split import malloc, train\n"
+        "from fedjax_split import train\n"
+        "from fedjax_split.run import malloc\n"
         "malloc.reexec_with_tcmalloc = lambda: print('reexec')\n"
         "def main():\n"
         "    print('main')\n"
