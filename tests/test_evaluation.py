@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
-from fedcore_helpers import make_segments, tiny_model
+from fedcore_helpers import make_segments, tiny_config, tiny_model
 
+from fedjax_split.data.objectives import CLASSIFICATION, IGNORE, REGRESSION, TOKEN_CLASSIFICATION
 from fedjax_split.fed.roles import merge_params, split_params
+from fedjax_split.models.bert import init_params, make_apply
 from fedjax_split.sim.evaluation import (
     ClientPredictions,
     client_metrics,
@@ -60,7 +64,7 @@ def test_evaluate_clients_personalised_and_masked() -> None:
         seg["labels"][seg["example_mask"] == 0] = 99
         index = np.arange(seg["labels"].size, dtype=np.int32).reshape(seg["labels"].shape)
         seg["example_index"] = np.where(seg["example_mask"] > 0, index + 1000 * i, -1)
-    got = evaluate_clients(apply, g, stacked, segs, False, chunk_size=2)
+    got = evaluate_clients(apply, g, stacked, segs, CLASSIFICATION, chunk_size=2)
     assert len(got) == K
     for k in range(K):
         merged = merge_params(g, locals_k[k])
@@ -81,7 +85,7 @@ def test_evaluate_clients_personalised_and_masked() -> None:
 def test_regression_and_pooled() -> None:
     apply, params = tiny_model(num_labels=1)
     segs = make_segments(np.random.default_rng(1), [2, 2, 1], 2, num_labels=1)
-    pooled = evaluate_pooled(apply, params, segs, True)
+    pooled = evaluate_pooled(apply, params, segs, REGRESSION)
     want = [_expected(apply, params, segs[0], k, True) for k in range(K)]
     np.testing.assert_allclose(
         pooled.predictions, np.concatenate([p for p, _ in want]), rtol=1e-6, atol=1e-7
@@ -100,3 +104,42 @@ def test_client_metrics_mean_is_over_clients() -> None:
     per_client, mean = client_metrics(results, acc)
     assert per_client == [{"accuracy": 0.75}, {"accuracy": 0.0}]
     assert mean == {"accuracy": 0.375}  # pooled accuracy would be 0.6
+
+
+def test_token_predictions_of_segments_of_different_lengths() -> None:
+    """Per-token predictions come back per row, padded to the longest segment with IGNORE; the
+    labels beside them keep IGNORE wherever there is no label."""
+    config = dataclasses.replace(tiny_config(num_labels=4), head="token")
+    apply, params = make_apply(config), init_params(config, jax.random.key(0))
+    rng = np.random.default_rng(2)
+    segs = []
+    for length in (6, 9):
+        seg = make_segments(rng, [2, 1, 2], 2, length=length)[0]
+        labels = rng.integers(0, 4, size=seg["input_ids"].shape).astype(np.int32)
+        seg["labels"] = np.where(seg["attention_mask"] > 0, labels, IGNORE)
+        segs.append(seg)
+    got = evaluate_clients(apply, params, {}, segs, TOKEN_CLASSIFICATION)
+    for k, res in enumerate(got):
+        assert res.predictions.shape == res.labels.shape and res.predictions.shape[1] == 9
+        rows = []
+        for seg in segs:
+            for s in range(seg["input_ids"].shape[1]):
+                logits = np.asarray(
+                    apply(
+                        params,
+                        seg["input_ids"][k, s],
+                        seg["attention_mask"][k, s],
+                        seg["token_type_ids"][k, s],
+                        train=False,
+                    )
+                )
+                for b in np.nonzero(seg["example_mask"][k, s] * seg["step_mask"][k, s])[0]:
+                    pad = 9 - logits.shape[1]
+                    rows.append(
+                        (
+                            np.pad(logits[b].argmax(-1), (0, pad), constant_values=IGNORE),
+                            np.pad(seg["labels"][k, s, b], (0, pad), constant_values=IGNORE),
+                        )
+                    )
+        np.testing.assert_array_equal(res.predictions, np.stack([p for p, _ in rows]))
+        np.testing.assert_array_equal(res.labels, np.stack([lab for _, lab in rows]))
