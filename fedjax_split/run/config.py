@@ -17,25 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from fedjax_split.errors import UserError
+from fedjax_split.fed.algorithms import ALGORITHMS
 
-ALGORITHMS = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad")
 PARTITIONS = ("paper", "dirichlet", "quantity", "iid")
 QUANTIZE = ("none", "fp16", "bf16")
 DTYPES = ("float32", "bfloat16")  # model compute dtypes; parameters stay fp32
 ATTENTIONS = ("xla", "cudnn")  # model.ATTENTION_IMPLEMENTATIONS
-
-# Server learning rate per algorithm when --server-lr is not given. FedAvg/FedProx/FedAvgM:
-# eta_s = 1 makes the server step the weighted average of the clients' models (FedNLP's default).
-# The adaptive rules (Reddi et al. Alg. 2, tau = 1e-3) move each weight by about eta_s per round,
-# so eta_s must be of the order of one round of client change: 1e-3 for BERT fine-tuning.
-DEFAULT_SERVER_LR = {
-    "fedavg": 1.0,
-    "fedprox": 1.0,
-    "fedavgm": 1.0,
-    "fedadam": 1e-3,
-    "fedyogi": 1e-3,
-    "fedadagrad": 1e-3,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,12 +75,12 @@ class ExperimentConfig:
 
     @property
     def effective_server_lr(self) -> float:
-        return DEFAULT_SERVER_LR[self.algorithm] if self.server_lr is None else self.server_lr
+        return ALGORITHMS[self.algorithm].server_lr if self.server_lr is None else self.server_lr
 
     @property
     def prox_mu(self) -> float:
         """FedProx's proximal weight; the other algorithms train the plain client loss."""
-        return self.mu if self.algorithm == "fedprox" else 0.0
+        return self.mu if ALGORITHMS[self.algorithm].prox else 0.0
 
     @property
     def run_dir(self) -> Path:
@@ -203,7 +190,7 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 def validate(config: ExperimentConfig) -> None:
     """Checks that need no data or model; `validate_critical_layer` needs the model's depth."""
-    _check_choice("algorithm", config.algorithm, ALGORITHMS)
+    _check_choice("algorithm", config.algorithm, tuple(ALGORITHMS))
     _check_choice("partition", config.partition, PARTITIONS)
     _check_choice("quantize", config.quantize, QUANTIZE)
     _check_choice("dtype", config.dtype, DTYPES)
