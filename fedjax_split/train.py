@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fedjax_split.run.config import ALGORITHMS, PARTITIONS, QUANTIZE, ExperimentConfig
+from fedjax_split.run.config import FIELDS, ExperimentConfig, nullable, value_type
 
 _D = ExperimentConfig()
 
@@ -46,153 +46,22 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,  # only flags the user gives override the config file
     )
 
-    def add(flag: str, help_: str, **kw: Any) -> None:
-        name = flag[2:].replace("-", "_")
-        default = getattr(_D, name, None)
-        p.add_argument(flag, help=f"{help_} (default: {default})", **kw)
-
-    add(
-        "--config",
-        "Python (get_config() -> dict) or JSON config file; flags given override it.",
-        metavar="FILE",
-    )
-    add(
-        "--task",
-        "Task: a GLUE task (cola, sst2, mrpc, qqp, mnli, qnli, rte, wnli, stsb) or an "
-        "offline corpus (rotten_tomatoes, 20news, trec).",
-    )
-    add(
-        "--model",
-        "Hugging Face model id, local HF-format directory, or the offline alias 'minilm-l6'.",
-    )
-    add(
-        "--data-dir",
-        "Directory with the task's local files (GLUE TSV/parquet); unset: the hub "
-        "or the offline asset.",
-        metavar="DIR",
-    )
-    add(
-        "--algorithm",
-        "Server algorithm; FedSplitBERT is any algorithm with --critical-layer < L.",
-        choices=None,
-        metavar="{" + ",".join(ALGORITHMS) + "}",
-    )
-    add(
-        "--freeze",
-        "Regex over Hugging Face tensor names (re.search): matching parameters are frozen, "
-        "neither trained nor sent, whatever --critical-layer says; e.g. 'embeddings\\.' or "
-        "'embeddings\\.|encoder\\.layer\\.[0-2]\\.'.",
-        metavar="REGEX",
-    )
-    add(
-        "--critical-layer",
-        "Layers 1..c (and embeddings) are global, the rest local per client; "
-        "'L' = all global (plain FedAvg), 0 = no sharing.",
-        type=_optional_int,
-        metavar="C",
-    )
-    add("--clients", "Number of clients K.", type=int)
-    add(
-        "--clients-per-round",
-        "Clients sampled each round; 'all' = every client (the paper).",
-        type=_optional_int,
-        metavar="M",
-    )
-    add(
-        "--partition",
-        "How examples are split over clients: the paper's label shares, Dirichlet "
-        "label skew, Dirichlet quantity skew, or IID.",
-        metavar="{" + ",".join(PARTITIONS) + "}",
-    )
-    add(
-        "--alpha",
-        "Dirichlet concentration for --partition dirichlet (small = more skewed).",
-        type=float,
-    )
-    add("--beta", "Dirichlet concentration of client sizes for --partition quantity.", type=float)
-    add("--rounds", "Number of federated rounds.", type=int)
-    add("--local-epochs", "Epochs each client trains on its data per round.", type=int)
-    add("--batch-size", "Client mini-batch size.", type=int)
-    add("--lr", "Client AdamW learning rate.", type=float)
-    add("--mu", "FedProx proximal weight (used only with --algorithm fedprox).", type=float)
-    add(
-        "--quantize",
-        "Wire dtype of the global weights in both directions (the paper's +16-bit).",
-        metavar="{" + ",".join(QUANTIZE) + "}",
-    )
-    add("--max-length", "Tokens per input after truncation.", type=int)
-    add(
-        "--max-examples",
-        "Subsample the task to this many examples before partitioning (quick runs).",
-        type=_optional_int,
-        metavar="N",
-    )
-    add(
-        "--seed",
-        "The one seed of the run (data subsample, partition, init, batches, dropout).",
-        type=int,
-    )
-    add(
-        "--output-dir",
-        "Run directory for metrics.jsonl, summary.json, config.json, "
-        "partition.json and checkpoints/ (unset: runs/<task>_<algorithm>_c<c>_K<K>_s<seed>).",
-        metavar="DIR",
-    )
-    add(
-        "--resume",
-        "Continue the run in --output-dir from its latest checkpoint.",
-        action="store_const",
-        const=True,
-    )
-    add(
-        "--server-lr",
-        "Server learning rate (unset: 1.0 for fedavg/fedavgm/fedprox, 1e-3 for the "
-        "adaptive rules).",
-        type=float,
-    )
-    add(
-        "--eval-every",
-        "Evaluate the personalised models every N rounds (and after the last).",
-        type=int,
-    )
-    add(
-        "--checkpoint-every",
-        "Save a checkpoint every N rounds (and after the last); 0 = never.",
-        type=int,
-    )
-    add(
-        "--chunk-size",
-        "Train at most this many clients at once (bounds memory); default: one at a time on a CPU, "
-        "all at once on an accelerator.",
-        type=_optional_int,
-    )
-    add(
-        "--cpu-devices",
-        "CPU devices that clients trained one at a time are dealt to, each running its clients "
-        "while the others run theirs (default 1). 2 made a 10-client round 10%% faster on 2 cores "
-        "but compiles every program once per device (docs/benchmarks.md). Results do not "
-        "depend on it.",
-        type=_optional_int,
-        metavar="N",
-    )
-    add(
-        "--packing",
-        "Pack each training batch's examples end to end into one token stream instead of "
-        "padding each to the longest: no padding is computed, and batches are plainly "
-        "shuffled rather than length-sorted (docs/benchmarks.md).",
-        action=argparse.BooleanOptionalAction,
-    )
-    add(
-        "--dtype",
-        "Compute dtype of the model (parameters stay float32).",
-        metavar="{float32,bfloat16}",
-    )
-    add(
-        "--attention",
-        "Attention kernel: xla (default, anywhere) or cudnn (jax's fused cuDNN attention; GPU "
-        "with --dtype bfloat16; evaluation only, training keeps xla's).",
-        metavar="{xla,cudnn}",
-    )
+    for name in ["config"] + [n for n in FIELDS if n != "config"]:  # --config first in --help
+        meta = FIELDS[name].metadata
+        kind = value_type(name)
+        kw: dict[str, Any] = {"metavar": meta["metavar"]}
+        if meta["choices"]:  # checked by validate(), so that a bad value is a one-line error too
+            kw["metavar"] = "{" + ",".join(meta["choices"]) + "}"
+        if kind is bool:
+            kw = {"action": argparse.BooleanOptionalAction}
+        elif kind is int and nullable(name):
+            kw["type"] = _optional_int
+        elif kind is not str:
+            kw["type"] = kind
+        default = getattr(_D, name)
+        p.add_argument(
+            "--" + name.replace("_", "-"), help=f"{meta['help']} (default: {default})", **kw
+        )
     return p
 
 

@@ -232,8 +232,8 @@ def test_16_bit_wire_fedadam_round_vs_hand_formula() -> None:
     assert all(v.dtype == ml_dtypes.bfloat16 for v in held.values())
     assert all(v.dtype == np.float32 for v in master.values())
     new_state, _, result = _run(spec, 1)
-    # Reference: clients start from the bf16 weights cast to fp32 and upload bf16; the server
-    # steps its fp32 master copy and sends the result's bf16 cast.
+    # Reference: clients start from the bf16 weights cast to fp32 and upload bf16; Delta is the
+    # mean against that bf16 start; the server steps its fp32 master and sends its bf16 cast.
     start = {p: v.astype(np.float32) for p, v in held.items()}
     ref = _reference(_unflatten(start))
     for r in ref:
@@ -243,7 +243,7 @@ def test_16_bit_wire_fedadam_round_vs_hand_formula() -> None:
     for path, value in flatten_paths(new_state.global_params).items():
         assert value.dtype == jnp.bfloat16
         x = master[path].astype(np.float64)
-        delta = _numpy_weighted_mean(ref, path) - x
+        delta = _numpy_weighted_mean(ref, path) - start[path].astype(np.float64)
         m = (1 - b1) * delta
         v = b2 * tau**2 + (1 - b2) * delta**2
         want = x + lr * m / (np.sqrt(v) + tau)

@@ -93,3 +93,21 @@ def test_wire_image_and_upload() -> None:
     x = {"a": jnp.asarray([1.0 + 2.0**-10], jnp.float32)}
     got = upload(x, "bfloat16")["a"]
     assert got.dtype == jnp.float32 and float(got[0]) == 1.0  # rounded to bf16's 8 bits
+
+
+def test_clients_that_do_not_move_leave_the_master_where_it_was() -> None:
+    """16-bit wire: the clients start from the bf16 copy; if they upload it unchanged, Delta is 0
+    and the fp32 master (not bf16-representable) stays exactly put, momentum or not."""
+    master = {"w": jnp.asarray([1.0 + 2.0**-10, -3.0 - 2.0**-12, 0.1], jnp.float32)}
+    for opt in (server_optimizers.fedavgm(1.0, momentum=0.9), server_optimizers.fedadam(1e-3)):
+        state = init_server_state(master, opt, "bfloat16")
+        received = {"w": state.global_params["w"].astype(jnp.float32)}
+        assert not np.array_equal(received["w"], master["w"])  # the wire rounds
+        for _ in range(3):
+            state = server_update(state, received, opt, "bfloat16")
+            np.testing.assert_array_equal(state.master["w"], master["w"])
+        # the rule it replaces: Delta against the master moved it by the rounding error
+        moved = optax.apply_updates(
+            master, opt.update({"w": master["w"] - received["w"]}, opt.init(master), master)[0]
+        )
+        assert not np.array_equal(moved["w"], master["w"])

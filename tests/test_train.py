@@ -254,6 +254,21 @@ def test_help_explains_every_flag() -> None:
     assert train.config_from_args([]).cpu_devices is None  # default: one device
     assert train.config_from_args(["--attention", "cudnn"]).attention == "cudnn"
     assert train.config_from_args([]).attention == "xla"
+    assert train.config_from_args(["--freeze", r"embeddings\."]).freeze == r"embeddings\."
+
+
+def test_every_setting_has_exactly_one_flag_with_help() -> None:
+    """The flags are generated from the config schema: one per setting, none besides."""
+    from fedjax_split.run.config import FIELDS
+
+    parser = train.build_parser()
+    dests = {a.dest for a in parser._actions} - {"help"}
+    assert dests == set(FIELDS)
+    for name, field in FIELDS.items():
+        assert len(field.metadata["help"]) >= 10, name
+    assert train.config_from_args(["--critical-layer", "L"]).critical_layer is None
+    assert train.config_from_args(["--clients-per-round", "all"]).clients_per_round is None
+    assert train.config_from_args(["--server-lr", "0.5"]).server_lr == 0.5
 
 
 def test_config_file_with_flag_override(env: dict, tmp_path: Path) -> None:

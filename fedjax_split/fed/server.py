@@ -3,7 +3,9 @@
 One seam for every execution strategy (the vmapped round, clients one at a time, a Flower
 deployment): the clients' uploads are averaged by `aggregation.weighted_mean` (example-weighted,
 fp32) and `server_update` turns that mean into the next global part. The server optimiser is any
-optax GradientTransformation, applied to the pseudo-gradient -Delta = master - mean.
+optax GradientTransformation, applied to the pseudo-gradient -Delta, where Delta = mean - the
+copy the clients received (Reddi et al.'s Delta_i = x_i - x(t) with x(t) what client i started
+from), and it steps the server's fp32 master copy.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def init_server_state(
     Why a master copy: holding only the 16-bit weights (Algorithm 1 read literally) throws away
     every server step smaller than half a 16-bit ulp, each round anew, so with an adaptive server
     (FedAdam's steps are ~lr) weights near 1 never move. The wire still carries 16 bits each way
-    and clients still train from the 16-bit weights; for FedAvg (lr 1) the result is the same.
+    and clients still train from the 16-bit weights. Delta is taken against that 16-bit copy, not
+    the master, so the master's rounding error is never mistaken for the clients' change.
     The state owns fresh copies (a float32 cast is a no-op that would alias the caller's params,
     which a donating round would then delete).
     """
@@ -85,14 +88,19 @@ def server_update(
 ) -> ServerState:
     """The server's step from the clients' example-weighted mean upload (fp32).
 
+    Delta = mean - received, with `received` the fp32 image of the wire-dtype copy the clients
+    started from; the optimiser steps the fp32 master by the pseudo-gradient -Delta. With a
+    16-bit wire this keeps the rounding of the master out of Delta: a round in which no client
+    moves leaves the master exactly where it was (with an fp32 wire, received is the master).
     `trained`: the paths of the global parameters the clients trained this round (None: all);
     `mean` then holds only those. Every other global parameter, and its optimiser state, stays
     exactly as it was. Integer leaves are never stepped (they keep the server's value).
     """
     server_copy = state.master
+    received = cast_from_wire(state.global_params)
     if trained is not None:
-        mean = merge_params(mean, select(server_copy, trained)[1])  # untrained: no change
-    pseudo_grad = jax.tree.map(lambda m, x: x - m, mean, server_copy)  # -Delta
+        mean = merge_params(mean, select(received, trained)[1])  # untrained: Delta = 0
+    pseudo_grad = jax.tree.map(lambda m, r: r - m, mean, received)  # -Delta
     updates, opt_state = optimizer.update(pseudo_grad, state.opt_state, server_copy)
     stepped = optax.apply_updates(server_copy, updates)
     floating = jax.tree.map(lambda x: jnp.issubdtype(x.dtype, jnp.floating), server_copy)

@@ -13,29 +13,27 @@ import json
 import math
 import re
 import runpy
+import typing
 from pathlib import Path
 from typing import Any
 
 from fedjax_split.errors import UserError
+from fedjax_split.fed.algorithms import ALGORITHMS
 
-ALGORITHMS = ("fedavg", "fedavgm", "fedprox", "fedadam", "fedyogi", "fedadagrad")
 PARTITIONS = ("paper", "dirichlet", "quantity", "iid")
 QUANTIZE = ("none", "fp16", "bf16")
 DTYPES = ("float32", "bfloat16")  # model compute dtypes; parameters stay fp32
 ATTENTIONS = ("xla", "cudnn")  # model.ATTENTION_IMPLEMENTATIONS
 
-# Server learning rate per algorithm when --server-lr is not given. FedAvg/FedProx/FedAvgM:
-# eta_s = 1 makes the server step the weighted average of the clients' models (FedNLP's default).
-# The adaptive rules (Reddi et al. Alg. 2, tau = 1e-3) move each weight by about eta_s per round,
-# so eta_s must be of the order of one round of client change: 1e-3 for BERT fine-tuning.
-DEFAULT_SERVER_LR = {
-    "fedavg": 1.0,
-    "fedprox": 1.0,
-    "fedavgm": 1.0,
-    "fedadam": 1e-3,
-    "fedyogi": 1e-3,
-    "fedadagrad": 1e-3,
-}
+
+def _setting(
+    default: Any, help: str, *, choices: tuple[str, ...] | None = None, metavar: str | None = None
+) -> Any:
+    """A setting and what its flag needs (help text, allowed values, metavar): the one place
+    each is written; `train.build_parser`, `_coerce` and `validate` read them from here."""
+    return dataclasses.field(
+        default=default, metadata={"help": help, "choices": choices, "metavar": metavar}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,37 +47,123 @@ class ExperimentConfig:
     rounds to reach 84% on MRPC; Table V uses 3 to 9).
     """
 
-    task: str = "sst2"
-    model: str = "bert-base-uncased"
-    data_dir: str | None = None
-    algorithm: str = "fedavg"
-    critical_layer: int | None = 6
-    freeze: str | None = None
-    clients: int = 3
-    clients_per_round: int | None = None
-    partition: str = "paper"
-    alpha: float = 1.0
-    beta: float = 1.0
-    rounds: int = 10
-    local_epochs: int = 3
-    batch_size: int = 16
-    lr: float = 2e-5
-    mu: float = 0.01
-    quantize: str = "none"
-    max_length: int = 128
-    max_examples: int | None = None
-    seed: int = 0
-    output_dir: str | None = None
-    resume: bool = False
-    config: str | None = None
-    server_lr: float | None = None
-    eval_every: int = 1
-    checkpoint_every: int = 1
-    chunk_size: int | None = None
-    cpu_devices: int | None = None
-    dtype: str = "float32"
-    packing: bool = False
-    attention: str = "xla"
+    task: str = _setting(
+        "sst2",
+        "Task: a GLUE task (cola, sst2, mrpc, qqp, mnli, qnli, rte, wnli, stsb) or an offline "
+        "corpus (rotten_tomatoes, 20news, trec).",
+    )
+    model: str = _setting(
+        "bert-base-uncased",
+        "Hugging Face model id, local HF-format directory, or the offline alias 'minilm-l6'.",
+    )
+    data_dir: str | None = _setting(
+        None,
+        "Directory with the task's local files (GLUE TSV/parquet); unset: the hub or the offline "
+        "asset.",
+        metavar="DIR",
+    )
+    algorithm: str = _setting(
+        "fedavg",
+        "Server algorithm; FedSplitBERT is any algorithm with --critical-layer < L.",
+        choices=tuple(ALGORITHMS),
+    )
+    critical_layer: int | None = _setting(
+        6,
+        "Layers 1..c (and embeddings) are global, the rest local per client; 'L' = all global "
+        "(plain FedAvg), 0 = no sharing.",
+        metavar="C",
+    )
+    freeze: str | None = _setting(
+        None,
+        "Regex over Hugging Face tensor names (re.search): matching parameters are frozen, neither "
+        "trained nor sent, whatever --critical-layer says; e.g. 'embeddings\\.' or "
+        "'embeddings\\.|encoder\\.layer\\.[0-2]\\.'.",
+        metavar="REGEX",
+    )
+    clients: int = _setting(3, "Number of clients K.")
+    clients_per_round: int | None = _setting(
+        None, "Clients sampled each round; 'all' = every client (the paper).", metavar="M"
+    )
+    partition: str = _setting(
+        "paper",
+        "How examples are split over clients: the paper's label shares, Dirichlet label skew, "
+        "Dirichlet quantity skew, or IID.",
+        choices=PARTITIONS,
+    )
+    alpha: float = _setting(
+        1.0, "Dirichlet concentration for --partition dirichlet (small = more skewed)."
+    )
+    beta: float = _setting(1.0, "Dirichlet concentration of client sizes for --partition quantity.")
+    rounds: int = _setting(10, "Number of federated rounds.")
+    local_epochs: int = _setting(3, "Epochs each client trains on its data per round.")
+    batch_size: int = _setting(16, "Client mini-batch size.")
+    lr: float = _setting(2e-5, "Client AdamW learning rate.")
+    mu: float = _setting(0.01, "FedProx proximal weight (used only with --algorithm fedprox).")
+    quantize: str = _setting(
+        "none",
+        "Wire dtype of the global weights in both directions (the paper's +16-bit).",
+        choices=QUANTIZE,
+    )
+    max_length: int = _setting(128, "Tokens per input after truncation.")
+    max_examples: int | None = _setting(
+        None,
+        "Subsample the task to this many examples before partitioning (quick runs).",
+        metavar="N",
+    )
+    seed: int = _setting(
+        0, "The one seed of the run (data subsample, partition, init, batches, dropout)."
+    )
+    output_dir: str | None = _setting(
+        None,
+        "Run directory for metrics.jsonl, summary.json, config.json, partition.json and "
+        "checkpoints/ (unset: runs/<task>_<algorithm>_c<c>_K<K>_s<seed>).",
+        metavar="DIR",
+    )
+    resume: bool = _setting(False, "Continue the run in --output-dir from its latest checkpoint.")
+    config: str | None = _setting(
+        None,
+        "Python (get_config() -> dict) or JSON config file; flags given override it.",
+        metavar="FILE",
+    )
+    server_lr: float | None = _setting(
+        None,
+        "Server learning rate (unset: the algorithm's default: 1.0 for fedavg/fedavgm/fedprox, "
+        "1e-3 for the adaptive rules).",
+    )
+    eval_every: int = _setting(
+        1, "Evaluate the personalised models every N rounds (and after the last)."
+    )
+    checkpoint_every: int = _setting(
+        1, "Save a checkpoint every N rounds (and after the last); 0 = never."
+    )
+    chunk_size: int | None = _setting(
+        None,
+        "Train at most this many clients at once (bounds memory); default: one at a time on a "
+        "CPU, all at once on an accelerator.",
+    )
+    cpu_devices: int | None = _setting(
+        None,
+        "CPU devices that clients trained one at a time are dealt to, each running its clients "
+        "while the others run theirs (default 1). 2 made a 10-client round 10%% faster on 2 cores "
+        "but compiles every program once per device (docs/benchmarks.md). Results do not "
+        "depend on it.",
+        metavar="N",
+    )
+    dtype: str = _setting(
+        "float32", "Compute dtype of the model (parameters stay float32).", choices=DTYPES
+    )
+    packing: bool = _setting(
+        False,
+        "Pack each training batch's examples end to end into one token stream instead of "
+        "padding each to the longest: no padding is computed, and batches are plainly shuffled "
+        "rather than length-sorted (docs/benchmarks.md).",
+    )
+    attention: str = _setting(
+        "xla",
+        "Attention kernel: xla (default, anywhere) or cudnn (jax's fused cuDNN attention; GPU "
+        "with --dtype bfloat16; evaluation only, training keeps xla's).",
+        choices=ATTENTIONS,
+    )
 
     @property
     def sampled_clients(self) -> int:
@@ -88,12 +172,12 @@ class ExperimentConfig:
 
     @property
     def effective_server_lr(self) -> float:
-        return DEFAULT_SERVER_LR[self.algorithm] if self.server_lr is None else self.server_lr
+        return ALGORITHMS[self.algorithm].server_lr if self.server_lr is None else self.server_lr
 
     @property
     def prox_mu(self) -> float:
         """FedProx's proximal weight; the other algorithms train the plain client loss."""
-        return self.mu if self.algorithm == "fedprox" else 0.0
+        return self.mu if ALGORITHMS[self.algorithm].prox else 0.0
 
     @property
     def run_dir(self) -> Path:
@@ -107,6 +191,20 @@ class ExperimentConfig:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
+_HINTS = typing.get_type_hints(ExperimentConfig)
+
+
+def value_type(name: str) -> type:
+    """The type of a setting's values (int for `int | None`)."""
+    hint = _HINTS[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def nullable(name: str) -> bool:
+    """Whether a setting may be None (unset)."""
+    return type(None) in typing.get_args(_HINTS[name])
+
 
 # Fields that do not change the trajectory of a run; everything else must match on --resume.
 _NON_TRAJECTORY = {
@@ -158,18 +256,11 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
 
 def _coerce(name: str, value: Any) -> Any:
     """Type-check one setting from a config file (flags are already typed by argparse)."""
-    default = FIELDS[name].default
     if value is None:
-        if default is None or name == "critical_layer":
+        if nullable(name):
             return None
         raise UserError(f"setting {name!r} cannot be null; give a value or leave it out")
-    expected = type(default) if default is not None else None
-    if name in ("critical_layer", "clients_per_round", "max_examples", "chunk_size", "cpu_devices"):
-        expected = int
-    elif name in ("server_lr",):
-        expected = float
-    elif name in ("data_dir", "output_dir", "config", "freeze"):
-        expected = str
+    expected = value_type(name)
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if expected is int and isinstance(value, bool) or not isinstance(value, expected):
@@ -203,11 +294,9 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 def validate(config: ExperimentConfig) -> None:
     """Checks that need no data or model; `validate_critical_layer` needs the model's depth."""
-    _check_choice("algorithm", config.algorithm, ALGORITHMS)
-    _check_choice("partition", config.partition, PARTITIONS)
-    _check_choice("quantize", config.quantize, QUANTIZE)
-    _check_choice("dtype", config.dtype, DTYPES)
-    _check_choice("attention", config.attention, ATTENTIONS)
+    for name, field in FIELDS.items():
+        if field.metadata["choices"]:
+            _check_choice(name, getattr(config, name), field.metadata["choices"])
     if config.clients < 1:
         raise UserError(f"--clients must be at least 1, got {config.clients}")
     if config.clients_per_round is not None and not 1 <= config.clients_per_round <= config.clients:

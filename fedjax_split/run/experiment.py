@@ -141,7 +141,7 @@ def build(config: ExperimentConfig) -> Setup:
     import jax
 
     from fedjax_split.data import batching, partition, sources, tasks, tokenization
-    from fedjax_split.fed import client, roles, server_optimizers
+    from fedjax_split.fed import algorithms, client, roles
     from fedjax_split.models import hf_checkpoint
     from fedjax_split.sim import devices, rounds
 
@@ -189,8 +189,7 @@ def build(config: ExperimentConfig) -> Setup:
     # every client starts from the same pretrained (and seeded head) local part
     local_all = jax.tree.map(jax.numpy.array, rounds.replicate(local0, k))
 
-    server_name = "fedavg" if config.algorithm == "fedprox" else config.algorithm
-    server_opt = server_optimizers.get(server_name, learning_rate=config.effective_server_lr)
+    server_opt = algorithms.server_optimizer(config.algorithm, config.effective_server_lr)
     client_spec = client.ClientSpec(
         apply=pre.apply,
         objective=task.objective,

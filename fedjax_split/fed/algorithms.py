@@ -1,0 +1,63 @@
+"""The algorithm registry: a name -> the server optimiser, its default learning rate, and whether
+clients add FedProx's proximal term. Written once; the CLI's choices and the config's defaults are
+read from here.
+
+Every algorithm combines with any parameter roles: FedSplitBERT is any of them with a critical
+layer below L. Importing this module imports no jax or optax (flag parsing stays fast); the
+optimiser is built on demand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fedjax_split.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """A federated algorithm as a server optimiser preset plus the client's loss."""
+
+    name: str
+    server: str  # a fed.server_optimizers preset
+    server_lr: float  # its default learning rate
+    prox: bool = False  # clients add (mu/2) ||w_g - w_g_received||^2 (FedProx)
+    summary: str = ""
+
+
+# FedAvg/FedProx/FedAvgM: eta_s = 1 makes the server step the weighted average of the clients'
+# models (FedNLP's default). The adaptive rules (Reddi et al. Alg. 2, tau = 1e-3) move each weight
+# by about eta_s per round, so eta_s must be of the order of one round of client change: 1e-3 for
+# BERT fine-tuning.
+ALGORITHMS: dict[str, Algorithm] = {
+    a.name: a
+    for a in (
+        Algorithm("fedavg", "fedavg", 1.0, summary="weighted average of the clients' models"),
+        Algorithm("fedavgm", "fedavgm", 1.0, summary="server SGD with momentum 0.9"),
+        Algorithm("fedprox", "fedavg", 1.0, prox=True, summary="FedAvg + proximal client term"),
+        Algorithm("fedadam", "fedadam", 1e-3, summary="Reddi et al.'s FedAdam"),
+        Algorithm("fedyogi", "fedyogi", 1e-3, summary="Reddi et al.'s FedYogi"),
+        Algorithm("fedadagrad", "fedadagrad", 1e-3, summary="Reddi et al.'s FedAdagrad"),
+    )
+}
+
+
+def get(name: str) -> Algorithm:
+    """The algorithm called `name`; an unknown name is a UserError listing the known ones."""
+    algorithm = ALGORITHMS.get(name)
+    if algorithm is None:
+        raise UserError(
+            f"unknown algorithm {name!r}; pass --algorithm one of: {', '.join(ALGORITHMS)}"
+        )
+    return algorithm
+
+
+def server_optimizer(name: str, learning_rate: float | None = None) -> Any:
+    """The algorithm's server optimiser (an optax GradientTransformation) at `learning_rate`
+    (None: the algorithm's default)."""
+    from fedjax_split.fed import server_optimizers
+
+    algorithm = get(name)
+    lr = algorithm.server_lr if learning_rate is None else learning_rate
+    return server_optimizers.get(algorithm.server, learning_rate=lr)
