@@ -88,7 +88,7 @@ def _subset_examples(examples: Any, idx: np.ndarray | None) -> Any:
 
     changes = {
         f: take(getattr(examples, f))
-        for f in ("texts_a", "texts_b", "labels", "groups", "splits")
+        for f in ("texts_a", "texts_b", "tokens", "tags", "labels", "groups", "splits")
         if hasattr(examples, f)
     }
     if dataclasses.is_dataclass(examples):
@@ -146,17 +146,21 @@ def build(config: ExperimentConfig) -> Setup:
     from fedjax_split.sim import devices, rounds
 
     task = tasks.get_task(config.task)
+    # the data first: a token task's tag vocabulary (from the whole pool) sizes the model's head
+    examples = sources.load_examples(task, data_dir=config.data_dir)
+    tag_names = tuple(getattr(examples, "tag_names", ()))
     pre = hf_checkpoint.load_pretrained(
         config.model,
-        num_labels=task.num_labels,
+        num_labels=len(tag_names) if tag_names else task.num_labels,
         seed=config.seed,
         problem_type="regression" if task.is_regression else None,
         dtype=config.dtype,
         attention=config.attention,
+        head=task.objective.head,
+        label_names=tag_names,
     )
     model_config = pre.config
     c = validate_critical_layer(config, model_config.num_hidden_layers)
-    examples = sources.load_examples(task, data_dir=config.data_dir)
     examples = _subset_examples(
         examples, subsample_indices(len(examples.labels), config.max_examples, config.seed)
     )
@@ -168,7 +172,8 @@ def build(config: ExperimentConfig) -> Setup:
         seed=config.seed,
         alpha=config.alpha if config.partition == "dirichlet" else None,
         beta=config.beta if config.partition == "quantity" else None,
-        task=task,
+        # a token task partitions by each sentence's dominant entity type, not by its tags
+        task=None if task.objective.per_token else task,
     )
     for i, cs in enumerate(part.clients):
         if len(cs.train) == 0:
@@ -264,7 +269,13 @@ def evaluate(setup: Setup) -> dict[str, Any]:
         if len(res.labels) == 0:
             continue  # a client without test examples has no metric
         g = None if groups is None else np.asarray(groups)[res.example_index]
-        metrics = tasks.compute_metrics(setup.task, res.predictions, res.labels, groups=g)
+        metrics = tasks.compute_metrics(
+            setup.task,
+            res.predictions,
+            res.labels,
+            groups=g,
+            label_names=setup.model_config.label_names,
+        )
         per_client.append({"client": i, **metrics})
     return {**mean_over_clients(per_client), "clients": per_client}
 
@@ -359,7 +370,7 @@ def run_experiment(
     report = partition_mod.partition_report(
         setup.partition,
         np.asarray(setup.examples.labels),
-        sources.label_names_or_none(setup.task),
+        sources.label_names_or_none(setup.task, setup.examples),
     )
     bar = outputs.Progress(config.rounds, start_round, enabled=progress)
     bar.note(
