@@ -66,6 +66,31 @@ def write_tiny_sst2(data_dir: Path, *, n_train: int = 96, n_dev: int = 24, seed:
     return data_dir
 
 
+def write_tiny_conll(
+    data_dir: Path, *, n_train: int = 120, n_test: int = 30, seed: int = 0
+) -> Path:
+    """CoNLL NER files (train.txt / test.txt) over the tiny model's words, learnable by word:
+    positive words are `pos` entities (a run of two is one entity), negative words `neg`."""
+    from fedjax_split.data.conll import write_conll
+
+    rng = np.random.default_rng(seed)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name, n in (("train.txt", n_train), ("test.txt", n_test)):
+        sentences = []
+        for _ in range(n):
+            words = list(rng.choice(FILLER, size=int(rng.integers(2, 6))))
+            tags = ["O"] * len(words)
+            for kind, pool in (("pos", POSITIVE), ("neg", NEGATIVE)):
+                if rng.random() < 0.7:
+                    at = int(rng.integers(len(words) + 1))
+                    span = list(rng.choice(pool, size=int(rng.integers(1, 3))))
+                    words[at:at] = span
+                    tags[at:at] = [f"B-{kind}"] + [f"I-{kind}"] * (len(span) - 1)
+            sentences.append((words, tags))
+        write_conll(data_dir / name, sentences)
+    return data_dir
+
+
 def tiny_args(model: Path, data: Path, out: Path, **extra: object) -> list[str]:
     """CLI flags of a tiny, fast run (4 rounds, 3 clients, critical layer 1 of 2)."""
     flags = {

@@ -390,3 +390,33 @@ def test_padding_waste_can_skip_masked_steps() -> None:
     real = sum(len(x) for x in tok.input_ids)
     assert padding_waste(segs) == pytest.approx(1 - real / (8 * 8 * t))
     assert padding_waste(segs, skip_masked_steps=True) == pytest.approx(1 - real / (5 * 8 * t))
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_token_labels_follow_their_tokens(packing: bool) -> None:
+    """A token task's labels travel with the tokens: padded [K, S, B, T] or packed [K, S, N]
+    streams, IGNORE on every padding position; the per-example labels are not used."""
+    from fedjax_split.data.objectives import IGNORE, TOKEN_CLASSIFICATION
+
+    lengths = [3, 9, 5, 7, 4]
+    tok = _tokenized(lengths)
+    # example j's token t has label 100 * j + t: distinct, so any misplacement shows
+    tok.labels = [100 * j + np.arange(n, dtype=np.int32) for j, n in enumerate(lengths)]
+    clients = [np.array([0, 1, 2]), np.array([3, 4])]
+    segs = make_client_batches(
+        tok, clients, np.zeros(5, int), batch_size=2, epochs=1, seed=3,
+        objective=TOKEN_CLASSIFICATION, packing=packing, pack_width=16,
+    )  # fmt: skip
+    seen = {}
+    for seg in segs:
+        labels, ids = seg["labels"], seg["input_ids"]
+        assert labels.shape == ids.shape and labels.dtype == np.int32
+        real = labels != IGNORE
+        np.testing.assert_array_equal(
+            ids[real] - 1, (labels[real] % 100) + 7 * (labels[real] // 100)
+        )
+        for value in labels[real]:
+            seen[int(value)] = seen.get(int(value), 0) + 1
+    assert seen == {100 * j + t: 1 for j, n in enumerate(lengths) for t in range(n)}
+    with pytest.raises(ValueError, match="per-token labels"):
+        make_client_batches(tok, clients, np.zeros(5, int), batch_size=2, epochs=1, seed=0)

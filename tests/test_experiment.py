@@ -328,3 +328,58 @@ def test_minilm_freeze_embeddings_at_c6_sends_all_but_the_embeddings() -> None:
     half = RoundSpec(ClientSpec(None, CLASSIFICATION, None), server_optimizers.fedavg(), "bfloat16")
     assert client_bytes(half, g) == (2 * everything_else, 2 * everything_else)
     assert jnp.dtype(jax.tree.leaves(g)[0].dtype) == jnp.float32
+
+
+@pytest.fixture(scope="module")
+def ner_run(files: dict[str, Path]) -> Path:
+    from run_fixtures import write_tiny_conll
+
+    data = write_tiny_conll(files["base"] / "conll")
+    cfg = _config(
+        files, "ner", task="ner", data_dir=str(data), partition="dirichlet", alpha=1.0,
+        critical_layer=1, rounds=3, local_epochs=2, batch_size=8, lr=3e-3,
+    )  # fmt: skip
+    experiment.run_experiment(cfg, progress=False)
+    return files["base"] / "ner"
+
+
+def test_ner_run_reports_entity_f1_per_client_and_learns(ner_run: Path) -> None:
+    records = [json.loads(x) for x in (ner_run / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    assert {"precision", "recall", "f1"} <= set(last)
+    assert len(last["clients"]) == 3 and all("f1" in c for c in last["clients"])
+    assert last["f1"] == pytest.approx(np.mean([c["f1"] for c in last["clients"]]))
+    # two entity types learnable by word: a run that trains finds them, an untrained head not
+    assert records[0]["train_loss"] > 2 * last["train_loss"]
+    assert last["f1"] > records[0]["f1"] + 0.3
+    summary = json.loads((ner_run / "summary.json").read_text())
+    assert summary["primary_metric"] == "f1"
+
+
+def test_exported_ner_client_predicts_the_same_in_pytorch(ner_run: Path, files) -> None:
+    """Client 1's personalised model, exported, loads in transformers as a
+    BertForTokenClassification with the tag names and gives the same predictions as ours."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from fedjax_split.models.hf_checkpoint import load_pretrained
+
+    out = export.export_client(ner_run, 1, files["base"] / "ner_export")
+    model = transformers.AutoModelForTokenClassification.from_pretrained(out).eval()
+    assert type(model).__name__ == "BertForTokenClassification"
+    assert model.config.id2label[1] == "B-neg" and len(model.config.id2label) == 5
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    enc = tok(
+        [["good", "film", "awful", "plot"], ["the", "fine", "lovely", "story"]],
+        is_split_into_words=True,
+        padding=True,
+        return_tensors="np",
+    )
+    with torch.no_grad():
+        theirs = model(**{k: torch.tensor(v) for k, v in enc.items()}).logits.numpy()
+    apply, params, _ = load_pretrained(out, num_labels=5, head="token")
+    ours = np.asarray(
+        apply(params, enc["input_ids"], enc["attention_mask"], enc["token_type_ids"], train=False)
+    )
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+    real = enc["attention_mask"] > 0
+    np.testing.assert_array_equal(ours.argmax(-1)[real], theirs.argmax(-1)[real])

@@ -98,3 +98,33 @@ def test_local_directory_with_only_vocab(tmp_path):
     t = load_tokenizer(tmp_path)
     out = tokenize(t, ["Hello worlds", "zzz"])
     assert [x.tolist() for x in out.input_ids] == [[2, 5, 6, 7, 3], [2, 1, 3]]
+
+
+def test_align_labels_first_subword_only() -> None:
+    from fedjax_split.data.objectives import IGNORE
+
+    # [CLS] un ##believ ##ably film [SEP]: word 0 has three sub-words
+    got = tokenization.align_labels([None, 0, 0, 0, 1, None], [3, 5])
+    np.testing.assert_array_equal(got, [IGNORE, 3, IGNORE, IGNORE, 5, IGNORE])
+    assert got.dtype == np.int32
+
+
+def test_tokenize_words_labels_each_words_first_piece_and_counts_truncation(tok) -> None:
+    from fedjax_split.data.objectives import IGNORE
+
+    words = [["Unbelievably", "overlong", "film"], ["ok"]]
+    labels = [[1, 2, 0], [4]]
+    out, lost = tokenization.tokenize_words(tok, words, labels, max_length=32)
+    assert lost == 0 and out.labels is not None
+    pieces = [len(tok.tokenize(w)) for w in words[0]]
+    assert pieces[0] > 1 and pieces[1] > 1  # the words really split into sub-words
+    want = [IGNORE]
+    for n, y in zip(pieces, labels[0], strict=True):
+        want += [y] + [IGNORE] * (n - 1)
+    np.testing.assert_array_equal(out.labels[0], want + [IGNORE])
+    np.testing.assert_array_equal(out.labels[1], [IGNORE, 4, IGNORE])
+    assert [len(x) for x in out.input_ids] == [len(x) for x in out.labels] == out.lengths.tolist()
+    # truncation: with room for [CLS] + 2 pieces + [SEP], the later words are cut and counted
+    short, lost = tokenization.tokenize_words(tok, words[:1], labels[:1], max_length=4)
+    assert lost == 2 and short.lengths.tolist() == [4]
+    np.testing.assert_array_equal(short.labels[0], [IGNORE, 1, IGNORE, IGNORE])

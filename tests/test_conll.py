@@ -1,0 +1,46 @@
+"""data.conll: CoNLL-style files as the corpora write them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fedjax_split.data.conll import find_split_files, parse_conll, read_conll, write_conll
+from fedjax_split.errors import UserError
+
+
+def test_columns_separators_and_docstart() -> None:
+    text = [
+        "-DOCSTART- -X- O O\n", "\n",
+        "EU NNP B-NP B-ORG\n", "rejects VBZ B-VP O\n", "\n", "\n",  # CoNLL-2003's four columns
+        "@paulwalk\tO\r\n", "Empire\tB-facility\n", "\t\n",  # a lone tab ends a sentence
+        "ESB\tB-facility\n",  # and the end of the file ends the last
+    ]  # fmt: skip
+    assert parse_conll(text) == [
+        (["EU", "rejects"], ["B-ORG", "O"]),
+        (["@paulwalk", "Empire"], ["O", "B-facility"]),
+        (["ESB"], ["B-facility"]),
+    ]
+
+
+def test_write_read_round_trip_and_errors(tmp_path: Path) -> None:
+    sentences = [(["a", "b"], ["B-x", "I-x"]), (["c"], ["O"])]
+    path = write_conll(tmp_path / "train.txt", sentences)
+    assert read_conll(path) == sentences
+    (tmp_path / "bad.txt").write_text("ok O\nlonely\n")
+    with pytest.raises(UserError, match=r"bad.txt:2: 'lonely' has no tag column"):
+        read_conll(tmp_path / "bad.txt")
+    with pytest.raises(UserError, match="cannot read"):
+        read_conll(tmp_path / "missing.txt")
+
+
+def test_split_files(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="no training file"):
+        find_split_files(tmp_path)
+    for name in ("train.conll", "validation.txt", "test"):
+        (tmp_path / name).write_text("a O\n")
+    found = find_split_files(tmp_path)
+    assert {k: v.name for k, v in found.items()} == {
+        "train": "train.conll", "dev": "validation.txt", "test": "test",
+    }  # fmt: skip
