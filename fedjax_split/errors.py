@@ -2,6 +2,7 @@
 
 Anything a user can cause (bad flag, missing data, corrupt checkpoint) raises `UserError` with one
 line that names the problem and the fix; the CLI prints it and exits with status 2, no traceback.
+It is an ordinary ValueError, so library users (notebooks, Flower apps) catch it like any other.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import sys
 
 
-class UserError(Exception):
+class UserError(ValueError):
     """A problem with the user's input or environment, reported as one line, exit status 2."""
 
     exit_code = 2
