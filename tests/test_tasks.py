@@ -10,7 +10,10 @@ GLUE = ("cola", "sst2", "mrpc", "qqp", "mnli", "qnli", "rte", "wnli", "stsb")
 
 
 def test_registry_has_glue_and_offline_corpora():
-    assert set(GLUE) | {"rotten_tomatoes", "20news", "trec"} == set(TASKS)
+    assert set(GLUE) | {"rotten_tomatoes", "20news", "trec", "ner", "wnut16", "nero"} == set(TASKS)
+    for name in ("ner", "wnut16", "nero"):  # token tasks: tags come from the data
+        t = get_task(name)
+        assert t.objective.per_token and t.primary_metric == "f1" and t.num_labels == 0
     assert get_task("qnli").text_fields == ("question", "sentence")
     assert get_task("mnli").text_fields == ("premise", "hypothesis")
     assert get_task("mnli").label_names == ("entailment", "neutral", "contradiction")

@@ -264,6 +264,7 @@ def evaluate(setup: Setup) -> dict[str, Any]:
         chunk_size=setup.config.chunk_size,
     )
     groups = getattr(setup.examples, "groups", None)
+    tag_names = getattr(setup.examples, "tag_names", None)  # a token task's, to score entities
     per_client = []
     for i, res in enumerate(results):
         if len(res.labels) == 0:
@@ -274,7 +275,7 @@ def evaluate(setup: Setup) -> dict[str, Any]:
             res.predictions,
             res.labels,
             groups=g,
-            label_names=setup.model_config.label_names,
+            label_names=tag_names,
         )
         per_client.append({"client": i, **metrics})
     return {**mean_over_clients(per_client), "clients": per_client}
