@@ -24,6 +24,10 @@ _EXPORTS = {
     "REGRESSION": "fedjax_split.data.objectives",
     "TOKEN_CLASSIFICATION": "fedjax_split.data.objectives",
     "load_tokenizer": "fedjax_split.data.tokenization",
+    "Batch": "fedjax_split.data.batch",
+    "PackedBatch": "fedjax_split.data.batch",
+    "make_client_batches": "fedjax_split.data.batching",
+    "make_eval_batches": "fedjax_split.data.batching",
     # the federated core
     "GLOBAL": "fedjax_split.fed.roles",
     "LOCAL": "fedjax_split.fed.roles",

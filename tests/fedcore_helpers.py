@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_split.data.batch import Batch
 from fedjax_split.models.bert import BertConfig, init_params, make_apply
 
 VOCAB, HIDDEN, LAYERS, INTER, POS, TYPES = 50, 16, 2, 32, 16, 2
@@ -40,7 +41,7 @@ def make_segments(
     length: int = 6,
     num_labels: int = 3,
     num_segments: int = 1,
-) -> list[dict[str, np.ndarray]]:
+) -> list[Batch]:
     """Segments [K, S, B, T] with distinct random data per client; client k has real_steps[k]
     real steps per segment (the rest padded), and its last batch has one padding row."""
     k = len(real_steps)
@@ -63,37 +64,37 @@ def make_segments(
             if r:
                 example_mask[c, r - 1, -1] = 0.0
         segs.append(
-            {
-                "input_ids": ids,
-                "attention_mask": attn,
-                "token_type_ids": types,
-                "labels": labels,
-                "example_mask": example_mask,
-                "step_mask": step_mask,
-            }
+            Batch(
+                input_ids=ids,
+                attention_mask=attn,
+                token_type_ids=types,
+                labels=labels,
+                example_mask=example_mask,
+                step_mask=step_mask,
+            )
         )
     return segs
 
 
-def client_slice(segments: list[dict[str, np.ndarray]], k: int) -> list[dict[str, np.ndarray]]:
+def client_slice(segments: list[Batch], k: int) -> list[Batch]:
     """Client k's segments without the client axis."""
-    return [{name: v[k] for name, v in seg.items()} for seg in segments]
+    return [jax.tree.map(lambda v: v[k], seg) for seg in segments]
 
 
 def reference_loss(apply, params, batch, key, is_regression):
     """Masked mean loss written independently of client.py (log-softmax / squared error)."""
     logits = apply(
         params,
-        batch["input_ids"],
-        batch["attention_mask"],
-        batch["token_type_ids"],
+        batch.input_ids,
+        batch.attention_mask,
+        batch.token_type_ids,
         train=True,
         rng=key,
     )
-    mask = jnp.asarray(batch["example_mask"])
+    mask = jnp.asarray(batch.example_mask)
     if is_regression:
-        per = (logits[:, 0] - batch["labels"]) ** 2
+        per = (logits[:, 0] - batch.labels) ** 2
     else:
         logp = jax.nn.log_softmax(logits, axis=-1)
-        per = -jnp.take_along_axis(logp, jnp.asarray(batch["labels"])[:, None], axis=1)[:, 0]
+        per = -jnp.take_along_axis(logp, jnp.asarray(batch.labels)[:, None], axis=1)[:, 0]
     return jnp.sum(per * mask) / jnp.sum(mask)

@@ -4,6 +4,7 @@ import math
 from collections import Counter
 from types import SimpleNamespace
 
+import jax
 import numpy as np
 import pytest
 
@@ -36,47 +37,47 @@ def _setup(seed=0, sizes=(37, 20, 5), num=120):
 
 def _check_contents(segs, tok, labels, lengths, regression=False):
     for seg in segs:
-        k, s, b, t = seg["input_ids"].shape
+        k, s, b, t = seg.input_ids.shape
         assert t % 8 == 0
-        assert seg["labels"].dtype == (np.float32 if regression else np.int32)
-        assert seg["example_mask"].dtype == np.float32 and seg["step_mask"].dtype == bool
+        assert seg.labels.dtype == (np.float32 if regression else np.int32)
+        assert seg.example_mask.dtype == np.float32 and seg.step_mask.dtype == bool
         for name in ("input_ids", "attention_mask", "token_type_ids"):
-            assert seg[name].dtype == np.int32
-        idx = seg["example_index"]
+            assert getattr(seg, name).dtype == np.int32
+        idx = seg.example_index
         real = idx >= 0
-        np.testing.assert_array_equal(seg["example_mask"], real.astype(np.float32))
+        np.testing.assert_array_equal(seg.example_mask, real.astype(np.float32))
         # a step is real iff it holds a real example
-        np.testing.assert_array_equal(seg["step_mask"], real.any(-1))
+        np.testing.assert_array_equal(seg.step_mask, real.any(-1))
         longest = lengths[idx[real]].max()
         assert t >= math.ceil(longest / 8) * 8
         for i, j, r in zip(*np.nonzero(real), strict=True):
             e = idx[i, j, r]
             n = lengths[e]
-            np.testing.assert_array_equal(seg["input_ids"][i, j, r, :n], tok.input_ids[e])
-            np.testing.assert_array_equal(seg["token_type_ids"][i, j, r, :n], tok.token_type_ids[e])
-            assert not seg["input_ids"][i, j, r, n:].any()
-            assert seg["attention_mask"][i, j, r].tolist() == [1] * n + [0] * (t - n)
-            assert seg["labels"][i, j, r] == labels[e]
+            np.testing.assert_array_equal(seg.input_ids[i, j, r, :n], tok.input_ids[e])
+            np.testing.assert_array_equal(seg.token_type_ids[i, j, r, :n], tok.token_type_ids[e])
+            assert not seg.input_ids[i, j, r, n:].any()
+            assert seg.attention_mask[i, j, r].tolist() == [1] * n + [0] * (t - n)
+            assert seg.labels[i, j, r] == labels[e]
         pad = ~real
-        assert not seg["input_ids"][pad].any() and not seg["labels"][pad].any()
-        assert (seg["attention_mask"][pad].sum(-1) == 1).all()  # position 0 only, no empty row
-        assert (seg["attention_mask"][pad][:, 0] == 1).all()
+        assert not seg.input_ids[pad].any() and not seg.labels[pad].any()
+        assert (seg.attention_mask[pad].sum(-1) == 1).all()  # position 0 only, no empty row
+        assert (seg.attention_mask[pad][:, 0] == 1).all()
 
 
 def _check_tight_widths(segs, lengths):
     """A bucket keeps one (S, T) in all epochs; T is its longest example rounded up to 8."""
     widest: dict = {}
     for seg in segs:
-        idx = seg["example_index"]
+        idx = seg.example_index
         need = math.ceil(lengths[idx[idx >= 0]].max() / 8) * 8
-        shape = seg["input_ids"].shape
+        shape = seg.input_ids.shape
         widest[shape] = max(widest.get(shape, 0), need)
     assert all(shape[3] == need for shape, need in widest.items())
 
 
 def _per_client_rows(segs):
-    k = segs[0]["input_ids"].shape[0]
-    return [np.concatenate([s["example_index"][i].reshape(-1) for s in segs]) for i in range(k)]
+    k = segs[0].input_ids.shape[0]
+    return [np.concatenate([s.example_index[i].reshape(-1) for s in segs]) for i in range(k)]
 
 
 @pytest.mark.parametrize("bucketing", [True, False])
@@ -93,21 +94,21 @@ def test_every_example_epochs_times_and_contents(bucketing):
         rows = _per_client_rows(segs)[i]
         rows = rows[rows >= 0]
         assert np.array_equal(np.sort(rows), np.sort(np.tile(ix, epochs)))
-        real_steps = sum(int(s["step_mask"][i].sum()) for s in segs)
+        real_steps = sum(int(s.step_mask[i].sum()) for s in segs)
         assert real_steps == epochs * math.ceil(ix.size / batch)
         if bucketing:  # each epoch's group of segments holds every example exactly once
             for e in range(epochs):
                 got = _per_client_rows(segs[e * per_epoch : (e + 1) * per_epoch])[i]
                 assert np.array_equal(np.sort(got[got >= 0]), np.sort(ix))
         # only one partial batch per epoch
-        partial = sum(int(((s["example_index"][i] >= 0).sum(-1) % batch != 0).sum()) for s in segs)
+        partial = sum(int(((s.example_index[i] >= 0).sum(-1) % batch != 0).sum()) for s in segs)
         assert partial == (epochs if ix.size % batch else 0)
     if not bucketing:
         (seg,) = segs
-        assert seg["input_ids"].shape[:3] == (3, epochs * math.ceil(37 / batch), batch)
+        assert seg.input_ids.shape[:3] == (3, epochs * math.ceil(37 / batch), batch)
         # the 5-example client has 2 real steps per epoch and then masked steps only
-        np.testing.assert_array_equal(seg["step_mask"][2], np.arange(seg["step_mask"].shape[1]) < 6)
-        first_epoch = seg["example_index"][0, : math.ceil(37 / batch)].reshape(-1)
+        np.testing.assert_array_equal(seg.step_mask[2], np.arange(seg.step_mask.shape[1]) < 6)
+        first_epoch = seg.example_index[0, : math.ceil(37 / batch)].reshape(-1)
         assert np.array_equal(np.sort(first_epoch[first_epoch >= 0]), np.sort(clients[0]))
 
 
@@ -115,7 +116,7 @@ def test_bucketed_segments_share_shapes_across_epochs_and_cut_padding():
     tok, clients, labels, lengths = _setup(sizes=(60, 50, 10))
     kw = dict(batch_size=4, epochs=2, seed=1)
     segs = make_client_batches(tok, clients, labels, num_buckets=4, **kw)
-    shapes = [s["input_ids"].shape for s in segs]
+    shapes = [s.input_ids.shape for s in segs]
     assert sorted(shapes[: len(shapes) // 2]) == sorted(shapes[len(shapes) // 2 :])
     assert len({s[3] for s in shapes}) > 1  # several widths
     flat = make_client_batches(tok, clients, labels, bucketing=False, **kw)
@@ -131,10 +132,11 @@ def test_determinism_seed_and_global_state():
     after = np.random.get_state()  # noqa: NPY002
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
-        for key in x:
-            np.testing.assert_array_equal(x[key], y[key])
-    assert any(x["example_index"].shape != y["example_index"].shape
-               or not np.array_equal(x["example_index"], y["example_index"])
+        assert jax.tree.structure(x) == jax.tree.structure(y)
+        for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+            np.testing.assert_array_equal(u, v)
+    assert any(x.example_index.shape != y.example_index.shape
+               or not np.array_equal(x.example_index, y.example_index)
                for x, y in zip(a, c, strict=False))  # fmt: skip
     assert before[0] == after[0] and np.array_equal(before[1], after[1]) and before[2:] == after[2:]
 
@@ -144,9 +146,9 @@ def test_client_ids_key_the_shuffle():
     kw = dict(batch_size=4, epochs=1, seed=3, bucketing=False)
     ab = make_client_batches(tok, clients, labels, client_ids=[7, 9], **kw)[0]
     ba = make_client_batches(tok, clients[::-1], labels, client_ids=[9, 7], **kw)[0]
-    np.testing.assert_array_equal(ab["example_index"][0], ba["example_index"][1])
+    np.testing.assert_array_equal(ab.example_index[0], ba.example_index[1])
     pos = make_client_batches(tok, clients, labels, **kw)[0]
-    assert not np.array_equal(pos["example_index"][0], ab["example_index"][0])
+    assert not np.array_equal(pos.example_index[0], ab.example_index[0])
 
 
 def test_no_shuffle_is_seed_independent():
@@ -154,7 +156,7 @@ def test_no_shuffle_is_seed_independent():
     a = make_client_batches(tok, clients, labels, batch_size=4, epochs=1, seed=1, shuffle=False)
     b = make_client_batches(tok, clients, labels, batch_size=4, epochs=1, seed=2, shuffle=False)
     for x, y in zip(a, b, strict=True):
-        np.testing.assert_array_equal(x["example_index"], y["example_index"])
+        np.testing.assert_array_equal(x.example_index, y.example_index)
 
 
 def test_regression_labels_and_max_length_cap():
@@ -165,9 +167,9 @@ def test_regression_labels_and_max_length_cap():
                                epochs=1, seed=0, objective=REGRESSION, bucketing=False,
                                max_length=12)  # fmt: skip
     (seg,) = segs
-    assert seg["input_ids"].shape == (2, 1, 2, 12)  # 16 capped at 12
-    assert seg["labels"].dtype == np.float32
-    index, values = seg["example_index"].reshape(-1), seg["labels"].reshape(-1)
+    assert seg.input_ids.shape == (2, 1, 2, 12)  # 16 capped at 12
+    assert seg.labels.dtype == np.float32
+    index, values = seg.example_index.reshape(-1), seg.labels.reshape(-1)
     got = {int(i): float(v) for i, v in zip(index, values, strict=True)}
     assert got == {0: 0.5, 1: 4.75, 2: 2.0, 3: 3.25}
 
@@ -177,8 +179,8 @@ def test_client_without_examples_gets_only_masked_steps(bucketing):
     tok = _tokenized([3, 5, 7])
     segs = make_client_batches(tok, [np.array([0, 1, 2]), np.array([], np.int64)], np.zeros(3, int),
                                batch_size=2, epochs=2, seed=0, bucketing=bucketing)  # fmt: skip
-    assert sum(int(s["step_mask"][0].sum()) for s in segs) == 4
-    assert not any(s["step_mask"][1].any() or s["example_mask"][1].any() for s in segs)
+    assert sum(int(s.step_mask[0].sum()) for s in segs) == 4
+    assert not any(s.step_mask[1].any() or s.example_mask[1].any() for s in segs)
 
 
 def test_fractional_class_labels_are_rejected():
@@ -267,10 +269,10 @@ def test_packed_segments_hold_every_example_once_intact() -> None:
     seen = []  # (client position, pool index) of every real example
     shapes = set()
     for seg in segs:
-        k, s, n = seg["input_ids"].shape
-        r, w = seg["attention_mask"].shape[2:]
+        k, s, n = seg.input_ids.shape
+        r, w = seg.attention_mask.shape[2:]
         shapes.add((s, n, r, w))
-        assert w >= 64 and seg["cls_index"].shape == (k, s, 8)
+        assert w >= 64 and seg.cls_index.shape == (k, s, 8)
         seen += _packed_examples(seg, ids, types, labels)
     # two epochs: every client's example exactly twice
     counts = Counter(seen)
@@ -288,27 +290,27 @@ def _packed_examples(seg, ids, types, labels) -> list[tuple[int, int]]:
     """Checks that every real example of a packed segment lies intact in its stream and in one
     attention row; returns (client position, pool index) of each."""
     seen = []
-    k, s, _ = seg["input_ids"].shape
-    w = seg["attention_mask"].shape[-1]
+    k, s, _ = seg.input_ids.shape
+    w = seg.attention_mask.shape[-1]
     for c in range(k):
         for j in range(s):
-            slots = seg["attention_mask"][c, j].reshape(-1)
-            rows, back = seg["row_tokens"][c, j].reshape(-1), seg["token_slots"][c, j]
+            slots = seg.attention_mask[c, j].reshape(-1)
+            rows, back = seg.row_tokens[c, j].reshape(-1), seg.token_slots[c, j]
             used = np.nonzero(slots)[0]
             np.testing.assert_array_equal(back[rows[used]], used)  # slots <-> stream
-            for e in np.nonzero(seg["example_mask"][c, j])[0]:
-                ix = seg["example_index"][c, j, e]
-                start, m = seg["cls_index"][c, j, e], len(ids[ix])
+            for e in np.nonzero(seg.example_mask[c, j])[0]:
+                ix = seg.example_index[c, j, e]
+                start, m = seg.cls_index[c, j, e], len(ids[ix])
                 stream = slice(start, start + m)
-                assert start + m <= seg["input_ids"].shape[-1]
-                np.testing.assert_array_equal(seg["input_ids"][c, j, stream], ids[ix])
-                np.testing.assert_array_equal(seg["token_type_ids"][c, j, stream], types[ix])
-                np.testing.assert_array_equal(seg["position_ids"][c, j, stream], np.arange(m))
+                assert start + m <= seg.input_ids.shape[-1]
+                np.testing.assert_array_equal(seg.input_ids[c, j, stream], ids[ix])
+                np.testing.assert_array_equal(seg.token_type_ids[c, j, stream], types[ix])
+                np.testing.assert_array_equal(seg.position_ids[c, j, stream], np.arange(m))
                 # one example's tokens share a row and carry its slot number
                 where = back[stream]
                 assert len(set(where // w)) == 1
                 assert np.all(slots[where] == e + 1)
-                assert seg["labels"][c, j, e] == labels[ix]
+                assert seg.labels[c, j, e] == labels[ix]
                 seen.append((c, int(ix)))
     return seen
 
@@ -327,23 +329,23 @@ def test_client_segments_cut_packed_parts_to_the_smallest_shape_that_holds_them(
         assert len(parts) == 4 and parts[3] is None  # the empty client has no real step
         s, n, r = packed_shape(seg)
         for c, part in enumerate(parts[:3]):
-            real = seg["step_mask"][c] & (seg["example_mask"][c].sum(-1) > 0)
+            real = seg.step_mask[c] & (seg.example_mask[c].sum(-1) > 0)
             if not real.any():
                 assert part is None
                 continue
             # the same examples, intact, in the same steps and slots
             here = _packed_examples(part, ids, types, labels)
-            alone = {key: value[c : c + 1] for key, value in seg.items()}
+            alone = jax.tree.map(lambda value, c=c: value[c : c + 1], seg)
             assert here == _packed_examples(alone, ids, types, labels)
-            assert len(here) == int(seg["example_mask"][c].sum())
+            assert len(here) == int(seg.example_mask[c].sum())
             for key in ("labels", "example_mask", "step_mask", "cls_index", "example_index"):
-                np.testing.assert_array_equal(part[key][0], seg[key][c])
+                np.testing.assert_array_equal(getattr(part, key)[0], getattr(seg, key)[c])
             # cut to the smallest of the round's shapes (nothing new to compile) that holds it
-            slots = seg["attention_mask"][c][real] > 0
+            slots = seg.attention_mask[c][real] > 0
             tokens, used = slots.sum(axis=(1, 2)).max(), slots.any(axis=2).sum(axis=1).max()
             fits = [x for x in shapes if x[0] == s and x[1] >= tokens and x[2] >= used]
             assert packed_shape(part) == min(fits)
-            assert part["row_tokens"].shape == part["attention_mask"].shape
+            assert part.row_tokens.shape == part.attention_mask.shape
             cut += packed_shape(part)[1] < n
     assert cut > 0
     whole = padding_waste(segs, skip_masked_steps=True)
@@ -357,15 +359,16 @@ def test_client_segments_keep_padded_parts_whole() -> None:
     for seg, parts in zip(segs, client_segments(segs), strict=True):
         for c, part in enumerate(parts):
             if part is None:
-                assert not np.any(seg["step_mask"][c] & (seg["example_mask"][c].sum(-1) > 0))
+                assert not np.any(seg.step_mask[c] & (seg.example_mask[c].sum(-1) > 0))
                 continue
-            assert part.keys() == seg.keys()
-            for key in seg:
-                np.testing.assert_array_equal(part[key], seg[key][c : c + 1])
+            assert type(part) is type(seg)
+            assert jax.tree.structure(part) == jax.tree.structure(seg)
+            for u, v in zip(jax.tree.leaves(part), jax.tree.leaves(seg), strict=True):
+                np.testing.assert_array_equal(u, v[c : c + 1])
 
 
 def _packed_shape(seg) -> tuple[int, ...]:
-    return seg["input_ids"].shape[1:] + seg["attention_mask"].shape[2:]
+    return seg.input_ids.shape[1:] + seg.attention_mask.shape[2:]
 
 
 def test_packing_cuts_padding_below_15_percent() -> None:
@@ -385,8 +388,8 @@ def test_padding_waste_can_skip_masked_steps() -> None:
         epochs=1, seed=0, bucketing=False, pad_to_multiple=1,
     )  # fmt: skip
     (seg,) = segs
-    assert seg["step_mask"].sum() == 5 and seg["step_mask"].size == 8
-    t = seg["input_ids"].shape[-1]
+    assert seg.step_mask.sum() == 5 and seg.step_mask.size == 8
+    t = seg.input_ids.shape[-1]
     real = sum(len(x) for x in tok.input_ids)
     assert padding_waste(segs) == pytest.approx(1 - real / (8 * 8 * t))
     assert padding_waste(segs, skip_masked_steps=True) == pytest.approx(1 - real / (5 * 8 * t))
@@ -409,7 +412,7 @@ def test_token_labels_follow_their_tokens(packing: bool) -> None:
     )  # fmt: skip
     seen = {}
     for seg in segs:
-        labels, ids = seg["labels"], seg["input_ids"]
+        labels, ids = seg.labels, seg.input_ids
         assert labels.shape == ids.shape and labels.dtype == np.int32
         real = labels != IGNORE
         np.testing.assert_array_equal(

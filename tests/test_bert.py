@@ -365,11 +365,10 @@ def test_config_rejects_bad_dtype():
         BertConfig(dtype="float16")
 
 
-def _packed(ids: np.ndarray, mask: np.ndarray, types: np.ndarray, width: int) -> dict:
+def _packed(ids: np.ndarray, mask: np.ndarray, types: np.ndarray, width: int) -> tuple:
     """The batch as one packed step (batching's packing=True), client and step axes dropped."""
     from fedjax_split.data.batching import make_client_batches
     from fedjax_split.data.tokenization import Tokenized
-    from fedjax_split.fed.client import packing_kwargs
 
     n = mask.sum(1)
     tok = Tokenized(
@@ -379,9 +378,9 @@ def _packed(ids: np.ndarray, mask: np.ndarray, types: np.ndarray, width: int) ->
         tok, [np.arange(len(n))], np.zeros(len(n), np.int64), batch_size=len(n), epochs=1,
         seed=0, shuffle=False, packing=True, pack_width=width,
     )  # fmt: skip
-    step = {k: v[0, 0] for k, v in seg.items()}
-    assert step["example_index"].tolist() == list(range(len(n)))
-    return step, packing_kwargs(step)
+    step = jax.tree.map(lambda v: v[0, 0], seg)
+    assert step.example_index.tolist() == list(range(len(n)))
+    return step, step.layout()
 
 
 @pytest.mark.parametrize("width", [16, 32])  # 16: the longest example (9) rounded up to 8
@@ -391,8 +390,8 @@ def test_packed_batch_matches_transformers_example_by_example(width):
     ids, mask, types = _batch(np.random.default_rng(1), TINY, lengths=(9, 5, 1, 7, 3, 2))
     ref_logits, ref_hidden = _torch_run(model, ids, mask, types)
     step, kw = _packed(ids, mask, types, width)
-    assert step["attention_mask"].shape == ({16: 3, 32: 2}[width], width)  # rows are shared
-    args = (params, step["input_ids"], step["attention_mask"], step["token_type_ids"])
+    assert step.attention_mask.shape == ({16: 3, 32: 2}[width], width)  # rows are shared
+    args = (params, step.input_ids, step.attention_mask, step.token_type_ids)
     logits = make_apply(TINY)(*args, train=False, **kw)
     hidden, _ = make_encode(TINY)(*args, **kw)
     np.testing.assert_allclose(logits, ref_logits, atol=2e-5, rtol=0)
@@ -411,7 +410,7 @@ def test_packed_gradients_match_padded_gradients():
         return apply(p, ids, mask, types, train=False).sum()
 
     def packed(p):
-        return apply(p, step["input_ids"], step["attention_mask"], step["token_type_ids"],
+        return apply(p, step.input_ids, step.attention_mask, step.token_type_ids,
                      train=False, **kw).sum()  # fmt: skip
 
     for a, b in zip(jax.tree.leaves(jax.grad(padded)(params)),
@@ -454,7 +453,7 @@ def test_fused_attention_matches_transformers(fused_calls: list, packed: bool) -
     ref_logits, ref_hidden = _torch_run(model, ids, mask, types)
     if packed:
         step, kw = _packed(ids, mask, types, 16)
-        args = (params, step["input_ids"], step["attention_mask"], step["token_type_ids"])
+        args = (params, step.input_ids, step.attention_mask, step.token_type_ids)
     else:
         args, kw = (params, ids, mask, types), {}
     logits = make_apply(fused)(*args, train=False, **kw)
@@ -503,7 +502,7 @@ def test_fused_attention_passes_cudnns_own_checks_vmapped(packed: bool, monkeypa
     ids, mask, types = _batch(np.random.default_rng(6), TINY, lengths=(9, 5, 1, 7), t=16)
     if packed:
         step, kw = _packed(ids, mask, types, 16)
-        batch = (step["input_ids"], step["attention_mask"], step["token_type_ids"])
+        batch = (step.input_ids, step.attention_mask, step.token_type_ids)
     else:
         batch, kw = (ids, mask, types), {}
     two = lambda x: jnp.stack([jnp.asarray(x)] * 2)  # noqa: E731  two clients

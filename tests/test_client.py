@@ -42,11 +42,11 @@ def test_two_sgd_steps_match_reference_gradient(num_labels: int) -> None:
     p = params
     losses = []
     for s in range(2):
-        batch = {k: v[s] for k, v in seg[0].items()}
+        batch = jax.tree.map(lambda v, s=s: v[s], seg[0])
         loss, grads = jax.value_and_grad(reference_loss, argnums=1)(
             apply, p, batch, jax.random.fold_in(rng, s), num_labels == 1
         )
-        losses.append(float(loss) * batch["example_mask"].sum())
+        losses.append(float(loss) * batch.example_mask.sum())
         p = jax.tree.map(lambda w, d: w - lr * d, p, grads)
     got = merge_params(new_g, new_l)
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(p), strict=True):
@@ -65,16 +65,13 @@ def test_padded_steps_leave_client_bitwise_unchanged() -> None:
     padded = []
     for seg in alone:
         order = [0, 0, 1, 2, 2]  # duplicates of real batches, to be masked out
-        p = {k: v[order] for k, v in seg.items()}
-        p["step_mask"] = np.array([True, False, True, True, False])
-        padded.append(p)
-    empty = {k: v[:2].copy() for k, v in alone[0].items()}
-    empty["step_mask"] = np.array([False, False])
-    padded.insert(1, empty)
+        p = jax.tree.map(lambda v, o=order: v[o], seg)
+        padded.append(p.replace(step_mask=np.array([True, False, True, True, False])))
+    empty = jax.tree.map(lambda v: v[:2].copy(), alone[0])
+    padded.insert(1, empty.replace(step_mask=np.array([False, False])))
     # A step marked real but with no real example counts as padding too.
-    no_rows = {k: v[:1].copy() for k, v in alone[0].items()}
-    no_rows["example_mask"] = np.zeros_like(no_rows["example_mask"])
-    padded.append(no_rows)
+    no_rows = jax.tree.map(lambda v: v[:1].copy(), alone[0])
+    padded.append(no_rows.replace(example_mask=np.zeros_like(no_rows.example_mask)))
 
     spec = ClientSpec(apply, CLASSIFICATION, default_client_optimizer(1e-3), prox_mu=0.01)
     update = jax.jit(make_client_update(spec))
@@ -85,7 +82,7 @@ def test_padded_steps_leave_client_bitwise_unchanged() -> None:
     _assert_trees_equal(a, b)
     assert int(b[2].num_steps) == 6
     # and the padding really was there to be ignored: without masks the result differs
-    unmasked = [{**s, "step_mask": np.ones_like(s["step_mask"])} for s in padded[:1]]
+    unmasked = [s.replace(step_mask=np.ones_like(s.step_mask)) for s in padded[:1]]
     c = update(g, loc, unmasked + padded[1:], key)
     assert not np.array_equal(
         np.asarray(c[1]["classifier"]["kernel"]), np.asarray(b[1]["classifier"]["kernel"])
@@ -113,7 +110,7 @@ def test_fedprox_in_client_update_acts_on_global_part_only() -> None:
     key = jax.random.key(0)
     plain = jax.jit(make_client_update(ClientSpec(apply, CLASSIFICATION, optax.sgd(lr))))
     prox = jax.jit(make_client_update(ClientSpec(apply, CLASSIFICATION, optax.sgd(lr), prox_mu=mu)))
-    one_step = [{**seg[0], "step_mask": np.array([True, False])}]  # same shapes: no recompile
+    one_step = [seg[0].replace(step_mask=np.array([True, False]))]  # same shapes: no recompile
     g1, _, _ = plain(g, loc, one_step, key)
     g2p, l2p, _ = plain(g, loc, seg, key)
     g2x, l2x, _ = prox(g, loc, seg, key)
@@ -142,7 +139,7 @@ def test_dropout_keys_differ_per_step_and_follow_fold_in() -> None:
     # so training the identical batch twice differs from SGD with one key reused (checked below).
     apply, params = tiny_model(dropout=0.3)
     seg = client_slice(make_segments(np.random.default_rng(3), [1], 1), 0)
-    x = {k: v[0] for k, v in seg[0].items()}
+    x = jax.tree.map(lambda v: v[0], seg[0])
     l0 = reference_loss(apply, params, x, step_rng(key, 0), False)
     l1 = reference_loss(apply, params, x, step_rng(key, 1), False)
     assert float(l0) != float(l1)
@@ -181,8 +178,8 @@ def test_packed_segments_train_like_padded_ones() -> None:
     kw = dict(batch_size=4, epochs=2, seed=1, bucketing=False)
     (padded,) = make_client_batches(tok, [np.arange(22)], labels, **kw)
     (packed,) = make_client_batches(tok, [np.arange(22)], labels, packing=True, **kw)
-    np.testing.assert_array_equal(padded["example_index"], packed["example_index"])
-    assert packed["input_ids"].size < padded["input_ids"].size
+    np.testing.assert_array_equal(padded.example_index, packed.example_index)
+    assert packed.input_ids.size < padded.input_ids.size
 
     spec = ClientSpec(apply, CLASSIFICATION, default_client_optimizer(1e-2))
     update = jax.jit(make_client_update(spec))

@@ -36,22 +36,22 @@ def _own_models(params):
 def _expected(apply, params, seg, k, regression):
     """Client k's real rows scored one batch at a time (no vmap, no scan)."""
     preds, labels = [], []
-    for s in range(seg["input_ids"].shape[1]):
-        if not seg["step_mask"][k, s]:
+    for s in range(seg.input_ids.shape[1]):
+        if not seg.step_mask[k, s]:
             continue
         logits = np.asarray(
             apply(
                 params,
-                seg["input_ids"][k, s],
-                seg["attention_mask"][k, s],
-                seg["token_type_ids"][k, s],
+                seg.input_ids[k, s],
+                seg.attention_mask[k, s],
+                seg.token_type_ids[k, s],
                 train=False,
             )
         )
         out = logits[:, 0] if regression else logits.argmax(-1)
-        keep = seg["example_mask"][k, s] > 0
+        keep = seg.example_mask[k, s] > 0
         preds.append(out[keep])
-        labels.append(seg["labels"][k, s][keep])
+        labels.append(seg.labels[k, s][keep])
     return np.concatenate(preds), np.concatenate(labels)
 
 
@@ -61,9 +61,9 @@ def test_evaluate_clients_personalised_and_masked() -> None:
     segs = make_segments(np.random.default_rng(0), [3, 1, 2], 3, num_segments=2)
     # make padded rows conspicuous: their labels must never come back
     for i, seg in enumerate(segs):
-        seg["labels"][seg["example_mask"] == 0] = 99
-        index = np.arange(seg["labels"].size, dtype=np.int32).reshape(seg["labels"].shape)
-        seg["example_index"] = np.where(seg["example_mask"] > 0, index + 1000 * i, -1)
+        seg.labels[seg.example_mask == 0] = 99
+        index = np.arange(seg.labels.size, dtype=np.int32).reshape(seg.labels.shape)
+        segs[i] = seg.replace(example_index=np.where(seg.example_mask > 0, index + 1000 * i, -1))
     got = evaluate_clients(apply, g, stacked, segs, CLASSIFICATION, chunk_size=2)
     assert len(got) == K
     for k in range(K):
@@ -72,7 +72,7 @@ def test_evaluate_clients_personalised_and_masked() -> None:
         np.testing.assert_array_equal(got[k].predictions, np.concatenate([p for p, _ in parts]))
         np.testing.assert_array_equal(got[k].labels, np.concatenate([lab for _, lab in parts]))
         assert 99 not in got[k].labels
-        want_index = [seg["example_index"][k][seg["example_mask"][k] > 0] for seg in segs]
+        want_index = [seg.example_index[k][seg.example_mask[k] > 0] for seg in segs]
         np.testing.assert_array_equal(got[k].example_index, np.concatenate(want_index))
     assert [len(r.labels) for r in got] == [2 * 11, 2 * 3, 2 * 7]
     # guard: the clients' models disagree on client 0's rows, so a mix-up would be caught
@@ -115,30 +115,29 @@ def test_token_predictions_of_segments_of_different_lengths() -> None:
     segs = []
     for length in (6, 9):
         seg = make_segments(rng, [2, 1, 2], 2, length=length)[0]
-        labels = rng.integers(0, 4, size=seg["input_ids"].shape).astype(np.int32)
-        seg["labels"] = np.where(seg["attention_mask"] > 0, labels, IGNORE)
-        segs.append(seg)
+        labels = rng.integers(0, 4, size=seg.input_ids.shape).astype(np.int32)
+        segs.append(seg.replace(labels=np.where(seg.attention_mask > 0, labels, IGNORE)))
     got = evaluate_clients(apply, params, {}, segs, TOKEN_CLASSIFICATION)
     for k, res in enumerate(got):
         assert res.predictions.shape == res.labels.shape and res.predictions.shape[1] == 9
         rows = []
         for seg in segs:
-            for s in range(seg["input_ids"].shape[1]):
+            for s in range(seg.input_ids.shape[1]):
                 logits = np.asarray(
                     apply(
                         params,
-                        seg["input_ids"][k, s],
-                        seg["attention_mask"][k, s],
-                        seg["token_type_ids"][k, s],
+                        seg.input_ids[k, s],
+                        seg.attention_mask[k, s],
+                        seg.token_type_ids[k, s],
                         train=False,
                     )
                 )
-                for b in np.nonzero(seg["example_mask"][k, s] * seg["step_mask"][k, s])[0]:
+                for b in np.nonzero(seg.example_mask[k, s] * seg.step_mask[k, s])[0]:
                     pad = 9 - logits.shape[1]
                     rows.append(
                         (
                             np.pad(logits[b].argmax(-1), (0, pad), constant_values=IGNORE),
-                            np.pad(seg["labels"][k, s, b], (0, pad), constant_values=IGNORE),
+                            np.pad(seg.labels[k, s, b], (0, pad), constant_values=IGNORE),
                         )
                     )
         np.testing.assert_array_equal(res.predictions, np.stack([p for p, _ in rows]))

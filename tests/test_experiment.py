@@ -174,7 +174,7 @@ def test_packing_setting_reaches_every_rounds_batches(
     real_run_round = rounds.run_round
 
     def spy(spec, state, local, num_examples, segments, *a, **kw):
-        seen.append(all("cls_index" in s for s in segments))
+        seen.append(all(s.packed for s in segments))
         chunks.append(spec.chunk_size)
         return real_run_round(spec, state, local, num_examples, segments, *a, **kw)
 

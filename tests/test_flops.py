@@ -59,7 +59,6 @@ def test_packed_forward_flops_match_the_models_matmuls():
     """A packed batch (token stream + attention rows): the formula vs the jaxpr's dot_generals."""
     from fedjax_split.data.batching import make_client_batches
     from fedjax_split.data.tokenization import Tokenized
-    from fedjax_split.fed.client import packing_kwargs
     from fedjax_split.models.flops import packed_forward_flops, segment_train_flops
 
     config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -69,12 +68,12 @@ def test_packed_forward_flops_match_the_models_matmuls():
     tok = Tokenized([jnp.ones(n, jnp.int32) for n in lengths], None, lengths)
     (seg,) = make_client_batches(tok, [range(5)], [0] * 5, batch_size=5, epochs=1, seed=0,
                                  packing=True, pack_width=16)  # fmt: skip
-    step = {k: v[0, 0] for k, v in seg.items()}
-    n, (r, w) = step["input_ids"].shape[0], step["attention_mask"].shape
+    step = jax.tree.map(lambda v: v[0, 0], seg)
+    n, (r, w) = step.input_ids.shape[0], step.attention_mask.shape
     assert n == 40 and w == 16  # 36 tokens rounded up to a multiple of 8
     jaxpr = jax.make_jaxpr(
-        lambda p: make_apply(config)(p, step["input_ids"], step["attention_mask"],
-                                     step["token_type_ids"], train=False, **packing_kwargs(step))
+        lambda p: make_apply(config)(p, step.input_ids, step.attention_mask,
+                                     step.token_type_ids, train=False, **step.layout())
     )(params)  # fmt: skip
     assert packed_forward_flops(config, n, r, w, 5) == _dot_flops(jaxpr.jaxpr)
     assert segment_train_flops(config, seg) == 3 * packed_forward_flops(config, n, r, w, 5)

@@ -202,7 +202,7 @@ def test_determinism_same_seed_bitwise_and_donation_safe() -> None:
 
 def test_keys_differ_across_clients() -> None:
     # Clients 0 and 1: identical data and starting params; only their dropout keys differ.
-    segs = [{k: np.stack([v[0], v[0], v[2]]) for k, v in s.items()} for s in SEGMENTS]
+    segs = [jax.tree.map(lambda v: np.stack([v[0], v[0], v[2]]), s) for s in SEGMENTS]
     state, local = _setup(1)
     local = jax.tree.map(lambda x: jnp.stack([x[0], x[0], x[2]]), local)
     _, new_local, res = run_round(SPEC_FEDAVG, state, local, WEIGHTS, segs, SEED_KEY)
@@ -309,7 +309,7 @@ def test_packed_round_vmapped_chunked_and_one_at_a_time_agree() -> None:
     """Packed segments, dropout on: the vmapped round, the sharded one-client-at-a-time round
     and clients trained alone by the client update give the same models."""
     segs = _packed_segments()
-    assert all("cls_index" in s for s in segs) and not all(s["step_mask"].all() for s in segs)
+    assert all(s.packed for s in segs) and not all(s.step_mask.all() for s in segs)
     state, local = _setup(1)
     a = run_round(SPEC_FEDAVG, state, local, WEIGHTS, segs, SEED_KEY)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("clients",))
@@ -333,11 +333,11 @@ def test_host_loop_round_equals_vmapped_round(packed: bool, c: int) -> None:
     """chunk_size=1 without a mesh: clients run one at a time from the host, each state in its own
     buffers; same models, losses and metrics as the vmapped round (masked steps included)."""
     segs = _packed_segments() if packed else SEGMENTS
-    assert not all(s["step_mask"].all() for s in segs)  # some clients have padded steps
+    assert not all(s.step_mask.all() for s in segs)  # some clients have padded steps
     if packed:  # each client trains on its own part, some cut to a smaller shape of the round
         pairs = zip(segs, client_segments(segs), strict=True)
         cut = [p for s, ps in pairs for p in ps if p is not None and
-               p["input_ids"].shape[-1] < s["input_ids"].shape[-1]]  # fmt: skip
+               p.input_ids.shape[-1] < s.input_ids.shape[-1]]  # fmt: skip
         assert cut
     spec = RoundSpec(CLIENT, FEDAVG, "float32", chunk_size=1, donate=True)
     assert one_at_a_time(spec)
@@ -417,9 +417,9 @@ def _frozen_reference(trained_global: dict, frozen: dict, client_ids=(0, 1, 2)) 
         key = jax.random.fold_in(jax.random.fold_in(SEED_KEY, 0), cid)
         taken = 0
         for seg in client_slice(SEGMENTS, pos):
-            for s in range(seg["step_mask"].shape[0]):
-                batch = {k: v[s] for k, v in seg.items()}
-                if not batch["step_mask"] or batch["example_mask"].sum() == 0:
+            for s in range(seg.step_mask.shape[0]):
+                batch = jax.tree.map(lambda v, s=s: v[s], seg)
+                if not batch.step_mask or batch.example_mask.sum() == 0:
                     continue
                 g = grad(params, batch, jax.random.fold_in(key, taken))
                 updates, opt_state = opt.update(g, opt_state, params)

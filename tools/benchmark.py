@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_split.data import batching
+from fedjax_split.data.batch import apply_batch
 from fedjax_split.data.objectives import CLASSIFICATION
 from fedjax_split.errors import UserError, report
 from fedjax_split.fed import client, server_optimizers
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> dict:
     state = rounds.init_server_state(g, server_opt, "float32")
     locals_k = rounds.replicate(local, args.clients)
     n_i = np.array([len(ix) for ix in clients_ix], np.float32)
-    segs = [{k: jnp.asarray(v) for k, v in client.segment_arrays(s).items()} for s in segments]
+    segs = [jax.tree.map(jnp.asarray, s.for_training()) for s in segments]
     rng = jax.random.key(0)
 
     def vmapped():
@@ -195,10 +196,9 @@ def run(args: argparse.Namespace) -> dict:
         own = []
         for part in own_parts:
             if part is not None:
-                real = np.flatnonzero(part["step_mask"][0])
-                own.append(
-                    {k: jnp.asarray(v[0][real]) for k, v in client.segment_arrays(part).items()}
-                )
+                real = np.flatnonzero(part.step_mask[0])
+                take = lambda v, r=real: jnp.asarray(v[0][r])  # noqa: E731
+                own.append(jax.tree.map(take, part.for_training()))
         per_client.append(own)
 
     def sequential():
@@ -212,16 +212,8 @@ def run(args: argparse.Namespace) -> dict:
     @jax.jit
     def step(p, o, batch, key):
         def loss(p):
-            logits = apply(
-                p,
-                batch["input_ids"],
-                batch["attention_mask"],
-                batch["token_type_ids"],
-                train=True,
-                rng=key,
-                **client.packing_kwargs(batch),
-            )
-            total, n = CLASSIFICATION.loss_sums(logits, batch["labels"], batch["example_mask"])
+            logits = apply_batch(apply, p, batch, train=True, rng=key)
+            total, n = CLASSIFICATION.loss_sums(logits, batch.labels, batch.example_mask)
             return total / jnp.maximum(n, 1.0)
 
         grads = jax.grad(loss)(p)
@@ -234,8 +226,8 @@ def run(args: argparse.Namespace) -> dict:
             p = merge_params(g, local)
             o = opt.init(p)
             for s in pc:
-                for j in range(s["step_mask"].shape[0]):
-                    batch = {k: v[j] for k, v in s.items() if k != "step_mask"}
+                for j in range(s.step_mask.shape[0]):
+                    batch = jax.tree.map(lambda v, j=j: v[j], s.replace(step_mask=None))
                     p, o = step(p, o, batch, jax.random.fold_in(jax.random.key(i), int(j)))
             out = p
         return out
@@ -262,7 +254,7 @@ def run(args: argparse.Namespace) -> dict:
                    "attention": args.attention,
                    "chunk_size": args.chunk_size, "bucketing": not args.no_bucketing,
                    "packing": args.packing,
-                   "segment_shapes": [list(s["input_ids"].shape) for s in segments]},
+                   "segment_shapes": [list(s.input_ids.shape) for s in segments]},
         "peak": peak,
         "round": {"compile_s": compile_s - round_s, "seconds": round_s,
                   "tokens_per_s": real_tokens / round_s,

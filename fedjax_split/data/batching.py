@@ -1,12 +1,12 @@
 """Per-client mini-batches stacked on a leading client axis, with step masks and length bucketing.
 
-A *segment* is a dict of numpy arrays with a client axis K and a step axis S (see
-docs/architecture.md): input_ids / attention_mask / token_type_ids int32 [K, S, B, T], labels
-[K, S, B] (int32, float32 for regression; a token task's int32 [K, S, B, T], IGNORE where no
-label is: see data.objectives), example_mask float32 [K, S, B], step_mask bool [K, S],
-and example_index int32 [K, S, B] (pool index of each row, -1 for padding; the client update
-ignores it, evaluation uses it to map predictions back to examples). Segments are consumed in
-order; T differs between segments.
+A *segment* is a typed batch (`data.batch.Batch`, or `PackedBatch` with packing) of numpy
+arrays with a client axis K and a step axis S (see docs/architecture.md): input_ids /
+attention_mask / token_type_ids int32 [K, S, B, T], labels [K, S, B] (int32, float32 for
+regression; a token task's int32 [K, S, B, T], IGNORE where no label is: see data.objectives),
+example_mask float32 [K, S, B], step_mask bool [K, S], and example_index int32 [K, S, B] (pool
+index of each row, -1 for padding; the client update ignores it, evaluation uses it to map
+predictions back to examples). Segments are consumed in order; T differs between segments.
 
 Why bucketing: sentence tasks average about 25 tokens, so padding every batch to the longest
 example computes mostly padding. With `bucketing=True` (default) the order of a client's SGD steps
@@ -52,11 +52,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
+from fedjax_split.data.batch import Batch, PackedBatch
 from fedjax_split.data.objectives import CLASSIFICATION, IGNORE, Classification
 
-Segment = dict[str, np.ndarray]
+Segment = Batch  # a Batch (or PackedBatch) with leading [K, S] axes
 _TAG_CLIENT = 0x63_6C_69  # "cli"
 _TAG_ORDER = 0x6F_72_64  # "ord"
 _GRID = 256  # candidate bucket cut points: quantiles j / _GRID of each client's batch ranks
@@ -205,15 +207,15 @@ def _assemble(
     else:
         seg_labels = np.where(real, labels[safe], 0)
     seg_labels = seg_labels.astype(label_dtype)
-    return {
-        "input_ids": input_ids.astype(np.int32),
-        "attention_mask": attention.astype(np.int32),
-        "token_type_ids": types.astype(np.int32),
-        "labels": seg_labels,
-        "example_mask": real.astype(np.float32),
-        "step_mask": steps_real,
-        "example_index": rows.astype(np.int32),
-    }
+    return Batch(
+        input_ids=input_ids.astype(np.int32),
+        attention_mask=attention.astype(np.int32),
+        token_type_ids=types.astype(np.int32),
+        labels=seg_labels,
+        example_mask=real.astype(np.float32),
+        step_mask=steps_real,
+        example_index=rows.astype(np.int32),
+    )
 
 
 def _first_fit(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -288,19 +290,19 @@ def _assemble_packed(
                 at += n
     safe = np.where(real, rows, 0)
     example_labels = np.where(real, labels[safe], 0) if stream_labels is None else stream_labels
-    return {
-        "input_ids": ids,
-        "attention_mask": example_no,
-        "token_type_ids": types,
-        "position_ids": positions,
-        "row_tokens": row_tokens,
-        "token_slots": token_slots,
-        "cls_index": cls_index,
-        "labels": example_labels.astype(label_dtype),
-        "example_mask": real.astype(np.float32),
-        "step_mask": steps_real,
-        "example_index": rows.astype(np.int32),
-    }
+    return PackedBatch(
+        input_ids=ids,
+        attention_mask=example_no,
+        token_type_ids=types,
+        position_ids=positions,
+        row_tokens=row_tokens,
+        token_slots=token_slots,
+        cls_index=cls_index,
+        labels=example_labels.astype(label_dtype),
+        example_mask=real.astype(np.float32),
+        step_mask=steps_real,
+        example_index=rows.astype(np.int32),
+    )
 
 
 def _stack(batches: list[list[np.ndarray]], batch_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -523,12 +525,12 @@ def make_eval_batches(
 
 def packed_shape(segment: Segment) -> tuple[int, int, int] | None:
     """(S, N, R) of a packed segment (steps, stream tokens, attention rows); None if padded."""
-    if "cls_index" not in segment:
+    if not segment.packed:
         return None
     return (
-        segment["input_ids"].shape[1],
-        segment["input_ids"].shape[2],
-        segment["attention_mask"].shape[2],
+        segment.input_ids.shape[1],
+        segment.input_ids.shape[2],
+        segment.attention_mask.shape[2],
     )
 
 
@@ -546,33 +548,29 @@ def client_segments(segments: Sequence[Segment]) -> list[list[Segment | None]]:
     """
     shapes = {packed_shape(s) for s in segments} - {None}
     return [
-        [_client_part(seg, i, shapes) for i in range(len(seg["step_mask"]))] for seg in segments
+        [_client_part(seg, i, shapes) for i in range(len(seg.step_mask))] for seg in segments
     ]
 
 
 def _client_part(segment: Segment, i: int, shapes: set) -> Segment | None:
-    steps = np.asarray(segment["step_mask"][i]) & (
-        np.asarray(segment["example_mask"][i]).sum(-1) > 0
-    )
+    steps = np.asarray(segment.step_mask[i]) & (np.asarray(segment.example_mask[i]).sum(-1) > 0)
     if not steps.any():
         return None
-    own = {key: np.asarray(value[i : i + 1]) for key, value in segment.items()}
+    own = jax.tree.map(lambda value: np.asarray(value[i : i + 1]), segment)
     shape = packed_shape(own)
     if shape is None:
         return own
-    slots = own["attention_mask"][0][steps] > 0  # [real steps, R, W]
+    slots = own.attention_mask[0][steps] > 0  # [real steps, R, W]
     tokens = int(slots.sum(axis=(1, 2)).max())
     used = int(slots.any(axis=2).sum(axis=1).max())  # first-fit fills rows 0, 1, ...
     fits = [(n, r) for s, n, r in shapes if s == shape[0] and n >= tokens and r >= used]
     n, rows = min(fits, default=shape[1:])
     stream = ["input_ids", "token_type_ids", "position_ids", "token_slots"]
-    if own["labels"].shape == own["input_ids"].shape:  # a token task's labels follow the stream
+    if own.labels.shape == own.input_ids.shape:  # a token task's labels follow the stream
         stream.append("labels")
-    for key in stream:
-        own[key] = own[key][..., :n]
-    for key in ("row_tokens", "attention_mask"):
-        own[key] = own[key][..., :rows, :]
-    return own
+    cut = {key: getattr(own, key)[..., :n] for key in stream}
+    cut.update({key: getattr(own, key)[..., :rows, :] for key in ("row_tokens", "attention_mask")})
+    return own.replace(**cut)
 
 
 def padding_waste(segments: Sequence[Segment], skip_masked_steps: bool = False) -> float:
@@ -586,12 +584,12 @@ def padding_waste(segments: Sequence[Segment], skip_masked_steps: bool = False) 
     computed = 0
     real = 0
     for seg in segments:
-        steps = np.asarray(seg["step_mask"])
-        per_step = int(np.prod(seg["input_ids"].shape[2:]))
+        steps = np.asarray(seg.step_mask)
+        per_step = int(np.prod(seg.input_ids.shape[2:]))
         computed += (int(steps.sum()) if skip_masked_steps else steps.size) * per_step
-        if "cls_index" in seg:  # packed: example numbers, 0 = padding
-            tokens = np.asarray(seg["attention_mask"]) > 0
+        if seg.packed:  # packed: example numbers, 0 = padding
+            tokens = np.asarray(seg.attention_mask) > 0
         else:
-            tokens = seg["attention_mask"] * seg["example_mask"][..., None].astype(np.int64)
+            tokens = seg.attention_mask * seg.example_mask[..., None].astype(np.int64)
         real += int(np.sum(tokens * steps.reshape(steps.shape + (1,) * (tokens.ndim - 2))))
     return 0.0 if computed == 0 else 1.0 - real / computed

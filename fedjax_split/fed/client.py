@@ -19,39 +19,19 @@ shift a client's key sequence either: a padded client ends bitwise where it woul
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_split.data.batch import Batch, apply_batch
 from fedjax_split.errors import UserError
 from fedjax_split.fed.roles import merge_params
 
 Apply = Callable[..., jax.Array]
-Segment = Mapping[str, jax.Array]
-
-SEGMENT_KEYS = (
-    "input_ids",
-    "attention_mask",
-    "token_type_ids",
-    "labels",
-    "example_mask",
-    "step_mask",
-)
-PACKING_KEYS = ("position_ids", "row_tokens", "token_slots", "cls_index")
-"""Extra keys of packed segments (`batching.make_client_batches(packing=True)`)."""
-
-
-def segment_arrays(segment: Segment) -> dict[str, jax.Array]:
-    """The arrays of a segment that a client update consumes (packing keys when present)."""
-    return {k: segment[k] for k in SEGMENT_KEYS + PACKING_KEYS if k in segment}
-
-
-def packing_kwargs(batch: Segment) -> dict[str, jax.Array]:
-    """The packed layout's keyword arguments for the model's apply (none for a padded batch)."""
-    return {k: batch[k] for k in PACKING_KEYS if k in batch}
+Segment = Batch  # a client's segment: a Batch (or PackedBatch) with a leading step axis S
 
 
 class ClientMetrics(NamedTuple):
@@ -140,19 +120,12 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
     opt = spec.optimizer
 
     def loss_fn(
-        trainable: tuple[Any, Any], received: Any, batch: Segment, key: jax.Array, constants: Any
+        trainable: tuple[Any, Any], received: Any, batch: Batch, key: jax.Array, constants: Any
     ):
         g, loc = trainable
-        logits = spec.apply(
-            merge_params(g, loc, constants),
-            batch["input_ids"],
-            batch["attention_mask"],
-            batch["token_type_ids"],
-            train=True,
-            rng=key,
-            **packing_kwargs(batch),
-        )
-        loss_sum, n = spec.objective.loss_sums(logits, batch["labels"], batch["example_mask"])
+        params = merge_params(g, loc, constants)
+        logits = apply_batch(spec.apply, params, batch, train=True, rng=key)
+        loss_sum, n = spec.objective.loss_sums(logits, batch.labels, batch.example_mask)
         loss = loss_sum / jnp.maximum(n, 1.0)
         if spec.prox_mu:
             loss = loss + prox_term(g, received, spec.prox_mu)
@@ -169,7 +142,7 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
         state: ClientState, segment: Segment, received: Any, rng: jax.Array, constants: Any = None
     ) -> ClientState:
         constants = {} if constants is None else constants
-        def real_step(state: ClientState, batch: Segment) -> ClientState:
+        def real_step(state: ClientState, batch: Batch) -> ClientState:
             params, opt_state = state.params, state.opt_state
             key = step_rng(rng, state.steps)
             (_, (loss_sum, n)), grads = grad_fn(params, received, batch, key, constants)
@@ -182,15 +155,14 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
                 state.num_examples + n,
             )
 
-        def step(state: ClientState, batch: Segment) -> tuple[ClientState, None]:
+        def step(state: ClientState, batch: Batch) -> tuple[ClientState, None]:
             # A step with no real example is padding too (AdamW would still decay the weights).
             # lax.cond skips the work of a padded step when clients run one at a time
             # (chunk_size=1); under vmap it becomes a select, which keeps the state exactly.
-            real = jnp.logical_and(batch["step_mask"], jnp.sum(batch["example_mask"]) > 0)
+            real = jnp.logical_and(batch.step_mask, jnp.sum(batch.example_mask) > 0)
             return jax.lax.cond(real, real_step, lambda s, _: s, state, batch), None
 
-        batches = segment_arrays(segment)
-        return jax.lax.scan(step, state, batches)[0]
+        return jax.lax.scan(step, state, segment.for_training())[0]
 
     def finish(state: ClientState) -> tuple[Any, Any, ClientMetrics]:
         new_global, new_local = state.params
@@ -205,7 +177,7 @@ def make_client_update(
     """Returns `update(global_params, local_params, segments, rng, constants=None) -> (global,
     local, metrics)`.
 
-    `segments`: one client's segments in order, dicts of arrays [S, B, T] or packed (labels and
+    `segments`: one client's segments in order, typed batches [S, B, T] or packed (labels and
     example_mask [S, B], step_mask [S]); `constants`: frozen parameters (not trained). The update
     is pure and jit/vmap-able; it does not jit itself.
     """

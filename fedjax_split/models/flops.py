@@ -54,13 +54,13 @@ def segment_train_flops(config: _Shape, segment: Any, skip_masked_steps: bool = 
     """Matmul FLOPs a training segment [K, S, ...] computes, padding included (hardware FLOPs).
 
     Masked steps count unless `skip_masked_steps` (clients one at a time skip them)."""
-    steps_mask = segment["step_mask"]
+    steps_mask = segment.step_mask
     steps = int(steps_mask.sum()) if skip_masked_steps else int(steps_mask.size)
-    if "cls_index" in segment:
-        rows, width = segment["attention_mask"].shape[-2:]
+    if segment.packed:
+        rows, width = segment.attention_mask.shape[-2:]
         per_step = packed_forward_flops(
-            config, segment["input_ids"].shape[-1], rows, width, segment["cls_index"].shape[-1]
+            config, segment.input_ids.shape[-1], rows, width, segment.cls_index.shape[-1]
         )
     else:
-        per_step = forward_flops(config, *segment["input_ids"].shape[-2:])
+        per_step = forward_flops(config, *segment.input_ids.shape[-2:])
     return 3 * per_step * steps

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from fedjax_split.data.batch import Batch, apply_batch
 from fedjax_split.data.objectives import IGNORE
 from fedjax_split.fed.roles import merge_params
 
@@ -33,22 +34,15 @@ class ClientPredictions(NamedTuple):
 
 @functools.lru_cache(maxsize=32)
 def _predict_fn(apply: Apply, objective: Any, chunk_size: int | None):
-    def one_client(global_params: Any, local: Any, seg: Mapping[str, jax.Array]) -> jax.Array:
+    def one_client(global_params: Any, local: Any, seg: Batch) -> jax.Array:
         params = merge_params(global_params, local)
 
-        def one_step(batch: Mapping[str, jax.Array]) -> jax.Array:
-            logits = apply(
-                params,
-                batch["input_ids"],
-                batch["attention_mask"],
-                batch["token_type_ids"],
-                train=False,
-            )
-            return objective.predict(logits)
+        def one_step(batch: Batch) -> jax.Array:
+            return objective.predict(apply_batch(apply, params, batch, train=False))
 
         return jax.lax.map(one_step, seg)
 
-    def predict(global_params: Any, local_params: Any, seg: Mapping[str, jax.Array]) -> jax.Array:
+    def predict(global_params: Any, local_params: Any, seg: Batch) -> jax.Array:
         fn = functools.partial(one_client, global_params)
         if chunk_size is None:
             return jax.vmap(fn)(local_params, seg)
@@ -61,7 +55,7 @@ def evaluate_clients(
     apply: Apply,
     global_params: Any,
     local_params: Any,
-    segments: Sequence[Mapping[str, Any]],
+    segments: Sequence[Batch],
     objective: Any,
     *,
     chunk_size: int | None = None,
@@ -74,12 +68,11 @@ def evaluate_clients(
     columns: list[dict[str, list[np.ndarray]]] = []
     predict = _predict_fn(apply, objective, chunk_size)
     for seg in segments:
-        inputs = {k: seg[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
-        rows = {"predictions": np.asarray(predict(global_params, local_params, inputs))}
-        rows["labels"] = np.asarray(seg["labels"])
-        if "example_index" in seg:
-            rows["example_index"] = np.asarray(seg["example_index"])
-        real = (np.asarray(seg["example_mask"]) > 0) & np.asarray(seg["step_mask"])[:, :, None]
+        predictions = predict(global_params, local_params, seg.model_inputs())
+        rows = {"predictions": np.asarray(predictions), "labels": np.asarray(seg.labels)}
+        if seg.example_index is not None:
+            rows["example_index"] = np.asarray(seg.example_index)
+        real = (np.asarray(seg.example_mask) > 0) & np.asarray(seg.step_mask)[:, :, None]
         if not columns:
             columns = [{name: [] for name in rows} for _ in range(real.shape[0])]
         for k, client in enumerate(columns):
@@ -105,7 +98,7 @@ def _concat(parts: Sequence[np.ndarray]) -> np.ndarray:
 def evaluate_pooled(
     apply: Apply,
     params: Any,
-    segments: Sequence[Mapping[str, Any]],
+    segments: Sequence[Batch],
     objective: Any,
     *,
     chunk_size: int | None = None,

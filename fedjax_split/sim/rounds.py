@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -46,16 +46,11 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from fedjax_split.data.batch import Batch
 from fedjax_split.data.batching import client_segments
 from fedjax_split.errors import UserError
 from fedjax_split.fed.aggregation import weighted_mean, weighted_mean_each
-from fedjax_split.fed.client import (
-    ClientMetrics,
-    ClientSpec,
-    ClientState,
-    make_client_fns,
-    segment_arrays,
-)
+from fedjax_split.fed.client import ClientMetrics, ClientSpec, ClientState, make_client_fns
 from fedjax_split.fed.roles import merge_params, select
 from fedjax_split.fed.server import ServerState, init_server_state, server_update, upload
 from fedjax_split.fed.wire import cast_from_wire, cast_to_wire, tree_bytes, wire_dtype
@@ -217,7 +212,7 @@ def round_functions(spec: RoundSpec) -> RoundFns:
     def segment_one(
         client_state: ClientState, state: ServerState, seg: Any, key: jax.Array, frozen: Any = None
     ):
-        own = jax.tree.map(lambda x: x[0], segment_arrays(seg))  # a segment of one client
+        own = jax.tree.map(lambda x: x[0], seg)  # a segment of one client
         received, constants = download(state, frozen)
         return fns.train_segment(client_state, own, received, key, constants)
 
@@ -257,10 +252,10 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         keys: jax.Array,
         frozen: Any = None,
     ):
-        pad = keys.shape[0] - seg["step_mask"].shape[0]
-        arrays = segment_arrays(seg)
-        data = _pad_clients({k: v for k, v in arrays.items() if k != "step_mask"}, pad)
-        data["step_mask"] = _pad_clients(seg["step_mask"], pad, False)
+        pad = keys.shape[0] - seg.step_mask.shape[0]
+        data = _pad_clients(seg.replace(step_mask=None), pad).replace(
+            step_mask=_pad_clients(seg.step_mask, pad, False)
+        )
         received, constants = download(state, frozen)
         return train(client_states, received, data, keys, constants)
 
@@ -323,7 +318,7 @@ def _run_one_at_a_time(
     local_params: Any,
     ids: jax.Array,
     rng: jax.Array,
-    segs: list[dict[str, Any]],
+    segs: list[Batch],
     weights: np.ndarray,
     frozen: Any,
 ) -> tuple[ServerState, Any, ClientMetrics]:
@@ -382,7 +377,7 @@ def run_round(
     server_state: ServerState,
     local_params: Any,
     num_examples: Any,
-    segments: Sequence[Mapping[str, Any]],
+    segments: Sequence[Batch],
     rng: jax.Array,
     client_ids: Any = None,
     frozen: Any = None,
@@ -407,7 +402,7 @@ def run_round(
     num_sampled = weights.shape[0]
     if client_ids is None:
         client_ids = np.arange(num_sampled, dtype=np.int32)
-    segs = [segment_arrays(seg) for seg in segments]
+    segs = [seg.for_training() for seg in segments]
     frozen = {} if frozen is None else frozen
     per_client_down, per_client_up = client_bytes(spec, server_state.global_params)
     fns = round_functions(spec)
