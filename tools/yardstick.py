@@ -26,6 +26,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -54,11 +55,13 @@ def _flops(setup: Any, sampled: list[int]) -> tuple[int, int]:
 def ours(config: Any, rounds: int) -> tuple[Any, list[dict[str, Any]]]:
     """The experiment's own rounds, as run_experiment runs them (no files written)."""
     from fedjax_split.run import experiment, xla_cache
+    from fedjax_split.sim.client_store import ClientStore
     from fedjax_split.sim.devices import use_cpu_devices
 
     xla_cache.enable()
     use_cpu_devices(config.cpu_devices)
     setup = experiment.build(config)
+    setup.store = ClientStore.create(tempfile.mkdtemp(prefix="yardstick-"), setup.local0)
     history: list[dict[str, Any]] = []
     for r in range(1, rounds + 1):
         history.append(experiment.run_one_round(setup, r, history))
