@@ -59,6 +59,7 @@ class Setup:
     num_frozen: int
     prefetched: tuple[int, list[Any]] | None = None  # (round, its clients' training steps)
     store: Any = None  # sim.client_store.ClientStore of the run: each client's local part
+    checkpoint_seconds: float = 0.0  # spent saving checkpoints (and pruning the store) this run
 
     def local_part(self, client: int) -> Any:
         """`client`'s local part now (the initial one before it trains, or without a store)."""
@@ -453,8 +454,10 @@ def run_experiment(
             history.append(record)
             outputs.append_jsonl(run_dir / "metrics.jsonl", record)
             if config.checkpoint_every and (r % config.checkpoint_every == 0 or r == config.rounds):
+                t_ck = time.perf_counter()
                 checkpointer.save(r, _state(setup), {**meta_static, "history": history})
                 setup.store.prune(min(checkpointer.all_rounds()))
+                setup.checkpoint_seconds += time.perf_counter() - t_ck
             bar.round_done(record, setup.task.primary_metric)
             if on_round_end is not None:
                 on_round_end(r, record)
@@ -560,6 +563,10 @@ def run_one_round(setup: Setup, r: int, history: Sequence[dict[str, Any]]) -> di
     return record
 
 
+def _bytes_under(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
 def make_summary(setup: Setup, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The run at a glance: final and best primary metric, bytes, time, sizes."""
     from fedjax_split.run import malloc
@@ -593,4 +600,9 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]]) -> dict[str, A
         "local_params_per_client": setup.num_local,
         "frozen_params": setup.num_frozen,
         "run_dir": str(setup.config.run_dir),
+        # what a checkpoint costs: its files (the server state, the frozen part), the client
+        # store's (every version a kept checkpoint may need), and the seconds spent this process
+        "checkpoint_bytes": _bytes_under(setup.config.run_dir / "checkpoints"),
+        "client_store_bytes": 0 if setup.store is None else setup.store.nbytes(),
+        "checkpoint_seconds": setup.checkpoint_seconds,
     }
