@@ -136,20 +136,23 @@ def check(config: ExperimentConfig) -> int:
     return validate_critical_layer(config, model_config.num_hidden_layers)
 
 
-def build(config: ExperimentConfig) -> Setup:
-    """Load task, data, model; partition, tokenise, split, initialise. Writes nothing."""
-    import jax
+def load_pool(config: ExperimentConfig, task: Any) -> Any:
+    """The task's example pool as every client sees it: loaded, then subsampled (--max-examples).
+    A token task's tag vocabulary (`tag_names`) is the whole pool's, taken before subsampling."""
+    from fedjax_split.data import sources
 
-    from fedjax_split.data import batching, partition, sources, tasks, tokenization
-    from fedjax_split.fed import algorithms, client, roles
-    from fedjax_split.models import hf_checkpoint
-    from fedjax_split.sim import devices, rounds
-
-    task = tasks.get_task(config.task)
-    # the data first: a token task's tag vocabulary (from the whole pool) sizes the model's head
     examples = sources.load_examples(task, data_dir=config.data_dir)
-    tag_names = tuple(getattr(examples, "tag_names", ()))
-    pre = hf_checkpoint.load_pretrained(
+    idx = subsample_indices(len(examples.labels), config.max_examples, config.seed)
+    return _subset_examples(examples, idx)
+
+
+def load_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = ()) -> Any:
+    """The pretrained model with the task's head (seeded by the run's seed); a token task's head
+    has one output per tag of the pool."""
+    from fedjax_split.models import hf_checkpoint
+
+    tag_names = tuple(tag_names)
+    return hf_checkpoint.load_pretrained(
         config.model,
         num_labels=len(tag_names) if tag_names else task.num_labels,
         seed=config.seed,
@@ -159,12 +162,13 @@ def build(config: ExperimentConfig) -> Setup:
         head=task.objective.head,
         label_names=tag_names,
     )
-    model_config = pre.config
-    c = validate_critical_layer(config, model_config.num_hidden_layers)
-    examples = _subset_examples(
-        examples, subsample_indices(len(examples.labels), config.max_examples, config.seed)
-    )
-    labels = np.asarray(examples.labels)
+
+
+def make_partition(config: ExperimentConfig, task: Any, labels: np.ndarray) -> Any:
+    """The clients' train/test split of the pool; a client without training examples is a
+    UserError."""
+    from fedjax_split.data import partition
+
     part = partition.partition_clients(
         labels,
         scheme=config.partition,
@@ -181,35 +185,75 @@ def build(config: ExperimentConfig) -> Setup:
                 f"client {i} got no training examples ({len(labels)} examples for "
                 f"{config.clients} clients); use more data (--max-examples) or fewer --clients"
             )
-    model_dir = getattr(pre, "model_dir", None)
-    tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
-    tokenized = sources.tokenize_examples(examples, tokenizer, task, config.max_length)
+    return part
 
+
+def model_parts(config: ExperimentConfig, pre: Any, critical_layer: int) -> Any:
+    """The model's parameters by role (global, local, frozen): the critical layer's split with
+    --freeze over the Hugging Face tensor names."""
+    from fedjax_split.fed import roles
+    from fedjax_split.models import hf_checkpoint
+
+    model_config = pre.config
     names = {path: name for path, (name, _) in hf_checkpoint.hf_names(model_config).items()}
     rule = roles.freeze_rule(
-        roles.critical_layer_rule(c, model_config.num_hidden_layers), config.freeze, names
+        roles.critical_layer_rule(critical_layer, model_config.num_hidden_layers),
+        config.freeze,
+        names,
     )
-    global0, local0, frozen = roles.partition(pre.params, rule)
-    k = config.clients
-    # every client starts from the same pretrained (and seeded head) local part
-    local_all = jax.tree.map(jax.numpy.array, rounds.replicate(local0, k))
+    return roles.partition(pre.params, rule)
 
-    server_opt = algorithms.server_optimizer(config.algorithm, config.effective_server_lr)
+
+def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: Any) -> Any:
+    """The round's static description: client update (objective, AdamW, FedProx mu), server
+    optimiser, wire dtype, clients at once, devices."""
+    import jax
+
+    from fedjax_split.fed import algorithms, client
+    from fedjax_split.sim import devices, rounds
+
     client_spec = client.ClientSpec(
-        apply=pre.apply,
+        apply=apply,
         objective=task.objective,
         optimizer=client.default_client_optimizer(config.lr),
         prox_mu=config.prox_mu,
     )
-    wire = WIRE_DTYPE[config.quantize]
-    round_spec = rounds.RoundSpec(
+    return rounds.RoundSpec(
         client=client_spec,
-        server_optimizer=server_opt,
-        wire_dtype=wire,
+        server_optimizer=algorithms.server_optimizer(config.algorithm, config.effective_server_lr),
+        wire_dtype=WIRE_DTYPE[config.quantize],
         chunk_size=round_chunk_size(config.chunk_size, jax.default_backend()),
         devices=devices.for_rounds(config.cpu_devices, jax.default_backend()),
     )
-    server_state = rounds.init_server_state(global0, server_opt, wire)
+
+
+def build(config: ExperimentConfig) -> Setup:
+    """Load task, data, model; partition, tokenise, split, initialise. Writes nothing."""
+    import jax
+
+    from fedjax_split.data import batching, sources, tasks, tokenization
+    from fedjax_split.sim import rounds
+
+    task = tasks.get_task(config.task)
+    # the data first: a token task's tag vocabulary (from the whole pool) sizes the model's head
+    examples = load_pool(config, task)
+    pre = load_model(config, task, getattr(examples, "tag_names", ()))
+    model_config = pre.config
+    c = validate_critical_layer(config, model_config.num_hidden_layers)
+    labels = np.asarray(examples.labels)
+    part = make_partition(config, task, labels)
+    model_dir = getattr(pre, "model_dir", None)
+    tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
+    tokenized = sources.tokenize_examples(examples, tokenizer, task, config.max_length)
+
+    global0, local0, frozen = model_parts(config, pre, c)
+    k = config.clients
+    # every client starts from the same pretrained (and seeded head) local part
+    local_all = jax.tree.map(jax.numpy.array, rounds.replicate(local0, k))
+    round_spec = make_round_spec(config, pre.apply, task)
+    server_state = rounds.init_server_state(
+        global0, round_spec.server_optimizer, round_spec.wire_dtype
+    )
     eval_segments = batching.make_eval_batches(
         tokenized,
         [cs.test for cs in part.clients],

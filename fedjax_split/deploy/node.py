@@ -1,0 +1,226 @@
+"""A client of a real federation: its share of the data, its local part on its own disk, and the
+very computations the simulation runs for it.
+
+Nothing here imports Flower: the ClientApp (`client_app.py`) turns messages into these calls.
+A node derives its share exactly as the simulation does (the pool, the subsample, the partition,
+its client id = its partition id), trains with `rounds.client_round` on `batching.client_batches`
+of its own examples (the programs the one-at-a-time simulation runs for that client, with the
+same key), and evaluates with the simulation's per-client evaluation. So a node computes, bit for
+bit, what the simulation computes for its client.
+
+Its local (personal) part never leaves it: `LocalStore` keeps one file per round it trained in,
+under `<state-dir>/<run id>/client_<id>/`, so that a restarted server can resume from an older
+checkpoint and the node still has the local part of that round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedjax_split.errors import UserError
+from fedjax_split.run.config import ExperimentConfig, validate_critical_layer
+
+
+@dataclasses.dataclass
+class NodeSetup:
+    """What one client needs in memory (built anew by every ClientApp process: Flower starts one
+    per message)."""
+
+    config: ExperimentConfig
+    task: Any
+    client_id: int
+    examples: Any  # the pool (for MNLI's groups and a token task's tag names)
+    labels: np.ndarray
+    tokenized: Any  # the pool, packed once
+    row_width: int | None
+    split: Any  # partition.ClientSplit: this client's train / test pool indices
+    partition_meta: dict[str, Any]  # the partition's settings (what partition.json records)
+    pool_size: int
+    apply: Callable[..., Any]
+    round_spec: Any
+    local0: Any  # the pretrained local part every client starts from
+    frozen: Any
+    global_shapes: dict[str, tuple[int, ...]]  # flat paths of the global part -> shapes
+
+
+def prepare(config: ExperimentConfig, client_id: int) -> NodeSetup:
+    """This client's share and model, derived as `experiment.build` derives them."""
+    from fedjax_split.data import batching, sources, tasks, tokenization
+    from fedjax_split.fed.roles import flatten_paths
+    from fedjax_split.run import experiment
+
+    if not 0 <= client_id < config.clients:
+        raise UserError(
+            f"partition-id {client_id} is outside 0..{config.clients - 1} (--clients "
+            f"{config.clients}); give each SuperNode one of those"
+        )
+    task = tasks.get_task(config.task)
+    examples = experiment.load_pool(config, task)
+    pre = experiment.load_model(config, task, getattr(examples, "tag_names", ()))
+    c = validate_critical_layer(config, pre.config.num_hidden_layers)
+    labels = np.asarray(examples.labels)
+    part = experiment.make_partition(config, task, labels)
+    model_dir = getattr(pre, "model_dir", None)
+    tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
+    tokenized = batching.pack(
+        sources.tokenize_examples(examples, tokenizer, task, config.max_length)
+    )
+    row_width = batching.default_row_width(tokenized) if config.packing else None
+    global0, local0, frozen = experiment.model_parts(config, pre, c)
+    return NodeSetup(
+        config=config,
+        task=task,
+        client_id=client_id,
+        examples=examples,
+        labels=labels,
+        tokenized=tokenized,
+        row_width=row_width,
+        split=part.clients[client_id],
+        partition_meta={
+            f.name: getattr(part, f.name) for f in dataclasses.fields(part) if f.name != "clients"
+        },
+        pool_size=len(labels),
+        apply=pre.apply,
+        round_spec=experiment.make_round_spec(config, pre.apply, task),
+        local0=local0,
+        frozen=frozen,
+        global_shapes={p: tuple(np.shape(x)) for p, x in flatten_paths(global0).items()},
+    )
+
+
+def train(
+    node: NodeSetup, global_wire: Any, round_index: int, state_round: int, local: Any
+) -> tuple[Any, Any, Any]:
+    """Round `round_index` for this client: (upload in fp32 as the server receives it, new local
+    part, ClientMetrics). `global_wire`: the received global part in the wire dtype;
+    `state_round`: the rounds the server's state had completed (the key folds it in)."""
+    import jax
+
+    from fedjax_split.run import experiment
+    from fedjax_split.sim import rounds
+
+    steps = experiment.client_steps(
+        node.config, node.task, node.tokenized, node.labels, node.row_width,
+        node.split.train, node.client_id, round_index,
+    )  # fmt: skip
+    key = rounds.client_key(jax.random.key(node.config.seed), state_round, node.client_id)
+    return rounds.client_round(node.round_spec, global_wire, local, steps, key, node.frozen)
+
+
+def evaluate(node: NodeSetup, global_wire: Any, local: Any) -> dict[str, Any]:
+    """This client's metrics: its merged model [received global, frozen, own local] on its own
+    test split, scored as the simulation scores each client ({} without test examples)."""
+    import jax.numpy as jnp
+
+    from fedjax_split.data import batching
+    from fedjax_split.fed import roles, wire
+    from fedjax_split.run import experiment
+    from fedjax_split.sim import evaluation
+
+    batches = batching.client_eval_batches(
+        node.tokenized,
+        node.split.test,
+        node.labels,
+        batch_size=experiment.eval_batch_size(node.config),
+        objective=node.task.objective,
+        packing=node.config.packing,
+        row_width=node.row_width,
+    )
+    received = wire.cast_from_wire(global_wire, jnp.float32)
+    params = roles.merge_params(received, node.frozen, local)
+    res = evaluation.evaluate_client(node.apply, params, batches, node.task.objective)
+    if len(res.labels) == 0:
+        return {}
+    return experiment.score(node.task, node.examples, res)
+
+
+_ROUND_FILE = re.compile(r"^round_(\d+)\.npz$")
+
+
+class LocalStore:
+    """One client's local parts on the node's disk, one file per round it trained in.
+
+    Files are written atomically (temporary name, then rename), so a node killed mid-write keeps
+    its previous part. `load(at_most=r)` gives the part as it was after round r, which is what a
+    server resuming from its checkpoint of round r sends the node back to.
+    """
+
+    def __init__(self, state_dir: str | Path, run_id: str, client_id: int) -> None:
+        if not re.fullmatch(r"[0-9a-f]{8,64}", run_id):
+            raise ValueError(f"bad run id {run_id!r}")
+        self.directory = Path(state_dir) / run_id / f"client_{client_id}"
+
+    def rounds(self) -> list[int]:
+        if not self.directory.is_dir():
+            return []
+        found = (_ROUND_FILE.match(p.name) for p in self.directory.iterdir())
+        return sorted(int(m.group(1)) for m in found if m)
+
+    def save(self, round_index: int, tree: Any) -> Path:
+        from fedjax_split.fed.roles import flatten_paths
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        flat = {p: np.asarray(x) for p, x in flatten_paths(tree).items()}
+        path = self.directory / f"round_{round_index}.npz"
+        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **flat)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    def load(self, at_most: int) -> tuple[int, Any] | None:
+        """(round, local part) of the newest file of a round <= at_most; None when there is none
+        (the client has not trained yet: it starts from the pretrained local part)."""
+        from fedjax_split.fed.roles import unflatten_paths
+
+        rounds = [r for r in self.rounds() if r <= at_most]
+        if not rounds:
+            return None
+        with np.load(self.directory / f"round_{rounds[-1]}.npz") as z:
+            return rounds[-1], unflatten_paths({k: np.array(z[k]) for k in z.files})
+
+    def prune(self, keep_from: int) -> None:
+        """Deletes the parts no resume can need: those older than the newest one <= keep_from
+        (the server's latest checkpoint round)."""
+        rounds = self.rounds()
+        base = [r for r in rounds if r <= keep_from]
+        for r in rounds:
+            if base and r < base[-1]:
+                (self.directory / f"round_{r}.npz").unlink(missing_ok=True)
+
+
+def local_part(node: NodeSetup, store: LocalStore, at_most: int) -> Any:
+    """The client's local part after round `at_most` (the pretrained one before its first)."""
+    import jax.numpy as jnp
+
+    found = store.load(at_most)
+    if found is None:
+        return node.local0
+    from fedjax_split.fed.roles import flatten_paths
+
+    tree = found[1]
+    expected = {p: np.shape(x) for p, x in flatten_paths(node.local0).items()}
+    got = {p: np.shape(x) for p, x in flatten_paths(tree).items()}
+    if expected != got:
+        raise UserError(
+            f"the local part in {store.directory} does not fit this model; use another state-dir"
+        )
+    return jax_tree(tree, jnp.asarray)
+
+
+def jax_tree(tree: Mapping[str, Any], fn: Callable[[Any], Any]) -> Any:
+    import jax
+
+    return jax.tree.map(fn, tree)
