@@ -36,14 +36,18 @@ def _node(context: Context) -> NodeSetup:
     if data_dir:
         values["data_dir"] = str(data_dir)
     config = resolve_config(overrides=values)
-    return node.prepare(config, int(context.node_config[protocol.PARTITION_ID]))
+    cache = _state_dir(context) / "tokenized"
+    return node.prepare(config, int(context.node_config[protocol.PARTITION_ID]), cache)
+
+
+def _state_dir(context: Context) -> Path:
+    from fedjax_split.data.assets import cache_dir
+
+    return Path(str(context.node_config.get(protocol.STATE_DIR) or cache_dir() / "flower_nodes"))
 
 
 def _store(context: Context, run_id: str, client_id: int) -> LocalStore:
-    from fedjax_split.data.assets import cache_dir
-
-    state_dir = context.node_config.get(protocol.STATE_DIR) or cache_dir() / "flower_nodes"
-    return LocalStore(Path(str(state_dir)), run_id, client_id)
+    return LocalStore(_state_dir(context), run_id, client_id)
 
 
 def _reply(msg: Message, content: RecordDict) -> Message:

@@ -67,16 +67,18 @@ def nbytes(arrays: Mapping[str, np.ndarray]) -> int:
     return int(sum(np.asarray(a).nbytes for a in arrays.values()))
 
 
-def check_like(arrays: Mapping[str, np.ndarray], expected: Mapping[str, Any], what: str) -> None:
-    """ValueError unless `arrays` has exactly the paths and shapes of the flat `expected`."""
+def check_like(
+    arrays: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]], what: str
+) -> None:
+    """ValueError unless `arrays` has exactly the paths and shapes of `expected` ({path: shape})."""
     if set(arrays) != set(expected):
         extra = sorted(set(arrays) - set(expected))[:3]
         missing = sorted(set(expected) - set(arrays))[:3]
         raise ValueError(f"{what}: unexpected paths {extra}, missing paths {missing}")
     for path, arr in arrays.items():
-        if tuple(np.shape(arr)) != tuple(np.shape(expected[path])):
+        if tuple(np.shape(arr)) != tuple(expected[path]):
             raise ValueError(
-                f"{what}: {path!r} has shape {np.shape(arr)}, expected {np.shape(expected[path])}"
+                f"{what}: {path!r} has shape {np.shape(arr)}, expected {tuple(expected[path])}"
             )
 
 

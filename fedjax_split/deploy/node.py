@@ -51,9 +51,54 @@ class NodeSetup:
     global_shapes: dict[str, tuple[int, ...]]  # flat paths of the global part -> shapes
 
 
-def prepare(config: ExperimentConfig, client_id: int) -> NodeSetup:
-    """This client's share and model, derived as `experiment.build` derives them."""
-    from fedjax_split.data import batching, sources, tasks, tokenization
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "merges.txt",
+                    "special_tokens_map.json")  # fmt: skip
+
+
+def _tokenized(
+    config: ExperimentConfig, task: Any, examples: Any, model_dir: Any, cache: Path | None
+) -> Any:
+    """The pool tokenised and packed, cached on the node's disk keyed by the data, the
+    tokenizer's files and the length, so that only a node's first ClientApp process loads a
+    tokenizer (transformers' import alone takes seconds, and Flower starts a process per
+    message)."""
+    import hashlib
+    import json
+
+    from fedjax_split.data import batching, sources, tokenization
+
+    path = None
+    fingerprint = getattr(examples, "fingerprint", None)
+    if cache is not None and model_dir is not None and fingerprint is not None:
+        h = hashlib.sha256(
+            json.dumps([task.name, int(config.max_length), fingerprint()]).encode()
+        )
+        for name in _TOKENIZER_FILES:
+            f = Path(model_dir) / name
+            if f.is_file():
+                h.update(name.encode() + f.read_bytes())
+        path = cache / f"{task.name}-{h.hexdigest()[:32]}.npz"
+        if path.is_file():
+            try:
+                with np.load(path) as z:
+                    return batching.Packed(**{k: np.array(z[k]) for k in z.files})
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # unreadable: tokenise again and rewrite it
+    tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
+    packed = batching.pack(sources.tokenize_examples(examples, tokenizer, task, config.max_length))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **{k: v for k, v in packed._asdict().items() if v is not None})
+        os.replace(tmp, path)
+    return packed
+
+
+def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None) -> NodeSetup:
+    """This client's share and model, derived as `experiment.build` derives them. `cache`: a
+    directory of the node's own for the tokenised pool (None: tokenise every time)."""
+    from fedjax_split.data import batching, tasks
     from fedjax_split.fed.roles import flatten_paths
     from fedjax_split.run import experiment
 
@@ -68,12 +113,10 @@ def prepare(config: ExperimentConfig, client_id: int) -> NodeSetup:
     c = validate_critical_layer(config, pre.config.num_hidden_layers)
     labels = np.asarray(examples.labels)
     part = experiment.make_partition(config, task, labels)
-    model_dir = getattr(pre, "model_dir", None)
-    tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
-    tokenized = batching.pack(
-        sources.tokenize_examples(examples, tokenizer, task, config.max_length)
-    )
-    row_width = batching.default_row_width(tokenized) if config.packing else None
+    tokenized = _tokenized(config, task, examples, getattr(pre, "model_dir", None), cache)
+    row_width = None
+    if config.packing and hasattr(batching, "default_row_width"):
+        row_width = batching.default_row_width(tokenized)
     global0, local0, frozen = experiment.model_parts(config, pre, c)
     return NodeSetup(
         config=config,
@@ -107,6 +150,17 @@ def train(
     from fedjax_split.run import experiment
     from fedjax_split.sim import rounds
 
+    if not hasattr(rounds, "client_round"):  # TEMPORARY until main's per-client batching
+        from fedjax_split.deploy import _compat
+
+        steps = _compat.client_steps(
+            node.config, node.task, node.tokenized, node.labels, node.row_width,
+            node.split.train, node.client_id, round_index,
+        )  # fmt: skip
+        return _compat.client_round(
+            node.round_spec, global_wire, local, steps, jax.random.key(node.config.seed),
+            node.client_id, state_round, node.frozen,
+        )  # fmt: skip
     steps = experiment.client_steps(
         node.config, node.task, node.tokenized, node.labels, node.row_width,
         node.split.train, node.client_id, round_index,
@@ -125,6 +179,10 @@ def evaluate(node: NodeSetup, global_wire: Any, local: Any) -> dict[str, Any]:
     from fedjax_split.run import experiment
     from fedjax_split.sim import evaluation
 
+    if not hasattr(evaluation, "evaluate_client"):  # TEMPORARY until main's per-client batching
+        from fedjax_split.deploy import _compat
+
+        return _compat.evaluate(node, global_wire, local)
     batches = batching.client_eval_batches(
         node.tokenized,
         node.split.test,

@@ -70,8 +70,8 @@ class Exchange:
         self, messages: Mapping[int, Any], timeout: float
     ) -> tuple[dict[int, Any], dict[int, str]]:
         """{client: reply} and {client: why it failed} for {client: message}."""
-        ids = list(self.grid.push_messages(protocol.record_sent(m, "server")
-                                           for m in messages.values()))  # fmt: skip
+        sent = [protocol.record_sent(m, "server") for m in messages.values()]
+        ids = list(self.grid.push_messages(sent))
         client_of = dict(zip(ids, messages, strict=True))
         pending = set(ids)
         replies: dict[int, Any] = {}
@@ -264,7 +264,8 @@ def run_round(
     state = setup.server_state
     sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
     sent = codec.encode(state.global_params, wire)
-    expected_up = flatten_paths(select(state.global_params, spec.trained)[0])
+    expected_up = {p: np.shape(x)
+                   for p, x in flatten_paths(select(state.global_params, spec.trained)[0]).items()}
     cfg = {
         protocol.ROUND: r,
         protocol.STATE_ROUND: int(state.round),
