@@ -147,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fed = Federation(nodes, flower_dir / "logs", env=_jax_cache_env())
         try:
             fed.start()
-            code = fed.submit(app, timeout=deploy.get("run_timeout") or 10**9)
+            code = fed.submit(app, timeout=deploy.get("run_timeout") or 10**9, echo=sys.stderr)
             log = fed.run_log()
         except UserError as err:
             return report(err)

@@ -37,7 +37,7 @@ def test_round_trip_through_flower_is_bit_exact(dtype: str) -> None:
 
 
 def test_plain_numpy_serialisation_would_lose_bfloat16() -> None:
-    """Why the bits: Flower's np.save path turns bfloat16 into raw V2 bytes, which decode rejects."""
+    """Why the bits: np.save (Flower's path) turns bfloat16 into raw V2 bytes; decode refuses."""
     from flwr.app import Array
 
     x = np.asarray([1.5, -2.0], ml_dtypes.bfloat16)

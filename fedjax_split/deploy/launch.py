@@ -18,10 +18,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from fedjax_split.errors import UserError
 
@@ -219,13 +220,33 @@ class Federation:
                 time.sleep(0.1)
         raise UserError(f"flower-superlink did not listen within {self.start_timeout:.0f} s")
 
-    def submit(self, app_dir: Path, timeout: float) -> int:
+    def submit(self, app_dir: Path, timeout: float, echo: TextIO | None = None) -> int:
         """`flwr run APP_DIR --stream` against this federation; returns its exit status (the
-        command returns when the run ends). Past `timeout` seconds it is killed: status 124."""
+        command returns when the run ends). Past `timeout` seconds it is killed: status 124.
+        Its output (the ServerApp's log, streamed) goes to run-<k>.log and, line by line, to
+        `echo` when given."""
         self._runs += 1
-        proc = self._start(
-            ["flwr", "run", str(app_dir), "local", "--stream"], f"run-{self._runs}.log"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen(
+            ["flwr", "run", str(app_dir), "local", "--stream"],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
+
+        def copy() -> None:
+            with open(self.run_log(), "ab") as log:
+                for line in iter(proc.stdout.readline, b""):
+                    log.write(line)
+                    log.flush()
+                    if echo is not None:
+                        echo.write(line.decode("utf-8", "replace"))
+                        echo.flush()
+
+        copier = threading.Thread(target=copy, daemon=True)
+        copier.start()
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -234,6 +255,7 @@ class Federation:
         finally:
             if proc.poll() is None:
                 kill_tree(proc)
+            copier.join(timeout=10)
 
     def run_log(self) -> Path:
         """The output of the latest `submit` (the ServerApp's log lines, streamed)."""
