@@ -223,3 +223,58 @@ def _kill_supernode(state_dir: str) -> None:
             p.kill()
             return
     raise AssertionError(f"no SuperNode with {state_dir}")
+
+
+BAD = [
+    (["--supernodes", "2"], "--supernodes 2 but --clients 3"),
+    (["--round-timeout", "0"], "--round-timeout must be positive"),
+    (["--critical-layer", "5"], "outside 0..2"),
+]
+
+
+@pytest.mark.parametrize(("extra", "needle"), BAD, ids=[b[1] for b in BAD])
+def test_bad_input_exits_2_with_one_line_before_starting_anything(
+    env: dict, extra: list[str], needle: str, capsys: pytest.CaptureFixture
+) -> None:
+    from fedjax_split import flower
+
+    out = env["base"] / "bad"
+    assert flower.main([*_args(env, out), *extra]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
+    assert not out.exists()  # nothing was written, no process was started
+
+
+def test_an_existing_run_is_refused_and_left_alone(
+    env: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from fedjax_split import flower
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"round": 1}\n')
+    assert flower.main(_args(env, out)) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == '{"round": 1}\n'
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+
+
+def test_write_app_gives_a_flower_app_that_flower_accepts(env: dict, tmp_path: Path) -> None:
+    """--write-app: the App for `flwr run` on real machines, valid by Flower's own checks, with
+    this run's resolved settings."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    from flwr.common.config import validate_config
+
+    from fedjax_split import flower
+
+    app = tmp_path / "app"
+    assert flower.main([*_args(env, env["base"] / "w"), "--write-app", str(app)]) == 0
+    config = tomllib.loads((app / "pyproject.toml").read_text())
+    ok, errors, _ = validate_config(config, check_module=True, project_dir=app)
+    assert ok, errors
+    settings = json.loads(config["tool"]["flwr"]["app"]["config"][protocol.EXPERIMENT])
+    assert settings["clients"] == 3 and settings["critical_layer"] == 1
+    assert Path(settings["output_dir"]).is_absolute()
