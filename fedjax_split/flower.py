@@ -144,7 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="fedjax_split_app_") as tmp:
         status_path = Path(tmp) / "status.json"
         app = write_app(Path(tmp) / "app", run_config(config, deploy, str(status_path)))
-        fed = Federation(nodes, flower_dir / "logs", env=_jax_cache_env())
+        # every process of the federation carries the run directory in its environment, so that
+        # it can be found (tests check that none outlives the command)
+        env = {**_jax_cache_env(), "FEDJAX_SPLIT_FLOWER_RUN": str(run_dir)}
+        fed = Federation(nodes, flower_dir / "logs", env=env)
         try:
             fed.start()
             code = fed.submit(app, timeout=deploy.get("run_timeout") or 10**9, echo=sys.stderr)

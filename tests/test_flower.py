@@ -88,8 +88,8 @@ def _simulate(env: dict, name: str, **flags: object) -> Path:
 
 
 def _no_processes_left(marker: str) -> None:
-    """No process of the federation survived its command (each was started with `marker`, the
-    run's directory, somewhere in its command line or environment)."""
+    """No process of the federation survived its command (the launcher puts the run's directory,
+    `marker`, in the environment of every process it starts, which their children inherit)."""
     import psutil
 
     left = []
