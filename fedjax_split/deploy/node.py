@@ -98,7 +98,7 @@ def _tokenized(
 def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None) -> NodeSetup:
     """This client's share and model, derived as `experiment.build` derives them. `cache`: a
     directory of the node's own for the tokenised pool (None: tokenise every time)."""
-    from fedjax_split.data import batching, tasks
+    from fedjax_split.data import tasks
     from fedjax_split.fed.roles import flatten_paths
     from fedjax_split.run import experiment
 
@@ -114,9 +114,7 @@ def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None)
     labels = np.asarray(examples.labels)
     part = experiment.make_partition(config, task, labels)
     tokenized = _tokenized(config, task, examples, getattr(pre, "model_dir", None), cache)
-    row_width = None
-    if config.packing and hasattr(batching, "default_row_width"):
-        row_width = batching.default_row_width(tokenized)
+    row_width = experiment.row_width(config, tokenized)
     global0, local0, frozen = experiment.model_parts(config, pre, c)
     return NodeSetup(
         config=config,
@@ -150,17 +148,6 @@ def train(
     from fedjax_split.run import experiment
     from fedjax_split.sim import rounds
 
-    if not hasattr(rounds, "client_round"):  # TEMPORARY until main's per-client batching
-        from fedjax_split.deploy import _compat
-
-        steps = _compat.client_steps(
-            node.config, node.task, node.tokenized, node.labels, node.row_width,
-            node.split.train, node.client_id, round_index,
-        )  # fmt: skip
-        return _compat.client_round(
-            node.round_spec, global_wire, local, steps, jax.random.key(node.config.seed),
-            node.client_id, state_round, node.frozen,
-        )  # fmt: skip
     steps = experiment.client_steps(
         node.config, node.task, node.tokenized, node.labels, node.row_width,
         node.split.train, node.client_id, round_index,
@@ -174,23 +161,12 @@ def evaluate(node: NodeSetup, global_wire: Any, local: Any) -> dict[str, Any]:
     test split, scored as the simulation scores each client ({} without test examples)."""
     import jax.numpy as jnp
 
-    from fedjax_split.data import batching
     from fedjax_split.fed import roles, wire
     from fedjax_split.run import experiment
     from fedjax_split.sim import evaluation
 
-    if not hasattr(evaluation, "evaluate_client"):  # TEMPORARY until main's per-client batching
-        from fedjax_split.deploy import _compat
-
-        return _compat.evaluate(node, global_wire, local)
-    batches = batching.client_eval_batches(
-        node.tokenized,
-        node.split.test,
-        node.labels,
-        batch_size=experiment.eval_batch_size(node.config),
-        objective=node.task.objective,
-        packing=node.config.packing,
-        row_width=node.row_width,
+    batches = experiment.client_eval_steps(
+        node.config, node.task, node.tokenized, node.labels, node.row_width, node.split.test
     )
     received = wire.cast_from_wire(global_wire, jnp.float32)
     params = roles.merge_params(received, node.frozen, local)

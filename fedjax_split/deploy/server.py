@@ -227,7 +227,8 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
         server_state=state,
         local_params=None,
         frozen=frozen,
-        eval_segments=None,
+        row_width=None,
+        eval_batches=None,
         num_global=count(global0),
         num_local=count(local0),
         num_frozen=count(frozen),
@@ -319,7 +320,10 @@ def run_round(
     eval_failed: dict[int, str] = {}
     eval_bytes = 0
     if r % config.eval_every == 0 or r == config.rounds:
-        evaluated, eval_failed, eval_bytes = evaluate(run, exchange, r, options, failed)
+        trained = {c for h in history for c in h["clients_sampled"]
+                   if c not in h.get("clients_failed", ())}  # fmt: skip
+        trained |= {int(c) for c in sampled if int(c) not in failed}
+        evaluated, eval_failed, eval_bytes = evaluate(run, exchange, r, options, failed, trained)
         record.update(evaluated)
     t_eval = time.perf_counter()
     bytes_down = codec.nbytes(sent) * len(sampled)
@@ -343,10 +347,18 @@ def run_round(
 
 
 def evaluate(
-    run: ServerRun, exchange: Exchange, r: int, options: DeployOptions, skip: Mapping[int, str]
+    run: ServerRun,
+    exchange: Exchange,
+    r: int,
+    options: DeployOptions,
+    skip: Mapping[int, str],
+    trained: set[int],
 ) -> tuple[dict[str, Any], dict[int, str], int]:
     """Every client (but those that just failed) scores the new global part with its own local
-    part on its own test split: (metrics as the simulation records them, failures, bytes sent)."""
+    part on its own test split: (metrics as the simulation records them, failures, bytes sent).
+    `trained`: the clients whose uploads the server has taken so far (for `trained_mean`). The
+    simulation's `pooled` figure needs every client's predictions; only metrics leave a node, so
+    it is not recorded here."""
     from fedjax_split.run import experiment
 
     state = run.setup.server_state
@@ -371,7 +383,13 @@ def evaluate(
     for cid, why in sorted(failed.items()):
         if cid not in skip:
             _warn(f"round {r}: client {cid} failed to evaluate ({why})")
-    record = {**experiment.mean_over_clients(per_client), "clients": per_client}
+    record = {
+        **experiment.mean_over_clients(per_client),
+        "clients": per_client,
+        "trained_mean": experiment.mean_over_clients(
+            [pc for pc in per_client if pc["client"] in trained]
+        ),
+    }
     return record, failed, codec.nbytes(sent) * len(msgs)
 
 

@@ -45,17 +45,18 @@ class Setup:
     model_dir: Path | None
     apply: Callable[..., Any]
     examples: Any
-    tokenized: Any
+    tokenized: Any  # the pool, flattened once (batching.pack)
+    row_width: int | None  # packed attention rows: run-wide, from the pool's longest example
     partition: Any
     round_spec: Any
     server_state: Any
     local_params: Any  # stacked over all clients: leading axis K
     frozen: Any  # one copy for every client, never trained or sent
-    eval_segments: Any
+    eval_batches: list[list[Any]]  # each client's test batches
     num_global: int
     num_local: int
     num_frozen: int
-    prefetched: tuple[int, list[Any]] | None = None  # (round, its training segments)
+    prefetched: tuple[int, list[Any]] | None = None  # (round, its clients' training steps)
 
 
 def round_chunk_size(chunk_size: int | None, backend: str) -> int | None:
@@ -178,6 +179,7 @@ def make_partition(config: ExperimentConfig, task: Any, labels: np.ndarray) -> A
         beta=config.beta if config.partition == "quantity" else None,
         # a token task partitions by each sentence's dominant entity type, not by its tags
         task=None if task.objective.per_token else task,
+        fill=config.paper_fill,
     )
     for i, cs in enumerate(part.clients):
         if len(cs.train) == 0:
@@ -227,11 +229,83 @@ def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: A
     )
 
 
+def load_tokenized(config: ExperimentConfig, task: Any, examples: Any, pre: Any) -> Any:
+    """The pool tokenised with the model's tokenizer and flattened once (`batching.pack`)."""
+    from fedjax_split.data import batching, sources, tokenization
+
+    model_dir = getattr(pre, "model_dir", None)
+    tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
+    return batching.pack(sources.tokenize_examples(examples, tokenizer, task, config.max_length))
+
+
+def row_width(config: ExperimentConfig, tokenized: Any) -> int | None:
+    """Packed batches' attention rows: run-wide, from the pool's longest example (None: padded)."""
+    from fedjax_split.data import batching
+
+    return batching.default_row_width(tokenized) if config.packing else None
+
+
+def eval_batch_size(config: ExperimentConfig) -> int:
+    """Evaluation batches: at least 32 examples (no gradients to hold)."""
+    return max(config.batch_size, 32)
+
+
+def client_steps(
+    config: ExperimentConfig,
+    task: Any,
+    tokenized: Any,
+    labels: np.ndarray,
+    width: int | None,
+    indices: np.ndarray,
+    client_id: int,
+    r: int,
+) -> list[Any]:
+    """Round r's training steps of one client: a pure function of the config, r, the client's
+    id and its own examples (what a federated client builds alone)."""
+    from fedjax_split.data import batching
+
+    return batching.client_batches(
+        tokenized,
+        indices,
+        labels,
+        batch_size=config.batch_size,
+        epochs=config.local_epochs,
+        seed=[config.seed, r],
+        client_id=int(client_id),
+        objective=task.objective,
+        packing=config.packing,
+        bucketing=config.bucketing,
+        row_width=width,
+    )
+
+
+def client_eval_steps(
+    config: ExperimentConfig,
+    task: Any,
+    tokenized: Any,
+    labels: np.ndarray,
+    width: int | None,
+    indices: np.ndarray,
+) -> list[Any]:
+    """One client's test batches (its own examples, once each, sorted by length)."""
+    from fedjax_split.data import batching
+
+    return batching.client_eval_batches(
+        tokenized,
+        indices,
+        labels,
+        batch_size=eval_batch_size(config),
+        objective=task.objective,
+        packing=config.packing,
+        row_width=width,
+    )
+
+
 def build(config: ExperimentConfig) -> Setup:
     """Load task, data, model; partition, tokenise, split, initialise. Writes nothing."""
     import jax
 
-    from fedjax_split.data import batching, sources, tasks, tokenization
+    from fedjax_split.data import tasks
     from fedjax_split.sim import rounds
 
     task = tasks.get_task(config.task)
@@ -243,8 +317,8 @@ def build(config: ExperimentConfig) -> Setup:
     labels = np.asarray(examples.labels)
     part = make_partition(config, task, labels)
     model_dir = getattr(pre, "model_dir", None)
-    tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
-    tokenized = sources.tokenize_examples(examples, tokenizer, task, config.max_length)
+    tokenized = load_tokenized(config, task, examples, pre)
+    width = row_width(config, tokenized)
 
     global0, local0, frozen = model_parts(config, pre, c)
     k = config.clients
@@ -254,13 +328,9 @@ def build(config: ExperimentConfig) -> Setup:
     server_state = rounds.init_server_state(
         global0, round_spec.server_optimizer, round_spec.wire_dtype
     )
-    eval_segments = batching.make_eval_batches(
-        tokenized,
-        [cs.test for cs in part.clients],
-        labels,
-        batch_size=max(config.batch_size, 32),
-        objective=task.objective,
-    )
+    eval_batches = [
+        client_eval_steps(config, task, tokenized, labels, width, cs.test) for cs in part.clients
+    ]
     count = lambda t: int(sum(np.size(x) for x in jax.tree.leaves(t)))  # noqa: E731
     return Setup(
         config=config,
@@ -271,27 +341,32 @@ def build(config: ExperimentConfig) -> Setup:
         apply=pre.apply,
         examples=examples,
         tokenized=tokenized,
+        row_width=width,
         partition=part,
         round_spec=round_spec,
         server_state=server_state,
         local_params=local_all,
         frozen=frozen,
-        eval_segments=eval_segments,
+        eval_batches=eval_batches,
         num_global=count(global0),
         num_local=count(local0),
         num_frozen=count(frozen),
     )
 
 
-def evaluate(setup: Setup) -> dict[str, Any]:
+def evaluate(setup: Setup, trained: set[int] | None = None) -> dict[str, Any]:
     """Personalised evaluation: each client's merged model on its own test split.
 
-    Returns the task's metrics as the unweighted mean over clients (the paper's figure) plus a
-    per-client list.
+    Returns the task's metrics as the unweighted mean over all clients (the paper's figure), a
+    per-client list, `trained_mean`: the mean over the clients in `trained` (those trained at least
+    once: with partial participation the mean over all includes clients that never trained), and
+    when nothing is local, `pooled`: the one global model on the union of the clients' test data
+    (FedNLP's figure; with a local part there is no single global model to score). Clients are
+    scored one at a time, so one local part is in memory at a time.
     """
+    import jax
     import jax.numpy as jnp
 
-    from fedjax_split.data import tasks
     from fedjax_split.fed import roles, wire
     from fedjax_split.sim import evaluation
 
@@ -299,30 +374,42 @@ def evaluate(setup: Setup) -> dict[str, Any]:
     global_params = roles.merge_params(
         wire.cast_from_wire(setup.server_state.global_params, jnp.float32), setup.frozen
     )
-    results = evaluation.evaluate_clients(
-        setup.apply,
-        global_params,
-        setup.local_params,
-        setup.eval_segments,
-        setup.task.objective,
-        chunk_size=setup.config.chunk_size,
-    )
-    groups = getattr(setup.examples, "groups", None)
-    tag_names = getattr(setup.examples, "tag_names", None)  # a token task's, to score entities
-    per_client = []
-    for i, res in enumerate(results):
+    results, per_client = [], []
+    for i, own in enumerate(setup.eval_batches):
+        local = jax.tree.map(lambda x, i=i: x[i], setup.local_params)
+        params = roles.merge_params(global_params, local)
+        res = evaluation.evaluate_client(setup.apply, params, own, setup.task.objective)
         if len(res.labels) == 0:
             continue  # a client without test examples has no metric
-        g = None if groups is None else np.asarray(groups)[res.example_index]
-        metrics = tasks.compute_metrics(
-            setup.task,
-            res.predictions,
-            res.labels,
-            groups=g,
-            label_names=tag_names,
+        results.append(res)
+        per_client.append({"client": i, **score(setup.task, setup.examples, res)})
+    record = {**mean_over_clients(per_client), "clients": per_client}
+    if trained is not None:
+        record["trained_mean"] = mean_over_clients(
+            [pc for pc in per_client if pc["client"] in trained]
         )
-        per_client.append({"client": i, **metrics})
-    return {**mean_over_clients(per_client), "clients": per_client}
+    if setup.num_local == 0 and results:  # every client's model is the global model
+        pooled = evaluation.ClientPredictions(
+            *(evaluation.concat_rows([getattr(r, f) for r in results])
+              for f in ("predictions", "labels", "example_index"))
+        )  # fmt: skip
+        record["pooled"] = score(setup.task, setup.examples, pooled)
+    return record
+
+
+def score(task: Any, examples: Any, res: Any) -> dict[str, float]:
+    """The task's metrics of one set of predictions (MNLI's groups by each row's pool index, a
+    token task's entities by the pool's tag names)."""
+    from fedjax_split.data import tasks
+
+    groups = getattr(examples, "groups", None)
+    return tasks.compute_metrics(
+        task,
+        res.predictions,
+        res.labels,
+        groups=None if groups is None else np.asarray(groups)[res.example_index],
+        label_names=getattr(examples, "tag_names", None),
+    )
 
 
 def mean_over_clients(per_client: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -408,7 +495,9 @@ def run_experiment(
     # From here on we write.
     run_dir.mkdir(parents=True, exist_ok=True)
     outputs.write_json(run_dir / "config.json", config.to_dict())
-    partition_mod.save_partition(setup.partition, run_dir / "partition.json")
+    partition_mod.save_partition(
+        setup.partition, run_dir / "partition.json", np.asarray(setup.examples.labels)
+    )
     outputs.write_jsonl(run_dir / "metrics.jsonl", history)  # on --resume: truncated to the ckpt
     if start_round < config.rounds:
         (run_dir / "summary.json").unlink(missing_ok=True)  # stale until this run ends
@@ -438,7 +527,7 @@ def run_experiment(
     }
     try:
         for r in range(start_round + 1, config.rounds + 1):
-            record = run_one_round(setup, r, history[-1] if history else None)
+            record = run_one_round(setup, r, history)
             history.append(record)
             outputs.append_jsonl(run_dir / "metrics.jsonl", record)
             if config.checkpoint_every and (r % config.checkpoint_every == 0 or r == config.rounds):
@@ -458,28 +547,24 @@ def _partition_lists(part: Any) -> list[list[list[int]]]:
     return [[np.asarray(c.train).tolist(), np.asarray(c.test).tolist()] for c in part.clients]
 
 
-def round_batches(setup: Setup, r: int) -> list[Any]:
-    """Round r's training segments for its sampled clients (a pure function of config and r)."""
-    from fedjax_split.data import batching
+def round_batches(setup: Setup, r: int) -> list[list[Any]]:
+    """Round r's training steps of each sampled client (a pure function of the config, r and the
+    client's own examples)."""
     from fedjax_split.sim import rounds
 
     config = setup.config
     sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
-    return batching.make_client_batches(
-        setup.tokenized,
-        [setup.partition.clients[i].train for i in sampled],
-        np.asarray(setup.examples.labels),
-        batch_size=config.batch_size,
-        epochs=config.local_epochs,
-        seed=[config.seed, r],
-        objective=setup.task.objective,
-        client_ids=sampled,
-        packing=config.packing,
-    )
+    labels = np.asarray(setup.examples.labels)
+    return [
+        client_steps(config, setup.task, setup.tokenized, labels, setup.row_width,
+                     setup.partition.clients[i].train, int(i), r)  # fmt: skip
+        for i in sampled
+    ]
 
 
-def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict[str, Any]:
-    """Sample clients, batch their data, run the round, evaluate when due; the round's record."""
+def run_one_round(setup: Setup, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Sample clients, batch their data, run the round, evaluate when due; the round's record.
+    `history`: the records of the rounds before r."""
     import jax
 
     from fedjax_split.sim import rounds
@@ -519,9 +604,11 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
         "train_loss_clients": losses.tolist(),
     }
     if r % config.eval_every == 0 or r == config.rounds:
-        record.update(evaluate(setup))
+        trained = {int(c) for h in history for c in h["clients_sampled"]} | set(sampled.tolist())
+        record.update(evaluate(setup, trained))
     t_eval = time.perf_counter()
     up, down = int(result.bytes_up), int(result.bytes_down)
+    previous = history[-1] if history else None
     cum_up = up + (previous["cum_bytes_up"] if previous else 0)
     cum_down = down + (previous["cum_bytes_down"] if previous else 0)
     record.update(
