@@ -125,8 +125,10 @@ def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None)
         tokenized=tokenized,
         row_width=row_width,
         split=part.clients[client_id],
-        partition_meta={
-            f.name: getattr(part, f.name) for f in dataclasses.fields(part) if f.name != "clients"
+        partition_meta={  # JSON-ready: what partition.json records besides the indices
+            f.name: _plain(getattr(part, f.name))
+            for f in dataclasses.fields(part)
+            if f.name != "clients"
         },
         pool_size=len(labels),
         apply=pre.apply,
@@ -135,6 +137,11 @@ def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None)
         frozen=frozen,
         global_shapes={p: tuple(np.shape(x)) for p, x in flatten_paths(global0).items()},
     )
+
+
+def _plain(value: Any) -> Any:
+    """A partition setting as JSON holds it (arrays as lists)."""
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def train(

@@ -128,6 +128,12 @@ def connect(grid: Any, config: ExperimentConfig, options: DeployOptions) -> dict
             msgs = {n: _message({}, n, protocol.QUERY) for n in nodes}
             replies, failures = exchange.send(msgs, max(1.0, deadline - time.monotonic()))
             last_failures.update(failures)
+            broken = {n: why for n, why in failures.items() if why.startswith("error")}
+            if broken:  # its ClientApp raised: asking again would only raise again
+                node, why = next(iter(sorted(broken.items())))
+                raise UserError(
+                    f"SuperNode {node} could not set up its client ({why}); see its log"
+                )
             for node_id, reply in replies.items():
                 cid = int(reply.content[protocol.CONFIG][protocol.CLIENT])
                 if cid in found:
@@ -161,6 +167,8 @@ def partition_from_nodes(config: ExperimentConfig, found: Mapping[int, tuple[int
     if len(metas) != 1:
         raise UserError("the SuperNodes partition the data differently; give them the same data")
     meta = json.loads(metas.pop())
+    if meta.get("target_shares") is not None:
+        meta["target_shares"] = np.asarray(meta["target_shares"], np.float64)
     clients = [
         ClientSplit(
             np.asarray(found[i][1][protocol.SPLIT_TRAIN], np.int64),
