@@ -58,14 +58,22 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def _run(env: dict, module: str, args: list[str], **extra_env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        env={**env["env"], **extra_env},
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        cwd=env["base"],
-    )
+    """The command to its end; past TIMEOUT, it and every process of its federation are killed
+    (they carry its --output-dir in their environment) and the test fails."""
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", module, *args],
+            env={**env["env"], **extra_env},
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            cwd=env["base"],
+        )
+    except BaseException:
+        out = next((a.split("=", 1)[1] for a in args if a.startswith("--output-dir=")), None)
+        if out is not None:
+            _kill_marked(out)
+        raise
 
 
 def _args(env: dict, out: Path, **extra: object) -> list[str]:
@@ -87,19 +95,36 @@ def _simulate(env: dict, name: str, **flags: object) -> Path:
     return out
 
 
-def _no_processes_left(marker: str) -> None:
-    """No process of the federation survived its command (the launcher puts the run's directory,
-    `marker`, in the environment of every process it starts, which their children inherit)."""
+def _marked(marker: str) -> list:
+    """Processes other than this one whose command line or environment holds `marker`."""
     import psutil
 
-    left = []
+    found = []
     for p in psutil.process_iter(["cmdline", "environ"]):
         try:
             text = " ".join(p.info["cmdline"] or []) + json.dumps(p.info["environ"] or {})
         except (psutil.Error, TypeError):
             continue
         if marker in text and p.pid != os.getpid():
-            left.append((p.pid, p.info["cmdline"]))
+            found.append(p)
+    return found
+
+
+def _kill_marked(marker: str) -> None:
+    """SIGKILL whatever of a federation is still running (a test that failed midway)."""
+    import psutil
+
+    for p in _marked(marker):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def _no_processes_left(marker: str) -> None:
+    """No process of the federation survived its command (the launcher puts the run's directory,
+    `marker`, in the environment of every process it starts, which their children inherit)."""
+    left = [(p.pid, p.info["cmdline"]) for p in _marked(marker)]
     assert not left, left
 
 
@@ -188,6 +213,9 @@ def test_fedadam_run_equals_simulation_and_a_killed_node_is_left_out(env: dict) 
                 time.sleep(0.1)
             _kill_supernode(str(out / "flower" / "nodes" / "node_2"))
             assert proc.wait(timeout=TIMEOUT) == 0, err_path.read_text()[-3000:]
+        except BaseException:
+            _kill_marked(str(out))
+            raise
         finally:
             if proc.poll() is None:
                 proc.kill()
