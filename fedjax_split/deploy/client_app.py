@@ -77,6 +77,7 @@ def query(msg: Message, context: Context) -> Message:
         protocol.CLIENT: node.client_id,
         protocol.SPLIT_TRAIN: [int(i) for i in node.split.train],
         protocol.SPLIT_TEST: [int(i) for i in node.split.test],
+        protocol.SHARES: json.dumps(node.shares),
         protocol.POOL_SIZE: node.pool_size,
         protocol.PARTITION: json.dumps(node.partition_meta),
     }

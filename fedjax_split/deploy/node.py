@@ -42,6 +42,7 @@ class NodeSetup:
     tokenized: Any  # the pool, packed once
     row_width: int | None
     split: Any  # partition.ClientSplit: this client's train / test pool indices
+    shares: list[float] | None  # its realised label shares (partition.json), None without target
     partition_meta: dict[str, Any]  # the partition's settings (what partition.json records)
     pool_size: int
     apply: Callable[..., Any]
@@ -98,7 +99,7 @@ def _tokenized(
 def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None) -> NodeSetup:
     """This client's share and model, derived as `experiment.build` derives them. `cache`: a
     directory of the node's own for the tokenised pool (None: tokenise every time)."""
-    from fedjax_split.data import tasks
+    from fedjax_split.data import partition, tasks
     from fedjax_split.fed.roles import flatten_paths
     from fedjax_split.run import experiment
 
@@ -125,6 +126,8 @@ def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None)
         tokenized=tokenized,
         row_width=row_width,
         split=part.clients[client_id],
+        shares=None if part.target_shares is None else partition.client_shares(
+            part.clients[client_id], labels, part.target_shares.shape[1]).tolist(),
         partition_meta={  # JSON-ready: what partition.json records besides the indices
             f.name: _plain(getattr(part, f.name))
             for f in dataclasses.fields(part)

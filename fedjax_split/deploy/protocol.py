@@ -33,6 +33,7 @@ RUN = "run-id"  # our run's id (survives a server restart), not Flower's run id
 KEEP_FROM = "keep-from"  # the server's latest checkpoint round: older local parts may go
 TRAINED = "trained"  # the trained global paths, when a schedule chooses (absent: all)
 SPLIT_TRAIN, SPLIT_TEST = "train", "test"  # a node's pool indices (query reply)
+SHARES = "shares"  # a node's realised label shares, JSON (query reply; null: none to report)
 POOL_SIZE = "pool-size"
 PARTITION = "partition"  # the partition's settings as JSON (scheme, seed, sizes, ...)
 TAG_NAMES = "tag-names"

@@ -195,6 +195,7 @@ class ServerRun:
     nodes: dict[int, int]  # client id -> Flower node id
     run_id: str  # ours: survives a restart (checkpoint meta), names the nodes' local parts
     step: Callable[..., Any]  # jitted: (state, uploads, weights) -> state
+    shares: list[Any] | None = None  # each client's realised label shares, as its node reported
 
 
 def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> ServerRun:
@@ -242,7 +243,9 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
         num_frozen=count(frozen),
     )
     nodes = {cid: node_id for cid, (node_id, _) in found.items()}
-    return ServerRun(setup, nodes, secrets.token_hex(16), jax.jit(step))
+    shares = [json.loads(str(found[i][1][protocol.SHARES])) for i in range(config.clients)]
+    return ServerRun(setup, nodes, secrets.token_hex(16), jax.jit(step),
+                     None if any(x is None for x in shares) else shares)  # fmt: skip
 
 
 def _decode_upload(reply: Any, expected: Mapping[str, Any], wire: str) -> Any:
@@ -460,7 +463,8 @@ def run_server(
 
     run_dir.mkdir(parents=True, exist_ok=True)
     outputs.write_json(run_dir / "config.json", config.to_dict())
-    partition_mod.save_partition(setup.partition, run_dir / "partition.json")
+    partition_mod.save_partition(setup.partition, run_dir / "partition.json",
+                                 realised=run.shares)  # fmt: skip
     outputs.write_jsonl(run_dir / "metrics.jsonl", history)
     if start_round < config.rounds:
         (run_dir / "summary.json").unlink(missing_ok=True)
