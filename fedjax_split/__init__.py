@@ -1,7 +1,7 @@
 """fedjax_split: federated fine-tuning of BERT on non-IID clients (FedSplitBERT and baselines).
 
 The public API is imported lazily so that `import fedjax_split` stays cheap (no jax/transformers
-import until a name is used).
+import until a name is used). Importing it tunes glibc's malloc for XLA:CPU (run/malloc.py).
 """
 
 from __future__ import annotations
@@ -10,6 +10,10 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
+
+# glibc's malloc kept from handing XLA:CPU's buffers back to the kernel on every call, before JAX
+# starts its threads (fedjax_split.run.malloc: FEDJAX_SPLIT_MALLOC=system opts out)
+importlib.import_module("fedjax_split.run.malloc").tune()
 
 _EXPORTS = {
     # models

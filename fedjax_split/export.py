@@ -3,7 +3,8 @@
   python -m fedjax_split.export --run-dir runs/X --client 0 --out exported/client0
 
 The personalised model is the global part (as the client received it, cast to fp32) merged with
-that client's local part, both from the run's latest checkpoint (or --round). The result loads in
+that client's local part: the global part from the run's latest checkpoint (or --round), the
+local part as it was after that round, from the run's client store. The result loads in
 transformers as `BertForSequenceClassification` (`BertForTokenClassification` for a token task) and
 in fedjax_split via `load_pretrained`.
 """
@@ -28,6 +29,8 @@ def personalised_params(run_dir: str | Path, client: int, round_: int | None = N
     from fedjax_split.fed.wire import cast_from_wire
     from fedjax_split.models.bert import BertConfig
     from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+    from fedjax_split.run.experiment import CLIENTS_DIR
+    from fedjax_split.sim.client_store import ClientStore
 
     ck = RunCheckpointer(checkpoint_dir(run_dir))
     state, meta = ck.restore_untyped(round_)
@@ -35,7 +38,13 @@ def personalised_params(run_dir: str | Path, client: int, round_: int | None = N
     if not 0 <= client < num_clients:
         raise UserError(f"--client {client} is outside 0..{num_clients - 1} for this run")
     global_params = cast_from_wire(state["server_state"]["global_params"], jnp.float32)
-    local = jax.tree.map(lambda x: x[client], state["local_params"])
+    if "local_params" in state:  # a checkpoint of an older version held every client's part
+        local = jax.tree.map(lambda x: x[client], state["local_params"])
+    else:
+        store = ClientStore(Path(run_dir) / CLIENTS_DIR)
+        if not (store.directory / "initial.npz").is_file():
+            raise UserError(f"{str(run_dir)!r} has no client store ({CLIENTS_DIR}/) to export from")
+        local = store.load(client, at_most=int(meta["round"]))
     params = merge_params(global_params, local, state.get("frozen", {}))
     return params, BertConfig.from_hf_dict(meta["model_config"]), meta.get("model_dir")
 

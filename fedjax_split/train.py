@@ -132,15 +132,15 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 
 def cli() -> None:
-    """`python -m fedjax_split.train` and `fedjax-split-train`: `main` in a process on tcmalloc
-    where it is installed (fedjax_split.run.malloc), with one-line warnings."""
+    """`python -m fedjax_split.train` and `fedjax-split-train`: `main` with one-line warnings (the
+    malloc is tuned at import: fedjax_split.run.malloc)."""
     import warnings
 
     from fedjax_split.errors import UserError, report
     from fedjax_split.run import malloc
 
     try:
-        malloc.reexec_with_tcmalloc()
+        malloc.check_setting()
     except UserError as e:
         sys.exit(report(e))
     warnings.formatwarning = _one_line_warning

@@ -109,17 +109,3 @@ def tiny_args(model: Path, data: Path, out: Path, **extra: object) -> list[str]:
     }
     flags.update({k.replace("_", "-"): v for k, v in extra.items()})
     return [f"--{k}={v}" for k, v in flags.items()]
-
-
-def tcmalloc_installed() -> bool:
-    """Whether the dynamic linker knows a tcmalloc, asked of ldconfig (not of
-    fedjax_split.run.malloc, whose search it checks). The CLI tests expect their runs on it
-    exactly then."""
-    import shutil
-    import subprocess
-
-    ldconfig = shutil.which("ldconfig") or "/sbin/ldconfig"
-    if not Path(ldconfig).is_file():
-        pytest.skip("no ldconfig to ask whether tcmalloc is installed")
-    out = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, check=True).stdout
-    return "libtcmalloc" in out

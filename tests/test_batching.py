@@ -178,6 +178,12 @@ def test_plain_shuffling_by_default_pairs_rarely_meet_again():
     assert bucketed > 10 * chance, (bucketed, chance)
 
 
+def _ladder(x: int) -> int:
+    """x rounded up to 4 points per power of two, in multiples of 8 (written again here)."""
+    step = max(8, 2 ** (x.bit_length() - 1) // 4)
+    return -(-x // step) * step
+
+
 def test_step_shapes_come_from_a_ladder_and_recur():
     tok, _, _ = _sentence_pool(1000, seed=4)
     labels = np.zeros(1000, np.int64)
@@ -188,14 +194,17 @@ def test_step_shapes_come_from_a_ladder_and_recur():
             steps = client_batches(tok, ix, labels, batch_size=16, epochs=1, seed=[0, r],
                                    client_id=cid)  # fmt: skip
             for s in steps:
-                n = s.input_ids.shape[-1]
+                n, (rows, width) = s.input_ids.shape[-1], s.attention_mask.shape[-2:]
                 real = int((s.attention_mask > 0).sum())
-                assert real <= n and n % 8 == 0
-                # on the ladder: at most a quarter of the power of two below n apart
-                step = max(8, 2 ** (max(real, 1).bit_length() - 1) // 4)
-                assert n == -(-real // step) * step
-                shapes.add((n, s.attention_mask.shape[-2]))
-    assert len(shapes) <= 12, sorted(shapes)  # 30 clients' rounds, a dozen programs at most
+                used = int((s.attention_mask[0] > 0).any(-1).sum())  # rows first-fit filled
+                assert real <= n and n % 8 == 0 and n == _ladder(n)  # on the ladder
+                # the smallest ladder size that holds the tokens and a quarter of B full rows,
+                # unless the rows that size brings (one more than it needs) are too few
+                base = _ladder(max(real, 16 * width // 4))
+                assert n == base or used > -(-base // width) + 1
+                assert rows == -(-n // width) + 1  # R follows N
+                shapes.add((n, rows))
+    assert len(shapes) <= 8, sorted(shapes)  # 30 clients' rounds, a handful of programs
 
 
 def test_regression_labels_and_max_length_cap():
@@ -244,15 +253,17 @@ def test_bad_labels_and_mixed_kinds_are_refused():
 
 
 @pytest.mark.parametrize("packing", [False, True])
-def test_eval_batches_once_each_sorted_by_length(packing):
+def test_eval_batches_once_each_padded_sorted_by_length_packed_in_order(packing):
     tok, clients, labels, lengths = _setup()
     for ix in clients:
         steps = client_eval_batches(tok, ix, labels, batch_size=4, packing=packing)
-        if not packing:
-            _check_padded(steps, tok, labels, lengths)
         rows = _rows(steps)
         assert np.array_equal(np.sort(rows), np.sort(ix))
-        assert np.all(np.diff(lengths[rows]) >= 0)  # no shuffle: ascending length
+        if packing:  # in the client's order: full packed batches all about B mean lengths
+            np.testing.assert_array_equal(rows, ix)
+        else:  # no shuffle: ascending length, so similar lengths share a batch
+            _check_padded(steps, tok, labels, lengths)
+            assert np.all(np.diff(lengths[rows]) >= 0)
 
 
 @pytest.mark.parametrize("batch_size", [8, 32, 64])

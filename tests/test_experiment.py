@@ -118,18 +118,55 @@ def test_only_sampled_clients_local_parts_change(
 ) -> None:
     from fedjax_split.fed.roles import split_params
     from fedjax_split.models.hf_checkpoint import load_pretrained
+    from fedjax_split.sim.client_store import ClientStore
 
     first = json.loads((partial_fp16 / "metrics.jsonl").read_text().splitlines()[0])
-    state, meta = RunCheckpointer(checkpoint_dir(partial_fp16)).restore_untyped(1)
-    assert meta["round"] == 1
+    store = ClientStore(partial_fp16 / experiment.CLIENTS_DIR)
     _, initial_local = split_params(load_pretrained(files["model"], num_labels=2).params, 1)
     for k in range(3):
-        local_k = jax.tree.map(lambda x, k=k: np.asarray(x[k]), state["local_params"])
+        # a version of round 1 exactly for the sampled clients; the others have the initial part
+        assert (store.version(k, at_most=1) == 1) == (k in first["clients_sampled"])
+        local_k = store.load(k, at_most=1)
         same = all(
             np.array_equal(a, np.asarray(b))
             for a, b in zip(jax.tree.leaves(local_k), jax.tree.leaves(initial_local), strict=True)
         )
         assert same == (k not in first["clients_sampled"]), k
+    # the checkpoint holds the server's state only: no copy of any client's local part
+    state, meta = RunCheckpointer(checkpoint_dir(partial_fp16)).restore_untyped(1)
+    assert meta["round"] == 1 and set(state) == {"server_state"}
+
+
+def test_the_client_store_trains_what_clients_held_in_memory_train(files: dict[str, Path]) -> None:
+    """Two rounds of 2 of 3 clients through run_experiment (local parts in the client store, read
+    back for each round) against the same rounds with every client's local part held stacked
+    in memory: the same server state and local parts, bit for bit."""
+    from fedjax_split.sim import rounds
+    from fedjax_split.sim.client_store import ClientStore
+
+    cfg = experiment.resolve_config(overrides=_config(
+        files, "store_vs_memory", clients_per_round=2, critical_layer=1, rounds=2))  # fmt: skip
+    experiment.run_experiment(cfg, progress=False)
+    setup = experiment.build(cfg)  # the same start, held in memory
+    stacked = rounds.replicate(setup.local0, cfg.clients)
+    for r in (1, 2):
+        sampled = rounds.sample_clients(cfg.clients, cfg.sampled_clients, cfg.seed, r)
+        n = np.asarray([len(setup.partition.clients[i].train) for i in sampled], np.float32)
+        setup.server_state, new, _ = rounds.run_round(
+            setup.round_spec, setup.server_state, rounds.take_clients(stacked, sampled), n,
+            experiment.round_batches(setup, r), jax.random.key(cfg.seed), client_ids=sampled,
+            frozen=setup.frozen,
+        )  # fmt: skip
+        stacked = rounds.put_clients(stacked, sampled, new)
+    store = ClientStore(cfg.run_dir / experiment.CLIENTS_DIR)
+    for k in range(cfg.clients):
+        held = jax.tree.map(lambda x, k=k: np.asarray(x[k]), stacked)
+        for a, b in zip(jax.tree.leaves(store.load(k)), jax.tree.leaves(held), strict=True):
+            np.testing.assert_array_equal(a, b)
+    state, _ = RunCheckpointer(checkpoint_dir(cfg.run_dir)).restore_untyped()
+    for a, b in zip(jax.tree.leaves(state["server_state"]["master"]),
+                    jax.tree.leaves(setup.server_state.master), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_personalised_metrics_match_transformers(
@@ -235,7 +272,8 @@ def test_evaluate_maps_groups_by_example_index_and_means_over_clients(
     setup = SimpleNamespace(
         server_state=SimpleNamespace(global_params={}),
         apply=None,
-        local_params={},
+        local0={},
+        local_part=lambda client: {},
         frozen={},
         num_local=0,
         eval_batches=[["client 0's batches"], ["client 1's batches"]],

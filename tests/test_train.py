@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
     private_cache,
-    tcmalloc_installed,
     tiny_args,
     write_tiny_model,
     write_tiny_sst2,
@@ -47,8 +46,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
-    for name in ("FEDJAX_SPLIT_STOP_AFTER_ROUND", "LD_PRELOAD", malloc.ENV, malloc._MARK):
-        proc_env.pop(name, None)  # every CLI run starts on the system's malloc
+    for name in ("FEDJAX_SPLIT_STOP_AFTER_ROUND", "LD_PRELOAD", malloc.ENV):
+        proc_env.pop(name, None)  # every CLI run starts on the system's malloc, then tunes it
     return {"base": base, "model": model, "data": data, "env": proc_env}
 
 
@@ -114,8 +113,8 @@ def test_straight_run_writes_every_output(straight: Path) -> None:
     assert summary["final"]["accuracy"] == records[-1]["accuracy"]
     for key in ("seconds", "train_seconds", "eval_seconds"):
         assert summary[key] == pytest.approx(sum(r[key] for r in records))
-    # the CLI re-executed itself on tcmalloc where ldconfig knows one (it does where CI runs)
-    assert summary["allocator"] == ("tcmalloc" if tcmalloc_installed() else "system")
+    # the CLI ran on glibc's malloc tuned at import (fedjax_split.run.malloc)
+    assert summary["allocator"] == "glibc-tuned"
     config = json.loads((straight / "config.json").read_text())
     assert config["critical_layer"] == 1 and config["clients"] == 3
     part = json.loads((straight / "partition.json").read_text())
@@ -317,14 +316,14 @@ def test_resume_without_any_checkpoint_is_refused(
     assert _digest(run) == before
 
 
-def test_cli_reexecutes_before_main_and_prints_warnings_on_one_line() -> None:
-    """train.cli with stand-ins for the re-execution and main (the real re-execution is in
-    test_malloc and the runs above): order, one-line warnings, main's exit status."""
+def test_cli_checks_the_malloc_setting_before_main_and_prints_warnings_on_one_line() -> None:
+    """train.cli with stand-ins for the malloc check and main: order, one-line warnings, main's
+    exit status."""
     probe = (
         "import warnings\n"
         "from fedjax_split import train\n"
         "from fedjax_split.run import malloc\n"
-        "malloc.reexec_with_tcmalloc = lambda: print('reexec')\n"
+        "malloc.check_setting = lambda: print('check')\n"
         "def main():\n"
         "    print('main')\n"
         "    warnings.warn('model: freshly initialised from seed 0: classifier.weight')\n"
@@ -337,7 +336,7 @@ def test_cli_reexecutes_before_main_and_prints_warnings_on_one_line() -> None:
     res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                          timeout=120)  # fmt: skip
     assert res.returncode == 3, res.stderr
-    assert res.stdout == "reexec\nmain\n"
+    assert res.stdout == "check\nmain\n"
     assert res.stderr.splitlines() == [
         "warning: model: freshly initialised from seed 0: classifier.weight",
         "warning: RuntimeWarning: overflow (lib.py:7)",
@@ -347,7 +346,7 @@ def test_cli_reexecutes_before_main_and_prints_warnings_on_one_line() -> None:
 def test_an_unknown_malloc_mode_is_a_one_line_error(env: dict) -> None:
     res = _cli(env, _args(env, env["base"] / "never_malloc"), FEDJAX_SPLIT_MALLOC="off")
     assert res.returncode == 2
-    want = "error: FEDJAX_SPLIT_MALLOC='off': use auto (tcmalloc where installed) or system\n"
+    want = "error: FEDJAX_SPLIT_MALLOC='off': use auto (tune glibc's malloc) or system\n"
     assert res.stderr == want
     assert not (env["base"] / "never_malloc").exists()
 
@@ -356,4 +355,4 @@ def test_console_script_goes_through_cli() -> None:
     from importlib.metadata import entry_points
 
     (script,) = entry_points(group="console_scripts", name="fedjax-split-train")
-    assert script.value == "fedjax_split.train:cli"  # not main: cli re-executes on tcmalloc
+    assert script.value == "fedjax_split.train:cli"  # not main: cli checks the malloc setting

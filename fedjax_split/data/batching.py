@@ -31,11 +31,13 @@ task's labels follow the stream ([1, N]).
 
 Shapes: a step's size (T padded, N packed) is its longest example (padded) or its real tokens
 (packed) rounded up to a ladder of `steps_per_octave` sizes per power of two (multiples of
-`pad_to_multiple`), so that the same few shapes recur in every round and compile once (on rotten
-tomatoes, B=16, packed: 4 shapes, about 8% of the stream padding). W is run-wide (`row_width`,
-default from the pool's longest example) and R follows N. Padding rows (example_mask 0) of padded
-batches get input_ids = pad_id and attend to position 0 only, so a model never sees an all-masked
-attention row (which could produce NaN that a zero weight cannot cancel).
+`pad_to_multiple`), so that the same few shapes recur in every round and compile once. W is
+run-wide (`row_width`, default from the pool's longest example), R follows N (a batch that needs
+more rows takes a larger N), and N is at least B W / 4, so that an epoch's last, partial batch
+does not add a small shape per client. On rotten tomatoes (B=16, 10 rounds of K=3 or 10 clients)
+that is 6-7 training shapes with about 8% of the stream padding. Padding rows (example_mask 0) of
+padded batches get input_ids = pad_id and attend to position 0 only, so a model never sees an
+all-masked attention row (which could produce NaN that a zero weight cannot cancel).
 
 Dropout (`models.bert.dropout`) draws each element's mask from its flat index, so growing a
 leading axis (a packed stream's tokens, attention rows) when clients are stacked leaves every
@@ -331,11 +333,16 @@ def _step(
         if lengths.size and lengths.max() > sh.row_width:
             raise ValueError(f"an example of {int(lengths.max())} tokens does not fit attention "
                              f"rows of {sh.row_width} slots; pass a wider row_width")
-        n = _ladder(int(lengths.sum()), sh.pad_to_multiple, sh.steps_per_octave)
-        # R follows N (one row more than the tokens need, so shapes recur), more if first-fit
-        # needs them
+        # R follows N (one row more than the tokens need), so the shape is N's alone and recurs;
+        # a batch whose first-fit needs more rows takes the next N up the ladder
         needed = _first_fit(lengths, sh.row_width)[2] if lengths.size else 1
-        r = max(needed, -(-n // sh.row_width) + 1)
+        # at least a quarter of B full rows: an epoch's last, partial batch would otherwise add
+        # a small shape of its own for every client and round
+        floor = sh.batch_size * sh.row_width // 4
+        n = _ladder(max(int(lengths.sum()), floor), sh.pad_to_multiple, sh.steps_per_octave)
+        while -(-n // sh.row_width) + 1 < needed:
+            n = _ladder(n + 1, sh.pad_to_multiple, sh.steps_per_octave)
+        r = -(-n // sh.row_width) + 1
         out = _assemble_packed(packed, rows, real_step, labels, n, r, sh.row_width,
                                objective.label_dtype, sh.pad_id)  # fmt: skip
     return jax.tree.map(lambda x: x[0], out)  # drop the client axis of 1
@@ -404,15 +411,18 @@ def client_eval_batches(
     row_width: int | None = None,
     pad_id: int = 0,
 ) -> list[Batch]:
-    """One client's test examples once each, sorted by length (similar lengths share a batch and
-    a shape), as batches [1, B, ...]. Map predictions back with `example_index`."""
+    """One client's test examples once each, as batches [1, B, ...]; padded batches take them
+    sorted by length (similar lengths share a batch and a shape), packed ones in order (a full
+    packed batch's stream then holds about B times the mean length: one or two shapes, where
+    sorted batches would climb the ladder). Map predictions back with `example_index`."""
     packed = pack(tokenized)
     labels = np.asarray(labels)
     _check_labels(packed, labels, objective)
     sh = _shapes(packed, batch_size, pad_to_multiple, steps_per_octave, max_length, packing,
                  row_width, pad_id)  # fmt: skip
     ix = np.asarray(indices, dtype=np.int64).reshape(-1)
-    ix = ix[np.argsort(packed.lengths[ix], kind="stable")]
+    if not packing:
+        ix = ix[np.argsort(packed.lengths[ix], kind="stable")]
     return [_step(packed, ix[i : i + batch_size], labels, objective, sh)
             for i in range(0, ix.size, batch_size)]  # fmt: skip
 

@@ -357,24 +357,36 @@ def partition_clients(
     )
 
 
+def client_shares(split: ClientSplit, labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """[C] one client's label shares as drawn (train and test together), rounded as
+    partition.json records them."""
+    counts = np.bincount(np.asarray(labels).astype(np.int64)[split.all], minlength=num_classes)
+    return np.round(counts / max(int(counts.sum()), 1), 6)
+
+
 def realised_shares(partition: Partition, labels: np.ndarray, num_classes: int) -> np.ndarray:
-    """[K, C] each client's label shares as drawn (train and test together)."""
-    ids = np.asarray(labels).astype(np.int64)
-    counts = np.stack([np.bincount(ids[c.all], minlength=num_classes) for c in partition.clients])
-    return counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    """[K, C] each client's label shares as drawn (`client_shares`)."""
+    return np.stack([client_shares(c, labels, num_classes) for c in partition.clients])
 
 
 def save_partition(
-    partition: Partition, path: str | os.PathLike, labels: np.ndarray | None = None
+    partition: Partition,
+    path: str | os.PathLike,
+    labels: np.ndarray | None = None,
+    realised: Sequence[Sequence[float]] | None = None,
 ) -> Path:
     """Write the partition as JSON (exact indices + parameters), atomically. With the pool's
-    class `labels`, each client's realised label shares go beside the target shares."""
+    class `labels` (or each client's `client_shares`, `realised`, where the labels are
+    elsewhere), each client's realised label shares go beside the target shares."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     target = partition.target_shares
-    realised = None
-    if target is not None and labels is not None:
-        realised = realised_shares(partition, labels, target.shape[1]).round(6).tolist()
+    if target is None:
+        realised = None
+    elif labels is not None:
+        realised = realised_shares(partition, labels, target.shape[1]).tolist()
+    elif realised is not None:
+        realised = [[float(x) for x in row] for row in realised]
     doc = {
         "format": _FORMAT,
         "scheme": partition.scheme,

@@ -234,7 +234,7 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
         partition=partition_from_nodes(config, found),
         round_spec=spec,
         server_state=state,
-        local_params=None,
+        local0=local0,
         frozen=frozen,
         row_width=None,
         eval_batches=None,

@@ -29,6 +29,7 @@ from fedjax_split.run.config import (
 
 # `purpose` components of numpy seeds, so no two uses of the seed share a stream.
 _SUBSAMPLE = 0  # purpose of the subsample's numpy seed (rounds uses 1 for sampling)
+CLIENTS_DIR = "clients"  # the run's client store (sim/client_store.py)
 WIRE_DTYPE = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 RoundHook = Callable[[int, dict[str, Any]], None]
@@ -50,13 +51,30 @@ class Setup:
     partition: Any
     round_spec: Any
     server_state: Any
-    local_params: Any  # stacked over all clients: leading axis K
+    local0: Any  # the local part every client starts from (pretrained, head seeded)
     frozen: Any  # one copy for every client, never trained or sent
     eval_batches: list[list[Any]]  # each client's test batches
     num_global: int
     num_local: int
     num_frozen: int
     prefetched: tuple[int, list[Any]] | None = None  # (round, its clients' training steps)
+    store: Any = None  # sim.client_store.ClientStore of the run: each client's local part
+
+    def local_part(self, client: int) -> Any:
+        """`client`'s local part now (the initial one before it trains, or without a store)."""
+        return self.local0 if self.store is None else self.store.load(client)
+
+    def local_sampled(self, clients: Sequence[int]) -> Any:
+        """The sampled clients' local parts stacked [K]: only theirs are read into memory."""
+        if self.store is None:
+            raise ValueError("the setup has no client store; run_experiment gives it one")
+        return self.store.load_stacked(clients)
+
+    def keep(self, round_: int, clients: Sequence[int], stacked: Any) -> None:
+        """Writes the sampled clients' new local parts to the store (round_'s versions)."""
+        if self.store is None:
+            raise ValueError("the setup has no client store; run_experiment gives it one")
+        self.store.save(round_, clients, stacked)
 
 
 def round_chunk_size(chunk_size: int | None, backend: str) -> int | None:
@@ -321,9 +339,6 @@ def build(config: ExperimentConfig) -> Setup:
     width = row_width(config, tokenized)
 
     global0, local0, frozen = model_parts(config, pre, c)
-    k = config.clients
-    # every client starts from the same pretrained (and seeded head) local part
-    local_all = jax.tree.map(jax.numpy.array, rounds.replicate(local0, k))
     round_spec = make_round_spec(config, pre.apply, task)
     server_state = rounds.init_server_state(
         global0, round_spec.server_optimizer, round_spec.wire_dtype
@@ -345,7 +360,7 @@ def build(config: ExperimentConfig) -> Setup:
         partition=part,
         round_spec=round_spec,
         server_state=server_state,
-        local_params=local_all,
+        local0=local0,
         frozen=frozen,
         eval_batches=eval_batches,
         num_global=count(global0),
@@ -364,7 +379,6 @@ def evaluate(setup: Setup, trained: set[int] | None = None) -> dict[str, Any]:
     (FedNLP's figure; with a local part there is no single global model to score). Clients are
     scored one at a time, so one local part is in memory at a time.
     """
-    import jax
     import jax.numpy as jnp
 
     from fedjax_split.fed import roles, wire
@@ -376,8 +390,7 @@ def evaluate(setup: Setup, trained: set[int] | None = None) -> dict[str, Any]:
     )
     results, per_client = [], []
     for i, own in enumerate(setup.eval_batches):
-        local = jax.tree.map(lambda x, i=i: x[i], setup.local_params)
-        params = roles.merge_params(global_params, local)
+        params = roles.merge_params(global_params, setup.local_part(i))
         res = evaluation.evaluate_client(setup.apply, params, own, setup.task.objective)
         if len(res.labels) == 0:
             continue  # a client without test examples has no metric
@@ -427,9 +440,10 @@ def mean_over_clients(per_client: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 
 def _state(setup: Setup) -> dict[str, Any]:
-    """What a checkpoint holds: the frozen part too (when there is one), so that an export needs
-    nothing but the run directory; runs without one keep the layout of older checkpoints."""
-    state = {"server_state": setup.server_state, "local_params": setup.local_params}
+    """What a checkpoint holds: the server's state and the frozen part (when there is one), so
+    that an export needs nothing but the run directory. The clients' local parts are not copied
+    into it: they are versioned in the run's client store (`clients/`, sim/client_store.py)."""
+    state = {"server_state": setup.server_state}
     return {**state, "frozen": setup.frozen} if setup.frozen else state
 
 
@@ -450,8 +464,10 @@ def run_experiment(
     import jax
 
     from fedjax_split.models.bert import check_attention
+    from fedjax_split.run import xla_cache
     from fedjax_split.sim.devices import use_cpu_devices
 
+    xla_cache.enable()  # a second run loads what the first compiled
     use_cpu_devices(config.cpu_devices)  # before the first JAX computation (see devices.py)
     check_attention(config.attention, config.dtype, jax.default_backend())
     _check_run_dir(config)
@@ -476,8 +492,13 @@ def run_experiment(
             )
     if config.resume and checkpointer.latest_round() is not None:
         state, meta = checkpointer.restore(_state(setup))
-        setup.server_state, setup.local_params = state["server_state"], state["local_params"]
+        setup.server_state = state["server_state"]
         setup.frozen = state.get("frozen", setup.frozen)
+        if not (run_dir / CLIENTS_DIR / "initial.npz").is_file():
+            raise UserError(
+                f"{str(run_dir)!r} has no client store ({CLIENTS_DIR}/): it was written by an "
+                "older version; start a new run in another --output-dir"
+            )
         start_round, history = int(meta["round"]), list(meta["history"])
         saved_model = meta.get("model_config")
         if saved_model is not None and saved_model != setup.model_config.to_hf_dict():
@@ -493,7 +514,14 @@ def run_experiment(
             )
 
     # From here on we write.
+    from fedjax_split.sim.client_store import ClientStore
+
     run_dir.mkdir(parents=True, exist_ok=True)
+    if start_round:  # versions written after the checkpoint are redone
+        setup.store = ClientStore(run_dir / CLIENTS_DIR)
+        setup.store.rewind(start_round)
+    else:  # a fresh run (or one that finished no round): no checkpoint needs what is there
+        setup.store = ClientStore.create(run_dir / CLIENTS_DIR, setup.local0)
     outputs.write_json(run_dir / "config.json", config.to_dict())
     partition_mod.save_partition(
         setup.partition, run_dir / "partition.json", np.asarray(setup.examples.labels)
@@ -532,6 +560,7 @@ def run_experiment(
             outputs.append_jsonl(run_dir / "metrics.jsonl", record)
             if config.checkpoint_every and (r % config.checkpoint_every == 0 or r == config.rounds):
                 checkpointer.save(r, _state(setup), {**meta_static, "history": history})
+                setup.store.prune(min(checkpointer.all_rounds()))
             bar.round_done(record, setup.task.primary_metric)
             if on_round_end is not None:
                 on_round_end(r, record)
@@ -579,7 +608,7 @@ def run_one_round(setup: Setup, r: int, history: Sequence[dict[str, Any]]) -> di
         segments = round_batches(setup, r)
     setup.prefetched = None
     num_examples = np.asarray([len(t) for t in train_idx], np.float32)
-    local_sampled = rounds.take_clients(setup.local_params, sampled)
+    local_sampled = jax.tree.map(jax.numpy.asarray, setup.local_sampled(sampled))
     # the run's key; run_round folds in the round counter and the clients' global ids
     setup.server_state, new_local, result = rounds.run_round(
         setup.round_spec,
@@ -591,11 +620,11 @@ def run_one_round(setup: Setup, r: int, history: Sequence[dict[str, Any]]) -> di
         client_ids=sampled,
         frozen=setup.frozen,
     )
-    setup.local_params = rounds.put_clients(setup.local_params, sampled, new_local)
     if r < config.rounds:  # the round runs asynchronously: batch the next one meanwhile
         setup.prefetched = (r + 1, round_batches(setup, r + 1))
     losses = np.asarray(result.train_loss, np.float64)  # waits for the round's last program
-    jax.block_until_ready(setup.local_params)  # and put_clients, so that t_train is the round's
+    setup.keep(r, sampled, new_local)
+    # keep() wrote the new local parts (waiting for them), so that t_train is the whole round's
     t_train = time.perf_counter()
     record: dict[str, Any] = {
         "round": r,

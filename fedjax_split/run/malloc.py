@@ -1,37 +1,41 @@
-"""tcmalloc for the command line on Linux: which malloc a process runs on, and a re-execution of
-the CLI with tcmalloc preloaded when it is installed.
+"""glibc's malloc tuned in-process for XLA:CPU's allocation pattern, and which malloc a process
+runs on.
 
-Why: XLA:CPU allocates its temporaries anew on every call, and glibc's malloc hands buffers over
-32 MB back to the kernel on free, so every call faults its memory in again (28% of a CPU round's
-time was in the kernel; docs/benchmarks.md). tcmalloc keeps them: the README's rotten-tomatoes job
-took 6-9% less time, the benchmark's rounds about 30% less, with the same results. The allocator
-is fixed when a process starts, so the CLI (`train.cli`) re-executes itself once, the same
-command line, with LD_PRELOAD set, and only when that command line is the CLI's own (`python -m
-fedjax_split.train ...` or the `fedjax-split-train` script; never a notebook, `-c`, stdin or a
-wrapper). It leaves alone a process whose user preloads anything. FEDJAX_SPLIT_MALLOC=system
-opts out; the child inherits LD_PRELOAD, and so do the processes it starts.
+Why: XLA:CPU allocates its temporaries anew on every call (a MiniLM step's gradients of the
+47 MB word-embedding table among them). glibc's defaults hand large blocks back to the kernel on
+free (mmap'd blocks, trimmed heap tops, and the per-thread arenas' heaps, which it shrinks), so
+every call faults its memory in again: 3.9M page faults and 8 s of system time in a 4-client
+benchmark round here. Three `mallopt` settings keep freed memory for reuse instead: every thread
+allocates from the main arena (M_ARENA_MAX 1: the other arenas' heaps shrink whatever the trim
+threshold), from the heap rather than fresh mmaps (M_MMAP_MAX 0), and the heap's top is not
+trimmed (M_TRIM_THRESHOLD 1 GiB). That cut the faults 3-4x and the system time 3x with no
+package to install (docs/benchmarks.md); the cost is that the process keeps its peak heap.
+
+`tune()` runs when `fedjax_split` is imported, before JAX starts its threads, so the command
+line, notebooks and scripts all get it. It only touches glibc's malloc: a process on another
+malloc (tcmalloc or jemalloc preloaded by the user) is left alone, and FEDJAX_SPLIT_MALLOC=system
+opts out.
 """
 
 from __future__ import annotations
 
-import ctypes.util
+import ctypes
 import os
 import sys
-import sysconfig
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 from fedjax_split.errors import UserError
 
-ENV = "FEDJAX_SPLIT_MALLOC"  # auto (default): tcmalloc where installed; system: leave it
-_MARK = "FEDJAX_SPLIT_MALLOC_REEXECUTED"  # set in the child: a preload that fails cannot loop
-LIBRARIES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")  # apt: libtcmalloc-minimal4
-MODULE, SCRIPT = "fedjax_split.train", "fedjax-split-train"
+ENV = "FEDJAX_SPLIT_MALLOC"  # auto (default): tune glibc's malloc; system: leave it as it is
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's malloc.h
+SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30))
+_tuned = False
 
 
 def allocator(maps: str | None = None) -> str:
-    """The malloc this process runs on, from its memory maps: 'tcmalloc' or 'jemalloc' when
-    preloaded, 'system' otherwise, 'unknown' where /proc is not there (not Linux)."""
+    """The malloc this process runs on: 'tcmalloc' or 'jemalloc' when preloaded, 'glibc-tuned'
+    after `tune`, 'system' otherwise, 'unknown' where /proc is not there (not Linux)."""
     if maps is None:
         try:
             maps = Path("/proc/self/maps").read_text()
@@ -40,69 +44,47 @@ def allocator(maps: str | None = None) -> str:
     for name in ("tcmalloc", "jemalloc"):
         if f"lib{name}" in maps:
             return name
-    return "system"
+    return "glibc-tuned" if _tuned else "system"
 
 
-def search_dirs() -> tuple[str, ...]:
-    """Library directories of this machine's own architecture (Debian's multiarch dir first)."""
-    multiarch = sysconfig.get_config_var("MULTIARCH")
-    own = (f"/usr/lib/{multiarch}",) if multiarch else ()
-    return (*own, "/usr/lib64", "/usr/lib", "/usr/local/lib")
-
-
-def find_tcmalloc(dirs: Sequence[str] | None = None) -> str | None:
-    """Path of an installed tcmalloc (the minimal build, then the full one), or None."""
-    for d in search_dirs() if dirs is None else dirs:
-        for name in LIBRARIES:
-            if (Path(d) / name).is_file():
-                return str(Path(d) / name)
-    return ctypes.util.find_library("tcmalloc_minimal") or None
-
-
-def own_command_line(
-    orig_argv: Sequence[str], argv: Sequence[str], modules: Mapping[str, object]
-) -> list[str] | None:
-    """The command line that started this CLI, to run again, or None when the process is
-    something else that merely called it (IPython or Jupyter, `-c`, a script read from stdin,
-    another module or script): re-running that would repeat its side effects or replace it."""
-    if "IPython" in modules:
-        return None
-    args = list(argv[1:])
-    head = list(orig_argv[: len(orig_argv) - len(args)])
-    if len(head) < 2 or list(orig_argv[len(head) :]) != args:
-        return None
-    if head[-2:] == ["-m", MODULE] or Path(head[-1]).name == SCRIPT == Path(argv[0]).name:
-        return list(orig_argv)
-    return None
-
-
-def should_preload(environ: Mapping[str, str], platform: str, current: str) -> bool:
-    """Whether to look for tcmalloc at all: not off Linux, opted out, already re-executed once, on
-    a malloc other than the system's, or with anything preloaded already (the user's choice: a
-    sanitizer, another malloc)."""
+def wanted(environ: Mapping[str, str], platform: str, current: str) -> bool:
+    """Whether to tune: on Linux's glibc malloc (not another one preloaded), unless opted out."""
     mode = environ.get(ENV, "auto")
     if mode not in ("auto", "system"):
-        raise UserError(f"{ENV}={mode!r}: use auto (tcmalloc where installed) or system")
-    return not (
-        platform != "linux"
-        or mode == "system"
-        or environ.get(_MARK)
-        or environ.get("LD_PRELOAD")
-        or current != "system"
-    )
+        raise UserError(f"{ENV}={mode!r}: use auto (tune glibc's malloc) or system")
+    return platform == "linux" and mode == "auto" and current == "system"
 
 
-def reexec_with_tcmalloc() -> None:
-    """Replaces this process by the same command line with tcmalloc preloaded (see
-    `should_preload` and `own_command_line`); returns when there is no reason to. Call it first
-    thing, before anything is computed or written."""
-    if not should_preload(os.environ, sys.platform, allocator()):
-        return
-    command = own_command_line(sys.orig_argv, sys.argv, sys.modules)
-    library = find_tcmalloc()  # after the cheap checks: its fallback runs ldconfig
-    if command is None or library is None or not sys.executable:
-        return
-    env = {**os.environ, "LD_PRELOAD": library, _MARK: "1"}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *command[1:]], env)
+def _glibc() -> ctypes.CDLL | None:
+    """This process's C library if it is glibc (it exports gnu_get_libc_version), else None."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - musl and others have no such symbol
+        libc.mallopt  # noqa: B018
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def tune() -> bool:
+    """Applies `SETTINGS` with mallopt once per process; whether the malloc is tuned now. A bad
+    FEDJAX_SPLIT_MALLOC value is left to the CLI to report (`check_setting`)."""
+    global _tuned
+    if _tuned:
+        return True
+    try:
+        if not wanted(os.environ, sys.platform, allocator()):
+            return False
+    except UserError:
+        return False
+    libc = _glibc()
+    if libc is None:
+        return False
+    _tuned = all(libc.mallopt(option, value) == 1 for option, value in SETTINGS)
+    return _tuned
+
+
+def check_setting() -> None:
+    """UserError (one line, exit status 2 from the CLI) for a FEDJAX_SPLIT_MALLOC other than
+    auto or system."""
+    wanted(os.environ, sys.platform, "system")
