@@ -69,11 +69,13 @@ def load_tree(path: Path) -> Any:
 
 
 class ClientStore:
-    """Clients' local parts under `directory` (see the module docstring)."""
+    """Clients' local parts under `directory` (see the module docstring). `initial`: the part a
+    client that never trained has, when it is not to be read from `initial.npz` (a federated
+    node rebuilds it from the checkpoint it starts from)."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, initial: Any = None) -> None:
         self.directory = Path(directory)
-        self._initial: Any = None
+        self._initial: Any = initial
 
     @classmethod
     def create(cls, directory: str | Path, initial: Any) -> ClientStore:
@@ -135,8 +137,11 @@ class ClientStore:
 
         host = jax.tree.map(np.asarray, stacked)
         for k, c in enumerate(clients):
-            part = jax.tree.map(lambda x, k=k: x[k], host)
-            save_tree(self._client_dir(c) / f"round_{int(round_)}.npz", part)
+            self.save_one(round_, c, jax.tree.map(lambda x, k=k: x[k], host))
+
+    def save_one(self, round_: int, client: int, part: Any) -> None:
+        """Writes one client's new part as round_'s."""
+        save_tree(self._client_dir(client) / f"round_{int(round_)}.npz", part)
 
     def rewind(self, round_: int) -> None:
         """Deletes versions written after round `round_` (a resumed run redoes those rounds)."""
