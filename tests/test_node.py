@@ -1,11 +1,15 @@
-"""deploy.node's LocalStore: a client's local parts on its node's disk, by round."""
+"""deploy.node's store of a client's local parts on its node's disk (the simulation's client
+store, for one client; its versioning is tested in test_client_store)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from fedjax_split.deploy.node import LocalStore
+from fedjax_split.deploy.node import local_part, store
+from fedjax_split.errors import UserError
 
 RUN = "0123456789abcdef"
 
@@ -15,32 +19,27 @@ def _part(value: float) -> dict:
                            "bias": np.arange(3, dtype=np.float32) + value}}  # fmt: skip
 
 
-def test_load_gives_the_part_of_the_newest_round_at_most_asked(tmp_path) -> None:
-    store = LocalStore(tmp_path, RUN, 1)
-    assert store.load(5) is None  # nothing trained yet: the node starts from the pretrained part
-    for r in (1, 2, 4):
-        store.save(r, _part(float(r) + 0.1))
-    r, part = store.load(3)
-    assert r == 2
-    np.testing.assert_array_equal(part["classifier"]["kernel"], _part(2.1)["classifier"]["kernel"])
-    assert part["classifier"]["bias"].dtype == np.float32
-    assert store.load(4)[0] == 4 and store.load(0) is None
-    assert store.directory == tmp_path / RUN / "client_1"
+def test_a_nodes_parts_by_round_under_its_run_and_the_pretrained_part_before(tmp_path) -> None:
+    node = SimpleNamespace(client_id=1, local0=_part(0.0))
+    s = store(tmp_path, RUN, node)
+    np.testing.assert_array_equal(local_part(node, s, 5)["classifier"]["kernel"], 0.0)
+    for r in (1, 3, 4):
+        s.save_one(r, node.client_id, _part(float(r) + 0.1))
+    assert sorted(p.name for p in (tmp_path / RUN / "client_1").iterdir()) == [
+        "round_1.npz", "round_3.npz", "round_4.npz"]  # fmt: skip
+    np.testing.assert_array_equal(local_part(node, s, 3)["classifier"]["kernel"], _part(3.1)[
+        "classifier"]["kernel"])  # fmt: skip
+    np.testing.assert_array_equal(local_part(node, s, 2)["classifier"]["bias"], _part(1.1)[
+        "classifier"]["bias"])  # fmt: skip
+    np.testing.assert_array_equal(local_part(node, s, 0)["classifier"]["kernel"], 0.0)
 
 
-def test_prune_keeps_what_a_resume_from_the_checkpoint_can_need(tmp_path) -> None:
-    store = LocalStore(tmp_path, RUN, 0)
-    for r in (1, 2, 3, 5, 6):
-        store.save(r, _part(r))
-    store.prune(keep_from=4)  # the server's checkpoint is round 4: round 3's part and later stay
-    assert store.rounds() == [3, 5, 6]
-    store.prune(keep_from=0)
-    assert store.rounds() == [3, 5, 6]
-
-
-def test_a_save_is_atomic_and_run_ids_are_checked(tmp_path) -> None:
-    store = LocalStore(tmp_path, RUN, 0)
-    store.save(1, _part(1.0))
-    assert [p.name for p in store.directory.iterdir()] == ["round_1.npz"]  # no temporary left
+def test_a_part_of_another_model_or_a_bad_run_id_is_refused(tmp_path) -> None:
+    node = SimpleNamespace(client_id=0, local0=_part(0.0))
+    s = store(tmp_path, RUN, node)
+    s.save_one(2, 0, {"classifier": {"kernel": np.zeros((4, 3), np.float32),
+                                     "bias": np.zeros(3, np.float32)}})  # fmt: skip
+    with pytest.raises(UserError, match="does not fit this model"):
+        local_part(node, s, 2)
     with pytest.raises(ValueError, match="bad run id"):
-        LocalStore(tmp_path, "../escape", 0)
+        store(tmp_path, "../elsewhere", node)

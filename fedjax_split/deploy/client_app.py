@@ -2,7 +2,7 @@
 
 Flower starts a fresh ClientApp process for every message, so each handler prepares the node
 (data share, model; the tokenised pool comes from the on-disk cache after the first message) and
-reads the client's local part from the node's disk (`node.LocalStore`, under the node config's
+reads the client's local part from the node's disk (`node.store`, under the node config's
 `state-dir`). The reply carries only the trained global part, in the wire dtype as bits
 (`codec`), and scalar metrics: the local part never enters a message.
 
@@ -22,7 +22,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedjax_split.deploy import codec, protocol
-from fedjax_split.deploy.node import LocalStore, NodeSetup, local_part
+from fedjax_split.deploy.node import NodeSetup, local_part
 
 app = ClientApp()
 
@@ -46,8 +46,10 @@ def _state_dir(context: Context) -> Path:
     return Path(str(context.node_config.get(protocol.STATE_DIR) or cache_dir() / "flower_nodes"))
 
 
-def _store(context: Context, run_id: str, client_id: int) -> LocalStore:
-    return LocalStore(_state_dir(context), run_id, client_id)
+def _store(context: Context, run_id: str, node: NodeSetup) -> Any:
+    from fedjax_split.deploy import node as node_mod
+
+    return node_mod.store(_state_dir(context), run_id, node)
 
 
 def _reply(msg: Message, content: RecordDict) -> Message:
@@ -102,10 +104,10 @@ def train(msg: Message, context: Context) -> Message:
         node = dataclasses.replace(
             node, round_spec=dataclasses.replace(node.round_spec, trained=trained)
         )
-    store = _store(context, run_id, node.client_id)
+    store = _store(context, run_id, node)
     local = local_part(node, store, r - 1)
     upload, new_local, metrics = node_mod.train(node, global_wire, r, state_round, local)
-    store.save(r, new_local)
+    store.save_one(r, node.client_id, new_local)
     store.prune(int(cfg[protocol.KEEP_FROM]))
     wire = str(cfg[protocol.WIRE])
     sent = codec.encode(select(upload, trained)[0], wire)
@@ -134,7 +136,7 @@ def evaluate(msg: Message, context: Context) -> Message:
 
     node = _node(context)
     global_wire, cfg = _received(msg, node)
-    store = _store(context, str(cfg[protocol.RUN]), node.client_id)
+    store = _store(context, str(cfg[protocol.RUN]), node)
     local = local_part(node, store, int(cfg[protocol.ROUND]))
     metrics = node_mod.evaluate(node, global_wire, local)
     content = {protocol.CLIENT: node.client_id, protocol.EVAL_JSON: json.dumps(metrics)}

@@ -8,7 +8,7 @@ of its own examples (the programs the one-at-a-time simulation runs for that cli
 same key), and evaluates with the simulation's per-client evaluation. So a node computes, bit for
 bit, what the simulation computes for its client.
 
-Its local (personal) part never leaves it: `LocalStore` keeps one file per round it trained in,
+Its local (personal) part never leaves it: `store` keeps one file per round it trained in,
 under `<state-dir>/<run id>/client_<id>/`, so that a restarted server can resume from an older
 checkpoint and the node still has the local part of that round.
 """
@@ -186,75 +186,24 @@ def evaluate(node: NodeSetup, global_wire: Any, local: Any) -> dict[str, Any]:
     return experiment.score(node.task, node.examples, res)
 
 
-_ROUND_FILE = re.compile(r"^round_(\d+)\.npz$")
+def store(state_dir: str | Path, run_id: str, node: NodeSetup) -> Any:
+    """This client's local parts on the node's disk: `<state_dir>/<run id>/client_<id>/`, one
+    file per round it trained in (`sim.client_store`: the simulation's store, for one client);
+    before its first round the pretrained part. The run id keeps runs apart."""
+    from fedjax_split.sim.client_store import ClientStore
+
+    if not re.fullmatch(r"[0-9a-f]{8,64}", run_id):
+        raise ValueError(f"bad run id {run_id!r}")
+    return ClientStore(Path(state_dir) / run_id, initial=node.local0)
 
 
-class LocalStore:
-    """One client's local parts on the node's disk, one file per round it trained in.
-
-    Files are written atomically (temporary name, then rename), so a node killed mid-write keeps
-    its previous part. `load(at_most=r)` gives the part as it was after round r, which is what a
-    server resuming from its checkpoint of round r sends the node back to.
-    """
-
-    def __init__(self, state_dir: str | Path, run_id: str, client_id: int) -> None:
-        if not re.fullmatch(r"[0-9a-f]{8,64}", run_id):
-            raise ValueError(f"bad run id {run_id!r}")
-        self.directory = Path(state_dir) / run_id / f"client_{client_id}"
-
-    def rounds(self) -> list[int]:
-        if not self.directory.is_dir():
-            return []
-        found = (_ROUND_FILE.match(p.name) for p in self.directory.iterdir())
-        return sorted(int(m.group(1)) for m in found if m)
-
-    def save(self, round_index: int, tree: Any) -> Path:
-        from fedjax_split.fed.roles import flatten_paths
-
-        self.directory.mkdir(parents=True, exist_ok=True)
-        flat = {p: np.asarray(x) for p, x in flatten_paths(tree).items()}
-        path = self.directory / f"round_{round_index}.npz"
-        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **flat)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
-
-    def load(self, at_most: int) -> tuple[int, Any] | None:
-        """(round, local part) of the newest file of a round <= at_most; None when there is none
-        (the client has not trained yet: it starts from the pretrained local part)."""
-        from fedjax_split.fed.roles import unflatten_paths
-
-        rounds = [r for r in self.rounds() if r <= at_most]
-        if not rounds:
-            return None
-        with np.load(self.directory / f"round_{rounds[-1]}.npz") as z:
-            return rounds[-1], unflatten_paths({k: np.array(z[k]) for k in z.files})
-
-    def prune(self, keep_from: int) -> None:
-        """Deletes the parts no resume can need: those older than the newest one <= keep_from
-        (the server's latest checkpoint round)."""
-        rounds = self.rounds()
-        base = [r for r in rounds if r <= keep_from]
-        for r in rounds:
-            if base and r < base[-1]:
-                (self.directory / f"round_{r}.npz").unlink(missing_ok=True)
-
-
-def local_part(node: NodeSetup, store: LocalStore, at_most: int) -> Any:
+def local_part(node: NodeSetup, store: Any, at_most: int) -> Any:
     """The client's local part after round `at_most` (the pretrained one before its first)."""
     import jax.numpy as jnp
 
-    found = store.load(at_most)
-    if found is None:
-        return node.local0
     from fedjax_split.fed.roles import flatten_paths
 
-    tree = found[1]
+    tree = store.load(node.client_id, at_most)
     expected = {p: np.shape(x) for p, x in flatten_paths(node.local0).items()}
     got = {p: np.shape(x) for p, x in flatten_paths(tree).items()}
     if expected != got:
