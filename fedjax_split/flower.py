@@ -184,15 +184,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cli() -> None:
-    """`python -m fedjax_split.flower`: `main` on tcmalloc where installed (as train's CLI; the
-    federation's processes inherit it), with one-line warnings."""
+    """`python -m fedjax_split.flower`: `main` with one-line warnings, as train's CLI (every
+    process of the federation imports fedjax_split, which tunes its malloc)."""
     import warnings
 
     from fedjax_split.run import malloc
     from fedjax_split.train import _one_line_warning
 
     try:
-        malloc.reexec_with_tcmalloc()
+        malloc.check_setting()
     except UserError as e:
         sys.exit(report(e))
     warnings.formatwarning = _one_line_warning
