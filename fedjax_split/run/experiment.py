@@ -156,20 +156,23 @@ def check(config: ExperimentConfig) -> int:
     return validate_critical_layer(config, model_config.num_hidden_layers)
 
 
-def build(config: ExperimentConfig) -> Setup:
-    """Load task, data, model; partition, tokenise, split, initialise. Writes nothing."""
-    import jax
+def load_pool(config: ExperimentConfig, task: Any) -> Any:
+    """The task's example pool as every client sees it: loaded, then subsampled (--max-examples).
+    A token task's tag vocabulary (`tag_names`) is the whole pool's, taken before subsampling."""
+    from fedjax_split.data import sources
 
-    from fedjax_split.data import batching, partition, sources, tasks, tokenization
-    from fedjax_split.fed import algorithms, client, roles
-    from fedjax_split.models import hf_checkpoint
-    from fedjax_split.sim import devices, rounds
-
-    task = tasks.get_task(config.task)
-    # the data first: a token task's tag vocabulary (from the whole pool) sizes the model's head
     examples = sources.load_examples(task, data_dir=config.data_dir)
-    tag_names = tuple(getattr(examples, "tag_names", ()))
-    pre = hf_checkpoint.load_pretrained(
+    idx = subsample_indices(len(examples.labels), config.max_examples, config.seed)
+    return _subset_examples(examples, idx)
+
+
+def load_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = ()) -> Any:
+    """The pretrained model with the task's head (seeded by the run's seed); a token task's head
+    has one output per tag of the pool."""
+    from fedjax_split.models import hf_checkpoint
+
+    tag_names = tuple(tag_names)
+    return hf_checkpoint.load_pretrained(
         config.model,
         num_labels=len(tag_names) if tag_names else task.num_labels,
         seed=config.seed,
@@ -179,12 +182,13 @@ def build(config: ExperimentConfig) -> Setup:
         head=task.objective.head,
         label_names=tag_names,
     )
-    model_config = pre.config
-    c = validate_critical_layer(config, model_config.num_hidden_layers)
-    examples = _subset_examples(
-        examples, subsample_indices(len(examples.labels), config.max_examples, config.seed)
-    )
-    labels = np.asarray(examples.labels)
+
+
+def make_partition(config: ExperimentConfig, task: Any, labels: np.ndarray) -> Any:
+    """The clients' train/test split of the pool; a client without training examples is a
+    UserError."""
+    from fedjax_split.data import partition
+
     part = partition.partition_clients(
         labels,
         scheme=config.partition,
@@ -202,45 +206,146 @@ def build(config: ExperimentConfig) -> Setup:
                 f"client {i} got no training examples ({len(labels)} examples for "
                 f"{config.clients} clients); use more data (--max-examples) or fewer --clients"
             )
-    model_dir = getattr(pre, "model_dir", None)
-    tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
-    tokenized = batching.pack(sources.tokenize_examples(examples, tokenizer, task,
-                                                        config.max_length))  # fmt: skip
-    row_width = batching.default_row_width(tokenized) if config.packing else None
+    return part
 
+
+def model_parts(config: ExperimentConfig, pre: Any, critical_layer: int) -> Any:
+    """The model's parameters by role (global, local, frozen): the critical layer's split with
+    --freeze over the Hugging Face tensor names."""
+    from fedjax_split.fed import roles
+    from fedjax_split.models import hf_checkpoint
+
+    model_config = pre.config
     names = {path: name for path, (name, _) in hf_checkpoint.hf_names(model_config).items()}
     rule = roles.freeze_rule(
-        roles.critical_layer_rule(c, model_config.num_hidden_layers), config.freeze, names
+        roles.critical_layer_rule(critical_layer, model_config.num_hidden_layers),
+        config.freeze,
+        names,
     )
-    global0, local0, frozen = roles.partition(pre.params, rule)
+    return roles.partition(pre.params, rule)
 
-    server_opt = algorithms.server_optimizer(config.algorithm, config.effective_server_lr)
+
+def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: Any) -> Any:
+    """The round's static description: client update (objective, AdamW, FedProx mu), server
+    optimiser, wire dtype, clients at once, devices."""
+    import jax
+
+    from fedjax_split.fed import algorithms, client
+    from fedjax_split.sim import devices, rounds
+
     client_spec = client.ClientSpec(
-        apply=pre.apply,
+        apply=apply,
         objective=task.objective,
         optimizer=client.default_client_optimizer(config.lr),
         prox_mu=config.prox_mu,
     )
-    wire = WIRE_DTYPE[config.quantize]
-    round_spec = rounds.RoundSpec(
+    return rounds.RoundSpec(
         client=client_spec,
-        server_optimizer=server_opt,
-        wire_dtype=wire,
+        server_optimizer=algorithms.server_optimizer(config.algorithm, config.effective_server_lr),
+        wire_dtype=WIRE_DTYPE[config.quantize],
         chunk_size=round_chunk_size(config.chunk_size, jax.default_backend()),
         devices=devices.for_rounds(config.cpu_devices, jax.default_backend()),
     )
-    server_state = rounds.init_server_state(global0, server_opt, wire)
+
+
+def load_tokenized(config: ExperimentConfig, task: Any, examples: Any, pre: Any) -> Any:
+    """The pool tokenised with the model's tokenizer and flattened once (`batching.pack`)."""
+    from fedjax_split.data import batching, sources, tokenization
+
+    model_dir = getattr(pre, "model_dir", None)
+    tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
+    return batching.pack(sources.tokenize_examples(examples, tokenizer, task, config.max_length))
+
+
+def row_width(config: ExperimentConfig, tokenized: Any) -> int | None:
+    """Packed batches' attention rows: run-wide, from the pool's longest example (None: padded)."""
+    from fedjax_split.data import batching
+
+    return batching.default_row_width(tokenized) if config.packing else None
+
+
+def eval_batch_size(config: ExperimentConfig) -> int:
+    """Evaluation batches: at least 32 examples (no gradients to hold)."""
+    return max(config.batch_size, 32)
+
+
+def client_steps(
+    config: ExperimentConfig,
+    task: Any,
+    tokenized: Any,
+    labels: np.ndarray,
+    width: int | None,
+    indices: np.ndarray,
+    client_id: int,
+    r: int,
+) -> list[Any]:
+    """Round r's training steps of one client: a pure function of the config, r, the client's
+    id and its own examples (what a federated client builds alone)."""
+    from fedjax_split.data import batching
+
+    return batching.client_batches(
+        tokenized,
+        indices,
+        labels,
+        batch_size=config.batch_size,
+        epochs=config.local_epochs,
+        seed=[config.seed, r],
+        client_id=int(client_id),
+        objective=task.objective,
+        packing=config.packing,
+        bucketing=config.bucketing,
+        row_width=width,
+    )
+
+
+def client_eval_steps(
+    config: ExperimentConfig,
+    task: Any,
+    tokenized: Any,
+    labels: np.ndarray,
+    width: int | None,
+    indices: np.ndarray,
+) -> list[Any]:
+    """One client's test batches (its own examples, once each, sorted by length)."""
+    from fedjax_split.data import batching
+
+    return batching.client_eval_batches(
+        tokenized,
+        indices,
+        labels,
+        batch_size=eval_batch_size(config),
+        objective=task.objective,
+        packing=config.packing,
+        row_width=width,
+    )
+
+
+def build(config: ExperimentConfig) -> Setup:
+    """Load task, data, model; partition, tokenise, split, initialise. Writes nothing."""
+    import jax
+
+    from fedjax_split.data import tasks
+    from fedjax_split.sim import rounds
+
+    task = tasks.get_task(config.task)
+    # the data first: a token task's tag vocabulary (from the whole pool) sizes the model's head
+    examples = load_pool(config, task)
+    pre = load_model(config, task, getattr(examples, "tag_names", ()))
+    model_config = pre.config
+    c = validate_critical_layer(config, model_config.num_hidden_layers)
+    labels = np.asarray(examples.labels)
+    part = make_partition(config, task, labels)
+    model_dir = getattr(pre, "model_dir", None)
+    tokenized = load_tokenized(config, task, examples, pre)
+    width = row_width(config, tokenized)
+
+    global0, local0, frozen = model_parts(config, pre, c)
+    round_spec = make_round_spec(config, pre.apply, task)
+    server_state = rounds.init_server_state(
+        global0, round_spec.server_optimizer, round_spec.wire_dtype
+    )
     eval_batches = [
-        batching.client_eval_batches(
-            tokenized,
-            cs.test,
-            labels,
-            batch_size=max(config.batch_size, 32),
-            objective=task.objective,
-            packing=config.packing,
-            row_width=row_width,
-        )
-        for cs in part.clients
+        client_eval_steps(config, task, tokenized, labels, width, cs.test) for cs in part.clients
     ]
     count = lambda t: int(sum(np.size(x) for x in jax.tree.leaves(t)))  # noqa: E731
     return Setup(
@@ -252,7 +357,7 @@ def build(config: ExperimentConfig) -> Setup:
         apply=pre.apply,
         examples=examples,
         tokenized=tokenized,
-        row_width=row_width,
+        row_width=width,
         partition=part,
         round_spec=round_spec,
         server_state=server_state,
@@ -291,7 +396,7 @@ def evaluate(setup: Setup, trained: set[int] | None = None) -> dict[str, Any]:
         if len(res.labels) == 0:
             continue  # a client without test examples has no metric
         results.append(res)
-        per_client.append({"client": i, **_score(setup, res)})
+        per_client.append({"client": i, **score(setup.task, setup.examples, res)})
     record = {**mean_over_clients(per_client), "clients": per_client}
     if trained is not None:
         record["trained_mean"] = mean_over_clients(
@@ -302,21 +407,22 @@ def evaluate(setup: Setup, trained: set[int] | None = None) -> dict[str, Any]:
             *(evaluation.concat_rows([getattr(r, f) for r in results])
               for f in ("predictions", "labels", "example_index"))
         )  # fmt: skip
-        record["pooled"] = _score(setup, pooled)
+        record["pooled"] = score(setup.task, setup.examples, pooled)
     return record
 
 
-def _score(setup: Setup, res: Any) -> dict[str, float]:
-    """The task's metrics of one set of predictions (MNLI's groups and NER's tags included)."""
+def score(task: Any, examples: Any, res: Any) -> dict[str, float]:
+    """The task's metrics of one set of predictions (MNLI's groups by each row's pool index, a
+    token task's entities by the pool's tag names)."""
     from fedjax_split.data import tasks
 
-    groups = getattr(setup.examples, "groups", None)
+    groups = getattr(examples, "groups", None)
     return tasks.compute_metrics(
-        setup.task,
+        task,
         res.predictions,
         res.labels,
         groups=None if groups is None else np.asarray(groups)[res.example_index],
-        label_names=getattr(setup.examples, "tag_names", None),  # a token task's, for entities
+        label_names=getattr(examples, "tag_names", None),
     )
 
 
@@ -476,25 +582,14 @@ def _partition_lists(part: Any) -> list[list[list[int]]]:
 def round_batches(setup: Setup, r: int) -> list[list[Any]]:
     """Round r's training steps of each sampled client (a pure function of the config, r and the
     client's own examples)."""
-    from fedjax_split.data import batching
     from fedjax_split.sim import rounds
 
     config = setup.config
     sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
+    labels = np.asarray(setup.examples.labels)
     return [
-        batching.client_batches(
-            setup.tokenized,
-            setup.partition.clients[i].train,
-            np.asarray(setup.examples.labels),
-            batch_size=config.batch_size,
-            epochs=config.local_epochs,
-            seed=[config.seed, r],
-            client_id=int(i),
-            objective=setup.task.objective,
-            packing=config.packing,
-            bucketing=config.bucketing,
-            row_width=setup.row_width,
-        )
+        client_steps(config, setup.task, setup.tokenized, labels, setup.row_width,
+                     setup.partition.clients[i].train, int(i), r)  # fmt: skip
         for i in sampled
     ]
 

@@ -1,0 +1,12 @@
+"""Real federation across machines on Flower (an optional extra: `pip install -e '.[flower]'`).
+
+- `codec`: parameter trees <-> message arrays; 16-bit wires as raw bits, decoded bit for bit.
+- `protocol`: message kinds, record and config keys, and a recorder of everything sent.
+- `node`: one client's share, its local part on its disk, the simulation's client computations.
+- `client_app`: the Flower ClientApp (one client per SuperNode).
+- `server`: rounds over a Flower Grid with the simulation's aggregation and server step.
+- `server_app`: the Flower ServerApp.
+- `launch`: a SuperLink and SuperNodes as processes on loopback (`python -m fedjax_split.flower`).
+
+docs/deployment.md has the architecture and the commands for real machines.
+"""

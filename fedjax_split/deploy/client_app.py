@@ -1,0 +1,143 @@
+"""The Flower ClientApp: each SuperNode runs one client, its partition id from the node config.
+
+Flower starts a fresh ClientApp process for every message, so each handler prepares the node
+(data share, model; the tokenised pool comes from the on-disk cache after the first message) and
+reads the client's local part from the node's disk (`node.store`, under the node config's
+`state-dir`). The reply carries only the trained global part, in the wire dtype as bits
+(`codec`), and scalar metrics: the local part never enters a message.
+
+Node config: `partition-id` (this client's id, 0..K-1), `state-dir` (where local parts live;
+default: `<cache>/flower_nodes`), `data-dir` (this node's copy of the task's files, overriding
+the run's --data-dir).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedjax_split.deploy import codec, protocol
+from fedjax_split.deploy.node import NodeSetup, local_part
+
+app = ClientApp()
+
+
+def _node(context: Context) -> NodeSetup:
+    from fedjax_split.deploy import node
+    from fedjax_split.run.config import resolve_config
+
+    values = json.loads(str(context.run_config[protocol.EXPERIMENT]))
+    data_dir = context.node_config.get(protocol.DATA_DIR)
+    if data_dir:
+        values["data_dir"] = str(data_dir)
+    config = resolve_config(overrides=values)
+    cache = _state_dir(context) / "tokenized"
+    return node.prepare(config, int(context.node_config[protocol.PARTITION_ID]), cache)
+
+
+def _state_dir(context: Context) -> Path:
+    from fedjax_split.data.assets import cache_dir
+
+    return Path(str(context.node_config.get(protocol.STATE_DIR) or cache_dir() / "flower_nodes"))
+
+
+def _store(context: Context, run_id: str, node: NodeSetup) -> Any:
+    from fedjax_split.deploy import node as node_mod
+
+    return node_mod.store(_state_dir(context), run_id, node)
+
+
+def _reply(msg: Message, content: RecordDict) -> Message:
+    return protocol.record_sent(Message(content, reply_to=msg), "client")
+
+
+def _received(msg: Message, node: NodeSetup) -> tuple[Any, Any]:
+    """(the global part in the wire dtype, the message's config), checked against the model."""
+    from fedjax_split.fed.roles import unflatten_paths
+
+    cfg = msg.content[protocol.CONFIG]
+    if int(cfg[protocol.CLIENT]) != node.client_id:
+        raise ValueError(f"message for client {cfg[protocol.CLIENT]} reached {node.client_id}")
+    arrays = codec.from_record(msg.content[protocol.GLOBAL]) if node.global_shapes else {}
+    codec.check_like(arrays, node.global_shapes, "received global part")
+    if not arrays:
+        return unflatten_paths({}), cfg
+    return codec.decode(arrays, str(cfg[protocol.WIRE])), cfg
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Who this node is: its client id and its share of the pool (indices and sizes only)."""
+    node = _node(context)
+    tags = list(getattr(node.examples, "tag_names", ()) or ())
+    content = {
+        protocol.CLIENT: node.client_id,
+        protocol.SPLIT_TRAIN: [int(i) for i in node.split.train],
+        protocol.SPLIT_TEST: [int(i) for i in node.split.test],
+        protocol.SHARES: json.dumps(node.shares),
+        protocol.POOL_SIZE: node.pool_size,
+        protocol.PARTITION: json.dumps(node.partition_meta),
+    }
+    if tags:
+        content[protocol.TAG_NAMES] = tags
+    return _reply(msg, RecordDict({protocol.CONFIG: ConfigRecord(content)}))
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """One round of local training; the new local part goes to the node's disk, the trained global
+    part (wire dtype, as bits) into the reply."""
+    from fedjax_split.deploy import node as node_mod
+    from fedjax_split.fed.roles import select
+
+    node = _node(context)
+    global_wire, cfg = _received(msg, node)
+    run_id, r = str(cfg[protocol.RUN]), int(cfg[protocol.ROUND])
+    state_round = int(cfg[protocol.STATE_ROUND])
+    trained = frozenset(cfg[protocol.TRAINED]) if protocol.TRAINED in cfg else None
+    if trained is not None:
+        node = dataclasses.replace(
+            node, round_spec=dataclasses.replace(node.round_spec, trained=trained)
+        )
+    store = _store(context, run_id, node)
+    local = local_part(node, store, r - 1)
+    upload, new_local, metrics = node_mod.train(node, global_wire, r, state_round, local)
+    store.save_one(r, node.client_id, new_local)
+    store.prune(int(cfg[protocol.KEEP_FROM]))
+    wire = str(cfg[protocol.WIRE])
+    sent = codec.encode(select(upload, trained)[0], wire)
+    content = RecordDict(
+        {
+            protocol.CONFIG: ConfigRecord({protocol.CLIENT: node.client_id, protocol.WIRE: wire}),
+            protocol.METRICS: MetricRecord(
+                {
+                    protocol.LOSS_SUM: float(metrics.loss_sum),
+                    protocol.LOSS_UNITS: float(metrics.num_examples),
+                    protocol.STEPS: int(metrics.num_steps),
+                    protocol.NUM_TRAIN: len(node.split.train),
+                }
+            ),
+        }
+    )
+    if sent:
+        content[protocol.UPLOAD] = codec.to_record(sent)
+    return _reply(msg, content)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """This client's metrics on its own test split, with its local part after the round."""
+    from fedjax_split.deploy import node as node_mod
+
+    node = _node(context)
+    global_wire, cfg = _received(msg, node)
+    store = _store(context, str(cfg[protocol.RUN]), node)
+    local = local_part(node, store, int(cfg[protocol.ROUND]))
+    metrics = node_mod.evaluate(node, global_wire, local)
+    content = {protocol.CLIENT: node.client_id, protocol.EVAL_JSON: json.dumps(metrics)}
+    return _reply(msg, RecordDict({protocol.CONFIG: ConfigRecord(content)}))

@@ -1,0 +1,284 @@
+"""A local federation of real processes: one Flower SuperLink and N SuperNodes on 127.0.0.1.
+
+The processes are Flower's own commands (`flower-superlink`, `flower-supernode`, `flwr run`), run
+exactly as on separate machines, only all on loopback with free ports and insecure (no TLS: the
+traffic never leaves the machine). Each SuperNode is told its partition id and its own state
+directory in its node config. Every process starts in its own session, and `Federation.close`
+kills each process's whole tree (Flower's SuperExec detaches its children into new sessions, so
+a process-group kill alone would miss them), so nothing outlives the federation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from fedjax_split.errors import UserError
+
+HOST = "127.0.0.1"
+APP_PUBLISHER = "fedjax-split"
+SERVER_APP = "fedjax_split.deploy.server_app:app"
+CLIENT_APP = "fedjax_split.deploy.client_app:app"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _toml_value(value: Any) -> str:
+    """A TOML literal for a run-config value (str, bool, int, float)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+
+
+def write_app(app_dir: Path, run_config: Mapping[str, Any]) -> Path:
+    """A Flower App directory (just a pyproject.toml) whose components are our installed apps and
+    whose run config holds `run_config` (keys as Flower's run config takes them)."""
+    app_dir.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "[project]",
+        'name = "fedjax-split-app"',
+        'version = "0.1.0"',
+        'description = "fedjax_split: FedSplitBERT rounds on Flower"',
+        'license = "Apache-2.0"',
+        "",
+        "[tool.flwr.app]",
+        f'publisher = "{APP_PUBLISHER}"',
+        "",
+        "[tool.flwr.app.components]",
+        f'serverapp = "{SERVER_APP}"',
+        f'clientapp = "{CLIENT_APP}"',
+        "",
+        "[tool.flwr.app.config]",
+        *(f"{key} = {_toml_value(value)}" for key, value in run_config.items()),
+    ]
+    (app_dir / "pyproject.toml").write_text("\n".join(lines) + "\n")
+    return app_dir
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children first found, then theirs)."""
+    try:
+        import psutil
+
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except Exception:  # noqa: BLE001 - gone already, or no psutil: nothing to add
+        return []
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc`, its session and every descendant (even those in other sessions)."""
+    pids = _descendants(proc.pid)
+    for pid in [proc.pid, *pids]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the session started for it
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def process_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of the federation's processes: this interpreter's scripts first on PATH
+    (SuperLink and SuperNode start `flower-superexec`, which starts `flwr-serverapp` /
+    `flwr-clientapp`), no telemetry or update check (no network beyond loopback), and a short
+    SuperExec poll (a message waits for it before its process starts)."""
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join([bindir, env.get("PATH", "")])
+    env.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    env.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+    env.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")
+    env.update(extra or {})
+    return env
+
+
+class Federation:
+    """SuperLink + SuperNodes on loopback; `submit` runs a Flower App on them with `flwr run`.
+
+    node_configs: one mapping per SuperNode (e.g. {"partition-id": 0, "state-dir": "..."}).
+    log_dir: where each process's output goes (superlink.log, supernode-<i>.log, run-<k>.log).
+    """
+
+    def __init__(
+        self,
+        node_configs: Sequence[Mapping[str, Any]],
+        log_dir: Path,
+        *,
+        env: Mapping[str, str] | None = None,
+        start_timeout: float = 60.0,
+    ) -> None:
+        self.node_configs = [dict(c) for c in node_configs]
+        self.log_dir = Path(log_dir)
+        self.start_timeout = start_timeout
+        self.home = Path(tempfile.mkdtemp(prefix="fedjax_split_flwr_"))
+        self.env = process_env({**(env or {}), "FLWR_HOME": str(self.home)})
+        self.port = free_port()
+        self.superlink: subprocess.Popen | None = None
+        self.nodes: list[subprocess.Popen | None] = []
+        self._runs = 0
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def _start(self, args: list[str], log_name: str) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / log_name, "ab")  # noqa: SIM115 - owned by the child
+        try:
+            return subprocess.Popen(
+                args,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+
+    def start(self) -> Federation:
+        """Starts the SuperLink, waits until it listens, then starts the SuperNodes."""
+        (self.home / "config.toml").write_text(
+            f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "{self.address}"\n'
+            "insecure = true\n"
+        )
+        self.superlink = self._start(
+            [
+                "flower-superlink",
+                "--insecure",
+                "--host",
+                HOST,
+                "--port",
+                str(self.port),
+                # the legacy gRPC Fleet and Control APIs still start: keep them on loopback too
+                "--fleet-api-address",
+                f"{HOST}:{free_port()}",
+                "--control-api-address",
+                f"{HOST}:{free_port()}",
+                "--disable-runtime-dependency-installation",
+            ],
+            "superlink.log",
+        )
+        self._wait_listening(self.port, self.superlink, "superlink.log")
+        for i, cfg in enumerate(self.node_configs):
+            node_config = " ".join(f"{k}={_toml_value(v)}" for k, v in cfg.items())
+            self.nodes.append(
+                self._start(
+                    [
+                        "flower-supernode",
+                        "--insecure",
+                        "--superlink",
+                        self.address,
+                        "--host",
+                        HOST,
+                        "--port",
+                        str(free_port()),
+                        "--node-config",
+                        node_config,
+                    ],
+                    f"supernode-{i}.log",
+                )
+            )
+        return self
+
+    def _wait_listening(self, port: int, proc: subprocess.Popen, log_name: str) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise UserError(
+                    f"flower-superlink exited at start (status {proc.returncode}); see "
+                    f"{self.log_dir / log_name}"
+                )
+            try:
+                with socket.create_connection((HOST, port), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise UserError(f"flower-superlink did not listen within {self.start_timeout:.0f} s")
+
+    def submit(self, app_dir: Path, timeout: float, echo: TextIO | None = None) -> int:
+        """`flwr run APP_DIR --stream` against this federation; returns its exit status (the
+        command returns when the run ends). Past `timeout` seconds it is killed: status 124.
+        Its output (the ServerApp's log, streamed) goes to run-<k>.log and, line by line, to
+        `echo` when given."""
+        self._runs += 1
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen(
+            ["flwr", "run", str(app_dir), "local", "--stream"],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+        def copy() -> None:
+            with open(self.run_log(), "ab") as log:
+                for line in iter(proc.stdout.readline, b""):
+                    log.write(line)
+                    log.flush()
+                    if echo is not None:
+                        echo.write(line.decode("utf-8", "replace"))
+                        echo.flush()
+
+        copier = threading.Thread(target=copy, daemon=True)
+        copier.start()
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            return 124
+        finally:
+            if proc.poll() is None:
+                kill_tree(proc)
+            copier.join(timeout=10)
+
+    def run_log(self) -> Path:
+        """The output of the latest `submit` (the ServerApp's log lines, streamed)."""
+        return self.log_dir / f"run-{self._runs}.log"
+
+    def kill_node(self, index: int) -> None:
+        """SIGKILL SuperNode `index` and everything it started (a machine that goes away)."""
+        proc = self.nodes[index]
+        if proc is not None:
+            kill_tree(proc)
+            self.nodes[index] = None
+
+    def close(self) -> None:
+        """Kills every process of the federation (nodes first) and removes its Flower home."""
+        for i in range(len(self.nodes)):
+            self.kill_node(i)
+        if self.superlink is not None:
+            kill_tree(self.superlink)
+            self.superlink = None
+        shutil.rmtree(self.home, ignore_errors=True)
+
+    def __enter__(self) -> Federation:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,219 @@
+"""A client of a real federation: its share of the data, its local part on its own disk, and the
+very computations the simulation runs for it.
+
+Nothing here imports Flower: the ClientApp (`client_app.py`) turns messages into these calls.
+A node derives its share exactly as the simulation does (the pool, the subsample, the partition,
+its client id = its partition id), trains with `rounds.client_round` on `batching.client_batches`
+of its own examples (the programs the one-at-a-time simulation runs for that client, with the
+same key), and evaluates with the simulation's per-client evaluation. So a node computes, bit for
+bit, what the simulation computes for its client.
+
+Its local (personal) part never leaves it: `store` keeps one file per round it trained in,
+under `<state-dir>/<run id>/client_<id>/`, so that a restarted server can resume from an older
+checkpoint and the node still has the local part of that round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedjax_split.errors import UserError
+from fedjax_split.run.config import ExperimentConfig, validate_critical_layer
+
+
+@dataclasses.dataclass
+class NodeSetup:
+    """What one client needs in memory (built anew by every ClientApp process: Flower starts one
+    per message)."""
+
+    config: ExperimentConfig
+    task: Any
+    client_id: int
+    examples: Any  # the pool (for MNLI's groups and a token task's tag names)
+    labels: np.ndarray
+    tokenized: Any  # the pool, packed once
+    row_width: int | None
+    split: Any  # partition.ClientSplit: this client's train / test pool indices
+    shares: list[float] | None  # its realised label shares (partition.json), None without target
+    partition_meta: dict[str, Any]  # the partition's settings (what partition.json records)
+    pool_size: int
+    apply: Callable[..., Any]
+    round_spec: Any
+    local0: Any  # the pretrained local part every client starts from
+    frozen: Any
+    global_shapes: dict[str, tuple[int, ...]]  # flat paths of the global part -> shapes
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "merges.txt",
+                    "special_tokens_map.json")  # fmt: skip
+
+
+def _tokenized(
+    config: ExperimentConfig, task: Any, examples: Any, model_dir: Any, cache: Path | None
+) -> Any:
+    """The pool tokenised and packed, cached on the node's disk keyed by the data, the
+    tokenizer's files and the length, so that only a node's first ClientApp process loads a
+    tokenizer (transformers' import alone takes seconds, and Flower starts a process per
+    message)."""
+    import hashlib
+    import json
+
+    from fedjax_split.data import batching, sources, tokenization
+
+    path = None
+    fingerprint = getattr(examples, "fingerprint", None)
+    if cache is not None and model_dir is not None and fingerprint is not None:
+        h = hashlib.sha256(
+            json.dumps([task.name, int(config.max_length), fingerprint()]).encode()
+        )
+        for name in _TOKENIZER_FILES:
+            f = Path(model_dir) / name
+            if f.is_file():
+                h.update(name.encode() + f.read_bytes())
+        path = cache / f"{task.name}-{h.hexdigest()[:32]}.npz"
+        if path.is_file():
+            try:
+                with np.load(path) as z:
+                    return batching.Packed(**{k: np.array(z[k]) for k in z.files})
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # unreadable: tokenise again and rewrite it
+    tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
+    packed = batching.pack(sources.tokenize_examples(examples, tokenizer, task, config.max_length))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **{k: v for k, v in packed._asdict().items() if v is not None})
+        os.replace(tmp, path)
+    return packed
+
+
+def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None) -> NodeSetup:
+    """This client's share and model, derived as `experiment.build` derives them. `cache`: a
+    directory of the node's own for the tokenised pool (None: tokenise every time)."""
+    from fedjax_split.data import partition, tasks
+    from fedjax_split.fed.roles import flatten_paths
+    from fedjax_split.run import experiment
+
+    if not 0 <= client_id < config.clients:
+        raise UserError(
+            f"partition-id {client_id} is outside 0..{config.clients - 1} (--clients "
+            f"{config.clients}); give each SuperNode one of those"
+        )
+    task = tasks.get_task(config.task)
+    examples = experiment.load_pool(config, task)
+    pre = experiment.load_model(config, task, getattr(examples, "tag_names", ()))
+    c = validate_critical_layer(config, pre.config.num_hidden_layers)
+    labels = np.asarray(examples.labels)
+    part = experiment.make_partition(config, task, labels)
+    tokenized = _tokenized(config, task, examples, getattr(pre, "model_dir", None), cache)
+    row_width = experiment.row_width(config, tokenized)
+    global0, local0, frozen = experiment.model_parts(config, pre, c)
+    return NodeSetup(
+        config=config,
+        task=task,
+        client_id=client_id,
+        examples=examples,
+        labels=labels,
+        tokenized=tokenized,
+        row_width=row_width,
+        split=part.clients[client_id],
+        shares=None if part.target_shares is None else partition.client_shares(
+            part.clients[client_id], labels, part.target_shares.shape[1]).tolist(),
+        partition_meta={  # JSON-ready: what partition.json records besides the indices
+            f.name: _plain(getattr(part, f.name))
+            for f in dataclasses.fields(part)
+            if f.name != "clients"
+        },
+        pool_size=len(labels),
+        apply=pre.apply,
+        round_spec=experiment.make_round_spec(config, pre.apply, task),
+        local0=local0,
+        frozen=frozen,
+        global_shapes={p: tuple(np.shape(x)) for p, x in flatten_paths(global0).items()},
+    )
+
+
+def _plain(value: Any) -> Any:
+    """A partition setting as JSON holds it (arrays as lists)."""
+    return value.tolist() if isinstance(value, np.ndarray) else value
+
+
+def train(
+    node: NodeSetup, global_wire: Any, round_index: int, state_round: int, local: Any
+) -> tuple[Any, Any, Any]:
+    """Round `round_index` for this client: (upload in fp32 as the server receives it, new local
+    part, ClientMetrics). `global_wire`: the received global part in the wire dtype;
+    `state_round`: the rounds the server's state had completed (the key folds it in)."""
+    import jax
+
+    from fedjax_split.run import experiment
+    from fedjax_split.sim import rounds
+
+    steps = experiment.client_steps(
+        node.config, node.task, node.tokenized, node.labels, node.row_width,
+        node.split.train, node.client_id, round_index,
+    )  # fmt: skip
+    key = rounds.client_key(jax.random.key(node.config.seed), state_round, node.client_id)
+    return rounds.client_round(node.round_spec, global_wire, local, steps, key, node.frozen)
+
+
+def evaluate(node: NodeSetup, global_wire: Any, local: Any) -> dict[str, Any]:
+    """This client's metrics: its merged model [received global, frozen, own local] on its own
+    test split, scored as the simulation scores each client ({} without test examples)."""
+    import jax.numpy as jnp
+
+    from fedjax_split.fed import roles, wire
+    from fedjax_split.run import experiment
+    from fedjax_split.sim import evaluation
+
+    batches = experiment.client_eval_steps(
+        node.config, node.task, node.tokenized, node.labels, node.row_width, node.split.test
+    )
+    received = wire.cast_from_wire(global_wire, jnp.float32)
+    params = roles.merge_params(received, node.frozen, local)
+    res = evaluation.evaluate_client(node.apply, params, batches, node.task.objective)
+    if len(res.labels) == 0:
+        return {}
+    return experiment.score(node.task, node.examples, res)
+
+
+def store(state_dir: str | Path, run_id: str, node: NodeSetup) -> Any:
+    """This client's local parts on the node's disk: `<state_dir>/<run id>/client_<id>/`, one
+    file per round it trained in (`sim.client_store`: the simulation's store, for one client);
+    before its first round the pretrained part. The run id keeps runs apart."""
+    from fedjax_split.sim.client_store import ClientStore
+
+    if not re.fullmatch(r"[0-9a-f]{8,64}", run_id):
+        raise ValueError(f"bad run id {run_id!r}")
+    return ClientStore(Path(state_dir) / run_id, initial=node.local0)
+
+
+def local_part(node: NodeSetup, store: Any, at_most: int) -> Any:
+    """The client's local part after round `at_most` (the pretrained one before its first)."""
+    import jax.numpy as jnp
+
+    from fedjax_split.fed.roles import flatten_paths
+
+    tree = store.load(node.client_id, at_most)
+    expected = {p: np.shape(x) for p, x in flatten_paths(node.local0).items()}
+    got = {p: np.shape(x) for p, x in flatten_paths(tree).items()}
+    if expected != got:
+        raise UserError(
+            f"the local part in {store.directory} does not fit this model; use another state-dir"
+        )
+    return jax_tree(tree, jnp.asarray)
+
+
+def jax_tree(tree: Mapping[str, Any], fn: Callable[[Any], Any]) -> Any:
+    import jax
+
+    return jax.tree.map(fn, tree)

@@ -1,0 +1,91 @@
+"""What the ServerApp and the ClientApp say to each other: message kinds, record names, config
+keys, and a recorder of everything sent (so tests can inspect what crossed the wire).
+
+Three kinds of message, each answered by one reply:
+- query: "who are you?" -> the node's client id and its split (pool indices, sizes, tag names);
+- train: the global part in the wire dtype (+ round, wire dtype, run id) -> the client's upload of
+  its trained global part in the wire dtype and its training metrics. Its local part stays on the
+  node's disk;
+- evaluate: the new global part -> the client's metrics on its own test split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+QUERY, TRAIN, EVALUATE = "query", "train", "evaluate"
+
+GLOBAL = "global"  # ArrayRecord: the global part as sent (codec.encode)
+UPLOAD = "upload"  # ArrayRecord: a client's trained global part as sent
+CONFIG = "config"  # ConfigRecord: the keys below
+METRICS = "metrics"  # MetricRecord: training metrics
+
+# ConfigRecord keys
+ROUND = "round"  # the round being run, 1-based
+STATE_ROUND = "state-round"  # rounds the server state has completed (the keys fold it in)
+WIRE = "wire-dtype"
+CLIENT = "client-id"
+RUN = "run-id"  # our run's id (survives a server restart), not Flower's run id
+KEEP_FROM = "keep-from"  # the server's latest checkpoint round: older local parts may go
+TRAINED = "trained"  # the trained global paths, when a schedule chooses (absent: all)
+SPLIT_TRAIN, SPLIT_TEST = "train", "test"  # a node's pool indices (query reply)
+SHARES = "shares"  # a node's realised label shares, JSON (query reply; null: none to report)
+POOL_SIZE = "pool-size"
+PARTITION = "partition"  # the partition's settings as JSON (scheme, seed, sizes, ...)
+TAG_NAMES = "tag-names"
+EVAL_JSON = "metrics-json"  # evaluate reply: the client's metrics as JSON (NaN allowed)
+
+# MetricRecord keys of a train reply
+LOSS_SUM, LOSS_UNITS, STEPS, NUM_TRAIN = "loss-sum", "loss-units", "steps", "num-train"
+
+# Node config keys (flower-supernode --node-config)
+PARTITION_ID = "partition-id"
+STATE_DIR = "state-dir"
+DATA_DIR = "data-dir"
+
+# Run config keys (the Flower App's [tool.flwr.app.config], flwr run --run-config)
+EXPERIMENT = "experiment"  # the resolved ExperimentConfig as JSON
+ROUND_TIMEOUT = "round-timeout"
+CONNECT_TIMEOUT = "connect-timeout"
+STATUS_FILE = "status-file"
+STOP_AFTER_ROUND = "stop-after-round"
+
+RECORD_ENV = "FEDJAX_SPLIT_FLOWER_RECORD"  # a directory: every message sent is logged there
+
+
+def record_sent(message: Any, sender: str) -> Any:
+    """Logs what `message` carries (every array's record, path, dtype, shape and sha256 of its
+    bytes; every config and metric key) to $FEDJAX_SPLIT_FLOWER_RECORD/<sender>-<pid>.jsonl when
+    that is set; returns the message. Called on the Message object handed to Flower, so nothing
+    that is sent escapes it."""
+    where = os.environ.get(RECORD_ENV)
+    if not where:
+        return message
+    content = message.content
+    arrays = []
+    for rec_name, record in content.array_records.items():
+        for path, array in record.items():
+            arrays.append(
+                {
+                    "record": rec_name,
+                    "path": path,
+                    "dtype": array.dtype,
+                    "shape": list(array.shape),
+                    "sha256": hashlib.sha256(array.numpy().tobytes()).hexdigest(),
+                }
+            )
+    entry = {
+        "sender": sender,
+        "type": message.metadata.message_type,
+        "arrays": arrays,
+        "configs": {k: sorted(r) for k, r in content.config_records.items()},
+        "metrics": {k: sorted(r) for k, r in content.metric_records.items()},
+    }
+    Path(where).mkdir(parents=True, exist_ok=True)
+    with open(Path(where) / f"{sender}-{os.getpid()}.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    return message

@@ -1,0 +1,510 @@
+"""The server of a real federation: rounds over a Flower Grid, written to a run directory as
+`train` writes it.
+
+Each round: sample clients as the simulation does, send each sampled client's SuperNode the global
+part in the wire dtype (as bits, `codec`), wait for the replies up to `round_timeout`, decode the
+uploads to fp32 and step the server with the simulation's own seam, `weighted_mean_each` (example
+weighted, fp32, in client order) then `server_update` (Delta against the copy sent, any optax
+server optimiser on the fp32 master); Flower's own strategies and FedAvg are not used. Then, when
+due, every client evaluates the new global part with its own local part on its own test split.
+
+Faults: a client that does not answer within `round_timeout` (its SuperNode died, or Flower
+reported an error for it) is left out of the round: the mean is over the replies received,
+weighted by their example counts, and the round's record lists it in `clients_failed` (in
+`eval_failed` when it failed to evaluate). A round in which no sampled client replies stops the
+run with a one-line error; its last checkpoint stays and `--resume` continues from it.
+
+The server holds no client data and no local part: a node's query reply tells its client id, its
+share of the pool (indices, for partition.json) and sizes; checkpoints hold the server state and
+the run's id, by which each node finds its own local parts again after a restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedjax_split.deploy import codec, protocol
+from fedjax_split.errors import UserError
+from fedjax_split.run import outputs
+from fedjax_split.run.config import ExperimentConfig, validate_critical_layer
+
+
+@dataclasses.dataclass(frozen=True)
+class DeployOptions:
+    """How the server waits: for the nodes to connect, for each round's replies."""
+
+    round_timeout: float = 600.0  # seconds a round (or an evaluation) waits for replies
+    connect_timeout: float = 300.0  # seconds to wait for all K SuperNodes at the start
+    poll_interval: float = 0.2  # seconds between two pulls of replies
+    stop_after_round: int | None = None  # tests: stop (as Ctrl-C would) after this round
+
+
+class Stopped(Exception):
+    """The run stopped on request after a round's checkpoint (`stop_after_round`)."""
+
+    def __init__(self, round_: int) -> None:
+        super().__init__(f"stopped after round {round_}")
+        self.round = round_
+
+
+class Exchange:
+    """Sends messages through a Flower Grid and collects the replies, per client, with a timeout.
+
+    Flower's `send_and_receive` polls every 3 s; this pulls every `poll_interval` seconds, so a
+    round does not wait for nothing."""
+
+    def __init__(self, grid: Any, options: DeployOptions) -> None:
+        self.grid = grid
+        self.options = options
+
+    def send(
+        self, messages: Mapping[int, Any], timeout: float
+    ) -> tuple[dict[int, Any], dict[int, str]]:
+        """{client: reply} and {client: why it failed} for {client: message}."""
+        sent = [protocol.record_sent(m, "server") for m in messages.values()]
+        ids = list(self.grid.push_messages(sent))
+        client_of = dict(zip(ids, messages, strict=True))
+        pending = set(ids)
+        replies: dict[int, Any] = {}
+        failed: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            for reply in self.grid.pull_messages(list(pending)):
+                mid = reply.metadata.reply_to_message_id
+                if mid not in pending:
+                    continue
+                pending.discard(mid)
+                client = client_of[mid]
+                if reply.has_error():
+                    failed[client] = f"error {reply.error.code}: {reply.error.reason}"
+                else:
+                    replies[client] = reply
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(self.options.poll_interval)
+        for mid in pending:
+            failed[client_of[mid]] = f"no reply within {timeout:g} s"
+        return replies, failed
+
+
+def _config_record(values: Mapping[str, Any]) -> Any:
+    from flwr.app import ConfigRecord
+
+    return ConfigRecord(dict(values))
+
+
+def _message(content: Mapping[str, Any], node_id: int, kind: str) -> Any:
+    from flwr.app import Message, RecordDict
+
+    return Message(RecordDict(dict(content)), dst_node_id=node_id, message_type=kind)
+
+
+def _warn(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def connect(grid: Any, config: ExperimentConfig, options: DeployOptions) -> dict[int, Any]:
+    """Waits for the SuperNodes and asks each who it is: {client id: (node id, query reply)}.
+
+    Every client id 0..K-1 must answer exactly once within `connect_timeout`, else UserError."""
+    exchange = Exchange(grid, options)
+    deadline = time.monotonic() + options.connect_timeout
+    found: dict[int, tuple[int, Any]] = {}
+    asked: set[int] = set()
+    last_failures: dict[int, str] = {}
+    while True:
+        nodes = [n for n in grid.get_node_ids() if n not in asked]
+        if nodes:
+            asked.update(nodes)
+            msgs = {n: _message({}, n, protocol.QUERY) for n in nodes}
+            replies, failures = exchange.send(msgs, max(1.0, deadline - time.monotonic()))
+            last_failures.update(failures)
+            broken = {n: why for n, why in failures.items() if why.startswith("error")}
+            if broken:  # its ClientApp raised: asking again would only raise again
+                node, why = next(iter(sorted(broken.items())))
+                raise UserError(
+                    f"SuperNode {node} could not set up its client ({why}); see its log"
+                )
+            for node_id, reply in replies.items():
+                cid = int(reply.content[protocol.CONFIG][protocol.CLIENT])
+                if cid in found:
+                    raise UserError(
+                        f"two SuperNodes say partition-id {cid}; give each a different one"
+                    )
+                found[cid] = (node_id, reply.content[protocol.CONFIG])
+        missing = sorted(set(range(config.clients)) - set(found))
+        if not missing:
+            break
+        if time.monotonic() >= deadline:
+            why = f" ({next(iter(last_failures.values()))})" if last_failures else ""
+            raise UserError(
+                f"clients {missing} did not connect within {options.connect_timeout:g} s{why}; "
+                f"start one SuperNode per client with --node-config 'partition-id=<0..."
+                f"{config.clients - 1}>'"
+            )
+        time.sleep(options.poll_interval)
+    extra = sorted(set(found) - set(range(config.clients)))
+    if extra:
+        raise UserError(f"SuperNodes with partition-id {extra} but --clients {config.clients}")
+    return found
+
+
+def partition_from_nodes(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> Any:
+    """The run's Partition as the nodes report it (pool indices, as partition.json holds them)."""
+    from fedjax_split.data.partition import ClientSplit, Partition
+
+    metas = {json.dumps(json.loads(str(cfg[protocol.PARTITION])), sort_keys=True)
+             for _, cfg in found.values()}  # fmt: skip
+    if len(metas) != 1:
+        raise UserError("the SuperNodes partition the data differently; give them the same data")
+    meta = json.loads(metas.pop())
+    if meta.get("target_shares") is not None:
+        meta["target_shares"] = np.asarray(meta["target_shares"], np.float64)
+    clients = [
+        ClientSplit(
+            np.asarray(found[i][1][protocol.SPLIT_TRAIN], np.int64),
+            np.asarray(found[i][1][protocol.SPLIT_TEST], np.int64),
+        )
+        for i in range(config.clients)
+    ]
+    return Partition(clients=clients, **meta)
+
+
+def _tag_names(found: Mapping[int, tuple[int, Any]]) -> tuple[str, ...]:
+    names = {tuple(cfg[protocol.TAG_NAMES]) if protocol.TAG_NAMES in cfg else ()
+             for _, cfg in found.values()}  # fmt: skip
+    if len(names) != 1:
+        raise UserError("the SuperNodes report different tag vocabularies; give them the same data")
+    return names.pop()
+
+
+@dataclasses.dataclass
+class ServerRun:
+    """The server's side of a run in memory."""
+
+    setup: Any  # experiment.Setup with the server's fields (no data, no local parts)
+    nodes: dict[int, int]  # client id -> Flower node id
+    run_id: str  # ours: survives a restart (checkpoint meta), names the nodes' local parts
+    step: Callable[..., Any]  # jitted: (state, uploads, weights) -> state
+    shares: list[Any] | None = None  # each client's realised label shares, as its node reported
+
+
+def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> ServerRun:
+    """Model, roles and server state, as `experiment.build` makes them, without data."""
+    import jax
+
+    from fedjax_split.data import tasks
+    from fedjax_split.fed.aggregation import weighted_mean_each
+    from fedjax_split.fed.server import server_update
+    from fedjax_split.run import experiment
+    from fedjax_split.sim import rounds
+
+    task = tasks.get_task(config.task)
+    pre = experiment.load_model(config, task, _tag_names(found))
+    c = validate_critical_layer(config, pre.config.num_hidden_layers)
+    global0, local0, frozen = experiment.model_parts(config, pre, c)
+    spec = experiment.make_round_spec(config, pre.apply, task)
+    state = rounds.init_server_state(global0, spec.server_optimizer, spec.wire_dtype)
+    count = lambda t: int(sum(np.size(x) for x in jax.tree.leaves(t)))  # noqa: E731
+
+    def step(state: Any, uploads: tuple, weights: Any) -> Any:
+        # rounds.round_functions' combine, minus the local parts the server never sees
+        mean = weighted_mean_each(list(uploads), weights)
+        return server_update(state, mean, spec.server_optimizer, spec.wire_dtype, spec.trained)
+
+    model_dir = getattr(pre, "model_dir", None)
+    setup = experiment.Setup(
+        config=config,
+        task=task,
+        critical_layer=c,
+        model_config=pre.config,
+        model_dir=None if model_dir is None else Path(model_dir),
+        apply=pre.apply,
+        examples=None,
+        tokenized=None,
+        partition=partition_from_nodes(config, found),
+        round_spec=spec,
+        server_state=state,
+        local0=local0,
+        frozen=frozen,
+        row_width=None,
+        eval_batches=None,
+        num_global=count(global0),
+        num_local=count(local0),
+        num_frozen=count(frozen),
+    )
+    nodes = {cid: node_id for cid, (node_id, _) in found.items()}
+    shares = [json.loads(str(found[i][1][protocol.SHARES])) for i in range(config.clients)]
+    return ServerRun(setup, nodes, secrets.token_hex(16), jax.jit(step),
+                     None if any(x is None for x in shares) else shares)  # fmt: skip
+
+
+def _decode_upload(reply: Any, expected: Mapping[str, Any], wire: str) -> Any:
+    from fedjax_split.fed.wire import cast_from_wire
+
+    if protocol.UPLOAD not in reply.content.array_records:
+        arrays: dict[str, np.ndarray] = {}
+    else:
+        arrays = codec.from_record(reply.content[protocol.UPLOAD])
+    codec.check_like(arrays, expected, "upload")
+    return cast_from_wire(codec.decode(arrays, wire)), codec.nbytes(arrays)
+
+
+def run_round(
+    run: ServerRun, exchange: Exchange, r: int, history: list[dict[str, Any]],
+    options: DeployOptions, checkpoint_round: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Round r over the federation; the round's record (metrics.jsonl's row)."""
+    import jax
+
+    from fedjax_split.fed.roles import flatten_paths, select
+    from fedjax_split.sim import rounds
+
+    setup, config = run.setup, run.setup.config
+    spec = setup.round_spec
+    wire = spec.wire_dtype
+    t0 = time.perf_counter()
+    state = setup.server_state
+    sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
+    sent = codec.encode(state.global_params, wire)
+    expected_up = {p: np.shape(x)
+                   for p, x in flatten_paths(select(state.global_params, spec.trained)[0]).items()}
+    cfg = {
+        protocol.ROUND: r,
+        protocol.STATE_ROUND: int(state.round),
+        protocol.WIRE: wire,
+        protocol.RUN: run.run_id,
+        protocol.KEEP_FROM: checkpoint_round,
+    }
+    if spec.trained is not None:
+        cfg[protocol.TRAINED] = sorted(spec.trained)
+    msgs = {}
+    for cid in sampled.tolist():
+        content = {protocol.CONFIG: _config_record({**cfg, protocol.CLIENT: cid})}
+        if sent:
+            content[protocol.GLOBAL] = codec.to_record(sent)
+        msgs[cid] = _message(content, run.nodes[cid], protocol.TRAIN)
+    replies, failed = exchange.send(msgs, options.round_timeout)
+    uploads, weights, losses, bytes_up = [], [], [], 0
+    for cid in sorted(replies):
+        reply = replies[cid]
+        try:
+            upload, nbytes = _decode_upload(reply, expected_up, wire)
+        except ValueError as err:
+            failed[cid] = f"bad reply: {err}"
+            continue
+        m = reply.content[protocol.METRICS]
+        uploads.append(upload)
+        weights.append(float(m[protocol.NUM_TRAIN]))
+        # the simulation's loss_sum / max(num_examples, 1), in fp32
+        loss = np.float32(m[protocol.LOSS_SUM]) / np.maximum(np.float32(m[protocol.LOSS_UNITS]),
+                                                              np.float32(1.0))  # fmt: skip
+        losses.append(float(loss))
+        bytes_up += nbytes
+    for cid, why in sorted(failed.items()):
+        _warn(f"round {r}: client {cid} failed ({why})")
+    if not uploads:
+        raise UserError(
+            f"round {r}: no sampled client replied ({'; '.join(sorted(set(failed.values())))}); "
+            "check the SuperNodes, then continue with --resume"
+        )
+    weights_np = np.asarray(weights, np.float32)
+    setup.server_state = run.step(state, tuple(uploads), weights_np)
+    losses_np = np.asarray(losses, np.float64)
+    jax.block_until_ready(setup.server_state)
+    t_train = time.perf_counter()
+    record: dict[str, Any] = {
+        "round": r,
+        "clients_sampled": sampled.tolist(),
+        "train_loss": float(np.sum(losses_np * weights_np) / np.sum(weights_np)),
+        "train_loss_clients": losses_np.tolist(),
+    }
+    eval_failed: dict[int, str] = {}
+    eval_bytes = 0
+    if r % config.eval_every == 0 or r == config.rounds:
+        trained = {c for h in history for c in h["clients_sampled"]
+                   if c not in h.get("clients_failed", ())}  # fmt: skip
+        trained |= {int(c) for c in sampled if int(c) not in failed}
+        evaluated, eval_failed, eval_bytes = evaluate(run, exchange, r, options, failed, trained)
+        record.update(evaluated)
+    t_eval = time.perf_counter()
+    bytes_down = codec.nbytes(sent) * len(sampled)
+    previous = history[-1] if history else None
+    cum_up = bytes_up + (previous["cum_bytes_up"] if previous else 0)
+    cum_down = bytes_down + (previous["cum_bytes_down"] if previous else 0)
+    record.update(
+        bytes_up=bytes_up,
+        bytes_down=bytes_down,
+        cum_bytes_up=cum_up,
+        cum_bytes_down=cum_down,
+        cum_bytes=cum_up + cum_down,
+        seconds=t_eval - t0,
+        train_seconds=t_train - t0,
+        eval_seconds=t_eval - t_train,
+        clients_failed=sorted(failed),
+        eval_failed=sorted(eval_failed),
+        eval_bytes_down=eval_bytes,
+    )
+    return record
+
+
+def evaluate(
+    run: ServerRun,
+    exchange: Exchange,
+    r: int,
+    options: DeployOptions,
+    skip: Mapping[int, str],
+    trained: set[int],
+) -> tuple[dict[str, Any], dict[int, str], int]:
+    """Every client (but those that just failed) scores the new global part with its own local
+    part on its own test split: (metrics as the simulation records them, failures, bytes sent).
+    `trained`: the clients whose uploads the server has taken so far (for `trained_mean`). The
+    simulation's `pooled` figure needs every client's predictions; only metrics leave a node, so
+    it is not recorded here."""
+    from fedjax_split.run import experiment
+
+    state = run.setup.server_state
+    wire = run.setup.round_spec.wire_dtype
+    sent = codec.encode(state.global_params, wire)
+    cfg = {protocol.ROUND: r, protocol.WIRE: wire, protocol.RUN: run.run_id}
+    msgs = {}
+    for cid in range(run.setup.config.clients):
+        if cid in skip:
+            continue
+        content = {protocol.CONFIG: _config_record({**cfg, protocol.CLIENT: cid})}
+        if sent:
+            content[protocol.GLOBAL] = codec.to_record(sent)
+        msgs[cid] = _message(content, run.nodes[cid], protocol.EVALUATE)
+    replies, failed = exchange.send(msgs, options.round_timeout)
+    failed.update({cid: why for cid, why in skip.items()})
+    per_client = []
+    for cid in sorted(replies):
+        metrics = json.loads(str(replies[cid].content[protocol.CONFIG][protocol.EVAL_JSON]))
+        if metrics:
+            per_client.append({"client": cid, **metrics})
+    for cid, why in sorted(failed.items()):
+        if cid not in skip:
+            _warn(f"round {r}: client {cid} failed to evaluate ({why})")
+    record = {
+        **experiment.mean_over_clients(per_client),
+        "clients": per_client,
+        "trained_mean": experiment.mean_over_clients(
+            [pc for pc in per_client if pc["client"] in trained]
+        ),
+    }
+    return record, failed, codec.nbytes(sent) * len(msgs)
+
+
+def _state(setup: Any) -> dict[str, Any]:
+    """A checkpoint's arrays: the server state only (the local parts are on the nodes)."""
+    return {"server_state": setup.server_state}
+
+
+def run_server(
+    grid: Any,
+    config: ExperimentConfig,
+    options: DeployOptions,
+    *,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The whole run (or with config.resume, its continuation) over `grid`; the summary dict.
+
+    Writes the run directory as `train` does: config.json, partition.json, metrics.jsonl,
+    summary.json, checkpoints/ (server state; the clients' local parts stay on their nodes).
+    Raises Stopped after the checkpoint of `options.stop_after_round`."""
+    from fedjax_split.data import partition as partition_mod
+    from fedjax_split.run import experiment
+    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+
+    experiment.check(config)
+    experiment._check_run_dir(config)
+    found = connect(grid, config, options)
+    run = build_server(config, found)
+    setup = run.setup
+    run_dir = config.run_dir
+    checkpointer = RunCheckpointer(checkpoint_dir(run_dir))
+    start_round, history = 0, []
+    if config.resume and checkpointer.latest_round() is None:
+        if outputs.read_jsonl(run_dir / "metrics.jsonl"):
+            raise UserError(
+                f"no readable checkpoint in {str(checkpoint_dir(run_dir))!r} to resume from; "
+                "delete the run to start over, or use another --output-dir"
+            )
+    if config.resume and checkpointer.latest_round() is not None:
+        state, meta = checkpointer.restore(_state(setup))
+        setup.server_state = state["server_state"]
+        start_round, history = int(meta["round"]), list(meta["history"])
+        if meta.get("deploy") != "flower" or "run_id" not in meta:
+            raise UserError(
+                "--resume: this run was not written by the Flower server (its clients' local "
+                "parts are in its checkpoint); continue it with `python -m fedjax_split.train`"
+            )
+        run.run_id = str(meta["run_id"])
+        if meta.get("model_config") != setup.model_config.to_hf_dict():
+            raise UserError(
+                "--resume: the model's config differs from the checkpoint's; use the saved "
+                "--model or another --output-dir"
+            )
+        saved = [[list(c["train"]), list(c["test"])] for c in meta["partition"]]
+        if saved != experiment._partition_lists(setup.partition):
+            raise UserError(
+                "--resume: the nodes' data or partition differ from the checkpoint's; use the "
+                "same data and --max-examples/--seed, or another --output-dir"
+            )
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    outputs.write_json(run_dir / "config.json", config.to_dict())
+    partition_mod.save_partition(setup.partition, run_dir / "partition.json",
+                                 realised=run.shares)  # fmt: skip
+    outputs.write_jsonl(run_dir / "metrics.jsonl", history)
+    if start_round < config.rounds:
+        (run_dir / "summary.json").unlink(missing_ok=True)
+    bar = outputs.Progress(config.rounds, start_round, enabled=progress)
+    bar.note(
+        f"{config.task} on Flower: {config.clients} SuperNodes, {config.algorithm}, critical "
+        f"layer {setup.critical_layer}/{setup.model_config.num_hidden_layers}, "
+        f"{setup.num_global:,} global / {setup.num_local:,} local parameters per client"
+        + (f"; resuming after round {start_round}" if start_round else "")
+    )
+    meta_static = {
+        "seed": config.seed,
+        "partition": [{"train": tr, "test": te}
+                      for tr, te in experiment._partition_lists(setup.partition)],
+        "model_config": setup.model_config.to_hf_dict(),
+        "model_dir": None if setup.model_dir is None else str(setup.model_dir),
+        "critical_layer": setup.critical_layer,
+        "deploy": "flower",
+        "run_id": run.run_id,
+    }  # fmt: skip
+    exchange = Exchange(grid, options)
+    saved_round = start_round
+    try:
+        for r in range(start_round + 1, config.rounds + 1):
+            record = run_round(run, exchange, r, history, options, saved_round)
+            history.append(record)
+            outputs.append_jsonl(run_dir / "metrics.jsonl", record)
+            if config.checkpoint_every and (r % config.checkpoint_every == 0 or r == config.rounds):
+                checkpointer.save(r, _state(setup), {**meta_static, "history": history})
+                saved_round = r
+            bar.round_done(record, setup.task.primary_metric)
+            if options.stop_after_round == r:
+                raise Stopped(r)
+    finally:
+        bar.close()
+        checkpointer.close()
+    summary = {
+        **experiment.make_summary(setup, history),
+        "deploy": "flower",
+        "supernodes": len(run.nodes),
+    }
+    outputs.write_json(run_dir / "summary.json", summary)
+    return summary

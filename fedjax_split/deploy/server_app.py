@@ -1,0 +1,59 @@
+"""The Flower ServerApp: `run_server` over the Grid Flower hands it, configured by the run config.
+
+Run config (the Flower App's `[tool.flwr.app.config]`, written by `python -m fedjax_split.flower`
+or by hand for real machines): `experiment` (the resolved ExperimentConfig as JSON: the same
+settings as `train`), `round-timeout` and `connect-timeout` (seconds), `status-file` (where the
+outcome goes as JSON, for the launcher; empty: nowhere), `stop-after-round` (tests; 0: never).
+A user error ends the run with one line `error: ...` in the log (and the status file).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedjax_split.deploy import protocol
+
+app = ServerApp()
+
+
+def _write_status(path: str, status: dict[str, Any]) -> None:
+    if path:
+        from fedjax_split.run import outputs
+
+        outputs.write_json(Path(path), status)
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    from fedjax_split.deploy.server import DeployOptions, Stopped, run_server
+    from fedjax_split.errors import UserError
+    from fedjax_split.run.config import resolve_config
+
+    rc = context.run_config
+    status_file = str(rc.get(protocol.STATUS_FILE, ""))
+    try:
+        config = resolve_config(overrides=json.loads(str(rc[protocol.EXPERIMENT])))
+        stop = int(rc.get(protocol.STOP_AFTER_ROUND, 0))
+        options = DeployOptions(
+            round_timeout=float(rc.get(protocol.ROUND_TIMEOUT, DeployOptions.round_timeout)),
+            connect_timeout=float(rc.get(protocol.CONNECT_TIMEOUT, DeployOptions.connect_timeout)),
+            stop_after_round=stop or None,
+        )
+        summary = run_server(grid, config, options)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        _write_status(status_file, {"status": "error", "message": str(err)})
+        return
+    except Stopped as stopped:
+        _write_status(status_file, {"status": "stopped", "round": stopped.round})
+        return
+    except BaseException as err:
+        _write_status(status_file, {"status": "crashed", "message": f"{type(err).__name__}: {err}"})
+        raise
+    _write_status(status_file, {"status": "done", "summary": summary})

@@ -1,0 +1,203 @@
+"""`python -m fedjax_split.flower --config FILE [train flags] --supernodes N --output-dir DIR`.
+
+A local federation of real processes: a Flower SuperLink and N SuperNodes on 127.0.0.1 (each
+given its partition id and a state directory under DIR/flower/nodes/), our ServerApp and
+ClientApp run on them with `flwr run`, then everything is stopped. The run directory is the one
+`train` writes (config.json, partition.json, metrics.jsonl, summary.json, checkpoints/), plus
+DIR/flower/ (the processes' logs and the nodes' local parts). The flags are train's (the same
+config schema) plus the federation's own below. `--write-app DIR` only writes the Flower App
+(for `flwr run` against SuperNodes on other machines: docs/deployment.md) and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedjax_split.errors import UserError, report
+
+DEPLOY_FLAGS = ("supernodes", "round_timeout", "connect_timeout", "run_timeout", "write_app")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """train's parser (one flag per ExperimentConfig field) plus the federation's flags."""
+    from fedjax_split.train import build_parser as train_parser
+
+    p = train_parser()
+    p.prog = "python -m fedjax_split.flower"
+    p.description = (
+        "Run the federated training as a real Flower federation on this machine: a SuperLink "
+        "and one SuperNode per client as separate processes on 127.0.0.1. Writes the run "
+        "directory `train` writes. " + (p.description or "")
+    )
+    p.add_argument("--supernodes", type=int, metavar="N",
+                   help="SuperNodes to start, one per client (default: --clients).")
+    p.add_argument("--round-timeout", type=float, metavar="S",
+                   help="Seconds the server waits for a round's replies; a client that does not "
+                   "answer is left out of the round and recorded in clients_failed (default 600).")
+    p.add_argument("--connect-timeout", type=float, metavar="S",
+                   help="Seconds the server waits for every SuperNode at the start (default 300).")
+    p.add_argument("--run-timeout", type=float, metavar="S",
+                   help="Seconds the whole run may take before it is stopped (default: none).")
+    p.add_argument("--write-app", metavar="DIR",
+                   help="Only write the Flower App (pyproject.toml with this run's config) to "
+                   "DIR, for `flwr run DIR` against a SuperLink elsewhere, and exit.")  # fmt: skip
+    return p
+
+
+def parse(argv: Sequence[str] | None) -> tuple[Any, dict[str, Any]]:
+    """(ExperimentConfig, the federation's flags) from the command line."""
+    from fedjax_split.run.config import load_config_file, resolve_config
+
+    given = vars(build_parser().parse_args(argv))
+    deploy = {k: given.pop(k) for k in DEPLOY_FLAGS if k in given}
+    file_values = load_config_file(given["config"]) if "config" in given else {}
+    return resolve_config(file_values, given), deploy
+
+
+def _absolute(config: Any) -> Any:
+    """Paths made absolute: the ServerApp and ClientApps run in other working directories."""
+    import dataclasses
+
+    changes: dict[str, Any] = {"output_dir": str(config.run_dir.absolute())}
+    if config.data_dir is not None:
+        changes["data_dir"] = str(Path(config.data_dir).absolute())
+    if Path(config.model).exists():
+        changes["model"] = str(Path(config.model).absolute())
+    if config.config is not None:
+        changes["config"] = str(Path(config.config).absolute())
+    return dataclasses.replace(config, **changes)
+
+
+def run_config(config: Any, deploy: dict[str, Any], status_file: str = "") -> dict[str, Any]:
+    """The Flower App's run config for this run."""
+    from fedjax_split.deploy import protocol
+
+    stop = os.environ.get("FEDJAX_SPLIT_STOP_AFTER_ROUND", "")
+    values = {
+        protocol.EXPERIMENT: json.dumps(config.to_dict()),
+        protocol.ROUND_TIMEOUT: float(deploy.get("round_timeout") or 600.0),
+        protocol.CONNECT_TIMEOUT: float(deploy.get("connect_timeout") or 300.0),
+        protocol.STATUS_FILE: status_file,
+        protocol.STOP_AFTER_ROUND: int(stop) if stop else 0,
+    }
+    return values
+
+
+def _jax_cache_env() -> dict[str, str]:
+    """A persistent JAX compilation cache for the ServerApp and every ClientApp process: Flower
+    starts a ClientApp process per message, and without it each would compile its programs."""
+    from fedjax_split.data.assets import cache_dir
+
+    env = {
+        "JAX_COMPILATION_CACHE_DIR": os.environ.get(
+            "JAX_COMPILATION_CACHE_DIR", str(cache_dir() / "jax")
+        ),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": os.environ.get(
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"
+        ),
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": os.environ.get(
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0"
+        ),
+    }
+    return env
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from fedjax_split.deploy.launch import Federation, write_app
+    from fedjax_split.deploy.protocol import PARTITION_ID, STATE_DIR
+    from fedjax_split.run import experiment, outputs
+
+    try:
+        config, deploy = parse(argv)
+        config = _absolute(config)
+        if deploy.get("write_app"):
+            app = write_app(Path(deploy["write_app"]), run_config(config, deploy))
+            print(f"wrote the Flower App to {app}; run it with `flwr run {app} <superlink>`")
+            return 0
+        supernodes = deploy.get("supernodes") or config.clients
+        if supernodes != config.clients:
+            raise UserError(
+                f"--supernodes {supernodes} but --clients {config.clients}: this federation runs "
+                "one client per SuperNode; pass the same number"
+            )
+        for name in ("round_timeout", "connect_timeout", "run_timeout"):
+            if deploy.get(name) is not None and not deploy[name] > 0:
+                raise UserError(f"--{name.replace('_', '-')} must be positive, got {deploy[name]}")
+        experiment.check(config)
+        experiment._check_run_dir(config)  # before anything is written
+    except UserError as err:
+        return report(err)
+
+    run_dir = config.run_dir
+    flower_dir = run_dir / "flower"
+    nodes = [
+        {PARTITION_ID: i, STATE_DIR: str(flower_dir / "nodes" / f"node_{i}")}
+        for i in range(supernodes)
+    ]
+    with tempfile.TemporaryDirectory(prefix="fedjax_split_app_") as tmp:
+        status_path = Path(tmp) / "status.json"
+        app = write_app(Path(tmp) / "app", run_config(config, deploy, str(status_path)))
+        # every process of the federation carries the run directory in its environment, so that
+        # it can be found (tests check that none outlives the command)
+        env = {**_jax_cache_env(), "FEDJAX_SPLIT_FLOWER_RUN": str(run_dir)}
+        fed = Federation(nodes, flower_dir / "logs", env=env)
+        try:
+            fed.start()
+            code = fed.submit(app, timeout=deploy.get("run_timeout") or 10**9, echo=sys.stderr)
+            log = fed.run_log()
+        except UserError as err:
+            return report(err)
+        except KeyboardInterrupt:
+            print("interrupted; the federation was stopped", file=sys.stderr)
+            return 130
+        finally:
+            fed.close()
+        status = outputs.read_json(status_path) if status_path.is_file() else None
+    if status is None or status.get("status") == "crashed":
+        why = status["message"] if status else f"`flwr run` ended with status {code}"
+        print(f"error: the Flower run ended without a result ({why}); see {log}", file=sys.stderr)
+        return 1
+    if status["status"] == "error":
+        return report(UserError(status["message"]))
+    if status["status"] == "stopped":
+        print(
+            f"interrupted (last checkpoint: round {status['round']}; continue with the same flags "
+            f"plus --resume --output-dir {run_dir})",
+            file=sys.stderr,
+        )
+        return 130
+    summary = status["summary"]
+    metric = summary["primary_metric"]
+    print(
+        f"done: {summary['rounds']} rounds on {supernodes} SuperNodes, final {metric} "
+        f"{summary['final'].get(metric)}, {summary['cum_bytes'] / 1e6:.1f} MB sent; results in "
+        f"{summary['run_dir']}"
+    )
+    return 0
+
+
+def cli() -> None:
+    """`python -m fedjax_split.flower`: `main` with one-line warnings, as train's CLI (every
+    process of the federation imports fedjax_split, which tunes its malloc)."""
+    import warnings
+
+    from fedjax_split.run import malloc
+    from fedjax_split.train import _one_line_warning
+
+    try:
+        malloc.check_setting()
+    except UserError as e:
+        sys.exit(report(e))
+    warnings.formatwarning = _one_line_warning
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

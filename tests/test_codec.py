@@ -1,0 +1,58 @@
+"""deploy.codec: 16-bit wires travel as bits and come back bit for bit, through Flower's own
+serialisation (ArrayRecord), with the bytes of the wire-dtype arrays."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fedjax_split.deploy import codec
+from fedjax_split.fed.wire import cast_to_wire, tree_bytes
+
+
+def _tree(rng: np.random.Generator) -> dict:
+    # values that 16 bits cannot hold (subnormals, large, tiny), so a rounding would show
+    x = rng.standard_normal((5, 7)).astype(np.float32) * np.float32(1e3)
+    x[0, :3] = [1e-8, -6e-8, 7e4]
+    return {"enc": {"w": jnp.asarray(x), "b": jnp.asarray(rng.standard_normal(7), jnp.float32)},
+            "count": jnp.asarray([3, 4], jnp.int32)}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_round_trip_through_flower_is_bit_exact(dtype: str) -> None:
+    tree = _tree(np.random.default_rng(0))
+    sent = codec.encode(tree, dtype)
+    back = codec.decode(codec.from_record(codec.to_record(sent)), dtype)
+    want = cast_to_wire(tree, dtype)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(back), strict=True):
+        assert a.dtype == b.dtype
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()  # bit for bit
+    assert codec.nbytes(sent) == tree_bytes(want)
+    if dtype != "float32":  # 16-bit floats travel as their bits, never as float16 / V2
+        assert sent["enc/w"].dtype == np.uint16
+    assert sent["count"].dtype == np.int32  # integer leaves are never cast
+
+
+def test_plain_numpy_serialisation_would_lose_bfloat16() -> None:
+    """Why the bits: np.save (Flower's path) turns bfloat16 into raw V2 bytes; decode refuses."""
+    from flwr.app import Array
+
+    x = np.asarray([1.5, -2.0], ml_dtypes.bfloat16)
+    mangled = Array(x).numpy()
+    assert mangled.dtype.kind == "V"
+    with pytest.raises(ValueError, match="not as the bits"):
+        codec.decode({"x": mangled}, "bfloat16")
+    with pytest.raises(ValueError, match="not as the bits"):
+        codec.decode({"x": np.asarray([1.0], np.float16)}, "float16")
+
+
+def test_check_like_names_the_difference() -> None:
+    arrays = {"a": np.zeros((2, 3)), "b": np.zeros(4)}
+    codec.check_like(arrays, {"a": (2, 3), "b": (4,)}, "upload")
+    with pytest.raises(ValueError, match="unexpected paths \\['b'\\]"):
+        codec.check_like(arrays, {"a": (2, 3)}, "upload")
+    with pytest.raises(ValueError, match="'a' has shape"):
+        codec.check_like(arrays, {"a": (3, 2), "b": (4,)}, "upload")

@@ -1,0 +1,309 @@
+"""A real Flower federation on 127.0.0.1 (SuperLink + 3 SuperNodes as processes, `flwr run`)
+against the in-process simulation of the same config and seed.
+
+Each run goes through `python -m fedjax_split.flower`, which starts the processes, bounds them in
+time and kills every one of them when it ends; the simulation goes through `python -m
+fedjax_split.train` in the same environment (same XLA flags, same JAX compilation cache), so both
+compile the same programs. A node computes exactly the simulation's programs for its client and
+the server the simulation's aggregation and server step, so the comparison is bitwise: every
+number in metrics.jsonl except the times (JSON floats carry every bit of a float64).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
+    private_cache,
+    tiny_args,
+    write_tiny_model,
+    write_tiny_sst2,
+)
+
+from fedjax_split.deploy import protocol
+
+ROOT = Path(__file__).resolve().parents[1]
+# one batch per client and epoch (clients hold ~32 examples): one shape, few compilations
+FAST = {"batch_size": 32, "local_epochs": 2, "rounds": 2}
+FLOWER_ONLY = {"clients_failed", "eval_failed", "eval_bytes_down"}
+TIMEOUT = 240  # seconds for one command; the CLI kills its federation when it ends
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    base = tmp_path_factory.mktemp("flower")
+    proc_env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=str(base / "jax_cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    proc_env.pop("FEDJAX_SPLIT_STOP_AFTER_ROUND", None)
+    return {
+        "base": base,
+        "model": write_tiny_model(base / "model"),
+        "data": write_tiny_sst2(base / "data"),
+        "env": proc_env,
+    }
+
+
+def _run(env: dict, module: str, args: list[str], **extra_env: str) -> subprocess.CompletedProcess:
+    """The command to its end; past TIMEOUT, it and every process of its federation are killed
+    (they carry its --output-dir in their environment) and the test fails."""
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", module, *args],
+            env={**env["env"], **extra_env},
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            cwd=env["base"],
+        )
+    except BaseException:
+        out = next((a.split("=", 1)[1] for a in args if a.startswith("--output-dir=")), None)
+        if out is not None:
+            _kill_marked(out)
+        raise
+
+
+def _args(env: dict, out: Path, **extra: object) -> list[str]:
+    return tiny_args(env["model"], env["data"], out, **{**FAST, **extra})
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.endswith("seconds") and k not in FLOWER_ONLY}
+
+
+def _simulate(env: dict, name: str, **flags: object) -> Path:
+    out = env["base"] / name
+    res = _run(env, "fedjax_split.train", _args(env, out, **flags))
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+def _marked(marker: str) -> list:
+    """Processes other than this one whose command line or environment holds `marker`."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            text = " ".join(p.info["cmdline"] or []) + json.dumps(p.info["environ"] or {})
+        except (psutil.Error, TypeError):
+            continue
+        if marker in text and p.pid != os.getpid():
+            found.append(p)
+    return found
+
+
+def _kill_marked(marker: str) -> None:
+    """SIGKILL whatever of a federation is still running (a test that failed midway)."""
+    import psutil
+
+    for p in _marked(marker):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def _no_processes_left(marker: str) -> None:
+    """No process of the federation survived its command (the launcher puts the run's directory,
+    `marker`, in the environment of every process it starts, which their children inherit)."""
+    left = [(p.pid, p.info["cmdline"]) for p in _marked(marker)]
+    assert not left, left
+
+
+def _local_paths_and_digests(run: Path) -> tuple[set[str], set[str]]:
+    """Every local-part path, and the sha256 of every local array the nodes ever held."""
+    paths, digests = set(), set()
+    for f in (run / "flower" / "nodes").rglob("round_*.npz"):
+        with np.load(f) as z:
+            for k in z.files:
+                paths.add(k)
+                digests.add(hashlib.sha256(np.ascontiguousarray(z[k]).tobytes()).hexdigest())
+    return paths, digests
+
+
+def test_fp16_split_run_equals_simulation_and_a_restarted_server_resumes(env: dict) -> None:
+    """c=1 of 2 with an fp16 wire (FedAvg): stopped after round 1's checkpoint (the server and
+    every node go away), then restarted with --resume: every round equals the simulation's.
+    (Evaluation in round 2 only: each evaluation is one more message exchange, seconds here.)"""
+    flags = {"quantize": "fp16", "critical_layer": 1, "eval_every": 2}
+    out = env["base"] / "fp16"
+    record_dir = env["base"] / "sent"
+    record = {protocol.RECORD_ENV: str(record_dir)}
+    res = _run(env, "fedjax_split.flower", _args(env, out, **flags),
+               FEDJAX_SPLIT_STOP_AFTER_ROUND="1", **record)  # fmt: skip
+    assert res.returncode == 130, res.stderr
+    assert "last checkpoint: round 1" in res.stderr
+    assert [r["round"] for r in _metrics(out)] == [1]
+    assert not (out / "summary.json").exists()
+    _no_processes_left(str(out))
+
+    res = _run(env, "fedjax_split.flower", [*_args(env, out, **flags), "--resume"], **record)
+    assert res.returncode == 0, res.stderr
+    _no_processes_left(str(out))
+    sim = _simulate(env, "fp16_sim", **flags)
+
+    got, want = _metrics(out), _metrics(sim)
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
+    assert all(r["clients_failed"] == [] and r["eval_failed"] == [] for r in got)
+    assert got[0]["bytes_up"] > 0 and got[1]["accuracy"] is not None
+    assert (out / "partition.json").read_text() == (sim / "partition.json").read_text()
+    cfg_got = json.loads((out / "config.json").read_text())
+    cfg_want = json.loads((sim / "config.json").read_text())
+    for key in ("output_dir", "resume", "model", "data_dir"):
+        cfg_got.pop(key), cfg_want.pop(key)
+    assert cfg_got == cfg_want
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["deploy"] == "flower" and summary["rounds"] == 2
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["1", "2"]
+
+    # What crossed the wire: the global part (fp16 as uint16 bits) down and up, never a local one.
+    sent = [json.loads(x) for f in record_dir.glob("*.jsonl") for x in f.read_text().splitlines()]
+    kinds = {(e["sender"], e["type"]) for e in sent}
+    assert kinds >= {("server", "train"), ("client", "train"), ("server", "evaluate")}
+    local_paths, local_digests = _local_paths_and_digests(out)
+    assert local_paths and any(p.startswith("classifier") for p in local_paths)
+    arrays = [a for e in sent for a in e["arrays"]]
+    assert arrays and all(a["dtype"] == "uint16" for a in arrays)
+    assert not {a["path"] for a in arrays} & local_paths
+    global_part = ("embeddings/", "encoder/layer_0/")
+    assert all(a["path"].startswith(global_part) for a in arrays)
+    assert not {a["sha256"] for a in arrays} & local_digests
+
+
+def test_fedadam_run_equals_simulation_and_a_killed_node_is_left_out(env: dict) -> None:
+    """FedAdam on a bfloat16 wire: rounds 1-2 equal the simulation's; SuperNode 2 is killed
+    while round 3 waits for it: the round times out, aggregates clients 0 and 1, records 2 as
+    failed, and the run finishes (no hang)."""
+    flags = {"algorithm": "fedadam", "quantize": "bf16", "critical_layer": 1, "rounds": 3,
+             "eval_every": 3}  # fmt: skip
+    out = env["base"] / "adam"
+    args = [*_args(env, out, **flags), "--round-timeout", "30"]
+    err_path = env["base"] / "adam.err"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fedjax_split.flower", *args],
+            env=env["env"],
+            cwd=env["base"],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            metrics = out / "metrics.jsonl"
+            while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+                assert proc.poll() is None and time.monotonic() < deadline, "round 2 never ended"
+                time.sleep(0.1)
+            _kill_supernode(str(out / "flower" / "nodes" / "node_2"))
+            assert proc.wait(timeout=TIMEOUT) == 0, err_path.read_text()[-3000:]
+        except BaseException:
+            _kill_marked(str(out))
+            raise
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    stderr = err_path.read_text()
+    _no_processes_left(str(out))
+    assert "round 3: client 2 failed (no reply within 30 s)" in stderr
+
+    got = _metrics(out)
+    sim = _metrics(_simulate(env, "adam_sim", **{**flags, "rounds": 2, "eval_every": 3}))
+    # the simulation's last round (2) evaluates; the federation's round 2 did not (it had a 3rd)
+    assert [_comparable(r) for r in got[:1]] == [_comparable(r) for r in sim[:1]]
+    no_eval = {"accuracy", "f1", "clients", "trained_mean", "eval_seconds"}
+    assert {k: v for k, v in _comparable(got[1]).items() if k not in no_eval} == {
+        k: v for k, v in _comparable(sim[1]).items() if k not in no_eval
+    }
+    last = got[2]
+    assert last["clients_sampled"] == [0, 1, 2] and last["clients_failed"] == [2]
+    assert last["eval_failed"] == [2] and [c["client"] for c in last["clients"]] == [0, 1]
+    assert len(last["train_loss_clients"]) == 2
+    assert last["bytes_up"] == 2 * got[1]["bytes_up"] // 3  # two uploads arrived
+    assert last["bytes_down"] == got[1]["bytes_down"]  # three were sent
+
+
+def _kill_supernode(state_dir: str) -> None:
+    """SIGKILL the SuperNode whose node config names `state_dir`, and all it started."""
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "flower-supernode" in cmd and state_dir in cmd:
+            for child in p.children(recursive=True):
+                child.kill()
+            p.kill()
+            return
+    raise AssertionError(f"no SuperNode with {state_dir}")
+
+
+BAD = [
+    (["--supernodes", "2"], "--supernodes 2 but --clients 3"),
+    (["--round-timeout", "0"], "--round-timeout must be positive"),
+    (["--critical-layer", "5"], "outside 0..2"),
+]
+
+
+@pytest.mark.parametrize(("extra", "needle"), BAD, ids=[b[1] for b in BAD])
+def test_bad_input_exits_2_with_one_line_before_starting_anything(
+    env: dict, extra: list[str], needle: str, capsys: pytest.CaptureFixture
+) -> None:
+    from fedjax_split import flower
+
+    out = env["base"] / "bad"
+    assert flower.main([*_args(env, out), *extra]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
+    assert not out.exists()  # nothing was written, no process was started
+
+
+def test_an_existing_run_is_refused_and_left_alone(
+    env: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from fedjax_split import flower
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"round": 1}\n')
+    assert flower.main(_args(env, out)) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == '{"round": 1}\n'
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+
+
+def test_write_app_gives_a_flower_app_that_flower_accepts(env: dict, tmp_path: Path) -> None:
+    """--write-app: the App for `flwr run` on real machines, valid by Flower's own checks, with
+    this run's resolved settings."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    from flwr.common.config import validate_config
+
+    from fedjax_split import flower
+
+    app = tmp_path / "app"
+    assert flower.main([*_args(env, env["base"] / "w"), "--write-app", str(app)]) == 0
+    config = tomllib.loads((app / "pyproject.toml").read_text())
+    ok, errors, _ = validate_config(config, check_module=True, project_dir=app)
+    assert ok, errors
+    settings = json.loads(config["tool"]["flwr"]["app"]["config"][protocol.EXPERIMENT])
+    assert settings["clients"] == 3 and settings["critical_layer"] == 1
+    assert Path(settings["output_dir"]).is_absolute()
