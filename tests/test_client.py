@@ -177,7 +177,8 @@ def test_packed_segments_train_like_padded_ones() -> None:
     labels = rng.integers(0, 3, 22)
     kw = dict(batch_size=4, epochs=2, seed=1)
     padded = client_batches(tok, np.arange(22), labels, packing=False, **kw)
-    packed = client_batches(tok, np.arange(22), labels, packing=True, **kw)
+    # rows of 16 slots: the default (at least 64) would floor N at B W / 4 = 64 tokens a step
+    packed = client_batches(tok, np.arange(22), labels, packing=True, row_width=16, **kw)
     for x, y in zip(padded, packed, strict=True):
         np.testing.assert_array_equal(x.example_index, y.example_index)
     assert sum(s.input_ids.size for s in packed) < sum(s.input_ids.size for s in padded)
