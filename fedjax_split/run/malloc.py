@@ -1,5 +1,5 @@
 """tcmalloc for the command line on Linux: which malloc a process runs on, and a re-execution of
-the CLI with tcmalloc preloaded when it is installed.
+the CLI (`train`, `pretrain`) with tcmalloc preloaded when it is installed.
 
 Why: XLA:CPU allocates its temporaries anew on every call, and glibc's malloc hands buffers over
 32 MB back to the kernel on free, so every call faults its memory in again (28% of a CPU round's
@@ -60,18 +60,25 @@ def find_tcmalloc(dirs: Sequence[str] | None = None) -> str | None:
 
 
 def own_command_line(
-    orig_argv: Sequence[str], argv: Sequence[str], modules: Mapping[str, object]
+    orig_argv: Sequence[str],
+    argv: Sequence[str],
+    modules: Mapping[str, object],
+    module: str | None = None,
+    script: str | None = None,
 ) -> list[str] | None:
-    """The command line that started this CLI, to run again, or None when the process is
-    something else that merely called it (IPython or Jupyter, `-c`, a script read from stdin,
-    another module or script): re-running that would repeat its side effects or replace it."""
+    """The command line that started this CLI (`module` / `script`, default `MODULE` /
+    `SCRIPT`: the train command's; `pretrain` passes its own), to run again, or None when the
+    process is something else that merely called it (IPython or Jupyter, `-c`, a script read
+    from stdin, another module or script): re-running that would repeat its side effects or
+    replace it."""
+    module, script = module or MODULE, script or SCRIPT
     if "IPython" in modules:
         return None
     args = list(argv[1:])
     head = list(orig_argv[: len(orig_argv) - len(args)])
     if len(head) < 2 or list(orig_argv[len(head) :]) != args:
         return None
-    if head[-2:] == ["-m", MODULE] or Path(head[-1]).name == SCRIPT == Path(argv[0]).name:
+    if head[-2:] == ["-m", module] or Path(head[-1]).name == script == Path(argv[0]).name:
         return list(orig_argv)
     return None
 
@@ -92,13 +99,14 @@ def should_preload(environ: Mapping[str, str], platform: str, current: str) -> b
     )
 
 
-def reexec_with_tcmalloc() -> None:
+def reexec_with_tcmalloc(module: str | None = None, script: str | None = None) -> None:
     """Replaces this process by the same command line with tcmalloc preloaded (see
-    `should_preload` and `own_command_line`); returns when there is no reason to. Call it first
-    thing, before anything is computed or written."""
+    `should_preload` and `own_command_line`, which `module` / `script` name the CLI for);
+    returns when there is no reason to. Call it first thing, before anything is computed or
+    written."""
     if not should_preload(os.environ, sys.platform, allocator()):
         return
-    command = own_command_line(sys.orig_argv, sys.argv, sys.modules)
+    command = own_command_line(sys.orig_argv, sys.argv, sys.modules, module, script)
     library = find_tcmalloc()  # after the cheap checks: its fallback runs ldconfig
     if command is None or library is None or not sys.executable:
         return
