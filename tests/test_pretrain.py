@@ -21,35 +21,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
-    FILLER,
-    NEGATIVE,
-    POSITIVE,
+    TINY_LAYER,
+    TINY_MLM_HEAD,
     private_cache,
     write_tiny_model,
+    write_tiny_text,
 )
 
 from fedjax_split import pretrain
 from fedjax_split.run import malloc
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYER = 4 * (32 * 32 + 32) + 2 * 32 + (32 * 64 + 64) + (64 * 32 + 32) + 2 * 32  # tiny: H 32, I 64
-VOCAB = 5 + len(POSITIVE) + len(NEGATIVE) + len(FILLER)
-HEAD = (32 * 32 + 32) + 2 * 32 + VOCAB  # transform dense, LayerNorm, output bias
-
-
-def write_text(data_dir: Path, seed: int = 0) -> Path:
-    """Two .txt files (two sources) of blank-line-separated documents of the tiny vocabulary."""
-    rng = np.random.default_rng(seed)
-    words = FILLER + POSITIVE + NEGATIVE
-    data_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("old.txt", "new.txt"):
-        docs = [
-            "\n".join(" ".join(rng.choice(words, size=int(rng.integers(4, 12))))
-                      for _ in range(int(rng.integers(1, 4))))
-            for _ in range(30)
-        ]  # fmt: skip
-        (data_dir / name).write_text("\n\n".join(docs) + "\n")
-    return data_dir
+SENT = 4 * (TINY_LAYER + TINY_MLM_HEAD)  # fp32: one layer and the MLM head, per client
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +49,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
     )
     for name in ("FEDJAX_SPLIT_STOP_AFTER_ROUND", "LD_PRELOAD", malloc.ENV, malloc._MARK):
         proc_env.pop(name, None)
-    return {"base": base, "model": model, "text": write_text(base / "text"), "env": proc_env}
+    return {"base": base, "model": model, "text": write_tiny_text(base / "text"), "env": proc_env}
 
 
 def _args(env: dict, out: Path, **extra: object) -> list[str]:
@@ -125,7 +108,7 @@ def test_outputs_and_their_cost_accounting(straight: Path) -> None:
     assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["2", "3"]
     rows = _metrics(straight, timeless=False)
     assert [r["round"] for r in rows] == [1, 2, 3] and [r["layer"] for r in rows] == [0, 0, 1]
-    sent = 4 * (LAYER + HEAD)  # one layer and the head, fp32, per client
+    sent = SENT
     for r in rows:
         assert [c["bytes_up"] for c in r["clients"]] == [sent, sent]
         assert [c["layers"][0] for c in r["clients"]] == [0, 0]
