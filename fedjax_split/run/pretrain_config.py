@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,13 @@ class PretrainConfig:
     schedule_period: int = _setting(1, "Rounds per layer for --schedule every.")
     truncated_layers: int | None = _setting(
         None, "Layers k of the truncated baseline's model (default: L/2).", metavar="K"
+    )
+    freeze: str | None = _setting(
+        None,
+        "Regex over Hugging Face tensor names (re.search): matching parameters are neither "
+        "trained nor sent, whatever the method trains; e.g. 'embeddings\\.|encoder\\.' trains "
+        "the MLM head alone.",
+        metavar="REGEX",
     )
     aggregation: str = _setting(
         "weighted",
@@ -177,6 +185,11 @@ def validate(config: PretrainConfig) -> None:
         raise UserError(f"--sigma must be >= 0, got {config.sigma}")
     if config.data_dir is not None and not Path(config.data_dir).is_dir():
         raise UserError(f"data dir {config.data_dir!r} does not exist; pass an existing --data-dir")
+    if config.freeze is not None:
+        try:
+            re.compile(config.freeze)
+        except re.error as e:
+            raise UserError(f"--freeze {config.freeze!r} is not a valid regex ({e})") from None
     if config.corpus == "local" and config.data_dir is None:
         raise UserError("--corpus local needs --data-dir DIR holding *.txt files")
 

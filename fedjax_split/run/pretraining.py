@@ -29,6 +29,7 @@ The same counts for BERT-FL on the same text and rounds (`bert_fl_*`) give each 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -64,6 +65,7 @@ class Setup:
     server_optimizer: Any
     server_state: Any
     schedule: list[int]  # FedBFPT's trained layer per round (index 0 = round 1)
+    frozen: frozenset[str]  # --freeze: never trained nor sent
 
 
 def _check_run_dir(config: PretrainConfig) -> None:
@@ -153,6 +155,11 @@ def build(config: PretrainConfig) -> Setup:
         make(split.heldout), batch_size=min(config.batch_size, 64), masking=spec,
         seed=[config.seed, 0, HELDOUT], pad_id=ids["pad_id"],
     )  # fmt: skip
+    frozen = frozen_paths(config, pre.config)
+    if config.method != "none":  # round 1 trains layer 0 (FedBFPT) or everything
+        first = [0] if config.method == "fedbfpt" else None
+        if not layerwise.trained_paths(pre.params, first) - frozen:
+            raise UserError(f"--freeze {config.freeze!r} leaves nothing to train; loosen it")
     server_optimizer = algorithms.server_optimizer("fedavg")
     optimizer = client.default_client_optimizer(config.lr, config.weight_decay)
     schedule = (
@@ -176,6 +183,7 @@ def build(config: PretrainConfig) -> Setup:
         server_optimizer=server_optimizer,
         server_state=init_server_state(pre.params, server_optimizer, "float32"),
         schedule=schedule,
+        frozen=frozen,
     )
 
 
@@ -204,17 +212,30 @@ def evaluate(setup: Setup) -> dict[str, float]:
     return eval_mlm(config, params, setup.heldout)
 
 
+def frozen_paths(config: PretrainConfig, model_config: Any) -> frozenset[str]:
+    """Paths whose Hugging Face tensor name matches --freeze (none without it)."""
+    from fedjax_split.models.hf_checkpoint import hf_names
+
+    if config.freeze is None:
+        return frozenset()
+    pattern = re.compile(config.freeze)
+    return frozenset(p for p, (name, _) in hf_names(model_config).items() if pattern.search(name))
+
+
 def plan(setup: Setup, r: int) -> Any:
-    """Round r's plan: which layers each client runs, which paths they train."""
+    """Round r's plan: which layers each client runs, which paths they train (--freeze's
+    parameters left out)."""
     from fedjax_split.fed import layerwise
 
     params = setup.server_state.global_params
     if setup.config.method == "fedbfpt":
-        return layerwise.fedbfpt_plan(
+        the_plan = layerwise.fedbfpt_plan(
             params, layer=setup.schedule[r - 1], round_=r, clients=setup.clients,
             seed=setup.config.seed, small_layers=setup.small_layers,
         )  # fmt: skip
-    return layerwise.full_plan(params, clients=setup.clients, depth=model_depth(setup))
+    else:
+        the_plan = layerwise.full_plan(params, clients=setup.clients, depth=model_depth(setup))
+    return the_plan._replace(trained=the_plan.trained - setup.frozen)
 
 
 def _bytes_of(params: Any, paths: frozenset[str]) -> int:
