@@ -37,7 +37,7 @@ FIGURES = ROOT / "docs" / "figures"
 
 WARMUP = [
     "--corpus=rotten_tomatoes", "--model=minilm-l6", "--method=centralised", "--clients=1",
-    r"--freeze=embeddings\.|encoder\.", "--rounds=3", "--batch-size=32", "--lr=1e-3",
+    r"--freeze=embeddings\.|encoder\.", "--rounds=6", "--batch-size=16", "--lr=2e-3",
     "--max-length=128", "--seed=0",
 ]  # fmt: skip
 START = RUNS / "warmup" / "model"
