@@ -245,14 +245,52 @@ def _bytes_of(params: Any, paths: frozenset[str]) -> int:
     return tree_bytes(select(params, paths)[0])
 
 
+def bert_fl_flops(model_config: Any, segments: Sequence[Any]) -> int:
+    """Matmul FLOPs of BERT-FL's client on `segments`: the whole model trained."""
+    from fedjax_split.models.flops import mlm_train_flops
+
+    total = 0
+    layers = model_config.num_hidden_layers
+    for s in segments:
+        real = int(np.sum(np.asarray(s.step_mask) & (np.asarray(s.example_mask).sum(-1) > 0)))
+        b, t = s.input_ids.shape[-2:]
+        total += real * mlm_train_flops(
+            model_config, b, t, s.positions.shape[-1], layers=layers,
+            trained_layers=range(layers), embeddings_trained=True,
+        )  # fmt: skip
+    return total
+
+
+def _client_costs(
+    setup: Setup, params: Any, report: Any, segments: Sequence[Any], down: int
+) -> dict[str, Any]:
+    """One client's line in a round's record (`report`: a pretrain_rounds.ClientReport)."""
+    from fedjax_split.fed import layerwise
+    from fedjax_split.fed.wire import tree_bytes
+
+    sends = setup.config.method != "centralised"
+    return {
+        "client": report.client,
+        "layers": list(report.layers),
+        "train_loss": report.loss,
+        "predicted_tokens": report.tokens,
+        "steps": report.steps,
+        "seconds": report.seconds,
+        "cpu_seconds": report.cpu_seconds,
+        "flops": report.flops,
+        "bytes_up": report.bytes_up if sends else 0,
+        "bytes_down": down if sends else 0,
+        "bytes_down_full": tree_bytes(layerwise.assemble(params, report.layers)) if sends else 0,
+        "bert_fl_flops": bert_fl_flops(setup.model_config, segments),
+    }
+
+
 def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict[str, Any]:
     """Batches, trains and aggregates round r; evaluates when due; the round's record."""
     import jax
 
     from fedjax_split.data import mlm_batching
     from fedjax_split.fed import layerwise
-    from fedjax_split.fed.wire import tree_bytes
-    from fedjax_split.models.flops import mlm_train_flops
     from fedjax_split.sim.pretrain_rounds import run_round
 
     config = setup.config
@@ -283,41 +321,13 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
     setup.server_state = outcome.state
     jax.block_until_ready(setup.server_state.global_params)
     t_train = time.perf_counter()
-    central = config.method == "centralised"
-    full = layerwise.trained_paths(params, None)
     # what a client receives: the parameters changed last round (it keeps the model), or all
     # of its model (it keeps nothing); centralised training sends nothing
     down = 0 if r == 1 else _bytes_of(params, plan(setup, r - 1).trained)
-    clients = []
-    for rep, segs in zip(outcome.clients, segments, strict=True):
-        steps_flops = 0
-        for s in segs:
-            real = int(np.sum(np.asarray(s.step_mask) & (np.asarray(s.example_mask).sum(-1) > 0)))
-            b, t = s.input_ids.shape[-2:]
-            steps_flops += real * mlm_train_flops(
-                setup.model_config, b, t, s.positions.shape[-1],
-                layers=setup.model_config.num_hidden_layers,
-                trained_layers=range(setup.model_config.num_hidden_layers),
-                embeddings_trained=True,
-            )  # fmt: skip
-        clients.append(
-            {
-                "client": rep.client,
-                "layers": list(rep.layers),
-                "train_loss": rep.loss,
-                "predicted_tokens": rep.tokens,
-                "steps": rep.steps,
-                "seconds": rep.seconds,
-                "cpu_seconds": rep.cpu_seconds,
-                "flops": rep.flops,
-                "bytes_up": 0 if central else rep.bytes_up,
-                "bytes_down": 0 if central else down,
-                "bytes_down_full": 0
-                if central
-                else tree_bytes(layerwise.assemble(params, rep.layers)),
-                "bert_fl_flops": steps_flops,
-            }
-        )
+    clients = [
+        _client_costs(setup, params, rep, segs, down)
+        for rep, segs in zip(outcome.clients, segments, strict=True)
+    ]
     tokens = np.asarray([c["predicted_tokens"] for c in clients], np.float64)
     losses = np.asarray([c["train_loss"] for c in clients], np.float64)
     record: dict[str, Any] = {
@@ -328,7 +338,7 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
     if r % config.eval_every == 0 or r == config.rounds:
         record.update(evaluate(setup))
     t_eval = time.perf_counter()
-    full_bytes = _bytes_of(params, full)
+    full_bytes = _bytes_of(params, layerwise.trained_paths(params, None))  # BERT-FL's upload
     k = len(setup.clients)
     totals = {
         "bytes_up": sum(c["bytes_up"] for c in clients),
