@@ -63,3 +63,6 @@ def test_the_seed_fixes_order_and_masks() -> None:
     assert np.concatenate([h.example_index for h in held]).tolist() == [*range(9), -1, -1, -1]
     again = mlm_batching.eval_batches(seqs, batch_size=4, masking=SPEC, seed=[0, 0, 7])
     assert all(np.array_equal(x.labels, y.labels) for x, y in zip(held, again, strict=True))
+    # the held-out masks do not depend on the batch size
+    wide = mlm_batching.eval_batches(seqs, batch_size=16, masking=SPEC, seed=[0, 0, 7])
+    np.testing.assert_array_equal(wide[0].labels[:9], np.concatenate([h.labels for h in held])[:9])

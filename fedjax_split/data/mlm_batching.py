@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 from fedjax_split.data.batch import Batch
@@ -88,13 +89,14 @@ def eval_batches(
     seed: Sequence[int],
     pad_id: int = 0,
 ) -> list[MaskedBatch]:
-    """Masked batches [B, T] of `seqs` in order, masked once from `default_rng([*seed, MASK])`:
-    the same held-out predictions every round and for every method run with the seed."""
+    """Masked batches [B, T] of `seqs` in order. All rows are masked at once from
+    `default_rng([*seed, MASK])`, before batching: the same held-out predictions every round,
+    for every method and whatever the batch size."""
     n = seqs.input_ids.shape[0]
-    rng = np.random.default_rng([*seed, MASK])
-    out = []
-    for i in range(0, n, batch_size):
-        row = np.full(batch_size, -1, np.int64)
-        row[: min(batch_size, n - i)] = np.arange(i, min(i + batch_size, n))
-        out.append(mask_batch(_rows(seqs, row, pad_id), masking, rng))
-    return out
+    rows = np.full(-(-n // batch_size) * batch_size, -1, np.int64)
+    rows[:n] = np.arange(n)
+    masked = mask_batch(_rows(seqs, rows, pad_id), masking, np.random.default_rng([*seed, MASK]))
+    return [
+        jax.tree.map(lambda x, i=i: x[i : i + batch_size], masked)
+        for i in range(0, rows.size, batch_size)
+    ]
