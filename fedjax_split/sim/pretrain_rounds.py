@@ -176,8 +176,19 @@ def run_round(
             )
         )
     mean = weighted_mean_each(uploads, jnp.asarray(weights, jnp.float32))
-    state = server_update(state, mean, server_optimizer, wire_dtype, trained=plan.trained)
+    state = _server_step(server_optimizer, wire_dtype, plan.trained)(state, mean)
     return RoundOutcome(state, reports, sum(r.bytes_up for r in reports))
+
+
+@functools.cache
+def _server_step(
+    optimizer: optax.GradientTransformation, wire_dtype: str, trained: frozenset[str]
+) -> Callable[[ServerState, Any], ServerState]:
+    """`server_update` compiled once per trained set (a few per run), not run op by op."""
+    step = functools.partial(
+        server_update, optimizer=optimizer, wire_dtype=wire_dtype, trained=trained
+    )
+    return jax.jit(step)
 
 
 @functools.cache
