@@ -28,8 +28,9 @@ _EXPORTS = {
     "load_tokenizer": "fedjax_split.data.tokenization",
     "Batch": "fedjax_split.data.batch",
     "PackedBatch": "fedjax_split.data.batch",
-    "make_client_batches": "fedjax_split.data.batching",
-    "make_eval_batches": "fedjax_split.data.batching",
+    "client_batches": "fedjax_split.data.batching",
+    "client_eval_batches": "fedjax_split.data.batching",
+    "stack_clients": "fedjax_split.data.batching",
     # the federated core
     "GLOBAL": "fedjax_split.fed.roles",
     "LOCAL": "fedjax_split.fed.roles",
@@ -52,6 +53,8 @@ _EXPORTS = {
     # simulation and runs
     "RoundSpec": "fedjax_split.sim.rounds",
     "run_round": "fedjax_split.sim.rounds",
+    "client_round": "fedjax_split.sim.rounds",
+    "client_key": "fedjax_split.sim.rounds",
     "replicate": "fedjax_split.sim.rounds",
     "run_experiment": "fedjax_split.run.experiment",
     "run_pretraining": "fedjax_split.run.pretraining",

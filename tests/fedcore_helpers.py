@@ -81,6 +81,11 @@ def client_slice(segments: list[Batch], k: int) -> list[Batch]:
     return [jax.tree.map(lambda v: v[k], seg) for seg in segments]
 
 
+def per_client(segments: list[Batch]) -> list[list[Batch]]:
+    """Stacked segments [K, S, ...] as each client's own list (what run_round takes)."""
+    return [client_slice(segments, k) for k in range(len(segments[0].step_mask))]
+
+
 def reference_loss(apply, params, batch, key, is_regression):
     """Masked mean loss written independently of client.py (log-softmax / squared error)."""
     logits = apply(

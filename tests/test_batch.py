@@ -26,7 +26,7 @@ def _packed_and_padded() -> tuple[PackedBatch, Batch]:
     tok = Tokenized(ids, types, np.asarray(lengths, np.int32))
     common = dict(batch_size=5, epochs=1, seed=0, shuffle=False)
     (packed,) = make_client_batches(tok, [range(5)], [0, 1, 2, 0, 1], packing=True, **common)
-    (padded,) = make_client_batches(tok, [range(5)], [0, 1, 2, 0, 1], bucketing=False, **common)
+    (padded,) = make_client_batches(tok, [range(5)], [0, 1, 2, 0, 1], packing=False, **common)
     one = lambda seg: jax.tree.map(lambda v: v[0, 0], seg)  # noqa: E731
     return one(packed), one(padded)
 

@@ -1,5 +1,7 @@
-"""batching: contents against the ragged tokens, masks, coverage per epoch, determinism, waste."""
+"""batching: each client's steps from its own examples (contents, masks, coverage per epoch,
+plain shuffling, shapes, determinism), stacking for vmap, evaluation batches, padding waste."""
 
+import itertools
 import math
 from collections import Counter
 from types import SimpleNamespace
@@ -9,13 +11,14 @@ import numpy as np
 import pytest
 
 from fedjax_split.data.batching import (
-    client_segments,
+    client_batches,
+    client_eval_batches,
+    default_row_width,
     make_client_batches,
-    make_eval_batches,
-    packed_shape,
     padding_waste,
+    stack_clients,
 )
-from fedjax_split.data.objectives import REGRESSION
+from fedjax_split.data.objectives import IGNORE, REGRESSION, TOKEN_CLASSIFICATION
 
 
 def _tokenized(lengths):
@@ -35,197 +38,252 @@ def _setup(seed=0, sizes=(37, 20, 5), num=120):
     return _tokenized(lengths), clients, labels, lengths
 
 
-def _check_contents(segs, tok, labels, lengths, regression=False):
-    for seg in segs:
-        k, s, b, t = seg.input_ids.shape
-        assert t % 8 == 0
-        assert seg.labels.dtype == (np.float32 if regression else np.int32)
-        assert seg.example_mask.dtype == np.float32 and seg.step_mask.dtype == bool
-        for name in ("input_ids", "attention_mask", "token_type_ids"):
-            assert getattr(seg, name).dtype == np.int32
-        idx = seg.example_index
+def _rows(steps) -> np.ndarray:
+    """Pool indices of a client's real rows, step after step."""
+    index = np.concatenate([s.example_index.reshape(-1) for s in steps])
+    return index[index >= 0]
+
+
+def _check_padded(steps, tok, labels, lengths):
+    """Every real row holds its example's tokens, label and masks; padding is inert."""
+    for step in steps:
+        s, b, t = step.input_ids.shape
+        assert s == 1 and t % 8 == 0 and not step.packed
+        assert step.labels.dtype == np.int32 and step.example_mask.dtype == np.float32
+        assert step.step_mask.dtype == bool and step.step_mask.tolist() == [True]
+        idx = step.example_index
         real = idx >= 0
-        np.testing.assert_array_equal(seg.example_mask, real.astype(np.float32))
-        # a step is real iff it holds a real example
-        np.testing.assert_array_equal(seg.step_mask, real.any(-1))
-        longest = lengths[idx[real]].max()
-        assert t >= math.ceil(longest / 8) * 8
-        for i, j, r in zip(*np.nonzero(real), strict=True):
-            e = idx[i, j, r]
-            n = lengths[e]
-            np.testing.assert_array_equal(seg.input_ids[i, j, r, :n], tok.input_ids[e])
-            np.testing.assert_array_equal(seg.token_type_ids[i, j, r, :n], tok.token_type_ids[e])
-            assert not seg.input_ids[i, j, r, n:].any()
-            assert seg.attention_mask[i, j, r].tolist() == [1] * n + [0] * (t - n)
-            assert seg.labels[i, j, r] == labels[e]
+        np.testing.assert_array_equal(step.example_mask, real.astype(np.float32))
+        assert t >= math.ceil(lengths[idx[real]].max() / 8) * 8
+        for i, r in zip(*np.nonzero(real), strict=True):
+            e, n = idx[i, r], lengths[idx[i, r]]
+            np.testing.assert_array_equal(step.input_ids[i, r, :n], tok.input_ids[e])
+            np.testing.assert_array_equal(step.token_type_ids[i, r, :n], tok.token_type_ids[e])
+            assert not step.input_ids[i, r, n:].any()
+            assert step.attention_mask[i, r].tolist() == [1] * n + [0] * (t - n)
+            assert step.labels[i, r] == labels[e]
         pad = ~real
-        assert not seg.input_ids[pad].any() and not seg.labels[pad].any()
-        assert (seg.attention_mask[pad].sum(-1) == 1).all()  # position 0 only, no empty row
-        assert (seg.attention_mask[pad][:, 0] == 1).all()
+        assert not step.input_ids[pad].any() and not step.labels[pad].any()
+        assert (step.attention_mask[pad].sum(-1) == 1).all()  # position 0 only, no empty row
+        assert (step.attention_mask[pad][:, 0] == 1).all()
 
 
-def _check_tight_widths(segs, lengths):
-    """A bucket keeps one (S, T) in all epochs; T is its longest example rounded up to 8."""
-    widest: dict = {}
-    for seg in segs:
-        idx = seg.example_index
-        need = math.ceil(lengths[idx[idx >= 0]].max() / 8) * 8
-        shape = seg.input_ids.shape
-        widest[shape] = max(widest.get(shape, 0), need)
-    assert all(shape[3] == need for shape, need in widest.items())
-
-
-def _per_client_rows(segs):
-    k = segs[0].input_ids.shape[0]
-    return [np.concatenate([s.example_index[i].reshape(-1) for s in segs]) for i in range(k)]
-
-
-@pytest.mark.parametrize("bucketing", [True, False])
-def test_every_example_epochs_times_and_contents(bucketing):
+@pytest.mark.parametrize("bucketing", [False, True])
+def test_every_example_once_per_epoch_and_contents(bucketing):
     tok, clients, labels, lengths = _setup()
     epochs, batch = 3, 4
-    segs = make_client_batches(tok, clients, labels, batch_size=batch, epochs=epochs, seed=5,
-                               bucketing=bucketing, num_buckets=3, window=2)  # fmt: skip
-    _check_contents(segs, tok, labels, lengths)
-    _check_tight_widths(segs, lengths)
-    assert len(segs) % epochs == 0 if bucketing else len(segs) == 1
-    per_epoch = len(segs) // epochs
-    for i, ix in enumerate(clients):
-        rows = _per_client_rows(segs)[i]
-        rows = rows[rows >= 0]
-        assert np.array_equal(np.sort(rows), np.sort(np.tile(ix, epochs)))
-        real_steps = sum(int(s.step_mask[i].sum()) for s in segs)
-        assert real_steps == epochs * math.ceil(ix.size / batch)
-        if bucketing:  # each epoch's group of segments holds every example exactly once
-            for e in range(epochs):
-                got = _per_client_rows(segs[e * per_epoch : (e + 1) * per_epoch])[i]
-                assert np.array_equal(np.sort(got[got >= 0]), np.sort(ix))
+    for cid, ix in enumerate(clients):
+        steps = client_batches(tok, ix, labels, batch_size=batch, epochs=epochs, seed=5,
+                               client_id=cid, packing=False, bucketing=bucketing,
+                               window=2)  # fmt: skip
+        _check_padded(steps, tok, labels, lengths)
+        per_epoch = math.ceil(ix.size / batch)
+        assert len(steps) == epochs * per_epoch
+        for e in range(epochs):
+            got = _rows(steps[e * per_epoch : (e + 1) * per_epoch])
+            assert np.array_equal(np.sort(got), np.sort(ix))
         # only one partial batch per epoch
-        partial = sum(int(((s.example_index[i] >= 0).sum(-1) % batch != 0).sum()) for s in segs)
+        partial = sum(int((s.example_index >= 0).sum() % batch != 0) for s in steps)
         assert partial == (epochs if ix.size % batch else 0)
-    if not bucketing:
-        (seg,) = segs
-        assert seg.input_ids.shape[:3] == (3, epochs * math.ceil(37 / batch), batch)
-        # the 5-example client has 2 real steps per epoch and then masked steps only
-        np.testing.assert_array_equal(seg.step_mask[2], np.arange(seg.step_mask.shape[1]) < 6)
-        first_epoch = seg.example_index[0, : math.ceil(37 / batch)].reshape(-1)
-        assert np.array_equal(np.sort(first_epoch[first_epoch >= 0]), np.sort(clients[0]))
+        if bucketing and ix.size > 8:  # batches of similar length: sorted windows of 2
+            spread = [np.ptp(lengths[s.example_index[s.example_index >= 0]]) for s in steps]
+            plain = client_batches(tok, ix, labels, batch_size=batch, epochs=epochs, seed=5,
+                                   client_id=cid, packing=False)  # fmt: skip
+            plain_spread = [np.ptp(lengths[s.example_index[s.example_index >= 0]]) for s in plain]
+            assert np.mean(spread) < np.mean(plain_spread)
 
 
-def test_bucketed_segments_share_shapes_across_epochs_and_cut_padding():
-    tok, clients, labels, lengths = _setup(sizes=(60, 50, 10))
-    kw = dict(batch_size=4, epochs=2, seed=1)
-    segs = make_client_batches(tok, clients, labels, num_buckets=4, **kw)
-    shapes = [s.input_ids.shape for s in segs]
-    assert sorted(shapes[: len(shapes) // 2]) == sorted(shapes[len(shapes) // 2 :])
-    assert len({s[3] for s in shapes}) > 1  # several widths
-    flat = make_client_batches(tok, clients, labels, bucketing=False, **kw)
-    assert padding_waste(segs) < padding_waste(flat)
+def test_a_clients_steps_depend_on_its_own_examples_seed_and_id_only():
+    tok, clients, labels, _ = _setup(sizes=(30, 30, 12))
+    kw = dict(batch_size=4, epochs=2, seed=[3, 1], packing=True)
+    alone = client_batches(tok, clients[1], labels, client_id=9, **kw)
+    # stacked with other companions, in another position, client 9 gets the very same steps
+    for companions, pos in (([clients[0]], 1), ([clients[2], clients[0]], 0)):
+        ix = list(companions)
+        ix.insert(pos, clients[1])
+        ids = [7, 8][: len(companions)]
+        ids.insert(pos, 9)
+        stacked = make_client_batches(tok, ix, labels, client_ids=ids, **kw)
+        assert len(stacked) >= len(alone)
+        for j, step in enumerate(alone):
+            mine = jax.tree.map(lambda v, pos=pos, j=j: v[pos], stacked[j])
+            n, r = step.input_ids.shape[-1], step.attention_mask.shape[-2]
+            cut = mine.replace(
+                **{f: getattr(mine, f)[..., :n] for f in
+                   ("input_ids", "token_type_ids", "position_ids", "token_slots")},
+                attention_mask=mine.attention_mask[..., :r, :],
+                row_tokens=mine.row_tokens[..., :r, :],
+            )  # fmt: skip
+            for a, b in zip(jax.tree.leaves(step), jax.tree.leaves(cut), strict=True):
+                np.testing.assert_array_equal(a, b)
+            # what was grown is padding only
+            assert not mine.attention_mask[..., r:, :].any()
+            assert not mine.input_ids[..., n:].any()
+    # another id or another seed reorders; the same id and seed repeat exactly
+    again = client_batches(tok, clients[1], labels, client_id=9, **kw)
+    assert all(np.array_equal(a.example_index, b.example_index)
+               for a, b in zip(alone, again, strict=True))  # fmt: skip
+    other_id = client_batches(tok, clients[1], labels, client_id=8, **kw)
+    other_seed = client_batches(tok, clients[1], labels, client_id=9, **{**kw, "seed": [3, 2]})
+    for other in (other_id, other_seed):
+        assert not np.array_equal(_rows(alone), _rows(other))
 
 
-def test_determinism_seed_and_global_state():
+def test_the_global_numpy_generator_is_never_touched():
     tok, clients, labels, _ = _setup()
     before = np.random.get_state()  # noqa: NPY002 - checking it is untouched
-    a = make_client_batches(tok, clients, labels, batch_size=4, epochs=2, seed=[3, 1])
-    b = make_client_batches(tok, clients, labels, batch_size=4, epochs=2, seed=[3, 1])
-    c = make_client_batches(tok, clients, labels, batch_size=4, epochs=2, seed=[3, 2])
+    client_batches(tok, clients[0], labels, batch_size=4, epochs=2, seed=1)
     after = np.random.get_state()  # noqa: NPY002
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert jax.tree.structure(x) == jax.tree.structure(y)
-        for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
-            np.testing.assert_array_equal(u, v)
-    assert any(x.example_index.shape != y.example_index.shape
-               or not np.array_equal(x.example_index, y.example_index)
-               for x, y in zip(a, c, strict=False))  # fmt: skip
     assert before[0] == after[0] and np.array_equal(before[1], after[1]) and before[2:] == after[2:]
-
-
-def test_client_ids_key_the_shuffle():
-    tok, clients, labels, _ = _setup(sizes=(30, 30))
-    kw = dict(batch_size=4, epochs=1, seed=3, bucketing=False)
-    ab = make_client_batches(tok, clients, labels, client_ids=[7, 9], **kw)[0]
-    ba = make_client_batches(tok, clients[::-1], labels, client_ids=[9, 7], **kw)[0]
-    np.testing.assert_array_equal(ab.example_index[0], ba.example_index[1])
-    pos = make_client_batches(tok, clients, labels, **kw)[0]
-    assert not np.array_equal(pos.example_index[0], ab.example_index[0])
 
 
 def test_no_shuffle_is_seed_independent():
     tok, clients, labels, _ = _setup()
-    a = make_client_batches(tok, clients, labels, batch_size=4, epochs=1, seed=1, shuffle=False)
-    b = make_client_batches(tok, clients, labels, batch_size=4, epochs=1, seed=2, shuffle=False)
-    for x, y in zip(a, b, strict=True):
-        np.testing.assert_array_equal(x.example_index, y.example_index)
+    a = client_batches(tok, clients[0], labels, batch_size=4, epochs=1, seed=1, shuffle=False)
+    b = client_batches(tok, clients[0], labels, batch_size=4, epochs=1, seed=2, shuffle=False)
+    np.testing.assert_array_equal(_rows(a), _rows(b))
+    np.testing.assert_array_equal(_rows(a), clients[0])
+
+
+def _pair_repeats(steps_by_epoch: list[list]) -> float:
+    """Share of the pairs of examples that share a batch in one epoch and again in the next."""
+    def pairs(steps):
+        out = set()
+        for s in steps:
+            rows = np.sort(s.example_index[s.example_index >= 0])
+            out.update(itertools.combinations(rows.tolist(), 2))
+        return out
+
+    shared = [pairs(e) for e in steps_by_epoch]
+    again = sum(len(a & b) for a, b in itertools.pairwise(shared))
+    return again / sum(len(a) for a in shared[:-1])
+
+
+def test_plain_shuffling_by_default_pairs_rarely_meet_again():
+    """Algorithm 1's random mini-batches: two examples that shared a batch meet again in the
+    next epoch about as often as chance (B - 1) / (n - 1); length-sorted windows (bucketing) make
+    batches repeat their membership."""
+    tok, _, _ = _sentence_pool(400, seed=3)
+    ix, labels, epochs, batch = np.arange(400), np.zeros(400, np.int64), 4, 16
+    per_epoch = math.ceil(400 / batch)
+
+    def by_epoch(**kw):
+        steps = client_batches(tok, ix, labels, batch_size=batch, epochs=epochs, seed=0, **kw)
+        return [steps[e * per_epoch : (e + 1) * per_epoch] for e in range(epochs)]
+
+    plain = _pair_repeats(by_epoch())
+    chance = (batch - 1) / (400 - 1)
+    assert plain < 2 * chance, (plain, chance)
+    bucketed = _pair_repeats(by_epoch(packing=False, bucketing=True))
+    assert bucketed > 10 * chance, (bucketed, chance)
+
+
+def test_step_shapes_come_from_a_ladder_and_recur():
+    tok, _, _ = _sentence_pool(1000, seed=4)
+    labels = np.zeros(1000, np.int64)
+    rng = np.random.default_rng(0)
+    shapes = set()
+    for r in range(3):
+        for cid, ix in enumerate(np.array_split(rng.permutation(1000), 10)):
+            steps = client_batches(tok, ix, labels, batch_size=16, epochs=1, seed=[0, r],
+                                   client_id=cid)  # fmt: skip
+            for s in steps:
+                n = s.input_ids.shape[-1]
+                real = int((s.attention_mask > 0).sum())
+                assert real <= n and n % 8 == 0
+                # on the ladder: at most a quarter of the power of two below n apart
+                step = max(8, 2 ** (max(real, 1).bit_length() - 1) // 4)
+                assert n == -(-real // step) * step
+                shapes.add((n, s.attention_mask.shape[-2]))
+    assert len(shapes) <= 12, sorted(shapes)  # 30 clients' rounds, a dozen programs at most
 
 
 def test_regression_labels_and_max_length_cap():
     lengths = [3, 9, 10, 5]
     tok = _tokenized(lengths)
     scores = np.array([0.5, 4.75, 2.0, 3.25], np.float32)
-    segs = make_client_batches(tok, [np.array([0, 1]), np.array([2, 3])], scores, batch_size=2,
-                               epochs=1, seed=0, objective=REGRESSION, bucketing=False,
-                               max_length=12)  # fmt: skip
-    (seg,) = segs
-    assert seg.input_ids.shape == (2, 1, 2, 12)  # 16 capped at 12
-    assert seg.labels.dtype == np.float32
-    index, values = seg.example_index.reshape(-1), seg.labels.reshape(-1)
+    steps = client_batches(tok, np.array([0, 1, 2, 3]), scores, batch_size=4, epochs=1, seed=0,
+                           objective=REGRESSION, packing=False, max_length=12)  # fmt: skip
+    (step,) = steps
+    assert step.input_ids.shape == (1, 4, 12)  # 16 capped at 12
+    assert step.labels.dtype == np.float32
+    index, values = step.example_index.reshape(-1), step.labels.reshape(-1)
     got = {int(i): float(v) for i, v in zip(index, values, strict=True)}
     assert got == {0: 0.5, 1: 4.75, 2: 2.0, 3: 3.25}
 
 
-@pytest.mark.parametrize("bucketing", [True, False])
-def test_client_without_examples_gets_only_masked_steps(bucketing):
+def test_client_without_examples_has_no_steps_and_gets_masked_ones_when_stacked():
     tok = _tokenized([3, 5, 7])
-    segs = make_client_batches(tok, [np.array([0, 1, 2]), np.array([], np.int64)], np.zeros(3, int),
-                               batch_size=2, epochs=2, seed=0, bucketing=bucketing)  # fmt: skip
-    assert sum(int(s.step_mask[0].sum()) for s in segs) == 4
-    assert not any(s.step_mask[1].any() or s.example_mask[1].any() for s in segs)
+    kw = dict(batch_size=2, epochs=2, seed=0)
+    for packing in (False, True):
+        empty = client_batches(tok, np.array([], np.int64), np.zeros(3, int), packing=packing,
+                               **kw)  # fmt: skip
+        assert empty == []
+        full = client_batches(tok, np.array([0, 1, 2]), np.zeros(3, int), packing=packing, **kw)
+        stacked = stack_clients([full, empty])
+        assert len(stacked) == 4 and sum(int(s.step_mask[0].sum()) for s in stacked) == 4
+        assert not any(s.step_mask[1].any() or s.example_mask[1].any() for s in stacked)
+        assert all((s.example_index[1] == -1).all() for s in stacked)
+        if not packing:  # padding rows attend to position 0 only
+            assert all((s.attention_mask[1][..., 0] == 1).all() for s in stacked)
 
 
-def test_fractional_class_labels_are_rejected():
+def test_bad_labels_and_mixed_kinds_are_refused():
     tok = _tokenized([3, 4])
     with pytest.raises(ValueError, match="objective=REGRESSION"):
-        make_client_batches(tok, [np.array([0, 1])], np.array([0.5, 1.0]), batch_size=2,
-                            epochs=1, seed=0)  # fmt: skip
+        client_batches(tok, np.array([0, 1]), np.array([0.5, 1.0]), batch_size=2, epochs=1,
+                       seed=0)  # fmt: skip
+    padded = client_batches(tok, np.array([0]), np.zeros(2, int), batch_size=2, epochs=1, seed=0,
+                            packing=False)  # fmt: skip
+    packed = client_batches(tok, np.array([1]), np.zeros(2, int), batch_size=2, epochs=1, seed=0)
+    with pytest.raises(ValueError, match="mix padded and packed"):
+        stack_clients([padded, packed])
+    with pytest.raises(ValueError, match="does not fit attention rows"):
+        client_batches(tok, np.array([1]), np.zeros(2, int), batch_size=2, epochs=1, seed=0,
+                       row_width=2)  # fmt: skip
 
 
-def test_eval_batches_once_each_sorted_by_length():
+@pytest.mark.parametrize("packing", [False, True])
+def test_eval_batches_once_each_sorted_by_length(packing):
     tok, clients, labels, lengths = _setup()
-    segs = make_eval_batches(tok, clients, labels, batch_size=4, num_buckets=3)
-    _check_contents(segs, tok, labels, lengths)
-    _check_tight_widths(segs, lengths)
-    for i, ix in enumerate(clients):
-        rows = _per_client_rows(segs)[i]
-        rows = rows[rows >= 0]
+    for ix in clients:
+        steps = client_eval_batches(tok, ix, labels, batch_size=4, packing=packing)
+        if not packing:
+            _check_padded(steps, tok, labels, lengths)
+        rows = _rows(steps)
         assert np.array_equal(np.sort(rows), np.sort(ix))
         assert np.all(np.diff(lengths[rows]) >= 0)  # no shuffle: ascending length
 
 
 @pytest.mark.parametrize("batch_size", [8, 32, 64])
 def test_clients_smaller_than_one_batch(batch_size):
-    # Regression: a window holding fewer examples than one batch produced an empty batch.
     tok, clients, labels, lengths = _setup(sizes=(7, 3, 1))
-    for epochs, segs in (
-        (1, make_eval_batches(tok, clients, labels, batch_size=batch_size)),
-        (2, make_client_batches(tok, clients, labels, batch_size=batch_size, epochs=2, seed=0)),
-    ):
-        _check_contents(segs, tok, labels, lengths)
-        for i, ix in enumerate(clients):
-            rows = _per_client_rows(segs)[i]
-            assert np.array_equal(np.sort(rows[rows >= 0]), np.sort(np.tile(ix, epochs)))
+    for ix in clients:
+        steps = client_batches(tok, ix, labels, batch_size=batch_size, epochs=2, seed=0,
+                               packing=False)  # fmt: skip
+        _check_padded(steps, tok, labels, lengths)
+        assert len(steps) == 2
+        assert np.array_equal(np.sort(_rows(steps)), np.sort(np.tile(ix, 2)))
 
 
 def test_padding_waste_by_hand():
     tok = _tokenized([3, 8, 5])
-    segs = make_client_batches(tok, [np.array([0, 1]), np.array([2])], np.zeros(3, int),
-                               batch_size=2, epochs=1, seed=0, bucketing=False)  # fmt: skip
-    # computed: K=2 x S=1 x B=2 x T=8 = 32 positions; real tokens 3 + 8 + 5 = 16
-    assert padding_waste(segs) == pytest.approx(0.5, abs=0)
+    steps = client_batches(tok, np.array([0, 1, 2]), np.zeros(3, int), batch_size=2, epochs=1,
+                           seed=0, shuffle=False, packing=False)  # fmt: skip
+    # step 1: B=2 x T=8 = 16 positions, 3 + 8 real; step 2: 2 x 8 = 16 positions, 5 real
+    assert padding_waste(steps) == pytest.approx(1 - 16 / 32, abs=0)
+    # stacked with a masked step for a second client that has one example of 4 tokens
+    one = client_batches(tok, np.array([2]), np.zeros(3, int), batch_size=2, epochs=1, seed=0,
+                         packing=False)  # fmt: skip
+    stacked = stack_clients([steps, one])
+    # 2 steps x 2 clients x 2 rows x 8 = 64 computed; real 3 + 8 + 5 + 5 = 21
+    assert padding_waste(stacked) == pytest.approx(1 - 21 / 64, abs=0)
+    # a masked step (client 2's second) is skipped when clients run one at a time
+    assert padding_waste(stacked, skip_masked_steps=True) == pytest.approx(1 - 21 / 48, abs=0)
 
 
 @pytest.mark.slow
-def test_padding_waste_under_15_percent_on_real_rotten_tomatoes():
+def test_packed_padding_waste_under_10_percent_on_real_rotten_tomatoes():
     from fedjax_split.data.partition import partition_clients
     from fedjax_split.data.sources import load_examples
     from fedjax_split.data.tokenization import load_tokenizer, tokenize
@@ -233,16 +291,14 @@ def test_padding_waste_under_15_percent_on_real_rotten_tomatoes():
     ex = load_examples("rotten_tomatoes")
     tok = tokenize(load_tokenizer("minilm-l6"), ex.texts_a, max_length=128)
     assert 20 < tok.lengths.mean() < 35  # about 27 word pieces with [CLS]/[SEP]
-    part = partition_clients(
-        ex.labels, scheme="paper", num_clients=3, seed=0, task="rotten_tomatoes"
-    )
-    train = [c.train for c in part.clients]
+    part = partition_clients(ex.labels, scheme="iid", num_clients=10, seed=0)
     for batch in (8, 16, 32):
-        segs = make_client_batches(tok, train, ex.labels, batch_size=batch, epochs=3, seed=0)
-        flat = make_client_batches(tok, train, ex.labels, batch_size=batch, epochs=3, seed=0,
-                                   bucketing=False)  # fmt: skip
-        assert padding_waste(segs) < 0.15, (batch, padding_waste(segs))
-        assert padding_waste(flat) > 0.5
+        steps = [s for i, c in enumerate(part.clients) for s in client_batches(
+            tok, c.train, ex.labels, batch_size=batch, epochs=1, seed=0, client_id=i)]  # fmt: skip
+        assert padding_waste(steps) < 0.10, (batch, padding_waste(steps))
+        padded = [s for c in part.clients[:2] for s in client_batches(tok, c.train, ex.labels,
+                  batch_size=batch, epochs=1, seed=0, packing=False)]  # fmt: skip
+        assert padding_waste(padded) > 0.3
 
 
 # ----------------------------------------------------------------------------- packing
@@ -259,160 +315,71 @@ def _sentence_pool(n: int, seed: int = 0):
     return Tokenized(ids, types, lengths.astype(np.int32)), ids, types
 
 
-def test_packed_segments_hold_every_example_once_intact() -> None:
+def test_packed_steps_hold_every_example_once_intact() -> None:
     tok, ids, types = _sentence_pool(300)
     clients = [np.arange(0, 90), np.arange(90, 140), np.arange(140, 300)]
     labels = np.arange(300) % 3
-    segs = make_client_batches(
-        tok, clients, labels, batch_size=8, epochs=2, seed=5, packing=True, pack_width=64
-    )
-    seen = []  # (client position, pool index) of every real example
-    shapes = set()
-    for seg in segs:
-        k, s, n = seg.input_ids.shape
-        r, w = seg.attention_mask.shape[2:]
-        shapes.add((s, n, r, w))
-        assert w >= 64 and seg.cls_index.shape == (k, s, 8)
-        seen += _packed_examples(seg, ids, types, labels)
+    width = default_row_width(tok)
+    assert width == 96  # the pool's longest example (90) rounded up to 8, over the 64 floor
+    seen = []  # (client, pool index) of every real example
+    for cid, ix in enumerate(clients):
+        steps = client_batches(tok, ix, labels, batch_size=8, epochs=2, seed=5, client_id=cid)
+        assert len(steps) == 2 * math.ceil(ix.size / 8)
+        for step in steps:
+            assert step.packed and step.attention_mask.shape[-1] == width
+            assert step.cls_index.shape == (1, 8)
+            seen += [(cid, e) for e in _packed_examples(step, ids, types, labels)]
     # two epochs: every client's example exactly twice
     counts = Counter(seen)
     assert set(counts.values()) == {2}
     assert {ix for _, ix in counts} == set(range(300))
     assert all(ix in clients[c] for c, ix in counts)
-    # every bucket keeps one shape in both epochs (one compilation each)
-    per_epoch = len(segs) // 2
-    first = sorted(_packed_shape(s) for s in segs[:per_epoch])
-    assert first == sorted(_packed_shape(s) for s in segs[per_epoch:])
-    assert shapes == set(first)
 
 
-def _packed_examples(seg, ids, types, labels) -> list[tuple[int, int]]:
-    """Checks that every real example of a packed segment lies intact in its stream and in one
-    attention row; returns (client position, pool index) of each."""
+def _packed_examples(step, ids, types, labels) -> list[int]:
+    """Checks that every real example of a packed step lies intact in its stream and in one
+    attention row; returns the pool index of each."""
     seen = []
-    k, s, _ = seg.input_ids.shape
-    w = seg.attention_mask.shape[-1]
-    for c in range(k):
-        for j in range(s):
-            slots = seg.attention_mask[c, j].reshape(-1)
-            rows, back = seg.row_tokens[c, j].reshape(-1), seg.token_slots[c, j]
-            used = np.nonzero(slots)[0]
-            np.testing.assert_array_equal(back[rows[used]], used)  # slots <-> stream
-            for e in np.nonzero(seg.example_mask[c, j])[0]:
-                ix = seg.example_index[c, j, e]
-                start, m = seg.cls_index[c, j, e], len(ids[ix])
-                stream = slice(start, start + m)
-                assert start + m <= seg.input_ids.shape[-1]
-                np.testing.assert_array_equal(seg.input_ids[c, j, stream], ids[ix])
-                np.testing.assert_array_equal(seg.token_type_ids[c, j, stream], types[ix])
-                np.testing.assert_array_equal(seg.position_ids[c, j, stream], np.arange(m))
-                # one example's tokens share a row and carry its slot number
-                where = back[stream]
-                assert len(set(where // w)) == 1
-                assert np.all(slots[where] == e + 1)
-                assert seg.labels[c, j, e] == labels[ix]
-                seen.append((c, int(ix)))
+    w = step.attention_mask.shape[-1]
+    for j in range(step.input_ids.shape[0]):
+        slots = step.attention_mask[j].reshape(-1)
+        rows, back = step.row_tokens[j].reshape(-1), step.token_slots[j]
+        used = np.nonzero(slots)[0]
+        np.testing.assert_array_equal(back[rows[used]], used)  # slots <-> stream
+        for e in np.nonzero(step.example_mask[j])[0]:
+            ix = step.example_index[j, e]
+            start, m = step.cls_index[j, e], len(ids[ix])
+            stream = slice(start, start + m)
+            assert start + m <= step.input_ids.shape[-1]
+            np.testing.assert_array_equal(step.input_ids[j, stream], ids[ix])
+            np.testing.assert_array_equal(step.token_type_ids[j, stream], types[ix])
+            np.testing.assert_array_equal(step.position_ids[j, stream], np.arange(m))
+            # one example's tokens share a row and carry its slot number
+            where = back[stream]
+            assert len(set(where // w)) == 1
+            assert np.all(slots[where] == e + 1)
+            assert step.labels[j, e] == labels[ix]
+            seen.append(int(ix))
     return seen
-
-
-def test_client_segments_cut_packed_parts_to_the_smallest_shape_that_holds_them() -> None:
-    tok, ids, types = _sentence_pool(300)
-    clients = [np.arange(0, 90), np.arange(90, 140), np.arange(140, 300), np.arange(0)]
-    labels = np.arange(300) % 3
-    segs = make_client_batches(
-        tok, clients, labels, batch_size=8, epochs=2, seed=5, packing=True, pack_width=64
-    )
-    shapes = {packed_shape(s) for s in segs}
-    assert len(shapes) > 1
-    cut = 0
-    for seg, parts in zip(segs, client_segments(segs), strict=True):
-        assert len(parts) == 4 and parts[3] is None  # the empty client has no real step
-        s, n, r = packed_shape(seg)
-        for c, part in enumerate(parts[:3]):
-            real = seg.step_mask[c] & (seg.example_mask[c].sum(-1) > 0)
-            if not real.any():
-                assert part is None
-                continue
-            # the same examples, intact, in the same steps and slots
-            here = _packed_examples(part, ids, types, labels)
-            alone = jax.tree.map(lambda value, c=c: value[c : c + 1], seg)
-            assert here == _packed_examples(alone, ids, types, labels)
-            assert len(here) == int(seg.example_mask[c].sum())
-            for key in ("labels", "example_mask", "step_mask", "cls_index", "example_index"):
-                np.testing.assert_array_equal(getattr(part, key)[0], getattr(seg, key)[c])
-            # cut to the smallest of the round's shapes (nothing new to compile) that holds it
-            slots = seg.attention_mask[c][real] > 0
-            tokens, used = slots.sum(axis=(1, 2)).max(), slots.any(axis=2).sum(axis=1).max()
-            fits = [x for x in shapes if x[0] == s and x[1] >= tokens and x[2] >= used]
-            assert packed_shape(part) == min(fits)
-            assert part.row_tokens.shape == part.attention_mask.shape
-            cut += packed_shape(part)[1] < n
-    assert cut > 0
-    whole = padding_waste(segs, skip_masked_steps=True)
-    parts = [p for ps in client_segments(segs) for p in ps if p is not None]
-    assert padding_waste(parts, skip_masked_steps=True) < whole
-
-
-def test_client_segments_keep_padded_parts_whole() -> None:
-    tok, clients, labels, _ = _setup()
-    segs = make_client_batches(tok, clients, labels, batch_size=4, epochs=1, seed=0)
-    for seg, parts in zip(segs, client_segments(segs), strict=True):
-        for c, part in enumerate(parts):
-            if part is None:
-                assert not np.any(seg.step_mask[c] & (seg.example_mask[c].sum(-1) > 0))
-                continue
-            assert type(part) is type(seg)
-            assert jax.tree.structure(part) == jax.tree.structure(seg)
-            for u, v in zip(jax.tree.leaves(part), jax.tree.leaves(seg), strict=True):
-                np.testing.assert_array_equal(u, v[c : c + 1])
-
-
-def _packed_shape(seg) -> tuple[int, ...]:
-    return seg.input_ids.shape[1:] + seg.attention_mask.shape[2:]
-
-
-def test_packing_cuts_padding_below_15_percent() -> None:
-    tok, _, _ = _sentence_pool(1000, seed=1)
-    clients = np.array_split(np.random.default_rng(2).permutation(1000), 10)
-    labels = np.zeros(1000, np.int64)
-    kw = dict(batch_size=16, epochs=2, seed=0)
-    padded = padding_waste(make_client_batches(tok, clients, labels, **kw))
-    packed = padding_waste(make_client_batches(tok, clients, labels, packing=True, **kw))
-    assert packed < 0.15 < padded, (packed, padded)
-
-
-def test_padding_waste_can_skip_masked_steps() -> None:
-    tok, _, _ = _sentence_pool(40)
-    segs = make_client_batches(
-        tok, [np.arange(0, 32), np.arange(32, 40)], np.zeros(40, np.int64), batch_size=8,
-        epochs=1, seed=0, bucketing=False, pad_to_multiple=1,
-    )  # fmt: skip
-    (seg,) = segs
-    assert seg.step_mask.sum() == 5 and seg.step_mask.size == 8
-    t = seg.input_ids.shape[-1]
-    real = sum(len(x) for x in tok.input_ids)
-    assert padding_waste(segs) == pytest.approx(1 - real / (8 * 8 * t))
-    assert padding_waste(segs, skip_masked_steps=True) == pytest.approx(1 - real / (5 * 8 * t))
 
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_token_labels_follow_their_tokens(packing: bool) -> None:
-    """A token task's labels travel with the tokens: padded [K, S, B, T] or packed [K, S, N]
-    streams, IGNORE on every padding position; the per-example labels are not used."""
-    from fedjax_split.data.objectives import IGNORE, TOKEN_CLASSIFICATION
-
+    """A token task's labels travel with the tokens: padded [S, B, T] or packed [S, N] streams,
+    IGNORE on every padding position (also where stacking grows a client); the per-example
+    labels are not used."""
     lengths = [3, 9, 5, 7, 4]
     tok = _tokenized(lengths)
     # example j's token t has label 100 * j + t: distinct, so any misplacement shows
     tok.labels = [100 * j + np.arange(n, dtype=np.int32) for j, n in enumerate(lengths)]
     clients = [np.array([0, 1, 2]), np.array([3, 4])]
-    segs = make_client_batches(
-        tok, clients, np.zeros(5, int), batch_size=2, epochs=1, seed=3,
-        objective=TOKEN_CLASSIFICATION, packing=packing, pack_width=16,
-    )  # fmt: skip
+    kw = dict(batch_size=2, epochs=1, seed=3, objective=TOKEN_CLASSIFICATION, packing=packing,
+              row_width=16)  # fmt: skip
+    per_client = [client_batches(tok, ix, np.zeros(5, int), client_id=c, **kw)
+                  for c, ix in enumerate(clients)]  # fmt: skip
     seen = {}
-    for seg in segs:
-        labels, ids = seg.labels, seg.input_ids
+    for step in stack_clients(per_client):
+        labels, ids = step.labels, step.input_ids
         assert labels.shape == ids.shape and labels.dtype == np.int32
         real = labels != IGNORE
         np.testing.assert_array_equal(
@@ -422,4 +389,4 @@ def test_token_labels_follow_their_tokens(packing: bool) -> None:
             seen[int(value)] = seen.get(int(value), 0) + 1
     assert seen == {100 * j + t: 1 for j, n in enumerate(lengths) for t in range(n)}
     with pytest.raises(ValueError, match="per-token labels"):
-        make_client_batches(tok, clients, np.zeros(5, int), batch_size=2, epochs=1, seed=0)
+        client_batches(tok, clients[0], np.zeros(5, int), batch_size=2, epochs=1, seed=0)

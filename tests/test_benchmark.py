@@ -20,7 +20,7 @@ def test_tiny_round_benchmark(tmp_path):
     out = tmp_path / "b.json"
     r = benchmark.main(["--model", "tiny", "--clients", "2", "--examples-per-client", "8",
                         "--batch-size", "4", "--lengths", "16", "--repeats", "1",
-                        "--out", str(out)])  # fmt: skip
+                        "--no-packing", "--out", str(out)])  # fmt: skip
     assert json.loads(out.read_text()) == json.loads(json.dumps(r))
     config = BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=4, intermediate_size=64)  # fmt: skip
@@ -90,10 +90,11 @@ def test_tiny_packed_round_benchmark():
     config = BertConfig(vocab_size=1000, hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=4, intermediate_size=64)  # fmt: skip
     # each batch: 4 examples x 16 tokens = a 64-token stream, no padding; attention on rows of
-    # W = 64 slots, one more row than the 64 tokens need; 2 clients x 2 steps
+    # W = 64 slots, one more row than the 64 tokens need; 2 clients x 2 steps, stacked one step
+    # at a time
     assert r["config"]["packing"] and r["padding_waste"] == 0.0
     assert r["machine"]["round_devices"] == 2  # one at a time, dealt to conftest's 2 devices
-    assert r["config"]["segment_shapes"] == [[2, 2, 64]]
+    assert r["config"]["segment_shapes"] == [[2, 1, 64], [2, 1, 64]]
     assert r["hardware_flops"] == 4 * 3 * packed_forward_flops(config, 64, 2, 64, 4)
     assert r["model_flops"] == 16 * train_step_flops(config, 1, 16)
 

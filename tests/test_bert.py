@@ -376,7 +376,7 @@ def _packed(ids: np.ndarray, mask: np.ndarray, types: np.ndarray, width: int) ->
     )
     (seg,) = make_client_batches(
         tok, [np.arange(len(n))], np.zeros(len(n), np.int64), batch_size=len(n), epochs=1,
-        seed=0, shuffle=False, packing=True, pack_width=width,
+        seed=0, shuffle=False, packing=True, row_width=width,
     )  # fmt: skip
     step = jax.tree.map(lambda v: v[0, 0], seg)
     assert step.example_index.tolist() == list(range(len(n)))

@@ -163,7 +163,7 @@ def test_adamw_decays_matrices_only() -> None:
 
 def test_packed_segments_train_like_padded_ones() -> None:
     """The same batches, packed or padded, give the same update (no dropout to differ)."""
-    from fedjax_split.data.batching import make_client_batches
+    from fedjax_split.data.batching import client_batches
     from fedjax_split.data.tokenization import Tokenized
 
     apply, params = tiny_model(dropout=0.0)
@@ -175,17 +175,18 @@ def test_packed_segments_train_like_padded_ones() -> None:
         lengths.astype(np.int32),
     )
     labels = rng.integers(0, 3, 22)
-    kw = dict(batch_size=4, epochs=2, seed=1, bucketing=False)
-    (padded,) = make_client_batches(tok, [np.arange(22)], labels, **kw)
-    (packed,) = make_client_batches(tok, [np.arange(22)], labels, packing=True, **kw)
-    np.testing.assert_array_equal(padded.example_index, packed.example_index)
-    assert packed.input_ids.size < padded.input_ids.size
+    kw = dict(batch_size=4, epochs=2, seed=1)
+    padded = client_batches(tok, np.arange(22), labels, packing=False, **kw)
+    packed = client_batches(tok, np.arange(22), labels, packing=True, **kw)
+    for x, y in zip(padded, packed, strict=True):
+        np.testing.assert_array_equal(x.example_index, y.example_index)
+    assert sum(s.input_ids.size for s in packed) < sum(s.input_ids.size for s in padded)
 
     spec = ClientSpec(apply, CLASSIFICATION, default_client_optimizer(1e-2))
     update = jax.jit(make_client_update(spec))
     g, loc = split_params(params, critical_layer=1)
-    a = update(g, loc, client_slice([padded], 0), jax.random.key(0))
-    b = update(g, loc, client_slice([packed], 0), jax.random.key(0))
+    a = update(g, loc, padded, jax.random.key(0))
+    b = update(g, loc, packed, jax.random.key(0))
     assert float(a[2].loss_sum) == pytest.approx(float(b[2].loss_sum), rel=1e-5)
     for x, y in zip(jax.tree.leaves(a[:2]), jax.tree.leaves(b[:2]), strict=True):
         np.testing.assert_allclose(x, y, atol=2e-5)

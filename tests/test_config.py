@@ -100,8 +100,10 @@ def test_trajectory_mismatch_ignores_bookkeeping() -> None:
     # another attention kernel computes the same attention (a GPU run may resume on a CPU)
     assert trajectory_mismatch(saved, ExperimentConfig(attention="cudnn")) == []
     assert trajectory_mismatch(saved, ExperimentConfig(lr=1e-4, seed=2)) == ["lr", "seed"]
-    # packing changes the batches, so a run cannot switch it on resume
-    assert trajectory_mismatch(saved, ExperimentConfig(packing=True)) == ["packing"]
+    # packing and bucketing change the batches, so a run cannot switch them on resume
+    assert trajectory_mismatch(saved, ExperimentConfig(packing=False)) == ["packing"]
+    assert trajectory_mismatch(saved, ExperimentConfig(bucketing=True)) == ["bucketing"]
+    assert trajectory_mismatch(saved, ExperimentConfig(paper_fill="sequential")) == ["paper_fill"]
 
 
 def test_every_shipped_config_file_resolves() -> None:
@@ -120,3 +122,7 @@ def test_choices_mirror_the_models_own() -> None:
 
     assert config.DTYPES == model.COMPUTE_DTYPES
     assert config.ATTENTIONS == model.ATTENTION_IMPLEMENTATIONS
+    from fedjax_split.data import partition
+
+    assert config.PARTITIONS == partition.SCHEMES
+    assert config.PAPER_FILLS == partition.FILLS

@@ -6,7 +6,7 @@ import dataclasses
 
 import jax
 import numpy as np
-from fedcore_helpers import make_segments, tiny_config, tiny_model
+from fedcore_helpers import make_segments, per_client, tiny_config, tiny_model
 
 from fedjax_split.data.objectives import CLASSIFICATION, IGNORE, REGRESSION, TOKEN_CLASSIFICATION
 from fedjax_split.fed.roles import merge_params, split_params
@@ -64,7 +64,7 @@ def test_evaluate_clients_personalised_and_masked() -> None:
         seg.labels[seg.example_mask == 0] = 99
         index = np.arange(seg.labels.size, dtype=np.int32).reshape(seg.labels.shape)
         segs[i] = seg.replace(example_index=np.where(seg.example_mask > 0, index + 1000 * i, -1))
-    got = evaluate_clients(apply, g, stacked, segs, CLASSIFICATION, chunk_size=2)
+    got = evaluate_clients(apply, g, stacked, per_client(segs), CLASSIFICATION)
     assert len(got) == K
     for k in range(K):
         merged = merge_params(g, locals_k[k])
@@ -85,7 +85,7 @@ def test_evaluate_clients_personalised_and_masked() -> None:
 def test_regression_and_pooled() -> None:
     apply, params = tiny_model(num_labels=1)
     segs = make_segments(np.random.default_rng(1), [2, 2, 1], 2, num_labels=1)
-    pooled = evaluate_pooled(apply, params, segs, REGRESSION)
+    pooled = evaluate_pooled(apply, params, per_client(segs), REGRESSION)
     want = [_expected(apply, params, segs[0], k, True) for k in range(K)]
     np.testing.assert_allclose(
         pooled.predictions, np.concatenate([p for p, _ in want]), rtol=1e-6, atol=1e-7
@@ -117,7 +117,7 @@ def test_token_predictions_of_segments_of_different_lengths() -> None:
         seg = make_segments(rng, [2, 1, 2], 2, length=length)[0]
         labels = rng.integers(0, 4, size=seg.input_ids.shape).astype(np.int32)
         segs.append(seg.replace(labels=np.where(seg.attention_mask > 0, labels, IGNORE)))
-    got = evaluate_clients(apply, params, {}, segs, TOKEN_CLASSIFICATION)
+    got = evaluate_clients(apply, params, {}, per_client(segs), TOKEN_CLASSIFICATION)
     for k, res in enumerate(got):
         assert res.predictions.shape == res.labels.shape and res.predictions.shape[1] == 9
         rows = []
@@ -142,3 +142,36 @@ def test_token_predictions_of_segments_of_different_lengths() -> None:
                     )
         np.testing.assert_array_equal(res.predictions, np.stack([p for p, _ in rows]))
         np.testing.assert_array_equal(res.labels, np.stack([lab for _, lab in rows]))
+
+
+def test_packed_token_predictions_come_back_per_example_like_padded_ones() -> None:
+    """A packed batch's per-token predictions lie on its token stream; evaluation hands them back
+    as per-example rows, equal to the padded batch's (no dropout in evaluation)."""
+    from fedjax_split.data.batching import client_eval_batches
+    from fedjax_split.data.tokenization import Tokenized
+    from fedjax_split.sim.evaluation import evaluate_client
+
+    config = dataclasses.replace(tiny_config(num_labels=4), head="token")
+    apply, params = make_apply(config), init_params(config, jax.random.key(1))
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(2, 12, 9)
+    tok = Tokenized(
+        [rng.integers(1, 50, n).astype(np.int32) for n in lengths],
+        [np.zeros(n, np.int32) for n in lengths],
+        lengths.astype(np.int32),
+        [np.where(np.arange(n) % 3 == 0, IGNORE, rng.integers(0, 4, n)).astype(np.int32)
+         for n in lengths],
+    )  # fmt: skip
+    kw = dict(batch_size=4, objective=TOKEN_CLASSIFICATION, row_width=16)
+    padded = client_eval_batches(tok, np.arange(9), np.zeros(9, int), packing=False, **kw)
+    packed = client_eval_batches(tok, np.arange(9), np.zeros(9, int), packing=True, **kw)
+    assert all(b.packed for b in packed) and not any(b.packed for b in padded)
+    a = evaluate_client(apply, params, padded, TOKEN_CLASSIFICATION)
+    b = evaluate_client(apply, params, packed, TOKEN_CLASSIFICATION)
+    np.testing.assert_array_equal(a.example_index, b.example_index)
+    width = min(a.labels.shape[1], b.labels.shape[1])
+    np.testing.assert_array_equal(a.labels[:, :width], b.labels[:, :width])
+    labelled = a.labels[:, :width] != IGNORE
+    np.testing.assert_array_equal(a.predictions[:, :width][labelled],
+                                  b.predictions[:, :width][labelled])  # fmt: skip
+    assert labelled.sum() == sum(int((x != IGNORE).sum()) for x in tok.labels)

@@ -97,6 +97,22 @@ def test_fp16_wire_bytes_counted_by_hand(files: dict[str, Path], partial_fp16: P
     assert {np.asarray(x).dtype for x in leaves} == {np.dtype("float16")}
 
 
+def test_trained_mean_is_over_the_clients_sampled_so_far(partial_fp16: Path) -> None:
+    """With 2 of 3 clients a round, the mean over all clients includes one that may not have
+    trained yet; trained_mean is over exactly the clients sampled up to that round. With a local
+    part there is no single global model, hence no pooled figure."""
+    records = [json.loads(x) for x in (partial_fp16 / "metrics.jsonl").read_text().splitlines()]
+    trained: set[int] = set()
+    for r in records:
+        trained |= set(r["clients_sampled"])
+        per_client = {pc["client"]: pc["accuracy"] for pc in r["clients"]}
+        assert r["accuracy"] == pytest.approx(np.mean(list(per_client.values())))
+        want = np.mean([per_client[c] for c in sorted(trained)])
+        assert r["trained_mean"]["accuracy"] == pytest.approx(want)
+        assert "pooled" not in r
+    assert len(set(records[0]["clients_sampled"])) == 2  # round 1: one client never trained
+
+
 def test_only_sampled_clients_local_parts_change(
     files: dict[str, Path], partial_fp16: Path
 ) -> None:
@@ -161,6 +177,12 @@ def test_edge_critical_layers(files: dict[str, Path], critical_layer: int | None
         assert summary["local_params_per_client"] == 0
         assert summary["cum_bytes"] == 2 * 3 * 4 * summary["global_params"]
         assert summary["critical_layer"] == summary["num_layers"] == 2
+        # one global model: the pooled figure is its accuracy over every client's test rows
+        parts = json.loads((files["base"] / name / "partition.json").read_text())["clients"]
+        sizes = [len(c["test"]) for c in parts]
+        accs = [pc["accuracy"] for pc in summary["final"]["clients"]]
+        want = sum(a * n for a, n in zip(accs, sizes, strict=True)) / sum(sizes)
+        assert summary["final"]["pooled"]["accuracy"] == pytest.approx(want)
     assert np.isfinite(summary["final"]["accuracy"])
 
 
@@ -174,7 +196,7 @@ def test_packing_setting_reaches_every_rounds_batches(
     real_run_round = rounds.run_round
 
     def spy(spec, state, local, num_examples, segments, *a, **kw):
-        seen.append(all(s.packed for s in segments))
+        seen.append(all(s.packed for steps in segments for s in steps))
         chunks.append(spec.chunk_size)
         return real_run_round(spec, state, local, num_examples, segments, *a, **kw)
 
@@ -196,7 +218,8 @@ def test_packing_setting_reaches_every_rounds_batches(
 def test_evaluate_maps_groups_by_example_index_and_means_over_clients(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """MNLI: matched/mismatched accuracy per client via each row's pool index; unweighted mean."""
+    """MNLI: matched/mismatched accuracy per client via each row's pool index; the unweighted
+    mean over all clients, over the trained ones, and (nothing local) the pooled figure."""
     from types import SimpleNamespace
 
     from fedjax_split.data import tasks
@@ -204,22 +227,22 @@ def test_evaluate_maps_groups_by_example_index_and_means_over_clients(
     from fedjax_split.sim.evaluation import ClientPredictions
 
     groups = np.array(["matched", "mismatched", "matched", "mismatched", "matched", "matched"])
-    results = [  # client 0: rows 3, 0, 1 (bucketed order); client 1: rows 5, 2
+    results = iter([  # client 0: rows 3, 0, 1 (sorted by length); client 1: rows 5, 2
         ClientPredictions(np.array([1, 0, 2]), np.array([1, 0, 0]), np.array([3, 0, 1])),
         ClientPredictions(np.array([2, 1]), np.array([2, 0]), np.array([5, 2])),
-    ]
-    monkeypatch.setattr(evaluation, "evaluate_clients", lambda *a, **k: results)
+    ])  # fmt: skip
+    monkeypatch.setattr(evaluation, "evaluate_client", lambda *a, **k: next(results))
     setup = SimpleNamespace(
         server_state=SimpleNamespace(global_params={}),
-        config=SimpleNamespace(chunk_size=None),
         apply=None,
         local_params={},
         frozen={},
-        eval_segments=[],
+        num_local=0,
+        eval_batches=[["client 0's batches"], ["client 1's batches"]],
         task=tasks.get_task("mnli"),
         examples=SimpleNamespace(groups=groups),
     )
-    out = experiment.evaluate(setup)
+    out = experiment.evaluate(setup, trained={0})
     c0, c1 = out["clients"]
     # client 0: row 3 (mismatched) right, row 0 (matched) right, row 1 (mismatched) wrong
     assert c0["accuracy"] == pytest.approx(2 / 3)
@@ -230,6 +253,12 @@ def test_evaluate_maps_groups_by_example_index_and_means_over_clients(
     assert out["accuracy"] == pytest.approx((2 / 3 + 0.5) / 2)
     assert out["accuracy_matched"] == pytest.approx(0.75)
     assert out["accuracy_mismatched"] == pytest.approx(0.5)  # over the clients that have it
+    # trained at least once: client 0 alone
+    assert out["trained_mean"] == {k: c0[k] for k in c0 if k != "client"}
+    # pooled: 5 rows, 3 right; matched rows 0, 5 right and 2 wrong; mismatched 3 right, 1 wrong
+    assert out["pooled"]["accuracy"] == pytest.approx(3 / 5)
+    assert out["pooled"]["accuracy_matched"] == pytest.approx(2 / 3)
+    assert out["pooled"]["accuracy_mismatched"] == pytest.approx(1 / 2)
 
 
 def test_mean_over_clients_skips_undefined_metrics() -> None:

@@ -67,7 +67,7 @@ def test_packed_forward_flops_match_the_models_matmuls():
     lengths = [7, 3, 12, 5, 9]
     tok = Tokenized([jnp.ones(n, jnp.int32) for n in lengths], None, lengths)
     (seg,) = make_client_batches(tok, [range(5)], [0] * 5, batch_size=5, epochs=1, seed=0,
-                                 packing=True, pack_width=16)  # fmt: skip
+                                 packing=True, row_width=16)  # fmt: skip
     step = jax.tree.map(lambda v: v[0, 0], seg)
     n, (r, w) = step.input_ids.shape[0], step.attention_mask.shape
     assert n == 40 and w == 16  # 36 tokens rounded up to a multiple of 8

@@ -8,6 +8,7 @@ import pytest
 from fedjax_split.data.partition import (
     _fill_counts,
     load_partition,
+    paper_shares,
     partition_clients,
     partition_report,
     save_partition,
@@ -62,14 +63,72 @@ def test_table_ii_qqp_and_mrpc_k10():
     mrpc_first = [92, 86, 71, 66, 50, 44, 35, 28, 12]
     ones = np.array([v * 10 for v in mrpc_first] + [round(1000 * 51 / 99)])
     y = _pool([10000 - ones.sum(), ones.sum()])
-    p = partition_clients(y, scheme="paper", num_clients=10, seed=0, task="mrpc")
+    # (the rounded row sums leave exact shares one example short: the sequential fill takes
+    # the pool as is)
+    p = partition_clients(y, scheme="paper", num_clients=10, seed=0, task="mrpc",
+                          fill="sequential")  # fmt: skip
     np.testing.assert_array_equal(_counts(p, y, 2)[:, 1], ones)
 
 
+# GLUE's label counts, train + validation (the paper's pool), class ids in GLUE's order
+# (MNLI: entailment, neutral, contradiction; matched and mismatched validation together).
+GLUE_COUNTS = {
+    "sst2": [30208, 38013], "mrpc": [1323, 2753], "cola": [2850, 6744], "qqp": [255013, 149263],
+    "qnli": [55068, 55138], "rte": [1395, 1372], "wnli": [352, 354],
+    "mnli": [137841, 137152, 137356],
+}  # fmt: skip
+TABLE_ROWS = [(t, 3) for t in sorted(GLUE_COUNTS)] + [(t, 10) for t in ("qqp", "sst2", "qnli",
+                                                                       "mrpc")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("task", "k"), TABLE_ROWS)
+def test_exact_shares_within_one_example_on_glue_label_counts(task, k):
+    """Default fill: every Table I/II row holds for every client, within one example, at one
+    common size; the surplus is left out, and counted."""
+    y = _pool(GLUE_COUNTS[task], seed=1)
+    p = partition_clients(y, scheme="paper", num_clients=k, seed=0, task=task)
+    counts = _counts(p, y, len(GLUE_COUNTS[task]))
+    size = counts.sum(axis=1)
+    assert np.all(size == size[0]) and size[0] > 0  # one common client size n
+    shares = paper_shares(k, len(GLUE_COUNTS[task]), task)
+    shares = shares / shares.sum(axis=1, keepdims=True)
+    assert np.abs(counts - shares * size[0]).max() <= 1.0, (counts, shares * size[0])
+    assert p.dropped == y.size - counts.sum() and p.fill == "exact"
+    np.testing.assert_allclose(p.target_shares, paper_shares(k, len(GLUE_COUNTS[task]), task))
+    # n is (up to rounding) the largest feasible: the class with the least to spare for the
+    # table, argmin N_c / sum_k s_kc, is used up but for a few examples of rounding
+    pool = np.asarray(GLUE_COUNTS[task])
+    binding = int(np.argmin(pool / shares.sum(axis=0)))
+    assert pool[binding] - counts[:, binding].sum() <= k + np.ceil(shares[:, binding].sum())
+    every = np.concatenate([c.all for c in p.clients])
+    assert np.unique(every).size == every.size
+
+
+def test_sequential_fill_only_when_asked_and_it_misses_the_table_on_skewed_pools():
+    """The former fill (|D|/K each, clients in order) on GLUE's counts: SST-2 at K=10 leaves the
+    last client all positive (table: 2%), MRPC at K=3 gives client 3 42.6% (table: 25%)."""
+    y = _pool(GLUE_COUNTS["sst2"], seed=1)
+    p = partition_clients(y, scheme="paper", num_clients=10, seed=0, task="sst2",
+                          fill="sequential")  # fmt: skip
+    _check_cover(p, y.size)
+    assert p.dropped == 0 and p.fill == "sequential"
+    last = _counts(p, y, 2)[-1]
+    assert last[1] / last.sum() > 0.99
+    y = _pool(GLUE_COUNTS["mrpc"], seed=1)
+    p = partition_clients(y, scheme="paper", num_clients=3, seed=0, task="mrpc",
+                          fill="sequential")  # fmt: skip
+    third = _counts(p, y, 2)[2]
+    assert third[1] / third.sum() == pytest.approx(0.426, abs=0.001)
+    with pytest.raises(UserError, match="unknown paper fill"):
+        partition_clients(y, scheme="paper", num_clients=3, seed=0, fill="greedy")
+
+
 def test_table_shares_within_tolerance_on_a_skewed_real_like_pool():
-    # SST-2-like balance (55.8% positive): the first clients get their row, the last absorbs it
+    # SST-2-like balance (55.8% positive), sequential fill: the first clients get their row, the
+    # last absorbs the shortfall
     y = _pool([4420, 5580])
-    p = partition_clients(y, scheme="paper", num_clients=3, seed=3, task="sst2")
+    p = partition_clients(y, scheme="paper", num_clients=3, seed=3, task="sst2",
+                          fill="sequential")  # fmt: skip
     share = _counts(p, y, 2)[:, 1] / np.array([c.all.size for c in p.clients])
     assert abs(share[0] - 0.8) < 0.01 and abs(share[1] - 0.5) < 0.01
     assert share[2] > 0.2  # class 0 ran out: the vacancy was filled with class 1
@@ -79,7 +138,7 @@ def test_table_shares_within_tolerance_on_a_skewed_real_like_pool():
 def test_dynamic_reassignment_by_hand():
     # K=3 'other' row 80/50/20 (class 1 share); pool: 100 of class 1, 200 of class 0.
     y = _pool([200, 100])
-    p = partition_clients(y, scheme="paper", num_clients=3, seed=0, task="rte")
+    p = partition_clients(y, scheme="paper", num_clients=3, seed=0, task="rte", fill="sequential")
     # client 0: 80 ones + 20 zeros; client 1 wants 50 ones, 20 remain -> 20 ones + 80 zeros;
     # client 2: no ones left -> 100 zeros.
     np.testing.assert_array_equal(_counts(p, y, 2), [[20, 80], [80, 20], [100, 0]])
@@ -120,7 +179,7 @@ def test_stsb_sorted_contiguous_parts():
 @pytest.mark.parametrize(
     "kw",
     [dict(scheme="iid"), dict(scheme="dirichlet", alpha=0.5), dict(scheme="quantity", beta=1.0),
-     dict(scheme="dirichlet", alpha=0.5, beta=2.0), dict(scheme="paper")],
+     dict(scheme="dirichlet", alpha=0.5, beta=2.0), dict(scheme="paper", fill="sequential")],
 )  # fmt: skip
 def test_every_scheme_covers_the_pool_once_and_splits_80_20(kw):
     y = _pool([700, 200, 100], seed=4)
@@ -226,6 +285,24 @@ def test_save_load_roundtrip_and_corrupt_files(tmp_path):
     with pytest.raises(UserError, match="cannot read partition file"):
         load_partition(tmp_path / "junk.json")
     assert not list(tmp_path.glob("sub/*.tmp"))
+
+
+def test_partition_file_and_report_show_target_and_realised_shares(tmp_path):
+    y = _pool([300, 500], seed=2)
+    p = partition_clients(y, scheme="paper", num_clients=3, seed=0, task="rte")
+    assert p.dropped > 0
+    doc = json.loads(save_partition(p, tmp_path / "p.json", y).read_text())
+    assert doc["fill"] == "exact" and doc["dropped"] == p.dropped
+    np.testing.assert_allclose(doc["target_shares"], [[0.2, 0.8], [0.5, 0.5], [0.8, 0.2]])
+    counts = _counts(p, y, 2)
+    np.testing.assert_allclose(doc["realised_shares"], counts / counts.sum(1, keepdims=True),
+                               atol=1e-6)  # fmt: skip
+    q = load_partition(tmp_path / "p.json")
+    assert (q.fill, q.dropped) == ("exact", p.dropped)
+    np.testing.assert_allclose(q.target_shares, p.target_shares)
+    text = partition_report(p, y, ["entailment", "not_entailment"])
+    assert f"({p.dropped} left out" in text.splitlines()[0] and "fill=exact" in text
+    assert "target 80%)" in text.splitlines()[2]  # client 0: 80% of class 1
 
 
 def test_report_by_hand():

@@ -2,8 +2,8 @@
 and their cost accounting, a kill -9 then --resume equal to the straight run, one-line exit-2
 errors that write nothing, and the exported BertForMaskedLM fine-tuned by `fedjax_split.train`.
 
-Runs go through real subprocesses sharing a persistent JAX compilation cache, so only the first
-run pays for compilation.
+Runs go through real subprocesses sharing the session's persistent JAX compilation cache
+(tests/conftest.py), so only the first run pays for compilation.
 """
 
 from __future__ import annotations
@@ -42,9 +42,6 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
     proc_env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=str(base / "jax_cache"),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
     for name in ("FEDJAX_SPLIT_STOP_AFTER_ROUND", "LD_PRELOAD", malloc.ENV, malloc._MARK):

@@ -17,17 +17,16 @@ from fedcore_helpers import (
     POS,
     TYPES,
     VOCAB,
-    client_slice,
     make_segments,
+    per_client,
     reference_loss,
     tiny_model,
 )
 
-from fedjax_split.data.batching import client_segments
 from fedjax_split.data.objectives import CLASSIFICATION
 from fedjax_split.errors import UserError
 from fedjax_split.fed import server_optimizers
-from fedjax_split.fed.client import ClientSpec, make_client_update
+from fedjax_split.fed.client import ClientSpec, make_client_fns
 from fedjax_split.fed.roles import flatten_paths, merge_params, split_params
 from fedjax_split.fed.wire import cast_to_wire
 from fedjax_split.sim.rounds import (
@@ -52,6 +51,7 @@ APPLY, PARAMS = tiny_model(dropout=0.1)
 CLIENT = ClientSpec(APPLY, CLASSIFICATION, optax.sgd(0.3))
 FEDAVG = server_optimizers.fedavg(1.0)
 SEGMENTS = make_segments(np.random.default_rng(0), [3, 1, 2], 3, num_segments=2)
+STEPS = per_client(SEGMENTS)  # each client's segments, as run_round takes them
 
 
 def _clients_local_init() -> dict:
@@ -65,10 +65,20 @@ def _clients_local_init() -> dict:
 
 CLIENT_PARAMS = _clients_local_init()  # flat path -> [K, ...]: each client's own starting model
 
-_reference_update = jax.jit(make_client_update(CLIENT))
+_FNS = make_client_fns(CLIENT)
+_INIT, _TRAIN, _FINISH = jax.jit(_FNS.init), jax.jit(_FNS.train_segment), jax.jit(_FNS.finish)
 
 
-def _reference(global_start: dict, client_ids=(0, 1, 2), segments=SEGMENTS, round_index=0):
+def _reference_update(global_params, local_params, segments, key):
+    """make_client_update's loop over a client's segments, with each piece jitted on its own (one
+    compile per segment shape instead of one per list of segments)."""
+    state = _INIT(global_params, local_params)
+    for seg in segments:
+        state = _TRAIN(state, seg.for_training(), global_params, key, {})
+    return _FINISH(state)
+
+
+def _reference(global_start: dict, client_ids=(0, 1, 2), segments=STEPS, round_index=0):
     """Clients trained ONE AT A TIME by the client update (everything in one tree), with the
     keys derived here by hand: fold_in(fold_in(run key, round), client id)."""
     out = []
@@ -77,7 +87,7 @@ def _reference(global_start: dict, client_ids=(0, 1, 2), segments=SEGMENTS, roun
         own.update(flatten_paths(global_start))  # the received global part replaces its copy
         key = jax.random.fold_in(jax.random.fold_in(SEED_KEY, round_index), cid)
         tree = merge_params(_unflatten(own), {})
-        new, _, _ = _reference_update(tree, {}, client_slice(segments, pos), key)
+        new, _, _ = _reference_update(tree, {}, segments[pos], key)
         out.append({p: np.asarray(v) for p, v in flatten_paths(new).items()})
     return out
 
@@ -97,7 +107,7 @@ def _setup(c: int, wire: str = "float32", opt=FEDAVG):
 
 def _run(spec: RoundSpec, c: int, **kw):
     state, local = _setup(c, spec.wire_dtype, spec.server_optimizer)
-    return run_round(spec, state, local, WEIGHTS, SEGMENTS, SEED_KEY, **kw)
+    return run_round(spec, state, local, WEIGHTS, STEPS, SEED_KEY, **kw)
 
 
 def _numpy_weighted_mean(per_client: list[dict], path: str) -> np.ndarray:
@@ -175,7 +185,7 @@ def test_sharded_and_chunked_round_equals_plain_round() -> None:
     fns = round_functions(spec)
     client_states, keys = fns.start(state, local, np.arange(K, dtype=np.int32), SEED_KEY)
     assert len(keys.sharding.device_set) == 2
-    lowered = fns.segment.lower(client_states, state, SEGMENTS[0], keys).as_text()
+    lowered = fns.segment.lower(client_states, state.global_params, SEGMENTS[0], keys).as_text()
     assert 'manual_axes={"clients"}' in lowered
 
 
@@ -202,7 +212,7 @@ def test_determinism_same_seed_bitwise_and_donation_safe() -> None:
 
 def test_keys_differ_across_clients() -> None:
     # Clients 0 and 1: identical data and starting params; only their dropout keys differ.
-    segs = [jax.tree.map(lambda v: np.stack([v[0], v[0], v[2]]), s) for s in SEGMENTS]
+    segs = [STEPS[0], STEPS[0], STEPS[2]]
     state, local = _setup(1)
     local = jax.tree.map(lambda x: jnp.stack([x[0], x[0], x[2]]), local)
     _, new_local, res = run_round(SPEC_FEDAVG, state, local, WEIGHTS, segs, SEED_KEY)
@@ -282,13 +292,15 @@ def test_take_put_replicate() -> None:
 def test_bad_weights_are_user_errors() -> None:
     state, local = _setup(1)
     with pytest.raises(UserError, match="num_examples"):
-        run_round(SPEC_FEDAVG, state, local, np.zeros(K), SEGMENTS, SEED_KEY)
+        run_round(SPEC_FEDAVG, state, local, np.zeros(K), STEPS, SEED_KEY)
+    with pytest.raises(ValueError, match="2 clients' steps for 3 sampled clients"):
+        run_round(SPEC_FEDAVG, state, local, WEIGHTS, STEPS[:2], SEED_KEY)
     assert cast_to_wire({}, "bfloat16") == {}
 
 
-def _packed_segments() -> list[dict]:
-    """Packed segments for the K clients (different sizes, so some steps are masked)."""
-    from fedjax_split.data.batching import make_client_batches
+def _packed_segments() -> list[list]:
+    """Each client's packed steps (different sizes: stacked, some steps are masked)."""
+    from fedjax_split.data.batching import client_batches
     from fedjax_split.data.tokenization import Tokenized
 
     rng = np.random.default_rng(9)
@@ -299,17 +311,20 @@ def _packed_segments() -> list[dict]:
         lengths.astype(np.int32),
     )
     clients = [np.arange(0, 6), np.arange(6, 30), np.arange(30, 40)]
-    return make_client_batches(
-        tok, clients, rng.integers(0, 3, 40), batch_size=4, epochs=2, seed=3, packing=True,
-        pack_width=16, num_buckets=2,
-    )  # fmt: skip
+    labels = rng.integers(0, 3, 40)
+    return [
+        # a coarse ladder (powers of two) keeps the shapes, hence compilations, few
+        client_batches(tok, ix, labels, batch_size=4, epochs=2, seed=3, client_id=c,
+                       row_width=16, steps_per_octave=1)  # fmt: skip
+        for c, ix in enumerate(clients)
+    ]
 
 
 def test_packed_round_vmapped_chunked_and_one_at_a_time_agree() -> None:
     """Packed segments, dropout on: the vmapped round, the sharded one-client-at-a-time round
     and clients trained alone by the client update give the same models."""
     segs = _packed_segments()
-    assert all(s.packed for s in segs) and not all(s.step_mask.all() for s in segs)
+    assert all(s.packed for c in segs for s in c) and len({len(c) for c in segs}) == 3
     state, local = _setup(1)
     a = run_round(SPEC_FEDAVG, state, local, WEIGHTS, segs, SEED_KEY)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("clients",))
@@ -332,13 +347,9 @@ def test_packed_round_vmapped_chunked_and_one_at_a_time_agree() -> None:
 def test_host_loop_round_equals_vmapped_round(packed: bool, c: int) -> None:
     """chunk_size=1 without a mesh: clients run one at a time from the host, each state in its own
     buffers; same models, losses and metrics as the vmapped round (masked steps included)."""
-    segs = _packed_segments() if packed else SEGMENTS
-    assert not all(s.step_mask.all() for s in segs)  # some clients have padded steps
-    if packed:  # each client trains on its own part, some cut to a smaller shape of the round
-        pairs = zip(segs, client_segments(segs), strict=True)
-        cut = [p for s, ps in pairs for p in ps if p is not None and
-               p.input_ids.shape[-1] < s.input_ids.shape[-1]]  # fmt: skip
-        assert cut
+    segs = _packed_segments() if packed else STEPS
+    # clients with fewer steps or masked steps, and (packed) steps that stacking grows
+    assert not all(s.step_mask.all() for c in segs for s in c) or len({len(c) for c in segs}) > 1
     spec = RoundSpec(CLIENT, FEDAVG, "float32", chunk_size=1, donate=True)
     assert one_at_a_time(spec)
     ids = np.array([0, 2, 5], np.int32)  # sampled clients' global ids pick their keys
@@ -376,9 +387,9 @@ def test_clients_dealt_to_devices_train_what_one_device_trains(monkeypatch, wire
     def recording(spec: RoundSpec) -> rounds.RoundFns:
         fns = real(spec)
 
-        def segment_one(state, server_state, part, key, frozen):
+        def segment_one(state, global_wire, part, key, frozen):
             seen.append(list(state.steps.devices())[0])
-            return fns.segment_one(state, server_state, part, key, frozen)
+            return fns.segment_one(state, global_wire, part, key, frozen)
 
         return fns._replace(segment_one=segment_one)
 
@@ -390,9 +401,9 @@ def test_clients_dealt_to_devices_train_what_one_device_trains(monkeypatch, wire
     seen.clear()
     state, local = _setup(1, wire)
     b = run_round(two, state, local, WEIGHTS, segs, SEED_KEY, client_ids=ids)
-    parts = client_segments(segs)
-    want = [devices[i % 2] for first in range(0, K, 2) for p in parts
-            for i in range(first, min(first + 2, K)) if p[i] is not None]  # fmt: skip
+    want = [devices[i % 2] for first in range(0, K, 2)
+            for j in range(max(len(segs[i]) for i in range(first, min(first + 2, K))))
+            for i in range(first, min(first + 2, K)) if j < len(segs[i])]  # fmt: skip
     assert seen == want and set(want) == set(devices)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         assert not isinstance(y, jax.Array) or list(y.devices()) == [devices[0]]
@@ -416,7 +427,7 @@ def _frozen_reference(trained_global: dict, frozen: dict, client_ids=(0, 1, 2)) 
         opt_state = opt.init(params)
         key = jax.random.fold_in(jax.random.fold_in(SEED_KEY, 0), cid)
         taken = 0
-        for seg in client_slice(SEGMENTS, pos):
+        for seg in STEPS[pos]:
             for s in range(seg.step_mask.shape[0]):
                 batch = jax.tree.map(lambda v, s=s: v[s], seg)
                 if not batch.step_mask or batch.example_mask.sum() == 0:
@@ -445,7 +456,7 @@ def test_frozen_parts_are_constants_passed_once_and_never_sent(chunk_size: int |
     state = init_server_state(g0, FEDAVG, "float32")
     frozen_before = {p: np.asarray(v).copy() for p, v in flatten_paths(frozen).items()}
     state, new_local, result = run_round(
-        spec, state, _unflatten(local), WEIGHTS, SEGMENTS, SEED_KEY, frozen=frozen
+        spec, state, _unflatten(local), WEIGHTS, STEPS, SEED_KEY, frozen=frozen
     )
     ref = _frozen_reference(g0, frozen)
     for path, value in flatten_paths(state.master).items():
@@ -474,7 +485,7 @@ def test_a_scheduled_round_trains_only_its_layer_and_leaves_the_rest_exact(chunk
     # fp32 wire: a 16-bit one would round some of the clients' small steps away entirely
     spec = RoundSpec(CLIENT, opt, "float32", chunk_size=chunk_size, donate=False, trained=trained)
     start = init_server_state(g0, opt, "float32")
-    state, new_local, result = run_round(spec, start, {}, WEIGHTS, SEGMENTS, SEED_KEY)
+    state, new_local, result = run_round(spec, start, {}, WEIGHTS, STEPS, SEED_KEY)
     before, after = flatten_paths(start.master), flatten_paths(state.master)
     for path in before:
         if path in trained:
@@ -483,7 +494,7 @@ def test_a_scheduled_round_trains_only_its_layer_and_leaves_the_rest_exact(chunk
             np.testing.assert_array_equal(after[path], before[path], err_msg=path)
     # the same round with everything trained moves the other layers: the schedule did the work
     free = run_round(
-        dataclasses.replace(spec, trained=None), start, {}, WEIGHTS, SEGMENTS, SEED_KEY
+        dataclasses.replace(spec, trained=None), start, {}, WEIGHTS, STEPS, SEED_KEY
     )[0]
     assert not np.array_equal(
         flatten_paths(free.master)["encoder/layer_0/output/bias"],

@@ -244,12 +244,16 @@ def test_help_explains_every_flag() -> None:
         "--clients-per-round", "--partition", "--alpha", "--beta", "--rounds", "--local-epochs",
         "--batch-size", "--lr", "--mu", "--quantize", "--max-length", "--max-examples", "--seed",
         "--output-dir", "--resume", "--config", "--chunk-size", "--dtype", "--packing",
-        "--cpu-devices", "--attention",
+        "--cpu-devices", "--attention", "--bucketing", "--paper-fill", "--freeze",
     ):  # fmt: skip
         assert flag in text, flag
     assert train.config_from_args(["--packing"]).packing is True
     assert train.config_from_args(["--no-packing"]).packing is False
-    assert train.config_from_args([]).packing is False
+    assert train.config_from_args([]).packing is True  # packed, plain shuffled batches
+    assert train.config_from_args([]).bucketing is False
+    assert train.config_from_args(["--bucketing"]).bucketing is True
+    assert train.config_from_args([]).paper_fill == "exact"
+    assert train.config_from_args(["--paper-fill", "sequential"]).paper_fill == "sequential"
     assert train.config_from_args(["--cpu-devices", "1"]).cpu_devices == 1
     assert train.config_from_args([]).cpu_devices is None  # default: one device
     assert train.config_from_args(["--attention", "cudnn"]).attention == "cudnn"

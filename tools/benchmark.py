@@ -19,6 +19,7 @@ Definitions (all in the JSON):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gzip
 import json
@@ -157,15 +158,18 @@ def run(args: argparse.Namespace) -> dict:
     offsets = np.cumsum([0] + [len(x) for x in lengths])
     clients_ix = [np.arange(offsets[i], offsets[i + 1]) for i in range(args.clients)]
     labels = np.random.default_rng([0, 13]).integers(0, 2, offsets[-1])
-    segments = batching.make_client_batches(
-        tokens, clients_ix, labels, batch_size=args.batch_size, epochs=args.local_epochs, seed=0,
-        bucketing=not args.no_bucketing, max_length=args.max_length, packing=args.packing,
-    )  # fmt: skip
-    skipped = args.chunk_size == 1  # clients one at a time: lax.cond skips masked steps
-    # One at a time, each client computes its own part of each segment (packed: cut to the
-    # round's smallest shape that holds it); the baselines below train the same parts.
-    parts = list(zip(*batching.client_segments(segments), strict=True))  # [client][segment]
-    computed = [p for ps in parts for p in ps if p is not None] if skipped else segments
+    row_width = batching.default_row_width(tokens) if args.packing else None
+    parts = [  # [client][step]: each client's own steps, built from its examples alone
+        batching.client_batches(
+            tokens, ix, labels, batch_size=args.batch_size, epochs=args.local_epochs, seed=0,
+            client_id=i, bucketing=args.bucketing, max_length=args.max_length,
+            packing=args.packing, row_width=row_width,
+        )  # fmt: skip
+        for i, ix in enumerate(clients_ix)
+    ]
+    segments = batching.stack_clients(parts)  # what the vmapped round computes
+    skipped = args.chunk_size == 1  # clients one at a time: each computes only its own steps
+    computed = [p for ps in parts for p in ps] if skipped else segments
     waste = batching.padding_waste(computed, skip_masked_steps=skipped)
     c = config.num_hidden_layers if args.critical_layer is None else args.critical_layer
     g, local = split_params(params, critical_layer=c)
@@ -178,31 +182,28 @@ def run(args: argparse.Namespace) -> dict:
     state = rounds.init_server_state(g, server_opt, "float32")
     locals_k = rounds.replicate(local, args.clients)
     n_i = np.array([len(ix) for ix in clients_ix], np.float32)
-    segs = [jax.tree.map(jnp.asarray, s.for_training()) for s in segments]
+    own_steps = [[jax.tree.map(jnp.asarray, s.for_training()) for s in ps] for ps in parts]
     rng = jax.random.key(0)
 
     def vmapped():
-        return rounds.run_round(spec, state, locals_k, n_i, segs, rng)[:2]
+        return rounds.run_round(spec, state, locals_k, n_i, own_steps, rng)[:2]
 
     compile_s, round_s = timed(vmapped, args.repeats)
     if args.skip_baselines:
         seq_compile_s = seq_s = step_compile_s = step_s = float("nan")
         per_client = []
 
-    # The same clients one after another: each client's own segments, one jitted update per client.
-    update = jax.jit(client.make_client_update(cspec))
-    per_client = []
-    for own_parts in parts:  # only the client's real steps: no masked work when alone
-        own = []
-        for part in own_parts:
-            if part is not None:
-                real = np.flatnonzero(part.step_mask[0])
-                take = lambda v, r=real: jnp.asarray(v[0][r])  # noqa: E731
-                own.append(jax.tree.map(take, part.for_training()))
-        per_client.append(own)
+    # The same clients one after another (rounds.client_round: each client's own steps, one
+    # jitted program per step shape), on one device.
+    alone = dataclasses.replace(spec, chunk_size=1, devices=tuple(jax.local_devices()[:1]))
+    per_client = own_steps
 
     def sequential():
-        outs = [update(g, local, pc, jax.random.key(i)) for i, pc in enumerate(per_client)]
+        outs = [
+            rounds.client_round(alone, state.global_params, jax.tree.map(lambda x, i=i: x[i],
+                                locals_k), pc, jax.random.key(i))  # fmt: skip
+            for i, pc in enumerate(per_client)
+        ]
         return jax.tree.map(lambda *x: sum(x), *[o[0] for o in outs])
 
     if not args.skip_baselines:
@@ -252,7 +253,7 @@ def run(args: argparse.Namespace) -> dict:
                    "examples_per_client": args.examples_per_client, "lengths": args.lengths,
                    "local_epochs": args.local_epochs, "critical_layer": c, "dtype": dtype,
                    "attention": args.attention,
-                   "chunk_size": args.chunk_size, "bucketing": not args.no_bucketing,
+                   "chunk_size": args.chunk_size, "bucketing": args.bucketing,
                    "packing": args.packing,
                    "segment_shapes": [list(s.input_ids.shape) for s in segments]},
         "peak": peak,
@@ -509,11 +510,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="attention kernel; cudnn (GPU, bf16) runs in evaluation only: --profile-step's "
         "forward row, not the training rounds",
     )
-    p.add_argument("--no-bucketing", action="store_true", help="pad every batch to the longest")
+    p.add_argument("--bucketing", action="store_true",
+                   help="length-sorted windows (batches of similar length) instead of plain "
+                        "shuffled batches")  # fmt: skip
     p.add_argument(
         "--packing",
-        action="store_true",
-        help="pack each batch end to end (no padding computed; see batching.py)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pack each batch end to end (no padding computed; see batching.py); the default",
     )
     p.add_argument(
         "--cpu-devices",

@@ -1,50 +1,47 @@
-"""Per-client mini-batches stacked on a leading client axis, with step masks and length bucketing.
+"""Each client's mini-batches, built from its own examples alone, and their stacking for vmap.
 
-A *segment* is a typed batch (`data.batch.Batch`, or `PackedBatch` with packing) of numpy
-arrays with a client axis K and a step axis S (see docs/architecture.md): input_ids /
-attention_mask / token_type_ids int32 [K, S, B, T], labels [K, S, B] (int32, float32 for
-regression; a token task's int32 [K, S, B, T], IGNORE where no label is: see data.objectives),
-example_mask float32 [K, S, B], step_mask bool [K, S], and example_index int32 [K, S, B] (pool
-index of each row, -1 for padding; the client update ignores it, evaluation uses it to map
-predictions back to examples). Segments are consumed in order; T differs between segments.
+A client's batches for a round are a pure function of its examples, the seed (e.g. [seed, round]),
+its client id and run-wide constants (batch size, epochs, max length, row width): never of the
+other clients' data. So a client in a real federation (`fedjax_split.deploy`) builds exactly the
+batches the simulation builds for it, and the simulation can hold only the sampled clients'.
 
-Why bucketing: sentence tasks average about 25 tokens, so padding every batch to the longest
-example computes mostly padding. With `bucketing=True` (default) the order of a client's SGD steps
-is built as follows, deterministically from `seed`:
-1. each epoch, the client's examples are shuffled, then sorted by length inside windows of
-   `window` batches (default 200) and cut into batches of B: a batch holds examples of similar
-   length, drawn from a random window (only one batch per epoch can be partial: the one with
-   the shortest examples of the last window);
-2. the client's batches of the epoch are ranked by length and cut at shared quantile cut points
-   into at most `num_buckets` buckets (the cut points are chosen to minimise computed tokens);
-3. each epoch visits the buckets in a random order shared by all clients and, inside a bucket,
-   the client's batches in random order. One segment per (epoch, bucket).
-Effect on SGD: every example is still seen exactly once per epoch and epochs stay in order, but
-within an epoch the steps come in runs of similar length (a mild curriculum that changes every
-epoch) and a batch's examples are correlated in length. `bucketing=False` gives plain shuffled
-batches in one segment padded to the longest example.
-Every client's step count per epoch is the same in every epoch, and a bucket keeps one (S, T) over
-all epochs, so a jitted scan compiles at most `num_buckets` shapes.
-Measured padding waste (real rotten tomatoes, MiniLM WordPiece, mean 27 tokens, paper partition,
-3 epochs, B = 8/16/32): K=3 13.3/13.7/13.0%, K=10 15.7/16.5/18.7%; 66% without bucketing. The
-floor is 11.4% (every example rounded up to a multiple of 8 on its own).
+`client_batches` gives one client's steps in order: E epochs of mini-batches, each step a typed
+batch (`data.batch.Batch`, or `PackedBatch` with packing) with a leading step axis of 1:
+input_ids / attention_mask / token_type_ids int32 [1, B, T], labels [1, B] (int32, float32 for
+regression; a token task's int32 [1, B, T], IGNORE where no label is: see data.objectives),
+example_mask float32 [1, B], step_mask bool [1], example_index int32 [1, B] (pool index of each
+row, -1 for padding; evaluation maps predictions back with it). `stack_clients` stacks several
+clients' steps on a leading client axis K for the vmapped round ([K, 1, ...] per step), padding
+shapes to the widest client and giving clients with fewer steps masked steps (step_mask False).
 
-Packing (`packing=True`) removes the padding inside a batch instead of sorting it away: a step's
-examples lie end to end in one token stream input_ids / token_type_ids / position_ids [K, S, N]
-(N: the bucket's most real tokens, rounded up to a ladder of 16 sizes per power of two so that
-shapes recur from round to round), which every token-wise layer computes. Attention runs on R rows
-of W >= `pack_width` slots ([K, S, R, W]: attention_mask = batch slot + 1 or 0, row_tokens = stream
-position), filled first-fit decreasing; token_slots [K, S, N] and cls_index [K, S, B] map back
-(`model.Layout`). Batches are then plain shuffled ones (no length windows: a mixed batch packs as
-well as a sorted one), bucketed by their real tokens. Measured on real rotten-tomatoes lengths,
-K=10, B=16, mean over 10 rounds: 12.9% of the stream is padding at 64 examples per client and 1
-epoch, 13.7% at 80 and 2 epochs, 9.7% at 160 (padded batches: 32%, 35%, 21%). Clients trained one
-at a time run on their own parts (`client_segments`), cut to the round's smallest shape that holds
-them: in the benchmark's round (64 examples, 1 epoch) 14.2% -> 7.3%, with no extra compilation.
-The padding rows below apply to padded segments only.
+Mini-batches (Algorithm 1): each epoch the client's examples are shuffled and cut into batches of
+B (the last one partial); every example is seen once per epoch. Across epochs and clients, pairs
+of examples meet in a batch no more often than chance. `bucketing=True` (an option, not the
+default) instead sorts each window of `window` batches by length before cutting, so a batch holds
+examples of similar length (less padding without packing), and visits the epoch's batches in a
+random order; its batches repeat their membership from epoch to epoch far more than chance, and
+where length correlates with the label, so do the labels in a batch.
 
-Padding rows (example_mask 0) get input_ids = pad_id and attend to position 0 only, so a model
-never sees an all-masked attention row (which could produce NaN that a zero weight cannot cancel).
+Packing (`packing=True`, the default) lays a step's examples end to end in one token stream
+input_ids / token_type_ids / position_ids [1, N] that every token-wise layer computes, so padding
+costs nothing whatever the batch's mix of lengths. Attention runs on R rows of W slots
+([1, R, W]: attention_mask = batch slot + 1 or 0, row_tokens = stream position), filled first-fit
+decreasing; token_slots [1, N] and cls_index [1, B] map back (`models.bert.Layout`). A token
+task's labels follow the stream ([1, N]).
+
+Shapes: a step's size (T padded, N packed) is its longest example (padded) or its real tokens
+(packed) rounded up to a ladder of `steps_per_octave` sizes per power of two (multiples of
+`pad_to_multiple`), so that the same few shapes recur in every round and compile once (on rotten
+tomatoes, B=16, packed: 4 shapes, about 8% of the stream padding). W is run-wide (`row_width`,
+default from the pool's longest example) and R follows N. Padding rows (example_mask 0) of padded
+batches get input_ids = pad_id and attend to position 0 only, so a model never sees an all-masked
+attention row (which could produce NaN that a zero weight cannot cancel).
+
+Dropout (`models.bert.dropout`) draws each element's mask from its flat index, so growing a
+leading axis (a packed stream's tokens, attention rows) when clients are stacked leaves every
+real token's masks as they were: a packed client trains bit for bit the same model alone or
+stacked. A padded batch stacked with wider clients grows T, which moves its masks (the same
+distribution, other draws).
 """
 
 from __future__ import annotations
@@ -58,10 +55,8 @@ import numpy as np
 from fedjax_split.data.batch import Batch, PackedBatch
 from fedjax_split.data.objectives import CLASSIFICATION, IGNORE, Classification
 
-Segment = Batch  # a Batch (or PackedBatch) with leading [K, S] axes
 _TAG_CLIENT = 0x63_6C_69  # "cli"
-_TAG_ORDER = 0x6F_72_64  # "ord"
-_GRID = 256  # candidate bucket cut points: quantiles j / _GRID of each client's batch ranks
+PACK_WIDTH = 64  # the narrowest attention row of packed batches
 
 
 class Packed(NamedTuple):
@@ -107,22 +102,31 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _ladder(n: int, multiple: int, steps_per_octave: int = 16) -> int:
-    """n rounded up to a multiple and to one of `steps_per_octave` points per power of two (at
-    most 6.25% apart): packed token counts vary with every round's batches, and a ladder lets
-    their shapes, hence compilations, recur (on rotten tomatoes, K=10: 12-18 shapes in 10
-    rounds instead of 16-38, for 1-3 points more padding)."""
+def _ladder(n: int, multiple: int, steps_per_octave: int) -> int:
+    """n rounded up to a multiple of `multiple` and to one of `steps_per_octave` points per power
+    of two (at most 1/steps_per_octave of the size apart): step sizes vary with every batch, and
+    a ladder makes their shapes, hence compilations, recur."""
     n = max(int(n), 1)
     step = max(multiple, 2 ** (n.bit_length() - 1) // steps_per_octave)
     return _round_up(n, step)
 
 
-def _width(longest: int, pad_to_multiple: int, max_length: int | None) -> int:
-    """T: longest length rounded up to the multiple, not past max_length (never truncating)."""
-    t = _round_up(max(longest, 1), pad_to_multiple)
+def _width(longest: int, multiple: int, steps_per_octave: int, max_length: int | None) -> int:
+    """T of a padded step: its longest example on the ladder, not past max_length (the examples
+    are already truncated to it, so the cap never cuts a token)."""
+    t = _ladder(longest, multiple, steps_per_octave)
     if max_length is not None:
         t = min(t, max(max_length, longest))
     return t
+
+
+def default_row_width(tokenized: Any, pack_width: int = PACK_WIDTH, multiple: int = 8) -> int:
+    """W of packed attention rows for a pool: `pack_width`, or its longest example rounded up.
+
+    A run-wide constant (every client of the pool gets the same W, so shapes recur): pass it to
+    `client_batches` as `row_width` when a client holds only part of the pool."""
+    longest = int(pack(tokenized).lengths.max(initial=1))
+    return max(pack_width, _round_up(longest, multiple))
 
 
 def _epoch_batches(
@@ -147,40 +151,6 @@ def _epoch_batches(
     return batches
 
 
-def _cut_positions(num_batches: np.ndarray, grid: int) -> np.ndarray:
-    """[K, grid+1] batch-rank positions of the quantile cut points j/grid for each client."""
-    j = np.arange(grid + 1)
-    return np.floor(num_batches[:, None] * j[None, :] / grid + 0.5).astype(np.int64)
-
-
-def _choose_cuts(sorted_max: np.ndarray, pos: np.ndarray, num_buckets: int, width) -> list[int]:
-    """Grid cut points (indices into 0..grid) minimising sum over buckets of S_g * T_g (DP).
-
-    sorted_max[i, j]: the longest batch (over epochs) among client i's batches of rank < pos[i, j].
-    """
-    grid = pos.shape[1] - 1
-    big = np.iinfo(np.int64).max // 4
-    cost = np.full((grid + 1, grid + 1), big, dtype=np.int64)
-    widths = np.array([width(int(x)) for x in range(int(sorted_max.max()) + 1)], dtype=np.int64)
-    for a in range(grid):
-        count = pos[:, a + 1 :] - pos[:, a : a + 1]  # [K, grid - a]: bucket (a, b) per client
-        longest = np.max(np.where(count > 0, sorted_max[:, a + 1 :], 0), axis=0)
-        cost[a, a + 1 :] = count.max(axis=0) * widths[longest]
-    best = np.full((num_buckets + 1, grid + 1), big, dtype=np.int64)
-    back = np.zeros((num_buckets + 1, grid + 1), dtype=np.int64)
-    best[0, 0] = 0
-    for g in range(1, num_buckets + 1):
-        totals = best[g - 1][:, None] + cost  # [a, b]; cost is `big` where a >= b
-        back[g] = np.argmin(totals, axis=0)
-        best[g] = np.minimum(totals[back[g], np.arange(grid + 1)], big)
-    g = int(np.argmin(best[1:, grid])) + 1
-    cuts = [grid]
-    while g > 0:
-        cuts.append(int(back[g, cuts[-1]]))
-        g -= 1
-    return cuts[::-1]
-
-
 def _assemble(
     packed: Packed,
     rows: np.ndarray,
@@ -189,8 +159,8 @@ def _assemble(
     width: int,
     label_dtype: Any,
     pad_id: int,
-) -> Segment:
-    """Gathers a segment from pool indices `rows` [K, S, B] (-1 = padding). A token task's
+) -> Batch:
+    """Gathers a batch from pool indices `rows` [K, S, B] (-1 = padding). A token task's
     labels are [K, S, B, T], IGNORE on padding."""
     real = rows >= 0
     safe = np.where(real, rows, 0)
@@ -244,8 +214,8 @@ def _assemble_packed(
     row_width: int,
     label_dtype: Any,
     pad_id: int,
-) -> Segment:
-    """Gathers a packed segment from pool indices `rows` [K, S, B] (-1 = padding).
+) -> PackedBatch:
+    """Gathers a packed batch from pool indices `rows` [K, S, B] (-1 = padding).
 
     Each step's real tokens lie end to end in a flat stream of `num_tokens` positions ([K, S, N]:
     input_ids, token_type_ids, position_ids restarting at 0 per example), which every token-wise
@@ -305,155 +275,214 @@ def _assemble_packed(
     )
 
 
-def _stack(batches: list[list[np.ndarray]], batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per-client lists of batches -> rows [K, S, B] (-1 padding) and step_mask [K, S]."""
-    k = len(batches)
-    s = max((len(b) for b in batches), default=0)
-    rows = np.full((k, s, batch_size), -1, dtype=np.int64)
-    steps = np.zeros((k, s), dtype=bool)
-    for i, client in enumerate(batches):
-        for j, b in enumerate(client):
-            rows[i, j, : b.size] = b
-            steps[i, j] = True
-    return rows, steps
+def _check_labels(packed: Packed, labels: np.ndarray, objective: Classification) -> None:
+    if objective.per_token != (packed.labels is not None):
+        raise ValueError(f"the {objective.name} objective needs per-token labels exactly when "
+                         "it is a token task; tokenise with labels (or drop them)")
+    if np.issubdtype(objective.label_dtype, np.integer) and not np.issubdtype(
+        labels.dtype, np.integer
+    ):
+        if np.any(labels != np.round(labels)):
+            raise ValueError("class labels must be integers; pass objective=REGRESSION for scores")
 
 
-def _build(
+class _Shapes(NamedTuple):
+    """Run-wide constants that, with a step's own examples, fix the step's shape."""
+
+    batch_size: int
+    pad_to_multiple: int
+    steps_per_octave: int
+    max_length: int | None
+    row_width: int | None  # None: padded batches
+    pad_id: int
+
+
+def _shapes(
+    packed: Packed,
+    batch_size: int,
+    pad_to_multiple: int,
+    steps_per_octave: int,
+    max_length: int | None,
+    packing: bool,
+    row_width: int | None,
+    pad_id: int,
+) -> _Shapes:
+    if batch_size < 1 or pad_to_multiple < 1 or steps_per_octave < 1:
+        raise ValueError("batch_size, pad_to_multiple and steps_per_octave must be >= 1")
+    if packing and row_width is None:
+        row_width = default_row_width(packed, multiple=pad_to_multiple)
+    width = row_width if packing else None
+    return _Shapes(batch_size, pad_to_multiple, steps_per_octave, max_length, width, pad_id)
+
+
+def _step(
+    packed: Packed, batch: np.ndarray, labels: np.ndarray, objective: Classification, sh: _Shapes
+) -> Batch:
+    """One step [1, B, ...] of the pool indices `batch` (at most B; the rest are padding rows)."""
+    rows = np.full((1, 1, sh.batch_size), -1, np.int64)
+    rows[0, 0, : batch.size] = batch
+    real_step = np.array([[batch.size > 0]])
+    lengths = packed.lengths[batch]
+    if sh.row_width is None:
+        longest = int(lengths.max(initial=1))
+        t = _width(longest, sh.pad_to_multiple, sh.steps_per_octave, sh.max_length)
+        out = _assemble(packed, rows, real_step, labels, t, objective.label_dtype, sh.pad_id)
+    else:
+        if lengths.size and lengths.max() > sh.row_width:
+            raise ValueError(f"an example of {int(lengths.max())} tokens does not fit attention "
+                             f"rows of {sh.row_width} slots; pass a wider row_width")
+        n = _ladder(int(lengths.sum()), sh.pad_to_multiple, sh.steps_per_octave)
+        # R follows N (one row more than the tokens need, so shapes recur), more if first-fit
+        # needs them
+        needed = _first_fit(lengths, sh.row_width)[2] if lengths.size else 1
+        r = max(needed, -(-n // sh.row_width) + 1)
+        out = _assemble_packed(packed, rows, real_step, labels, n, r, sh.row_width,
+                               objective.label_dtype, sh.pad_id)  # fmt: skip
+    return jax.tree.map(lambda x: x[0], out)  # drop the client axis of 1
+
+
+def client_batches(
     tokenized: Any,
-    client_indices: Sequence[np.ndarray],
+    indices: np.ndarray,
     labels: np.ndarray,
     *,
     batch_size: int,
     epochs: int,
     seed: int | Sequence[int],
-    shuffle: bool,
-    pad_to_multiple: int,
-    objective: Classification,
-    bucketing: bool,
-    num_buckets: int,
-    window: int | None,
-    max_length: int | None,
-    pad_id: int,
-    client_ids: Sequence[int] | None = None,
-    packing: bool = False,
-    pack_width: int = 64,
-) -> list[Segment]:
-    if batch_size < 1 or epochs < 1 or pad_to_multiple < 1 or num_buckets < 1:
-        raise ValueError("batch_size, epochs, pad_to_multiple and num_buckets must be >= 1")
-    if len(client_indices) == 0:
-        raise ValueError("no clients")
+    client_id: int = 0,
+    objective: Classification = CLASSIFICATION,
+    packing: bool = True,
+    bucketing: bool = False,
+    window: int = 200,
+    shuffle: bool = True,
+    pad_to_multiple: int = 8,
+    steps_per_octave: int = 4,
+    max_length: int | None = None,
+    row_width: int | None = None,
+    pad_id: int = 0,
+) -> list[Batch]:
+    """One client's training steps for a round, in order, each a batch [1, B, ...].
+
+    `indices` are the client's examples (pool indices into `tokenized` / `labels`); `seed` (an int
+    or a sequence such as [seed, round]) and `client_id` fix every random choice, so the result
+    depends on nothing but this client's examples and the run-wide settings. E epochs of
+    ceil(n / B) steps; each epoch shuffles the examples afresh (`bucketing`: sorted in windows,
+    see the module docstring). Pass `pack(tokenized)` to avoid re-flattening the ragged tokens
+    every round, and `row_width` (`default_row_width` of the whole pool) when `tokenized` is not
+    the pool every client shares.
+    """
+    if epochs < 1:
+        raise ValueError("epochs must be >= 1")
     packed = pack(tokenized)
     labels = np.asarray(labels)
-    label_dtype = objective.label_dtype
-    if objective.per_token != (packed.labels is not None):
-        raise ValueError(f"the {objective.name} objective needs per-token labels exactly when "
-                         "it is a token task; tokenise with labels (or drop them)")
-    if np.issubdtype(label_dtype, np.integer) and not np.issubdtype(labels.dtype, np.integer):
-        if np.any(labels != np.round(labels)):
-            raise ValueError("class labels must be integers; pass objective=REGRESSION for scores")
-    clients = [np.asarray(ix, dtype=np.int64).reshape(-1) for ix in client_indices]
+    _check_labels(packed, labels, objective)
+    sh = _shapes(packed, batch_size, pad_to_multiple, steps_per_octave, max_length, packing,
+                 row_width, pad_id)  # fmt: skip
+    ix = np.asarray(indices, dtype=np.int64).reshape(-1)
     seeds = _seed_list(seed)
-    ids = list(range(len(clients))) if client_ids is None else [int(c) for c in client_ids]
-    if len(ids) != len(clients):
-        raise ValueError("client_ids and client_indices differ in length")
-    width = lambda longest: _width(longest, pad_to_multiple, max_length)  # noqa: E731
-    if packing:
-        if pack_width < 1:
-            raise ValueError("pack_width must be >= 1")
-        # W from the whole pool, not this round's clients, so shapes recur from round to round
-        row_width = max(pack_width, width(int(packed.lengths.max(initial=1))))
-
-    # per client, per epoch: batches of pool indices
-    per_client: list[list[list[np.ndarray]]] = []
-    for i, ix in enumerate(clients):
-        lens = packed.lengths[ix]
-        epochs_i = []
-        for e in range(epochs):
-            rng = np.random.default_rng([*seeds, _TAG_CLIENT, ids[i], e]) if shuffle else None
-            win = window if bucketing and not packing else None
-            epochs_i.append([ix[b] for b in _epoch_batches(lens, batch_size, rng, win)])
-        per_client.append(epochs_i)
-
-    # A batch's cost: its longest example (T), or packed, its real tokens (the stream's N).
-    def longest(batch: np.ndarray) -> int:
-        return int(packed.lengths[batch].sum() if packing else packed.lengths[batch].max())
-
-    size = (lambda n: _ladder(n, pad_to_multiple)) if packing else width  # noqa: E731
-
-    def attention_rows(batches: Any, tokens: int) -> int:
-        """Packed: rows for a bucket of `tokens` stream positions: one more than the tokens need
-        (first-fit rarely needs more), so R follows N and shapes recur; more if a batch needs."""
-        if not packing:
-            return 0
-        needed = max((_first_fit(packed.lengths[b], row_width)[2] for b in batches), default=1)
-        return max(needed, -(-tokens // row_width) + 1)
-
-    def assemble(rows: np.ndarray, steps: np.ndarray, t: int, num_rows: int) -> Segment:
-        if not packing:
-            return _assemble(packed, rows, steps, labels, t, label_dtype, pad_id)
-        return _assemble_packed(
-            packed, rows, steps, labels, t, num_rows, row_width, label_dtype, pad_id
-        )
-
-    if not bucketing:
-        flat = [[b for ep in c for b in ep] for c in per_client]
-        rows, steps = _stack(flat, batch_size)
-        top = max((longest(b) for c in flat for b in c), default=1)
-        n = size(top)
-        return [assemble(rows, steps, n, attention_rows([b for c in flat for b in c], n))]
-
-    num_batches = np.array([len(c[0]) for c in per_client], dtype=np.int64)
-    grid = _GRID
-    pos = _cut_positions(num_batches, grid)
-    # rank batches by length within each (client, epoch); ties broken by the shuffled order
-    ranked = [
-        [sorted(ep, key=longest) for ep in c]  # sorted() is stable
-        for c in per_client
-    ]
-    sorted_len = [
-        np.array([[longest(b) for b in ep] for ep in c]).reshape(epochs, -1) for c in ranked
-    ]
-    sorted_max = np.zeros_like(pos)
-    for i, sl in enumerate(sorted_len):
-        if sl.shape[1]:
-            cummax = np.maximum.accumulate(sl.max(axis=0))
-            sorted_max[i] = np.where(pos[i] > 0, cummax[np.maximum(pos[i] - 1, 0)], 0)
-    cuts = _choose_cuts(sorted_max, pos, num_buckets, size)
-    buckets = list(zip(cuts[:-1], cuts[1:], strict=True))
-
-    # one (S, T) per bucket, shared by all epochs
-    shapes = []
-    for a, b in buckets:
-        count = pos[:, b] - pos[:, a]
-        top = int(np.max(np.where(count > 0, sorted_max[:, b], 0))) if np.any(count > 0) else 1
-        members = [x for i, c in enumerate(ranked) for ep in c for x in ep[pos[i, a] : pos[i, b]]]
-        shapes.append((int(count.max()), size(top), attention_rows(members, size(top))))
-
-    segments = []
+    steps = []
     for e in range(epochs):
-        order = (
-            np.random.default_rng([*seeds, _TAG_ORDER, e]).permutation(len(buckets))
-            if shuffle
-            else np.arange(len(buckets))
-        )
-        for g in order:
-            a, b = buckets[g]
-            s, t, num_rows = shapes[g]
-            if s == 0:
-                continue
-            chosen = []
-            for i in range(len(clients)):
-                part = ranked[i][e][pos[i, a] : pos[i, b]]
-                if shuffle and part:
-                    rng = np.random.default_rng([*seeds, _TAG_CLIENT, ids[i], e, 1 + int(g)])
-                    part = [part[j] for j in rng.permutation(len(part))]
-                chosen.append(part)
-            rows, steps = _stack(chosen, batch_size)
-            if rows.shape[1] < s:  # a bucket keeps its S in every epoch
-                rows = np.pad(rows, ((0, 0), (0, s - rows.shape[1]), (0, 0)), constant_values=-1)
-                steps = np.pad(steps, ((0, 0), (0, s - steps.shape[1])))
-            segments.append(assemble(rows, steps, t, num_rows))
-    return segments
+        rng = np.random.default_rng([*seeds, _TAG_CLIENT, int(client_id), e]) if shuffle else None
+        batches = _epoch_batches(packed.lengths[ix], batch_size, rng, window if bucketing else None)
+        if bucketing and rng is not None:  # similar lengths in a batch, the batches in any order
+            batches = [batches[j] for j in rng.permutation(len(batches))]
+        steps.extend(_step(packed, ix[b], labels, objective, sh) for b in batches)
+    return steps
+
+
+def client_eval_batches(
+    tokenized: Any,
+    indices: np.ndarray,
+    labels: np.ndarray,
+    *,
+    batch_size: int,
+    objective: Classification = CLASSIFICATION,
+    packing: bool = True,
+    pad_to_multiple: int = 8,
+    steps_per_octave: int = 4,
+    max_length: int | None = None,
+    row_width: int | None = None,
+    pad_id: int = 0,
+) -> list[Batch]:
+    """One client's test examples once each, sorted by length (similar lengths share a batch and
+    a shape), as batches [1, B, ...]. Map predictions back with `example_index`."""
+    packed = pack(tokenized)
+    labels = np.asarray(labels)
+    _check_labels(packed, labels, objective)
+    sh = _shapes(packed, batch_size, pad_to_multiple, steps_per_octave, max_length, packing,
+                 row_width, pad_id)  # fmt: skip
+    ix = np.asarray(indices, dtype=np.int64).reshape(-1)
+    ix = ix[np.argsort(packed.lengths[ix], kind="stable")]
+    return [_step(packed, ix[i : i + batch_size], labels, objective, sh)
+            for i in range(0, ix.size, batch_size)]  # fmt: skip
+
+
+def _size(batch: Batch) -> tuple[int, int]:
+    """(T, 0) of a padded step, (N, R) of a packed one: what stacking may grow."""
+    rows = batch.attention_mask.shape[-2] if batch.packed else 0
+    return batch.input_ids.shape[-1], rows
+
+
+def _grow(x: np.ndarray, axis: int, size: int, fill: Any) -> np.ndarray:
+    """`x` padded with `fill` at the end of `axis` up to `size`."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, extra)
+    return np.pad(x, pad, constant_values=fill)
+
+
+def _pad_to(batch: Batch, size: tuple[int, int], pad_id: int) -> Batch:
+    """`batch` grown to `size` (`_size`): T padded, or N and R packed. What is added is padding
+    (pad ids, no attention, IGNORE labels), so the real tokens compute as before."""
+    length, rows = size
+    stream = ["input_ids", "token_type_ids"] + (["position_ids", "token_slots"] * batch.packed)
+    if batch.labels.shape == batch.input_ids.shape:  # a token task's labels follow the tokens
+        stream.append("labels")
+    fill = {"input_ids": pad_id, "labels": IGNORE}
+    grown = {name: _grow(getattr(batch, name), -1, length, fill.get(name, 0)) for name in stream}
+    if batch.packed:
+        grown.update({name: _grow(getattr(batch, name), -2, rows, 0)
+                      for name in ("attention_mask", "row_tokens")})  # fmt: skip
+    else:
+        grown["attention_mask"] = _grow(batch.attention_mask, -1, length, 0)
+    return batch.replace(**grown)
+
+
+def _masked_like(batch: Batch) -> Batch:
+    """A step with no real example, of `batch`'s shape and kind (for a client with fewer steps):
+    zeros, IGNORE labels where per token, example_index -1; padded rows attend to position 0."""
+    token_labels = batch.labels.shape == batch.input_ids.shape
+    out = jax.tree.map(np.zeros_like, batch).replace(
+        example_index=np.full_like(batch.example_index, -1),
+        labels=np.full_like(batch.labels, IGNORE) if token_labels else np.zeros_like(batch.labels),
+    )
+    if not batch.packed:
+        out.attention_mask[..., 0] = 1
+    return out
+
+
+def stack_clients(per_client: Sequence[Sequence[Batch]], pad_id: int = 0) -> list[Batch]:
+    """Several clients' steps on a leading client axis: one stacked batch [K, 1, ...] per step.
+
+    Step j holds every client's j-th step, each grown to the widest among them (`_pad_to`); a
+    client with fewer steps gets masked steps (step_mask False), which leave it exactly
+    unchanged. The clients' batches must be of one kind (padded or packed), batch size and row
+    width: built with the same settings.
+    """
+    if not per_client:
+        raise ValueError("no clients")
+    stacked = []
+    for j in range(max(len(c) for c in per_client)):
+        present = [c[j] for c in per_client if j < len(c)]
+        if len({type(b) for b in present}) != 1:
+            raise ValueError("the clients' batches mix padded and packed ones; build them alike")
+        size = tuple(max(x) for x in zip(*(_size(b) for b in present), strict=True))
+        blank = _masked_like(present[0])
+        rows = [_pad_to(c[j] if j < len(c) else blank, size, pad_id) for c in per_client]
+        stacked.append(jax.tree.map(lambda *x: np.stack(x), *rows))
+    return stacked
 
 
 def make_client_batches(
@@ -461,135 +490,45 @@ def make_client_batches(
     client_indices: Sequence[np.ndarray],
     labels: np.ndarray,
     *,
-    batch_size: int,
-    epochs: int,
-    seed: int | Sequence[int],
-    shuffle: bool = True,
-    pad_to_multiple: int = 8,
-    objective: Classification = CLASSIFICATION,
-    bucketing: bool = True,
-    num_buckets: int = 8,
-    window: int = 200,
-    max_length: int | None = None,
-    pad_id: int = 0,
     client_ids: Sequence[int] | None = None,
-    packing: bool = False,
-    pack_width: int = 64,
-) -> list[Segment]:
-    """Training segments for the clients `client_indices` (pool indices into `tokenized`/`labels`).
-
-    Client i has epochs * ceil(n_i / B) real steps; shorter clients get masked (step_mask False)
-    steps. `seed` (an int or a sequence such as [seed, round]) fixes every random choice;
-    `client_ids` (default: positions 0..K-1) key each client's shuffles, so a client sampled into
-    a different position of a round gets the same order. Pass `pack(tokenized)` once instead of
-    `tokenized` to avoid re-flattening the ragged tokens every round.
-
-    `packing=True` lays each batch's examples end to end in one token stream, with attention
-    rows of `pack_width` slots (wider if the pool's longest example is longer) filled first-fit
-    decreasing (see the module docstring); batches are then plain shuffled batches, bucketed by
-    their real tokens.
-    """
-    return _build(
-        tokenized, client_indices, labels, batch_size=batch_size, epochs=epochs, seed=seed,
-        shuffle=shuffle, pad_to_multiple=pad_to_multiple, objective=objective,
-        bucketing=bucketing, num_buckets=num_buckets, window=window, max_length=max_length,
-        pad_id=pad_id, client_ids=client_ids, packing=packing, pack_width=pack_width,
-    )  # fmt: skip
-
-
-def make_eval_batches(
-    tokenized: Any,
-    client_indices: Sequence[np.ndarray],
-    labels: np.ndarray,
-    *,
-    batch_size: int,
-    pad_to_multiple: int = 8,
-    objective: Classification = CLASSIFICATION,
-    bucketing: bool = True,
-    num_buckets: int = 8,
-    max_length: int | None = None,
     pad_id: int = 0,
-) -> list[Segment]:
-    """Evaluation segments: one epoch, no shuffling (with bucketing: examples sorted by length).
-
-    Map predictions back with `example_index` (rows with example_mask 0 are padding).
-    """
-    window = max(1, max((np.asarray(ix).size for ix in client_indices), default=1))
-    return _build(
-        tokenized, client_indices, labels, batch_size=batch_size, epochs=1, seed=0,
-        shuffle=False, pad_to_multiple=pad_to_multiple, objective=objective,
-        bucketing=bucketing, num_buckets=num_buckets, window=window, max_length=max_length,
-        pad_id=pad_id,
-    )  # fmt: skip
-
-
-def packed_shape(segment: Segment) -> tuple[int, int, int] | None:
-    """(S, N, R) of a packed segment (steps, stream tokens, attention rows); None if padded."""
-    if not segment.packed:
-        return None
-    return (
-        segment.input_ids.shape[1],
-        segment.input_ids.shape[2],
-        segment.attention_mask.shape[2],
-    )
-
-
-def client_segments(segments: Sequence[Segment]) -> list[list[Segment | None]]:
-    """Each client's part of each stacked segment ([segment][client]), as a segment of one
-    client ([1, S, ...]), or None where the client has no real step in it.
-
-    A stacked segment has one shape for all its clients, so each computes the padding that the
-    client with the most tokens needed. A client trained alone need not: its packed part is cut
-    to the smallest packed shape among `segments` (same S) that holds its tokens and attention
-    rows, so it computes less padding and nothing new is compiled. The real tokens, their slots
-    and every example's first position stay where they were (rows fill from the first), so the
-    model computes the same real outputs (and `model.dropout` the same masks). Padded parts keep
-    their shape (their dropout masks would move with T).
-    """
-    shapes = {packed_shape(s) for s in segments} - {None}
-    return [
-        [_client_part(seg, i, shapes) for i in range(len(seg.step_mask))] for seg in segments
+    **kwargs: Any,
+) -> list[Batch]:
+    """`client_batches` of several clients (client i keyed by `client_ids[i]`, default i),
+    stacked (`stack_clients`): one batch [K, 1, ...] per step. kwargs: as `client_batches`."""
+    if len(client_indices) == 0:
+        raise ValueError("no clients")
+    ids = list(range(len(client_indices))) if client_ids is None else [int(c) for c in client_ids]
+    if len(ids) != len(client_indices):
+        raise ValueError("client_ids and client_indices differ in length")
+    packed = pack(tokenized)
+    if kwargs.get("packing", True) and kwargs.get("row_width") is None:
+        kwargs["row_width"] = default_row_width(packed, multiple=kwargs.get("pad_to_multiple", 8))
+    per_client = [
+        client_batches(packed, ix, labels, client_id=cid, pad_id=pad_id, **kwargs)
+        for ix, cid in zip(client_indices, ids, strict=True)
     ]
+    return stack_clients(per_client, pad_id)
 
 
-def _client_part(segment: Segment, i: int, shapes: set) -> Segment | None:
-    steps = np.asarray(segment.step_mask[i]) & (np.asarray(segment.example_mask[i]).sum(-1) > 0)
-    if not steps.any():
-        return None
-    own = jax.tree.map(lambda value: np.asarray(value[i : i + 1]), segment)
-    shape = packed_shape(own)
-    if shape is None:
-        return own
-    slots = own.attention_mask[0][steps] > 0  # [real steps, R, W]
-    tokens = int(slots.sum(axis=(1, 2)).max())
-    used = int(slots.any(axis=2).sum(axis=1).max())  # first-fit fills rows 0, 1, ...
-    fits = [(n, r) for s, n, r in shapes if s == shape[0] and n >= tokens and r >= used]
-    n, rows = min(fits, default=shape[1:])
-    stream = ["input_ids", "token_type_ids", "position_ids", "token_slots"]
-    if own.labels.shape == own.input_ids.shape:  # a token task's labels follow the stream
-        stream.append("labels")
-    cut = {key: getattr(own, key)[..., :n] for key in stream}
-    cut.update({key: getattr(own, key)[..., :rows, :] for key in ("row_tokens", "attention_mask")})
-    return own.replace(**cut)
-
-
-def padding_waste(segments: Sequence[Segment], skip_masked_steps: bool = False) -> float:
-    """Fraction of computed token positions that are padding.
+def padding_waste(segments: Sequence[Batch], skip_masked_steps: bool = False) -> float:
+    """Fraction of computed token positions that are padding, over batches of any leading axes
+    (one client's steps [S, ...] or stacked ones [K, S, ...]).
 
     Padding rows and positions always count as computed; masked steps (step_mask False) too,
-    unless `skip_masked_steps` (clients run one at a time, `chunk_size=1`, where `lax.cond`
-    skips them). Packed segments count their token stream (what the token-wise layers compute);
-    empty attention slots are not counted (attention is a small share of the FLOPs, see flops).
+    unless `skip_masked_steps` (clients trained one at a time skip them). Packed batches count
+    their token stream (what the token-wise layers compute); empty attention slots are not
+    counted (attention is a small share of the FLOPs, see flops).
     """
     computed = 0
     real = 0
     for seg in segments:
         steps = np.asarray(seg.step_mask)
-        per_step = int(np.prod(seg.input_ids.shape[2:]))
+        per_step = int(np.prod(seg.input_ids.shape[steps.ndim:]))
         computed += (int(steps.sum()) if skip_masked_steps else steps.size) * per_step
-        if seg.packed:  # packed: example numbers, 0 = padding
+        if seg.packed:  # example numbers, 0 = an empty slot
             tokens = np.asarray(seg.attention_mask) > 0
         else:
             tokens = seg.attention_mask * seg.example_mask[..., None].astype(np.int64)
-        real += int(np.sum(tokens * steps.reshape(steps.shape + (1,) * (tokens.ndim - 2))))
+        real += int(np.sum(tokens * steps.reshape(steps.shape + (1,) * (tokens.ndim - steps.ndim))))
     return 0.0 if computed == 0 else 1.0 - real / computed

@@ -6,16 +6,22 @@ Everything here is a pure function of (labels, seed): randomness comes from
 Schemes (`partition_clients(scheme=...)`):
 - "paper": FedSplitBERT's Table I (K=3) / Table II (K=10) label shares per client; a linear ramp
   of shares for other K or tasks without a row; regression (STS-B): sort by score, K contiguous
-  parts. Every client gets about |D|/K examples.
+  parts. With `fill="exact"` (the default) every client gets exactly its row's shares, within one
+  example: all clients get the largest common size n at which every row is feasible,
+  n = min over classes c of N_c / sum_k s_kc, and the surplus examples are dropped (reported). The
+  paper's "about |D|/K each" cannot hold the table's shares on skewed pools: filled in order
+  (`fill="sequential"`, the former behaviour), SST-2 at K=10 leaves client 10 all positive where
+  the table asks 2%.
 - "dirichlet": client j's class shares q_j ~ Dir(alpha * p), p the pool's class prior; with `beta`
   also quantity skew (the combined scheme).
 - "quantity": client sizes z ~ Dir(beta * 1), |D_j| = z_j |D|; labels drawn IID (with `alpha`
   too: the combined scheme, same as "dirichlet" with `beta`).
 - "iid": equal sizes, uniform random.
-Label-driven schemes sample without replacement; when a class runs out, the vacancy is filled
-from the other classes in proportion to what remains ("dynamic reassigning", FedNLP), so no
-example and no client is dropped. Clients are filled in order 0..K-1, so a shortfall lands on the
-later clients. Each client's share is then split at random into train / test (test_fraction).
+Label-driven schemes sample without replacement. Dirichlet skew (and `fill="sequential"`) fill
+clients in order 0..K-1; when a class runs out, the vacancy is filled from the other classes in
+proportion to what remains ("dynamic reassigning", FedNLP), so no example and no client is
+dropped, and a shortfall lands on the later clients. Each client's share is then split at random
+into train / test (test_fraction).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from fedjax_split.data.tasks import Task, get_task
 from fedjax_split.errors import UserError
 
 SCHEMES = ("paper", "dirichlet", "quantity", "iid")
+FILLS = ("exact", "sequential")  # the paper scheme's: exact shares, or |D|/K each filled in order
 _FORMAT = "fedjax_split.data.partition/v1"
 
 # Label shares per client, columns in label-id order. The paper prints binary shares as "a/b"
@@ -92,6 +99,9 @@ class Partition:
     beta: float | None = None
     task: str | None = None
     test_fraction: float = 0.2
+    fill: str | None = None  # the paper scheme's fill (FILLS); None for the other schemes
+    target_shares: np.ndarray | None = None  # [K, C] the label shares asked of each client
+    dropped: int = 0  # examples left out so that every client's shares hold (fill "exact")
 
     @property
     def train_sizes(self) -> np.ndarray:
@@ -171,6 +181,35 @@ def _label_skew(
     return out
 
 
+def exact_counts(shares: np.ndarray, class_sizes: np.ndarray) -> np.ndarray:
+    """Per-client class counts [K, C] holding `shares` [K, C] exactly (each client's counts are
+    its shares of one common size n, rounded to whole examples) at the largest feasible n: the
+    class with the least to spare, N_c / sum_k s_kc, sets it."""
+    shares = np.asarray(shares, np.float64) / np.sum(shares, axis=1, keepdims=True)
+    need = shares.sum(axis=0)
+    with np.errstate(divide="ignore"):
+        ratio = np.where(need > 0, class_sizes / np.where(need > 0, need, 1.0), np.inf)
+    n = int(np.floor(ratio.min() + 1e-6))  # 960 / 0.96 is 999.99... in floating point
+    while n > 0:  # rounding each row to n may overdraw a class by a few: step n down until not
+        counts = np.stack([_round_to_total(row, n) for row in shares])
+        if np.all(counts.sum(axis=0) <= class_sizes):
+            return counts
+        n -= 1
+    return np.zeros(shares.shape, np.int64)
+
+
+def _exact_skew(
+    class_ids: np.ndarray, counts: np.ndarray, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Client k takes counts[k, c] examples of class c, drawn without replacement."""
+    pools = [rng.permutation(np.flatnonzero(class_ids == c)) for c in range(counts.shape[1])]
+    starts = np.concatenate([np.zeros((1, counts.shape[1]), np.int64), np.cumsum(counts, 0)])
+    return [
+        np.concatenate([pools[c][starts[k, c] : starts[k + 1, c]] for c in range(counts.shape[1])])
+        for k in range(counts.shape[0])
+    ]
+
+
 def _dirichlet(rng: np.random.Generator, concentration: np.ndarray, draws: int) -> np.ndarray:
     """Dirichlet draws that stay finite for tiny concentrations (all-zero gamma draws)."""
     q = rng.dirichlet(np.maximum(concentration, 1e-300), size=draws)
@@ -211,14 +250,19 @@ def partition_clients(
     beta: float | None = None,
     task: str | Task | None = None,
     test_fraction: float = 0.2,
+    fill: str = "exact",
 ) -> Partition:
     """Split the pool (indices 0..len(labels)-1) over `num_clients` clients, then train/test.
 
-    Every example lands in exactly one client's train or test split. Raises UserError on bad
-    parameters, invalid labels, or a client left without training examples.
+    Every example lands in at most one client's train or test split: all of them, except with the
+    paper scheme's exact fill (`fill`, see the module docstring), which leaves out the surplus
+    that no client's shares can take (`Partition.dropped`). Raises UserError on bad parameters,
+    invalid labels, or a client left without training examples.
     """
     if scheme not in SCHEMES:
         raise UserError(f"unknown partition scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+    if fill not in FILLS:
+        raise UserError(f"unknown paper fill {fill!r}; choose one of {', '.join(FILLS)}")
     if int(num_clients) < 1:
         raise UserError(f"num_clients must be >= 1, got {num_clients}")
     if not 0.0 <= test_fraction < 1.0:
@@ -260,6 +304,7 @@ def partition_clients(
     else:
         sizes = equal_sizes
 
+    shares, dropped = None, 0
     if scheme == "paper" and regression:
         order = np.argsort(labels, kind="stable")  # sorted by score, K contiguous parts
         members = np.array_split(order, k)
@@ -276,7 +321,12 @@ def partition_clients(
         else:
             prior = np.bincount(class_ids, minlength=num_classes) / n
             shares = _dirichlet(rng, float(alpha) * prior, k)
-        members = _label_skew(class_ids, shares, sizes, rng)
+        if scheme == "paper" and fill == "exact":
+            counts = exact_counts(shares, np.bincount(class_ids, minlength=num_classes))
+            members = _exact_skew(class_ids, counts, rng)
+            dropped = n - int(counts.sum())
+        else:
+            members = _label_skew(class_ids, shares, sizes, rng)
 
     clients = []
     for j, idx in enumerate(members):
@@ -285,8 +335,10 @@ def partition_clients(
         train, test = np.sort(idx[n_test:]), np.sort(idx[:n_test])
         if train.size == 0:
             raise UserError(
-                f"partition {scheme}: client {j} has no training examples ({idx.size} in all); "
-                "use fewer clients, a larger beta, or a smaller test fraction"
+                f"partition {scheme}: client {j} has no training examples ({idx.size} in all"
+                + (f"; {dropped} left out to hold the paper's shares" if dropped else "")
+                + "); use fewer clients, more examples, a larger beta, or a smaller test fraction"
+                + ("" if not dropped else ", or --paper-fill sequential")
             )
         clients.append(ClientSplit(train.astype(np.int64), test.astype(np.int64)))
     return Partition(
@@ -299,13 +351,30 @@ def partition_clients(
         beta=None if beta is None else float(beta),
         task=task_obj.name if task_obj else None,
         test_fraction=float(test_fraction),
+        fill=fill if scheme == "paper" and not regression else None,
+        target_shares=None if shares is None or scheme != "paper" else np.asarray(shares),
+        dropped=dropped,
     )
 
 
-def save_partition(partition: Partition, path: str | os.PathLike) -> Path:
-    """Write the partition as JSON (exact indices + parameters), atomically."""
+def realised_shares(partition: Partition, labels: np.ndarray, num_classes: int) -> np.ndarray:
+    """[K, C] each client's label shares as drawn (train and test together)."""
+    ids = np.asarray(labels).astype(np.int64)
+    counts = np.stack([np.bincount(ids[c.all], minlength=num_classes) for c in partition.clients])
+    return counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+
+
+def save_partition(
+    partition: Partition, path: str | os.PathLike, labels: np.ndarray | None = None
+) -> Path:
+    """Write the partition as JSON (exact indices + parameters), atomically. With the pool's
+    class `labels`, each client's realised label shares go beside the target shares."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    target = partition.target_shares
+    realised = None
+    if target is not None and labels is not None:
+        realised = realised_shares(partition, labels, target.shape[1]).round(6).tolist()
     doc = {
         "format": _FORMAT,
         "scheme": partition.scheme,
@@ -316,6 +385,10 @@ def save_partition(partition: Partition, path: str | os.PathLike) -> Path:
         "beta": partition.beta,
         "task": partition.task,
         "test_fraction": partition.test_fraction,
+        "fill": partition.fill,
+        "dropped": partition.dropped,
+        "target_shares": None if target is None else np.round(target, 6).tolist(),
+        "realised_shares": realised,
         "clients": [
             {"train": c.train.tolist(), "test": c.test.tolist()} for c in partition.clients
         ],
@@ -362,7 +435,11 @@ def load_partition(path: str | os.PathLike) -> Partition:
         beta=doc.get("beta"),
         task=doc.get("task"),
         test_fraction=float(doc.get("test_fraction", 0.2)),
-    )
+        fill=doc.get("fill"),
+        target_shares=None if doc.get("target_shares") is None else np.asarray(
+            doc["target_shares"], np.float64),
+        dropped=int(doc.get("dropped", 0)),
+    )  # fmt: skip
 
 
 def partition_report(
@@ -378,8 +455,11 @@ def partition_report(
         + (f" alpha={partition.alpha}" if partition.alpha is not None else "")
         + (f" beta={partition.beta}" if partition.beta is not None else "")
         + (f" task={partition.task}" if partition.task else "")
+        + (f" fill={partition.fill}" if partition.fill else "")
         + f" examples={partition.num_examples}"
-    )
+        + (f" ({partition.dropped} left out to hold every client's shares)"
+           if partition.dropped else "")
+    )  # fmt: skip
     if regression:
         cols = ["client", "train", "test", "min", "mean", "max"]
         rows = []
@@ -393,11 +473,16 @@ def partition_report(
         names = list(label_names) if label_names else [str(c) for c in range(num_classes)]
         cols = ["client", "train", "test", *names]
         rows = []
+        target = partition.target_shares
         for j, c in enumerate(partition.clients):
             counts = np.bincount(ids[c.all], minlength=num_classes)
             total = max(int(counts.sum()), 1)
             cells = [
-                f"{n} ({100 * n / total:.0f}%)" if num_classes <= 6 else str(n) for n in counts
+                f"{n} ({100 * n / total:.0f}%"
+                + (f", target {100 * target[j, i]:.0f}%)" if target is not None else ")")
+                if num_classes <= 6
+                else str(n)
+                for i, n in enumerate(counts)
             ]
             rows.append([str(j), str(c.train.size), str(c.test.size), *cells])
     widths = [max(len(cols[i]), *(len(r[i]) for r in rows)) for i in range(len(cols))]

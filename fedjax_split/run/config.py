@@ -25,6 +25,7 @@ __all__ = [
 ]  # fmt: skip
 
 PARTITIONS = ("paper", "dirichlet", "quantity", "iid")
+PAPER_FILLS = ("exact", "sequential")  # data.partition.FILLS
 QUANTIZE = ("none", "fp16", "bf16")
 DTYPES = ("float32", "bfloat16")  # model compute dtypes; parameters stay fp32
 ATTENTIONS = ("xla", "cudnn")  # model.ATTENTION_IMPLEMENTATIONS
@@ -83,6 +84,14 @@ class ExperimentConfig:
         "How examples are split over clients: the paper's label shares, Dirichlet label skew, "
         "Dirichlet quantity skew, or IID.",
         choices=PARTITIONS,
+    )
+    paper_fill: str = _setting(
+        "exact",
+        "--partition paper: 'exact' gives every client its row's label shares exactly (all clients "
+        "the largest size at which every row is feasible, the surplus left out and reported); "
+        "'sequential' gives each |D|/K examples filled in client order, so on skewed pools the "
+        "last clients miss their shares (the former behaviour).",
+        choices=PAPER_FILLS,
     )
     alpha: float = _setting(
         1.0, "Dirichlet concentration for --partition dirichlet (small = more skewed)."
@@ -147,10 +156,16 @@ class ExperimentConfig:
         "float32", "Compute dtype of the model (parameters stay float32).", choices=DTYPES
     )
     packing: bool = _setting(
+        True,
+        "Pack each batch's examples end to end into one token stream instead of padding each to "
+        "the longest: no padding is computed whatever the mix of lengths (docs/benchmarks.md). "
+        "--no-packing pads each batch to its longest example.",
+    )
+    bucketing: bool = _setting(
         False,
-        "Pack each training batch's examples end to end into one token stream instead of "
-        "padding each to the longest: no padding is computed, and batches are plainly shuffled "
-        "rather than length-sorted (docs/benchmarks.md).",
+        "Sort examples by length inside windows of 200 batches before cutting batches (less "
+        "padding without packing), instead of Algorithm 1's plain random mini-batches; batches "
+        "then repeat their membership across epochs (see data/batching.py).",
     )
     attention: str = _setting(
         "xla",

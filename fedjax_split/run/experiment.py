@@ -45,17 +45,18 @@ class Setup:
     model_dir: Path | None
     apply: Callable[..., Any]
     examples: Any
-    tokenized: Any
+    tokenized: Any  # the pool, flattened once (batching.pack)
+    row_width: int | None  # packed attention rows: run-wide, from the pool's longest example
     partition: Any
     round_spec: Any
     server_state: Any
     local_params: Any  # stacked over all clients: leading axis K
     frozen: Any  # one copy for every client, never trained or sent
-    eval_segments: Any
+    eval_batches: list[list[Any]]  # each client's test batches
     num_global: int
     num_local: int
     num_frozen: int
-    prefetched: tuple[int, list[Any]] | None = None  # (round, its training segments)
+    prefetched: tuple[int, list[Any]] | None = None  # (round, its clients' training steps)
 
 
 def round_chunk_size(chunk_size: int | None, backend: str) -> int | None:
@@ -174,6 +175,7 @@ def build(config: ExperimentConfig) -> Setup:
         beta=config.beta if config.partition == "quantity" else None,
         # a token task partitions by each sentence's dominant entity type, not by its tags
         task=None if task.objective.per_token else task,
+        fill=config.paper_fill,
     )
     for i, cs in enumerate(part.clients):
         if len(cs.train) == 0:
@@ -183,7 +185,9 @@ def build(config: ExperimentConfig) -> Setup:
             )
     model_dir = getattr(pre, "model_dir", None)
     tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
-    tokenized = sources.tokenize_examples(examples, tokenizer, task, config.max_length)
+    tokenized = batching.pack(sources.tokenize_examples(examples, tokenizer, task,
+                                                        config.max_length))  # fmt: skip
+    row_width = batching.default_row_width(tokenized) if config.packing else None
 
     names = {path: name for path, (name, _) in hf_checkpoint.hf_names(model_config).items()}
     rule = roles.freeze_rule(
@@ -210,13 +214,18 @@ def build(config: ExperimentConfig) -> Setup:
         devices=devices.for_rounds(config.cpu_devices, jax.default_backend()),
     )
     server_state = rounds.init_server_state(global0, server_opt, wire)
-    eval_segments = batching.make_eval_batches(
-        tokenized,
-        [cs.test for cs in part.clients],
-        labels,
-        batch_size=max(config.batch_size, 32),
-        objective=task.objective,
-    )
+    eval_batches = [
+        batching.client_eval_batches(
+            tokenized,
+            cs.test,
+            labels,
+            batch_size=max(config.batch_size, 32),
+            objective=task.objective,
+            packing=config.packing,
+            row_width=row_width,
+        )
+        for cs in part.clients
+    ]
     count = lambda t: int(sum(np.size(x) for x in jax.tree.leaves(t)))  # noqa: E731
     return Setup(
         config=config,
@@ -227,27 +236,32 @@ def build(config: ExperimentConfig) -> Setup:
         apply=pre.apply,
         examples=examples,
         tokenized=tokenized,
+        row_width=row_width,
         partition=part,
         round_spec=round_spec,
         server_state=server_state,
         local_params=local_all,
         frozen=frozen,
-        eval_segments=eval_segments,
+        eval_batches=eval_batches,
         num_global=count(global0),
         num_local=count(local0),
         num_frozen=count(frozen),
     )
 
 
-def evaluate(setup: Setup) -> dict[str, Any]:
+def evaluate(setup: Setup, trained: set[int] | None = None) -> dict[str, Any]:
     """Personalised evaluation: each client's merged model on its own test split.
 
-    Returns the task's metrics as the unweighted mean over clients (the paper's figure) plus a
-    per-client list.
+    Returns the task's metrics as the unweighted mean over all clients (the paper's figure), a
+    per-client list, `trained_mean`: the mean over the clients in `trained` (those trained at least
+    once: with partial participation the mean over all includes clients that never trained), and
+    when nothing is local, `pooled`: the one global model on the union of the clients' test data
+    (FedNLP's figure; with a local part there is no single global model to score). Clients are
+    scored one at a time, so one local part is in memory at a time.
     """
+    import jax
     import jax.numpy as jnp
 
-    from fedjax_split.data import tasks
     from fedjax_split.fed import roles, wire
     from fedjax_split.sim import evaluation
 
@@ -255,30 +269,41 @@ def evaluate(setup: Setup) -> dict[str, Any]:
     global_params = roles.merge_params(
         wire.cast_from_wire(setup.server_state.global_params, jnp.float32), setup.frozen
     )
-    results = evaluation.evaluate_clients(
-        setup.apply,
-        global_params,
-        setup.local_params,
-        setup.eval_segments,
-        setup.task.objective,
-        chunk_size=setup.config.chunk_size,
-    )
-    groups = getattr(setup.examples, "groups", None)
-    tag_names = getattr(setup.examples, "tag_names", None)  # a token task's, to score entities
-    per_client = []
-    for i, res in enumerate(results):
+    results, per_client = [], []
+    for i, own in enumerate(setup.eval_batches):
+        local = jax.tree.map(lambda x, i=i: x[i], setup.local_params)
+        params = roles.merge_params(global_params, local)
+        res = evaluation.evaluate_client(setup.apply, params, own, setup.task.objective)
         if len(res.labels) == 0:
             continue  # a client without test examples has no metric
-        g = None if groups is None else np.asarray(groups)[res.example_index]
-        metrics = tasks.compute_metrics(
-            setup.task,
-            res.predictions,
-            res.labels,
-            groups=g,
-            label_names=tag_names,
+        results.append(res)
+        per_client.append({"client": i, **_score(setup, res)})
+    record = {**mean_over_clients(per_client), "clients": per_client}
+    if trained is not None:
+        record["trained_mean"] = mean_over_clients(
+            [pc for pc in per_client if pc["client"] in trained]
         )
-        per_client.append({"client": i, **metrics})
-    return {**mean_over_clients(per_client), "clients": per_client}
+    if setup.num_local == 0 and results:  # every client's model is the global model
+        pooled = evaluation.ClientPredictions(
+            *(evaluation.concat_rows([getattr(r, f) for r in results])
+              for f in ("predictions", "labels", "example_index"))
+        )  # fmt: skip
+        record["pooled"] = _score(setup, pooled)
+    return record
+
+
+def _score(setup: Setup, res: Any) -> dict[str, float]:
+    """The task's metrics of one set of predictions (MNLI's groups and NER's tags included)."""
+    from fedjax_split.data import tasks
+
+    groups = getattr(setup.examples, "groups", None)
+    return tasks.compute_metrics(
+        setup.task,
+        res.predictions,
+        res.labels,
+        groups=None if groups is None else np.asarray(groups)[res.example_index],
+        label_names=getattr(setup.examples, "tag_names", None),  # a token task's, for entities
+    )
 
 
 def mean_over_clients(per_client: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -364,7 +389,9 @@ def run_experiment(
     # From here on we write.
     run_dir.mkdir(parents=True, exist_ok=True)
     outputs.write_json(run_dir / "config.json", config.to_dict())
-    partition_mod.save_partition(setup.partition, run_dir / "partition.json")
+    partition_mod.save_partition(
+        setup.partition, run_dir / "partition.json", np.asarray(setup.examples.labels)
+    )
     outputs.write_jsonl(run_dir / "metrics.jsonl", history)  # on --resume: truncated to the ckpt
     if start_round < config.rounds:
         (run_dir / "summary.json").unlink(missing_ok=True)  # stale until this run ends
@@ -394,7 +421,7 @@ def run_experiment(
     }
     try:
         for r in range(start_round + 1, config.rounds + 1):
-            record = run_one_round(setup, r, history[-1] if history else None)
+            record = run_one_round(setup, r, history)
             history.append(record)
             outputs.append_jsonl(run_dir / "metrics.jsonl", record)
             if config.checkpoint_every and (r % config.checkpoint_every == 0 or r == config.rounds):
@@ -414,28 +441,35 @@ def _partition_lists(part: Any) -> list[list[list[int]]]:
     return [[np.asarray(c.train).tolist(), np.asarray(c.test).tolist()] for c in part.clients]
 
 
-def round_batches(setup: Setup, r: int) -> list[Any]:
-    """Round r's training segments for its sampled clients (a pure function of config and r)."""
+def round_batches(setup: Setup, r: int) -> list[list[Any]]:
+    """Round r's training steps of each sampled client (a pure function of the config, r and the
+    client's own examples)."""
     from fedjax_split.data import batching
     from fedjax_split.sim import rounds
 
     config = setup.config
     sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
-    return batching.make_client_batches(
-        setup.tokenized,
-        [setup.partition.clients[i].train for i in sampled],
-        np.asarray(setup.examples.labels),
-        batch_size=config.batch_size,
-        epochs=config.local_epochs,
-        seed=[config.seed, r],
-        objective=setup.task.objective,
-        client_ids=sampled,
-        packing=config.packing,
-    )
+    return [
+        batching.client_batches(
+            setup.tokenized,
+            setup.partition.clients[i].train,
+            np.asarray(setup.examples.labels),
+            batch_size=config.batch_size,
+            epochs=config.local_epochs,
+            seed=[config.seed, r],
+            client_id=int(i),
+            objective=setup.task.objective,
+            packing=config.packing,
+            bucketing=config.bucketing,
+            row_width=setup.row_width,
+        )
+        for i in sampled
+    ]
 
 
-def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict[str, Any]:
-    """Sample clients, batch their data, run the round, evaluate when due; the round's record."""
+def run_one_round(setup: Setup, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Sample clients, batch their data, run the round, evaluate when due; the round's record.
+    `history`: the records of the rounds before r."""
     import jax
 
     from fedjax_split.sim import rounds
@@ -475,9 +509,11 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
         "train_loss_clients": losses.tolist(),
     }
     if r % config.eval_every == 0 or r == config.rounds:
-        record.update(evaluate(setup))
+        trained = {int(c) for h in history for c in h["clients_sampled"]} | set(sampled.tolist())
+        record.update(evaluate(setup, trained))
     t_eval = time.perf_counter()
     up, down = int(result.bytes_up), int(result.bytes_down)
+    previous = history[-1] if history else None
     cum_up = up + (previous["cum_bytes_up"] if previous else 0)
     cum_down = down + (previous["cum_bytes_down"] if previous else 0)
     record.update(

@@ -1,10 +1,12 @@
 """Personalised evaluation: each client's merged model [global, own local] on its own test split.
 
-The paper reports the mean over clients of each client's metric. Predictions are computed for all
-clients in one vmapped, jitted call per segment; padding rows and padded steps are dropped on the
-host, and the caller turns (predictions, labels) into metrics (`tasks.compute_metrics`), e.g. with
-`client_metrics`. When the split leaves no local part, `evaluate_pooled` scores the single global
-model on the union of the clients' test data.
+The paper reports the mean over clients of each client's metric. Each client's test examples are
+its own batches (`batching.client_eval_batches`); its model scores them one jitted call per batch
+(one compile per batch shape), padding rows are dropped on the host, and the caller turns
+(predictions, labels) into metrics (`tasks.compute_metrics`), e.g. with `client_metrics`. Clients
+are scored one after another, so memory holds one client's local part at a time whatever K is.
+`evaluate_pooled` scores a single model on the union of the clients' test data (FedNLP's figure
+for a global model).
 """
 
 from __future__ import annotations
@@ -29,63 +31,78 @@ class ClientPredictions(NamedTuple):
 
     predictions: np.ndarray
     labels: np.ndarray
-    example_index: np.ndarray | None = None  # pool index of each row, when segments carry it
+    example_index: np.ndarray | None = None  # pool index of each row, when batches carry it
 
 
 @functools.lru_cache(maxsize=32)
-def _predict_fn(apply: Apply, objective: Any, chunk_size: int | None):
-    def one_client(global_params: Any, local: Any, seg: Batch) -> jax.Array:
-        params = merge_params(global_params, local)
-
-        def one_step(batch: Batch) -> jax.Array:
-            return objective.predict(apply_batch(apply, params, batch, train=False))
-
-        return jax.lax.map(one_step, seg)
-
-    def predict(global_params: Any, local_params: Any, seg: Batch) -> jax.Array:
-        fn = functools.partial(one_client, global_params)
-        if chunk_size is None:
-            return jax.vmap(fn)(local_params, seg)
-        return jax.lax.map(lambda a: fn(*a), (local_params, seg), batch_size=chunk_size)
+def _predict_fn(apply: Apply, objective: Any):
+    def predict(params: Any, steps: Batch) -> jax.Array:
+        return jax.lax.map(lambda b: objective.predict(apply_batch(apply, params, b, train=False)),
+                           steps)  # fmt: skip
 
     return jax.jit(predict)
+
+
+def evaluate_client(
+    apply: Apply, params: Any, batches: Sequence[Batch], objective: Any
+) -> ClientPredictions:
+    """Predictions of one model (a client's merged parameters) on its batches [S, B, ...]."""
+    predict = _predict_fn(apply, objective)
+    parts: dict[str, list[np.ndarray]] = {"predictions": [], "labels": [], "example_index": []}
+    for batch in batches:
+        real = (np.asarray(batch.example_mask) > 0) & np.asarray(batch.step_mask)[..., None]
+        predictions = np.asarray(predict(params, batch.model_inputs()))
+        labels = np.asarray(batch.labels)
+        if batch.packed and labels.shape == batch.input_ids.shape:  # per-token, on the stream
+            predictions, labels = (_rows_of_stream(batch, x) for x in (predictions, labels))
+        parts["predictions"].append(predictions[real])
+        parts["labels"].append(labels[real])
+        if batch.example_index is not None:
+            parts["example_index"].append(np.asarray(batch.example_index)[real])
+    if not parts["predictions"]:
+        empty = np.zeros(0)
+        return ClientPredictions(empty, empty, empty.astype(np.int64))
+    index = concat_rows(parts["example_index"]) if parts["example_index"] else None
+    return ClientPredictions(concat_rows(parts["predictions"]), concat_rows(parts["labels"]), index)
+
+
+def _rows_of_stream(batch: Batch, stream: np.ndarray) -> np.ndarray:
+    """A packed batch's per-token values [S, N] as per-example rows [S, B, T] (T: the longest
+    example; IGNORE after each example's end), so they score like a padded batch's."""
+    slots = np.asarray(batch.attention_mask)  # [S, R, W]: example number + 1, 0 = empty
+    starts = np.asarray(batch.cls_index)  # [S, B]
+    num_steps, width = starts.shape
+    lengths = np.stack([np.bincount(slots[s].reshape(-1), minlength=width + 1)[1:]
+                        for s in range(num_steps)])  # fmt: skip
+    rows = np.full((num_steps, width, max(int(lengths.max(initial=0)), 1)), IGNORE, stream.dtype)
+    for s in range(num_steps):
+        for b in range(width):
+            n = lengths[s, b]
+            rows[s, b, :n] = stream[s, starts[s, b] : starts[s, b] + n]
+    return rows
 
 
 def evaluate_clients(
     apply: Apply,
     global_params: Any,
     local_params: Any,
-    segments: Sequence[Batch],
+    batches: Sequence[Sequence[Batch]],
     objective: Any,
-    *,
-    chunk_size: int | None = None,
 ) -> list[ClientPredictions]:
-    """Predictions of every client's personalised model on its own segments.
+    """Every client's personalised model on its own batches.
 
-    `local_params` is stacked on a leading client axis K ({} when nothing is local); `segments` are
-    batching's segments of the clients' test splits ([K, S, B, T] ...). Returns K results.
+    `local_params` is stacked on a leading client axis K ({} when nothing is local); `batches`
+    holds each client's test batches (`batching.client_eval_batches`). Returns K results.
     """
-    columns: list[dict[str, list[np.ndarray]]] = []
-    predict = _predict_fn(apply, objective, chunk_size)
-    for seg in segments:
-        predictions = predict(global_params, local_params, seg.model_inputs())
-        rows = {"predictions": np.asarray(predictions), "labels": np.asarray(seg.labels)}
-        if seg.example_index is not None:
-            rows["example_index"] = np.asarray(seg.example_index)
-        real = (np.asarray(seg.example_mask) > 0) & np.asarray(seg.step_mask)[:, :, None]
-        if not columns:
-            columns = [{name: [] for name in rows} for _ in range(real.shape[0])]
-        for k, client in enumerate(columns):
-            for name, values in rows.items():
-                client[name].append(values[k][real[k]])
-    return [
-        ClientPredictions(**{name: _concat(parts) for name, parts in client.items()})
-        for client in columns
-    ]
+    results = []
+    for k, own in enumerate(batches):
+        local = jax.tree.map(lambda x, k=k: x[k], local_params)
+        results.append(evaluate_client(apply, merge_params(global_params, local), own, objective))
+    return results
 
 
-def _concat(parts: Sequence[np.ndarray]) -> np.ndarray:
-    """Rows of all segments; per-token rows [n, T] of segments of different T are right-padded
+def concat_rows(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """Rows of all batches; per-token rows [n, T] of batches of different T are right-padded
     to the longest with IGNORE (a label no metric reads)."""
     width = max((p.shape[1] for p in parts if p.ndim == 2), default=None)
     if width is None:
@@ -96,19 +113,14 @@ def _concat(parts: Sequence[np.ndarray]) -> np.ndarray:
 
 
 def evaluate_pooled(
-    apply: Apply,
-    params: Any,
-    segments: Sequence[Batch],
-    objective: Any,
-    *,
-    chunk_size: int | None = None,
+    apply: Apply, params: Any, batches: Sequence[Sequence[Batch]], objective: Any
 ) -> ClientPredictions:
-    """The one global model (no local part) on the union of all clients' test rows."""
-    per_client = evaluate_clients(apply, params, {}, segments, objective, chunk_size=chunk_size)
+    """One model on the union of all clients' test rows (the clients' batches, any number)."""
+    per_client = [evaluate_client(apply, params, own, objective) for own in batches]
     has_index = all(c.example_index is not None for c in per_client)
     return ClientPredictions(
-        np.concatenate([c.predictions for c in per_client]),
-        np.concatenate([c.labels for c in per_client]),
+        concat_rows([c.predictions for c in per_client]),
+        concat_rows([c.labels for c in per_client]),
         np.concatenate([c.example_index for c in per_client]) if has_index else None,
     )
 

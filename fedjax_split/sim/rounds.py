@@ -16,18 +16,19 @@ Bytes are counted from the arrays sent: down, the global part in the wire dtype;
 part; once per sampled client (zero when the split leaves nothing global).
 
 The round runs as three jitted pieces (`round_functions`): start (download, client states), one
-call per segment (a `lax.scan` over its steps for all clients at once), finish (upload, aggregate,
-server step). Segments of equal shape share one compiled program, so E epochs x B length buckets
-compile B scans, not E x B; client states stay on device (and sharded) between the calls.
+call per stacked step (all clients at once), finish (upload, aggregate, server step). Steps of
+equal shape share one compiled program (batching's shape ladder keeps them few); client states
+stay on device (and sharded) between the calls.
 
-With `chunk_size=1` and no mesh, clients run one at a time and each keeps its state in its own
-buffers for the whole round (`start_each`, `segment_one`, `finish_one`, `combine`): the host only
-enqueues the per-client segment programs (no device-to-host transfer inside the round), and no
-state is copied in or out of a stacked array per segment, which a loop inside one program has to
-do. Each client trains on its own part of each segment (`batching.client_segments`): packed parts
-are cut to the round's smallest shape that holds them, and segments where it has no real step are
-skipped. With several devices (`RoundSpec.devices`, by default every local one: on a CPU see
-`devices.use_cpu_devices`), client i runs on device i % D, all devices at once.
+Each sampled client brings its own steps (`batching.client_batches`: built from its examples
+alone). With `chunk_size=1` and no mesh, clients run one at a time and each keeps its state in its
+own buffers for the whole round (`start_one`, `segment_one`, `finish_one`, `combine`): the host
+only enqueues the client's step programs (no device-to-host transfer inside the round). This is
+`client_round`, what a client of a real federation (`fedjax_split.deploy`) runs too, so both
+compute the same model bit for bit. With several devices (`RoundSpec.devices`, by default every
+local one: on a CPU see `devices.use_cpu_devices`), client i runs on device i % D, all devices at
+once. Otherwise the clients' steps are stacked (`batching.stack_clients`, [K, 1, ...] per step)
+for the vmapped pieces.
 
 Keys: round key = fold_in(run key, round), client key = fold_in(round key, client id), step key =
 fold_in(client key, real step index) (see `client.step_rng`).
@@ -47,7 +48,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_split.data.batch import Batch
-from fedjax_split.data.batching import client_segments
+from fedjax_split.data.batching import stack_clients
 from fedjax_split.errors import UserError
 from fedjax_split.fed.aggregation import weighted_mean, weighted_mean_each
 from fedjax_split.fed.client import ClientMetrics, ClientSpec, ClientState, make_client_fns
@@ -147,27 +148,29 @@ def _pad_clients(tree: Any, pad: int, fill: Any = None) -> Any:
 
 
 class RoundFns(NamedTuple):
-    """A round as three jitted pieces; `segment` compiles once per distinct segment shape.
+    """A round's jitted pieces; `segment` and `segment_one` compile once per distinct step shape.
 
-    start(server_state, local_params, client_ids, rng) -> (client_states, keys)
-    segment(client_states, server_state, segment, keys, frozen) -> client_states
+    Stacked clients (vmapped, chunked or sharded):
+    start(server_state, local_params [K], client_ids, rng) -> (client_states, keys)
+    segment(client_states, global_wire, segment [K, S, ...], keys, frozen) -> client_states
     finish(server_state, client_states, num_examples) -> (server_state, new_local, metrics)
     Client states and keys are padded with weight-0 clients to a multiple of the device count.
+    One client, its state in its own buffers (`client_round`):
+    start_one(global_wire, local, key) -> client_state; segment_one(client_state, global_wire,
+    segment [S, ...], key, frozen) -> client_state; finish_one(client_state) -> (uploaded global
+    part in fp32, new local part, metrics); combine(server_state, tuple of finish_one outputs,
+    num_examples) -> (server_state, new_local [K], metrics [K]) on the first device.
+    keys(round, rng, client_ids) -> [K] client keys.
     """
 
     start: Callable[..., Any]
     segment: Callable[..., Any]
     finish: Callable[..., Any]
-    # One client at a time, each client's state in its own buffers (chunk_size=1, no mesh):
-    # start_each(...) -> (tuple of K client states, tuple of K keys); segment_one(state_i,
-    # server_state, segment_i, key_i, frozen) -> state_i, segment_i client i's own part of a segment
-    # (`batching.client_segments`); finish_one(state_i) -> (uploaded global_i, local_i,
-    # metrics_i) on the client's device; combine(server_state, tuple of those, num_examples) on
-    # the first device, as finish.
-    start_each: Callable[..., Any]
+    start_one: Callable[..., Any]
     segment_one: Callable[..., Any]
     finish_one: Callable[..., Any]
     combine: Callable[..., Any]
+    keys: Callable[..., Any]
 
 
 @functools.lru_cache(maxsize=32)
@@ -188,33 +191,33 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         sharding = NamedSharding(spec.mesh, clients)
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
 
-    def download(state: ServerState, frozen: Any = None) -> tuple[Any, Any]:
+    def download(global_wire: Any, frozen: Any = None) -> tuple[Any, Any]:
         """(trained global part, constants) as a client holds them: received in the wire dtype,
         cast to fp32; the constants are the frozen parameters and the untrained global ones."""
-        trained, untrained = select(cast_from_wire(state.global_params), spec.trained)
+        trained, untrained = select(cast_from_wire(global_wire), spec.trained)
         return trained, untrained if frozen is None else merge_params(frozen, untrained)
+
+    def keys(round_index: jax.Array, rng: jax.Array, client_ids: jax.Array) -> jax.Array:
+        return client_rngs(round_rng(rng, round_index), client_ids)
 
     def start(state: ServerState, local_params: Any, client_ids: jax.Array, rng: jax.Array):
         pad = -client_ids.shape[0] % num_devices
-        keys = _pad_clients(client_rngs(round_rng(rng, state.round), client_ids), pad)
-        received = download(state)[0]
-        client_states = jax.vmap(fns.init, in_axes=(None, 0), axis_size=keys.shape[0])(
+        padded_keys = _pad_clients(keys(state.round, rng, client_ids), pad)
+        received = download(state.global_params)[0]
+        client_states = jax.vmap(fns.init, in_axes=(None, 0), axis_size=padded_keys.shape[0])(
             received, _pad_clients(local_params, pad)
         )
-        return shard(client_states), shard(keys)
+        return shard(client_states), shard(padded_keys)
 
-    def start_each(state: ServerState, local_params: Any, client_ids: jax.Array, rng: jax.Array):
-        keys = client_rngs(round_rng(rng, state.round), client_ids)
-        received = download(state)[0]
-        own = lambda i: jax.tree.map(lambda x: x[i], local_params)  # noqa: E731
-        return tuple(fns.init(received, own(i)) for i in range(keys.shape[0])), tuple(keys)
+    def start_one(global_wire: Any, local: Any, key: jax.Array) -> ClientState:
+        del key  # the key enters at every step; kept in the signature for symmetry with start
+        return fns.init(download(global_wire)[0], local)
 
     def segment_one(
-        client_state: ClientState, state: ServerState, seg: Any, key: jax.Array, frozen: Any = None
+        client_state: ClientState, global_wire: Any, seg: Any, key: jax.Array, frozen: Any = None
     ):
-        own = jax.tree.map(lambda x: x[0], seg)  # a segment of one client
-        received, constants = download(state, frozen)
-        return fns.train_segment(client_state, own, received, key, constants)
+        received, constants = download(global_wire, frozen)
+        return fns.train_segment(client_state, seg, received, key, constants)
 
     def train(
         client_states: ClientState, received: Any, seg: Any, keys: jax.Array, constants: Any
@@ -246,17 +249,13 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         )
 
     def segment(
-        client_states: ClientState,
-        state: ServerState,
-        seg: Any,
-        keys: jax.Array,
-        frozen: Any = None,
+        client_states: ClientState, global_wire: Any, seg: Batch, keys: jax.Array, frozen=None
     ):
         pad = keys.shape[0] - seg.step_mask.shape[0]
         data = _pad_clients(seg.replace(step_mask=None), pad).replace(
             step_mask=_pad_clients(seg.step_mask, pad, False)
         )
-        received, constants = download(state, frozen)
+        received, constants = download(global_wire, frozen)
         return train(client_states, received, data, keys, constants)
 
     def server_step(state: ServerState, mean: Any) -> ServerState:
@@ -288,10 +287,11 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         jax.jit(segment, donate_argnums=(0,)),
         # finish's outputs are smaller than the client states: donating those would not help.
         jax.jit(finish, donate_argnums=(0,) if donate else ()),
-        jax.jit(start_each),  # [K, ...] local parts cannot alias per-client states
+        jax.jit(start_one),  # a client's local part is the caller's (a row of [K], a node's own)
         jax.jit(segment_one, donate_argnums=(0,)),
         jax.jit(finish_one, donate_argnums=(0,)),
         jax.jit(combine, donate_argnums=(0,) if donate else ()),
+        jax.jit(keys),
     )
 
 
@@ -311,6 +311,35 @@ def round_devices(spec: RoundSpec) -> tuple[Any, ...]:
     return tuple(jax.local_devices()) if spec.devices is None else tuple(spec.devices)
 
 
+def client_key(run_rng: jax.Array, round_index: int, client_id: int) -> jax.Array:
+    """A client's key for a round: fold_in(fold_in(run key, rounds completed), client id)."""
+    return jax.random.fold_in(round_rng(run_rng, round_index), client_id)
+
+
+def client_round(
+    spec: RoundSpec,
+    global_wire: Any,
+    local: Any,
+    segments: Sequence[Batch],
+    key: jax.Array,
+    frozen: Any = None,
+) -> tuple[Any, Any, ClientMetrics]:
+    """One client's part of a round: train from the received global part (in the wire dtype) and
+    its own local part on its own steps (`batching.client_batches`); returns (its upload as the
+    server receives it, in fp32; its new local part; its metrics).
+
+    The very programs the simulation runs for each client when clients run one at a time, so a
+    client of a real federation computes what the simulation computes for it, bit for bit. `key`:
+    `client_key(run key, round, client id)`; `frozen`: the frozen parameters (default none).
+    """
+    fns = round_functions(spec)
+    frozen = {} if frozen is None else frozen
+    state = fns.start_one(global_wire, local, key)
+    for seg in segments:
+        state = fns.segment_one(state, global_wire, seg.for_training(), key, frozen)
+    return fns.finish_one(state)
+
+
 def _run_one_at_a_time(
     fns: RoundFns,
     devices: tuple[Any, ...],
@@ -318,50 +347,45 @@ def _run_one_at_a_time(
     local_params: Any,
     ids: jax.Array,
     rng: jax.Array,
-    segs: list[Batch],
+    segments: Sequence[Sequence[Batch]],
     weights: np.ndarray,
     frozen: Any,
 ) -> tuple[ServerState, Any, ClientMetrics]:
     """One-at-a-time round with client i on devices[i % D]: each device runs its clients one
-    after another while the other devices run theirs. The clients compute what they would on one
-    device (same programs, same inputs); their uploads are summed on devices[0] in client order.
-    Each client trains on its own part of every segment, cut to the round's smallest shape that
-    holds it (none where it has no real step).
+    after another while the other devices run theirs. Each client runs `client_round`'s programs
+    on its own steps; the uploads are summed on devices[0] in client order.
 
     Why several devices: on a CPU, two streams of small client steps keep both cores busier than
     one stream whose every op is split across them (docs/benchmarks.md measures it).
     """
     num, num_devices = len(weights), len(devices)
-    own = client_segments(segs)  # [segment][client]
-    each: list[Any] = [None] * num
-    keys: list[Any] = [None] * num
-    here: dict[int, tuple[ServerState, Any]] = {}  # device -> (server state, frozen) there
-    for d, device in enumerate(devices):
-        mine = np.arange(d, num, num_devices)
-        if mine.size:
-            here[d] = jax.device_put((server_state, frozen), device)
-            # a device with every client takes them as they are (a gather would copy them all)
-            local_here, ids_here = (
-                (local_params, ids)
-                if mine.size == num
-                else (jax.tree.map(lambda x, t=mine: x[t], local_params), ids[mine])
-            )
-            local_here, ids_here, rng_here = jax.device_put((local_here, ids_here, rng), device)
-            states, ks = fns.start_each(here[d][0], local_here, ids_here, rng_here)
-            for j, i in enumerate(mine):
-                each[i], keys[i] = states[j], ks[j]
-    # Programs are enqueued one per device in turn (client d's first segment, client d + 1's on
-    # the next device, ...), so that no device waits for the host to reach its clients; the host
-    # only enqueues, it reads nothing back.
+    keys = fns.keys(server_state.round, rng, ids)
+    # the received global part and the frozen one, put once on each device that has clients
+    here = [
+        jax.device_put((server_state.global_params, frozen), devices[d])
+        for d in range(min(num, num_devices))
+    ]
+    states: list[Any] = [None] * num
+    own_keys: list[Any] = [None] * num
+    for i in range(num):
+        device = devices[i % num_devices]
+        local = jax.device_put(jax.tree.map(lambda x, i=i: x[i], local_params), device)
+        own_keys[i] = jax.device_put(keys[i], device)
+        states[i] = fns.start_one(here[i % num_devices][0], local, own_keys[i])
+    # Programs are enqueued one per device in turn (client d's first step, client d + 1's on the
+    # next device, ...), so that no device waits for the host to reach its clients; the host only
+    # enqueues, it reads nothing back.
     for first in range(0, num, num_devices):
-        for parts in own:
-            for i in range(first, min(first + num_devices, num)):
-                if parts[i] is not None:
-                    part = jax.device_put(parts[i], devices[i % num_devices])
-                    state_there, frozen_there = here[i % num_devices]
-                    each[i] = fns.segment_one(each[i], state_there, part, keys[i], frozen_there)
-    finished = tuple(jax.device_put(fns.finish_one(s), devices[0]) for s in each)
-    return fns.combine(here[0][0], finished, weights)  # device 0 always holds client 0
+        group = range(first, min(first + num_devices, num))
+        for j in range(max(len(segments[i]) for i in group)):
+            for i in group:
+                if j < len(segments[i]):
+                    global_wire, frozen_there = here[i % num_devices]
+                    seg = jax.device_put(segments[i][j].for_training(), devices[i % num_devices])
+                    states[i] = fns.segment_one(states[i], global_wire, seg, own_keys[i],
+                                                frozen_there)  # fmt: skip
+    finished = tuple(jax.device_put(fns.finish_one(s), devices[0]) for s in states)
+    return fns.combine(jax.device_put(server_state, devices[0]), finished, weights)
 
 
 def client_bytes(spec: RoundSpec, global_params: Any) -> tuple[int, int]:
@@ -377,7 +401,7 @@ def run_round(
     server_state: ServerState,
     local_params: Any,
     num_examples: Any,
-    segments: Sequence[Batch],
+    segments: Sequence[Sequence[Batch]],
     rng: jax.Array,
     client_ids: Any = None,
     frozen: Any = None,
@@ -387,8 +411,8 @@ def run_round(
     Args:
       local_params: the sampled clients' local parts, stacked on a leading axis K.
       num_examples: [K] training examples per client (the aggregation weights N_i).
-      segments: batching's segments for these clients, arrays [K, S, B, T] / [K, S, B] / [K, S]
-        (or packed: see batching).
+      segments: for each sampled client, its steps in order (`batching.client_batches`: batches
+        [S, B, ...], padded or packed).
       rng: the run's key; the round counter is folded in here.
       client_ids: [K] global ids of the sampled clients (default 0..K-1), for their keys.
       frozen: the frozen parameters, one copy for every client (default none).
@@ -400,21 +424,25 @@ def run_round(
             f"num_examples must be K non-negative counts with a positive sum, got {weights}"
         )
     num_sampled = weights.shape[0]
+    if len(segments) != num_sampled:
+        raise ValueError(f"{len(segments)} clients' steps for {num_sampled} sampled clients")
     if client_ids is None:
         client_ids = np.arange(num_sampled, dtype=np.int32)
-    segs = [seg.for_training() for seg in segments]
     frozen = {} if frozen is None else frozen
     per_client_down, per_client_up = client_bytes(spec, server_state.global_params)
     fns = round_functions(spec)
     ids = jnp.asarray(client_ids, jnp.int32)
     if one_at_a_time(spec):
         state, new_local, metrics = _run_one_at_a_time(
-            fns, round_devices(spec), server_state, local_params, ids, rng, segs, weights, frozen
-        )
+            fns, round_devices(spec), server_state, local_params, ids, rng, segments, weights,
+            frozen,
+        )  # fmt: skip
     else:
         client_states, keys = fns.start(server_state, local_params, ids, rng)
-        for seg in segs:
-            client_states = fns.segment(client_states, server_state, seg, keys, frozen)
+        for seg in stack_clients(segments):
+            seg = seg.for_training()
+            client_states = fns.segment(client_states, server_state.global_params, seg, keys,
+                                        frozen)  # fmt: skip
         state, new_local, metrics = fns.finish(server_state, client_states, weights)
     train_loss = metrics.loss_sum / jnp.maximum(metrics.num_examples, 1.0)
     result = RoundResult(
