@@ -43,7 +43,9 @@ def setup():
         )  # fmt: skip
         for c, s in enumerate(clients)
     ]
-    trainer = pretrain_rounds.Trainer(config, default_client_optimizer(1e-2))
+    trainer = pretrain_rounds.Trainer(
+        config, default_client_optimizer(1e-2), algorithms.server_optimizer("fedavg")
+    )
     return config, params, segments, trainer
 
 
@@ -64,7 +66,7 @@ def test_one_round_moves_and_sends_only_layer_l_and_the_head(setup) -> None:
         assert set(flatten_paths(up)) == plan.trained  # only layer 1 and the head are sent
         uploads.append({p: np.asarray(x) for p, x in flatten_paths(up).items()})
     outcome = pretrain_rounds.run_round(
-        trainer, state, plan, [0, 1, 2], segments, weights, server_opt, seed=0, round_=1
+        trainer, state, plan, [0, 1, 2], segments, weights, seed=0, round_=1
     )
     after = {p: np.asarray(x) for p, x in flatten_paths(outcome.state.master).items()}
     trained = {

@@ -179,7 +179,7 @@ def build(config: PretrainConfig) -> Setup:
         heldout=heldout,
         masking=spec,
         pad_id=int(ids["pad_id"]),
-        trainer=Trainer(pre.config, optimizer),
+        trainer=Trainer(pre.config, optimizer, server_optimizer),
         server_optimizer=server_optimizer,
         server_state=init_server_state(pre.params, server_optimizer, "float32"),
         schedule=schedule,
@@ -316,7 +316,7 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
     params = setup.server_state.global_params
     outcome = run_round(
         setup.trainer, setup.server_state, the_plan, setup.clients, segments, weights,
-        setup.server_optimizer, seed=config.seed, round_=r,
+        seed=config.seed, round_=r,
     )  # fmt: skip
     setup.server_state = outcome.state
     jax.block_until_ready(setup.server_state.global_params)

@@ -36,12 +36,13 @@ from fedjax_split.data.masking import MaskedBatch
 from fedjax_split.data.objectives import MASKED_LM
 from fedjax_split.fed import layerwise
 from fedjax_split.fed.aggregation import weighted_mean_each
-from fedjax_split.fed.client import ClientSpec, make_client_fns
-from fedjax_split.fed.roles import layer_index, select
-from fedjax_split.fed.server import ServerState, server_update, upload
-from fedjax_split.fed.wire import cast_from_wire, cast_to_wire, tree_bytes
+from fedjax_split.fed.client import ClientSpec
+from fedjax_split.fed.roles import layer_index
+from fedjax_split.fed.server import ServerState, server_update
+from fedjax_split.fed.wire import cast_to_wire, tree_bytes
 from fedjax_split.models.bert import BertConfig, make_apply
 from fedjax_split.models.flops import mlm_train_flops
+from fedjax_split.sim.rounds import RoundSpec, client_round
 
 
 class ClientReport(NamedTuple):
@@ -59,28 +60,42 @@ class ClientReport(NamedTuple):
 
 
 class Trainer:
-    """The client update and the evaluation, compiled once per model depth (clients of a round
-    may run models of another depth than the server's: FedBFPT's small ones)."""
+    """What a round's clients run, per model depth (clients may run models of another depth than
+    the server's: FedBFPT's small ones) and trained set: a `sim.rounds.RoundSpec` whose global part
+    is the client's whole model, of which `trained` is trained and sent, so that a client runs
+    `sim.rounds.client_round`, the programs every federated client of this library runs."""
 
-    def __init__(self, config: BertConfig, optimizer: optax.GradientTransformation) -> None:
+    def __init__(
+        self,
+        config: BertConfig,
+        optimizer: optax.GradientTransformation,
+        server_optimizer: optax.GradientTransformation | None = None,
+        wire_dtype: str = "float32",
+    ) -> None:
         self.config = config  # the global model's (head "mlm")
         self.optimizer = optimizer
-        self._fns: dict[int, tuple[Callable[..., Any], ...]] = {}
+        self.server_optimizer = server_optimizer or optax.sgd(1.0)  # FedAvg
+        self.wire_dtype = wire_dtype
+        self._specs: dict[tuple[int, frozenset[str]], RoundSpec] = {}
 
     def depth_config(self, depth: int) -> BertConfig:
         return dataclasses.replace(self.config, num_hidden_layers=depth)
 
-    def client_fns(self, depth: int) -> tuple[Callable[..., Any], ...]:
-        """Jitted (init, train_segment, finish) of `fed.client` for a `depth`-layer model."""
-        if depth not in self._fns:
-            apply = make_apply(self.depth_config(depth))
-            fns = make_client_fns(ClientSpec(apply, MASKED_LM, self.optimizer))
-            self._fns[depth] = (
-                jax.jit(fns.init),
-                jax.jit(fns.train_segment, donate_argnums=0),
-                jax.jit(fns.finish),
+    def spec(self, depth: int, trained: frozenset[str]) -> RoundSpec:
+        """The round spec of a `depth`-layer client model training the paths `trained` (of
+        that model); one per (depth, trained), so each compiles once."""
+        if (depth, trained) not in self._specs:
+            same_depth = [v for (d, _), v in self._specs.items() if d == depth]
+            client = (
+                same_depth[0].client
+                if same_depth
+                else ClientSpec(make_apply(self.depth_config(depth)), MASKED_LM, self.optimizer)
             )
-        return self._fns[depth]
+            self._specs[(depth, trained)] = RoundSpec(
+                client=client, server_optimizer=self.server_optimizer,
+                wire_dtype=self.wire_dtype, chunk_size=1, trained=trained,
+            )  # fmt: skip
+        return self._specs[(depth, trained)]
 
 
 def step_flops(config: BertConfig, batch: MaskedBatch, depth: int,
@@ -100,23 +115,20 @@ def step_flops(config: BertConfig, batch: MaskedBatch, depth: int,
 
 def train_client(
     trainer: Trainer,
-    received: Mapping[str, Any],
+    global_wire: Mapping[str, Any],
     layers: Sequence[int],
     trained: frozenset[str],
     segments: Sequence[MaskedBatch],
     key: jax.Array,
 ) -> tuple[dict[str, Any], jax.Array, jax.Array, int]:
-    """One client's update: (its trained part under global paths, loss sum, predicted tokens,
-    real steps). `received`: the global parameters in fp32."""
-    init, train_segment, finish = trainer.client_fns(len(layers))
-    model = layerwise.assemble(received, layers)
-    trainable, constants = select(model, layerwise.paths_to_client(trained, layers))
-    state = init(trainable, {})
-    for segment in segments:
-        state = train_segment(state, segment, trainable, key, constants)
-    new_trainable, _, metrics = finish(state)
+    """One client's update: (its trained part under global paths, as the server receives it;
+    loss sum; predicted tokens; real steps). `global_wire`: the server's global parameters in the
+    wire dtype, of which the client receives the layers it runs."""
+    spec = trainer.spec(len(layers), layerwise.paths_to_client(trained, layers))
+    model = layerwise.assemble(global_wire, layers)
+    sent, _, metrics = client_round(spec, model, {}, segments, key)
     return (
-        layerwise.to_global(new_trainable, layers),
+        layerwise.to_global(sent, layers),
         metrics.loss_sum,
         metrics.num_examples,
         int(metrics.num_steps),
@@ -136,23 +148,21 @@ def run_round(
     clients: Sequence[int],
     segments: Sequence[Sequence[MaskedBatch]],
     weights: Sequence[float],
-    server_optimizer: optax.GradientTransformation,
     *,
     seed: int,
     round_: int,
-    wire_dtype: str = "float32",
 ) -> RoundOutcome:
     """Trains every client of `plan` in turn, averages their uploads with `weights` and steps
-    the server (only the plan's trained paths move)."""
-    received = cast_from_wire(state.global_params)
+    the server with the trainer's server optimizer (only the plan's trained paths move)."""
     round_key = jax.random.fold_in(jax.random.key(seed), round_)
     uploads, reports = [], []
     for c, layers, segs in zip(clients, plan.layers, segments, strict=True):
         t0, c0 = time.perf_counter(), time.process_time()
         key = jax.random.fold_in(round_key, c)
-        new, loss_sum, count, steps = train_client(trainer, received, layers, plan.trained, segs,
-                                                   key)  # fmt: skip
-        sent = cast_to_wire(new, wire_dtype)
+        new, loss_sum, count, steps = train_client(
+            trainer, state.global_params, layers, plan.trained, segs, key
+        )
+        sent = cast_to_wire(new, trainer.wire_dtype)  # what crossed the wire
         jax.block_until_ready(sent)
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
         client_paths = layerwise.paths_to_client(plan.trained, layers)
@@ -161,7 +171,7 @@ def run_round(
             * step_flops(trainer.config, s, len(layers), client_paths)
             for s in segs
         )
-        uploads.append(upload(new, wire_dtype))
+        uploads.append(new)
         reports.append(
             ClientReport(
                 client=int(c),
@@ -176,7 +186,7 @@ def run_round(
             )
         )
     mean = weighted_mean_each(uploads, jnp.asarray(weights, jnp.float32))
-    state = _server_step(server_optimizer, wire_dtype, plan.trained)(state, mean)
+    state = _server_step(trainer.server_optimizer, trainer.wire_dtype, plan.trained)(state, mean)
     return RoundOutcome(state, reports, sum(r.bytes_up for r in reports))
 
 
