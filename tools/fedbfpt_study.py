@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -126,33 +127,39 @@ def pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def per_round_client(run: dict[str, Any], key: str) -> float:
-    """Mean over rounds and clients of a per-client cost."""
-    values = [c[key] for r in run["records"] for c in r["clients"]]
+def per_round_client(run: dict[str, Any], key: str, first: int = 1) -> float:
+    """Mean over rounds (from `first`) and clients of a per-client cost."""
+    values = [c[key] for r in run["records"] if r["round"] >= first for c in r["clients"]]
     return sum(values) / len(values) if values else 0.0
+
+
+def shell(args: Sequence[str]) -> str:
+    return shlex.join(str(a).replace(str(ROOT) + "/", "") for a in args)
 
 
 def pretrain_table(runs: dict[str, dict[str, Any]]) -> list[str]:
     bert = runs.get("bert-fl")
     rows = [
         "| method | model layers | GFLOP per round and client | share of BERT-FL | CPU s per round"
-        " and client | share | MB up per round and client | share | MB down (client keeps a "
-        "copy) | MB down (keeps nothing) | held-out MLM loss | masked-token accuracy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " and client | share | wall s | MB up per round and client | share | MB down, rounds 2+"
+        " (client keeps a copy) | MB down (keeps nothing) | held-out MLM loss | masked-token "
+        "accuracy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, run in runs.items():
         s = run["summary"]
         label = METHODS[m][0]
         if not run["records"]:
             rows.append(
-                f"| {label} | {s['layers']} | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | "
+                f"| {label} | {s['layers']} | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | "
                 f"{fmt(s['final']['mlm_loss'], 3)} | {fmt(s['final']['mlm_accuracy'], 3)} |"
             )
             continue
         flops = per_round_client(run, "flops") / 1e9
         cpu = per_round_client(run, "cpu_seconds")
+        wall = per_round_client(run, "seconds")
         up = per_round_client(run, "bytes_up") / 1e6
-        down = per_round_client(run, "bytes_down") / 1e6
+        down = per_round_client(run, "bytes_down", first=2) / 1e6
         full = per_round_client(run, "bytes_down_full") / 1e6
         if bert:
             b_flops = per_round_client(bert, "flops") / 1e9
@@ -160,7 +167,7 @@ def pretrain_table(runs: dict[str, dict[str, Any]]) -> list[str]:
             b_up = per_round_client(bert, "bytes_up") / 1e6
         rows.append(
             f"| {label} | {s['layers']} | {flops:,.0f} | {pct(flops / b_flops) if bert else 'n/a'}"
-            f" | {cpu:,.1f} | {pct(cpu / b_cpu) if bert else 'n/a'} | {up:,.1f} | "
+            f" | {cpu:,.1f} | {pct(cpu / b_cpu) if bert else 'n/a'} | {wall:,.1f} | {up:,.1f} | "
             f"{pct(up / b_up) if bert and b_up else 'n/a'} | {down:,.1f} | {full:,.1f} | "
             f"{fmt(s['initial']['mlm_loss'], 3)} -> {fmt(s['final']['mlm_loss'], 3)} | "
             f"{fmt(s['initial']['mlm_accuracy'], 3)} -> {fmt(s['final']['mlm_accuracy'], 3)} |"
@@ -301,6 +308,17 @@ def plots(runs: dict[str, dict[str, Any]]) -> list[str]:
     return [f"{x.replace('](', '](figures/')}" for x in lines]
 
 
+def fedbfpt_lines(runs: dict[str, dict[str, Any]]) -> list[str]:
+    run = runs.get("fedbfpt")
+    if run is None:
+        return []
+    lines = ["FedBFPT's rounds (trained layer; each client's small model as global layers):", ""]
+    for r in run["records"]:
+        models = " ".join("(" + ",".join(map(str, c["layers"])) + ")" for c in r["clients"])
+        lines.append(f"- round {r['round']}: layer {r['layer']}; clients {models}")
+    return lines
+
+
 def warmup_lines() -> list[str]:
     run = load("warmup")
     if run is None:
@@ -330,21 +348,23 @@ def report() -> None:
         "",
         "The common start, MiniLM-L6 with an MLM head trained alone on movie-review snippets:",
         "",
-        f"    python -m fedjax_split.pretrain {' '.join(WARMUP)}",
+        f"    python -m fedjax_split.pretrain {shell(WARMUP)}",
         "",
         *warmup_lines(),
         "",
         "Pre-training command (each method adds `--method M`):",
         "",
-        f"    python -m fedjax_split.pretrain {' '.join(PRETRAIN).replace(str(ROOT) + '/', '')}",
+        f"    python -m fedjax_split.pretrain {shell(PRETRAIN)}",
         "",
         "Fine-tuning command (each pre-trained model, seeds " + ", ".join(map(str, SEEDS)) + "):",
         "",
-        f"    python -m fedjax_split.train {' '.join(FINETUNE)} --model DIR/model --seed S",
+        f"    python -m fedjax_split.train {shell(FINETUNE)} --model DIR/model --seed S",
         "",
         "## Further pre-training: cost per round and client, and the held-out MLM task",
         "",
         *pretrain_table(runs),
+        "",
+        *fedbfpt_lines(runs),
         "",
         *plots(runs),
         "",
