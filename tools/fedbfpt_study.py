@@ -254,7 +254,7 @@ def plots(runs: dict[str, dict[str, Any]]) -> list[str]:
 
     FIGURES.mkdir(parents=True, exist_ok=True)
     lines = []
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for m, run in runs.items():
         s = run["summary"]
         xs_f, xs_b, ys = [0.0], [0.0], [s["initial"]["mlm_loss"]]
@@ -266,13 +266,15 @@ def plots(runs: dict[str, dict[str, Any]]) -> list[str]:
         label = METHODS[m][0]
         axes[0].plot(xs_f, ys, marker="o", label=label)
         axes[1].plot(xs_b, ys, marker="o", label=label)
+        axes[2].plot(range(len(ys)), ys, marker="o", label=label)
     axes[0].set_xlabel("client computation, all clients so far (TFLOP of matmuls)")
     axes[1].set_xlabel("communication so far, up + down (MB)")
+    axes[2].set_xlabel("round (0: the common start)")
     for ax in axes:
         ax.set_ylabel("held-out MLM loss (PubMed)")
         ax.grid(alpha=0.3)
     axes[1].set_xscale("symlog", linthresh=10)
-    axes[0].legend(fontsize=7)
+    axes[2].legend(fontsize=7)
     fig.suptitle("Further pre-training of MiniLM-L6 on PubMed, 6 clients, 5 rounds")
     fig.tight_layout()
     path = FIGURES / "fedbfpt_mlm.png"
