@@ -1,4 +1,5 @@
-"""fedjax_split: federated fine-tuning of BERT on non-IID clients (FedSplitBERT and baselines).
+"""fedjax_split: federated fine-tuning of BERT on non-IID clients (FedSplitBERT and baselines),
+and federated further pre-training (FedBFPT).
 
 The public API is imported lazily so that `import fedjax_split` stays cheap (no jax/transformers
 import until a name is used). Importing it tunes glibc's malloc for XLA:CPU (run/malloc.py).
@@ -27,6 +28,7 @@ _EXPORTS = {
     "CLASSIFICATION": "fedjax_split.data.objectives",
     "REGRESSION": "fedjax_split.data.objectives",
     "TOKEN_CLASSIFICATION": "fedjax_split.data.objectives",
+    "MASKED_LM": "fedjax_split.data.objectives",
     "load_tokenizer": "fedjax_split.data.tokenization",
     "Batch": "fedjax_split.data.batch",
     "PackedBatch": "fedjax_split.data.batch",
@@ -59,6 +61,7 @@ _EXPORTS = {
     "client_key": "fedjax_split.sim.rounds",
     "replicate": "fedjax_split.sim.rounds",
     "run_experiment": "fedjax_split.run.experiment",
+    "run_pretraining": "fedjax_split.run.pretraining",
     "UserError": "fedjax_split.errors",
 }
 

@@ -91,6 +91,31 @@ def write_tiny_conll(
     return data_dir
 
 
+def write_tiny_text(data_dir: Path, *, seed: int = 0) -> Path:
+    """Two .txt files (two sources) of 30 blank-line-separated documents of the tiny model's
+    words each, for further pre-training."""
+    rng = np.random.default_rng(seed)
+    words = FILLER + POSITIVE + NEGATIVE
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("old.txt", "new.txt"):
+        docs = [
+            "\n".join(" ".join(rng.choice(words, size=int(rng.integers(4, 12))))
+                      for _ in range(int(rng.integers(1, 4))))
+            for _ in range(30)
+        ]  # fmt: skip
+        (data_dir / name).write_text("\n\n".join(docs) + "\n")
+    return data_dir
+
+
+# Parameter counts of write_tiny_model's BERT (hidden 32, intermediate 64, positions 64), which a
+# further pre-training client sends: one encoder layer, the MLM head (transform, LayerNorm,
+# output bias), the embeddings (word, position, token type, LayerNorm).
+TINY_VOCAB = 5 + len(POSITIVE) + len(NEGATIVE) + len(FILLER)
+TINY_LAYER = 4 * (32 * 32 + 32) + 2 * 32 + (32 * 64 + 64) + (64 * 32 + 32) + 2 * 32
+TINY_MLM_HEAD = (32 * 32 + 32) + 2 * 32 + TINY_VOCAB
+TINY_EMBEDDINGS = TINY_VOCAB * 32 + 64 * 32 + 2 * 32 + 2 * 32
+
+
 def tiny_args(model: Path, data: Path, out: Path, **extra: object) -> list[str]:
     """CLI flags of a tiny, fast run (4 rounds, 3 clients, critical layer 1 of 2)."""
     flags = {

@@ -579,3 +579,65 @@ def test_dropout_edge_rates_and_dtype() -> None:
     assert dropout(x, 0.5, key).dtype == jnp.bfloat16
     grad = jax.grad(lambda v: dropout(v, 0.5, key).sum())(jnp.ones((64,)))
     assert set(np.unique(np.asarray(grad)).tolist()) == {0.0, 2.0}  # mask times 1/keep
+
+
+# ----------------------------------------------------------------------------- masked-LM head
+
+MLM = dataclasses.replace(TINY, head="mlm", hidden_dropout_prob=0.0)
+
+
+def test_mlm_decoder_is_tied_to_the_word_embeddings() -> None:
+    """The head owns a transform and a bias, no decoder matrix: its logits are
+    transform(h) @ E^T + b with E the input word embeddings, written out here by hand (so a
+    change of E moves the output layer too; the gradient path is transformers' own, compared in
+    tests/test_hf_checkpoint.py)."""
+    params = init_params(MLM, jax.random.key(0))
+    assert set(params) == {"embeddings", "encoder", "mlm"}
+    assert jax.tree.map(jnp.shape, params["mlm"]) == {
+        "transform": {"dense": {"kernel": (32, 32), "bias": (32,)},
+                      "LayerNorm": {"scale": (32,), "bias": (32,)}},
+        "bias": (101,),
+    }  # fmt: skip
+    params["mlm"]["bias"] = jax.random.normal(jax.random.key(1), (101,))
+    ids, mask, types = _batch(np.random.default_rng(0), MLM)
+    positions = np.array([[0, 4], [1, 1], [0, 0], [6, 2]])
+    apply = make_apply(MLM)
+
+    @jax.jit
+    def outputs(p):
+        hidden, _ = make_encode(MLM)(p, ids, mask, types)
+        some = apply(p, ids, mask, types, train=False, positions=positions)
+        return hidden, apply(p, ids, mask, types, train=False), some
+
+    hidden, logits, some = outputs(params)
+    m = params["mlm"]["transform"]
+    h = np.asarray(hidden) @ np.asarray(m["dense"]["kernel"]) + np.asarray(m["dense"]["bias"])
+    h = np.asarray(jax.nn.gelu(h, approximate=False))
+    mu, var = h.mean(-1, keepdims=True), h.var(-1, keepdims=True)
+    h = (h - mu) / np.sqrt(var + MLM.layer_norm_eps) * np.asarray(m["LayerNorm"]["scale"])
+    h = h + np.asarray(m["LayerNorm"]["bias"])
+    table = np.asarray(params["embeddings"]["word_embeddings"]["embedding"])
+    want = h @ table.T + np.asarray(params["mlm"]["bias"])
+    np.testing.assert_allclose(np.asarray(logits), want, atol=1e-4)
+    # positions gather the same rows before the decoder
+    np.testing.assert_allclose(
+        np.asarray(some), np.take_along_axis(want, positions[..., None], axis=1), atol=1e-4
+    )
+    # tied: changing a word's embedding that no input uses changes its output logit only
+    unseen = sorted(set(range(101)) - set(np.asarray(ids).ravel().tolist()))[0]
+    params["embeddings"]["word_embeddings"]["embedding"] = jnp.asarray(table).at[unseen].add(1.0)
+    _, moved, _ = outputs(params)
+    changed = np.nonzero(np.abs(np.asarray(moved) - np.asarray(logits)).max(axis=(0, 1)) > 1e-6)
+    assert changed[0].tolist() == [unseen]
+
+
+def test_mlm_head_config_and_positions_rules() -> None:
+    hf = MLM.to_hf_dict()
+    assert hf["architectures"] == ["BertForMaskedLM"] and hf["tie_word_embeddings"] is True
+    assert "id2label" not in hf and "num_labels" not in hf
+    assert BertConfig.from_hf_dict(hf).head == "mlm"
+    assert transformers.BertConfig(**hf).tie_word_embeddings is True
+    params = init_params(TINY, jax.random.key(0))
+    ids, mask, types = _batch(np.random.default_rng(0), TINY)
+    with pytest.raises(ValueError, match="MLM head"):
+        make_apply(TINY)(params, ids, mask, types, train=False, positions=np.zeros((4, 2)))

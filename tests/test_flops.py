@@ -77,3 +77,38 @@ def test_packed_forward_flops_match_the_models_matmuls():
     )(params)  # fmt: skip
     assert packed_forward_flops(config, n, r, w, 5) == _dot_flops(jaxpr.jaxpr)
     assert segment_train_flops(config, seg) == 3 * packed_forward_flops(config, n, r, w, 5)
+
+
+@pytest.mark.parametrize(
+    ("trained", "embeddings"),
+    [((0,), False), ((2,), False), ((3,), False), ((), False), ((1, 2), False),
+     ((0, 1, 2, 3), True)],
+)  # fmt: skip
+def test_mlm_train_flops_match_the_gradients_matmuls(trained, embeddings):
+    """The MLM step as autodiff runs it when only some parameters are trained (FedBFPT: one
+    layer + the head; BERT-FL: all): the formula equals the dot_generals of the gradient's jaxpr,
+    forward and backward, for every choice of trained layers."""
+    from fedjax_split.fed import layerwise
+    from fedjax_split.fed.roles import merge_params, select
+    from fedjax_split.models.flops import mlm_train_flops
+
+    config = BertConfig(vocab_size=97, hidden_size=24, num_hidden_layers=4, num_attention_heads=2,
+                        intermediate_size=40, head="mlm")  # fmt: skip
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    apply = make_apply(config)
+    b, t, p = 3, 16, 3
+    ids = jnp.ones((b, t), jnp.int32)
+    positions = jnp.zeros((b, p), jnp.int32)
+    paths = layerwise.trained_paths(params, trained)
+    if embeddings:
+        paths = layerwise.trained_paths(params, None)
+    chosen, constants = select(params, paths)
+
+    def loss(trainable, constants):
+        logits = apply(merge_params(trainable, constants), ids, train=False, positions=positions)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(chosen, constants).jaxpr
+    want = mlm_train_flops(config, b, t, p, layers=4, trained_layers=trained,
+                           embeddings_trained=embeddings)  # fmt: skip
+    assert _dot_flops(jaxpr) == want

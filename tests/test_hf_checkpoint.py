@@ -519,3 +519,78 @@ def test_a_sequence_checkpoint_feeds_a_token_head_without_its_pooler(torch_class
     assert "pooler" not in messages  # dropped as transformers drops it, not reported
     assert "classifier" in messages  # 3 labels instead of 2: a fresh head, reported
     assert set(params) == {"embeddings", "encoder", "classifier"}
+
+
+# ----------------------------------------------------------------------------- masked-LM head
+
+
+@pytest.fixture(scope="module")
+def torch_mlm(tmp_path_factory):
+    """A random tiny BertForMaskedLM saved by transformers (decoder tied to the embeddings)."""
+    model = _randomise(transformers.BertForMaskedLM(_hf_config()), seed=5)
+    out = tmp_path_factory.mktemp("tiny_mlm")
+    model.save_pretrained(out)
+    return model, out
+
+
+def test_mlm_loss_and_logits_equal_transformers_both_ways(torch_mlm, tmp_path):
+    """BertForMaskedLM's head (cls.predictions.*) loads with nothing missing or unexpected; the
+    logits, and the MLM loss on prediction slots, equal transformers' loss on [B, T] labels
+    (IGNORE elsewhere); our export loads in PyTorch as BertForMaskedLM with the same logits, and
+    back in ours bit for bit."""
+    from fedjax_split.data.objectives import IGNORE, MASKED_LM
+
+    model, path = torch_mlm
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply, params, config = load_pretrained(path, num_labels=2, head="mlm")
+    assert config.head == "mlm" and set(params) == {"embeddings", "encoder", "mlm"}
+    ids, mask, types = _inputs(np.random.default_rng(2), TINY.vocab_size)
+    positions = np.array([[1, 3, 5], [2, 0, 0], [1, 4, 0]])
+    used = np.array([[1, 1, 1], [1, 0, 0], [1, 1, 0]], bool)
+    slot_labels = np.where(used, np.take_along_axis(ids, positions, 1), IGNORE)
+    token_labels = np.full(ids.shape, IGNORE)
+    for row, pos in zip(*np.nonzero(used), strict=True):
+        token_labels[row, positions[row, pos]] = ids[row, positions[row, pos]]
+    masked = np.where(token_labels != IGNORE, 4, ids)  # the inputs the model sees: [MASK] = 4
+    with torch.no_grad():
+        ref = model(
+            input_ids=torch.tensor(masked), attention_mask=torch.tensor(mask),
+            token_type_ids=torch.tensor(types), labels=torch.tensor(token_labels),
+        )  # fmt: skip
+    run = jax.jit(apply, static_argnames="train")
+    ours = run(params, masked, mask, types, train=False)
+    np.testing.assert_allclose(np.asarray(ours), ref.logits.numpy(), atol=2e-5)
+    at = run(params, masked, mask, types, train=False, positions=positions)
+    loss_sum, count = MASKED_LM.loss_sums(at, jnp.asarray(slot_labels), jnp.ones(3))
+    assert int(count) == int(used.sum())
+    assert abs(float(loss_sum / count) - float(ref.loss)) < 1e-4
+    out = save_pretrained(params, config, tmp_path / "export_mlm")
+    back, info = transformers.AutoModelForMaskedLM.from_pretrained(out, output_loading_info=True)
+    assert type(back).__name__ == "BertForMaskedLM"
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    again = _torch_out(back.eval(), masked, mask, types).logits.numpy()
+    np.testing.assert_allclose(again, ref.logits.numpy(), atol=2e-5)
+    reloaded = load_pretrained(out, num_labels=2, head="mlm")
+    for a, b in zip(jax.tree.leaves(reloaded.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_mlm_head_is_fresh_and_reported_when_the_checkpoint_has_none(torch_encoder, torch_mlm):
+    _, path = torch_encoder  # a BertModel, as MiniLM is: no cls.predictions
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, params, _ = load_pretrained(path, num_labels=2, head="mlm", seed=3)
+    message = " ".join(str(w.message) for w in caught)
+    assert "freshly initialised from seed 3" in message
+    assert "cls.predictions.transform.dense.weight" in message and "cls.predictions.bias" in message
+    assert "pooler" not in message  # BertForMaskedLM has no pooler: dropped, as transformers does
+    np.testing.assert_array_equal(np.asarray(params["mlm"]["bias"]), np.zeros(TINY.vocab_size))
+    np.testing.assert_array_equal(
+        np.asarray(params["mlm"]["transform"]["LayerNorm"]["scale"]), np.ones(TINY.hidden_size)
+    )
+    # an MLM checkpoint feeds a classifier: its head is reported as unused, not silently dropped
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_pretrained(torch_mlm[1], num_labels=3, head="token")
+    assert "cls.predictions.transform.dense.weight" in " ".join(str(w.message) for w in caught)

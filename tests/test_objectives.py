@@ -6,6 +6,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from fedjax_split.data.objectives import (
     CLASSIFICATION,
@@ -71,5 +72,23 @@ def test_predictions_and_registry() -> None:
     assert REGRESSION.predict(jnp.asarray([[2.5], [0.5]])).tolist() == [2.5, 0.5]
     assert REGRESSION.predict(jnp.asarray([[2.5]])).dtype == jnp.float32
     assert OBJECTIVES["token_classification"] is TOKEN_CLASSIFICATION
-    assert {o.head for o in OBJECTIVES.values()} == {"sequence", "token"}
-    assert len({hash(o) for o in OBJECTIVES.values()}) == 3  # hashable: round specs cache on them
+    assert {o.head for o in OBJECTIVES.values()} == {"sequence", "token", "mlm"}
+    assert len({hash(o) for o in OBJECTIVES.values()}) == 4  # hashable: round specs cache on them
+
+
+def test_masked_lm_loss_is_the_mean_over_predicted_slots() -> None:
+    """Logits [B, P, V] at the prediction slots, labels [B, P] with IGNORE in unused slots; a
+    padding row's slots never count. Expected values by hand (log-softmax)."""
+    from fedjax_split.data.objectives import IGNORE, MASKED_LM
+
+    logits = jnp.asarray([[[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]], [[0.0, 0.0, 5.0], [1.0, 1.0, 1.0]]])
+    labels = jnp.asarray([[0, IGNORE], [2, 1]])
+    total, count = MASKED_LM.loss_sums(logits, labels, jnp.asarray([1.0, 1.0]))
+    nll = lambda row, k: float(jnp.log(jnp.sum(jnp.exp(row))) - row[k])  # noqa: E731
+    assert float(count) == 3.0
+    assert float(total) == pytest.approx(
+        nll(logits[0, 0], 0) + nll(logits[1, 0], 2) + nll(logits[1, 1], 1), rel=1e-6
+    )
+    total, count = MASKED_LM.loss_sums(logits, labels, jnp.asarray([1.0, 0.0]))
+    assert float(count) == 1.0 and float(total) == pytest.approx(nll(logits[0, 0], 0), rel=1e-6)
+    assert MASKED_LM.head == "mlm" and MASKED_LM.per_token

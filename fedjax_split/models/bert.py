@@ -1,4 +1,5 @@
-"""Flax BERT encoder with a sequence-classification / regression head, behind pure functions.
+"""Flax BERT encoder with a classification, token-classification or masked-LM head, behind pure
+functions.
 
 transformers 5 ships no Flax models, so the encoder is ours. It reproduces Hugging Face's
 `BertModel` / `BertForSequenceClassification` (post-LN, absolute positions 0..T-1, token types,
@@ -33,11 +34,14 @@ Params = dict[str, Any]
 BERT_MODEL_TYPES = frozenset({"bert"})
 PROBLEM_TYPES = ("single_label_classification", "regression")
 # "sequence": pooler on [CLS] + classifier (BertForSequenceClassification); "token": classifier on
-# every token, no pooler (BertForTokenClassification).
-HEADS = ("sequence", "token")
+# every token, no pooler (BertForTokenClassification); "mlm": the masked-LM head of
+# BertForMaskedLM (transform dense + activation + LayerNorm, then a decoder tied to the word
+# embeddings plus its own bias), no pooler.
+HEADS = ("sequence", "token", "mlm")
 _ARCHITECTURES = {
     "sequence": "BertForSequenceClassification",
     "token": "BertForTokenClassification",
+    "mlm": "BertForMaskedLM",
 }
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # "xla": our einsum attention (any dtype, dropout on the probabilities); "cudnn": jax's fused
@@ -160,8 +164,9 @@ class BertConfig:
             kwargs["num_labels"] = len(d["id2label"])
         if d.get("problem_type") in PROBLEM_TYPES:
             kwargs["problem_type"] = d["problem_type"]
-        if _ARCHITECTURES["token"] in (d.get("architectures") or ()):
-            kwargs["head"] = "token"
+        for head in ("token", "mlm"):
+            if _ARCHITECTURES[head] in (d.get("architectures") or ()):
+                kwargs["head"] = head
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
         id2label = d.get("id2label") or {}
         names = [id2label.get(str(i), id2label.get(i)) for i in range(len(id2label))]
@@ -181,8 +186,9 @@ class BertConfig:
         return cls(**kwargs)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json of a `BertForSequenceClassification` (or, with the token head,
-        `BertForTokenClassification`) with fp32 weights."""
+        """The config.json of a `BertForSequenceClassification` (with the token head,
+        `BertForTokenClassification`; with the MLM head, `BertForMaskedLM`, whose decoder is tied
+        to the word embeddings) with fp32 weights."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for ours in ("dtype", "attention", "head", "label_names"):
             del d[ours]  # dtype: our compute dtype (HF's `dtype` means storage, which is fp32)
@@ -195,6 +201,10 @@ class BertConfig:
             id2label={str(i): name for i, name in enumerate(names)},
             label2id={name: i for i, name in enumerate(names)},
         )
+        if self.head == "mlm":  # predicts the vocabulary: no labels, decoder tied to embeddings
+            for key in ("id2label", "label2id", "num_labels", "problem_type", "classifier_dropout"):
+                d.pop(key)
+            d["tie_word_embeddings"] = True
         return d
 
 
@@ -398,6 +408,41 @@ class _Pooler(nn.Module):
         return jnp.tanh(_dense(c, c.hidden_size, "dense")(first).astype(jnp.float32))
 
 
+class _Transform(nn.Module):
+    """The MLM head's transform (HF's BertPredictionHeadTransform): dense, activation, LayerNorm."""
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x) -> jax.Array:
+        c = self.config
+        h = _dense(c, c.hidden_size, "dense")(x).astype(jnp.float32)
+        return _layer_norm(c)(_ACTIVATIONS[c.hidden_act](h))
+
+
+class _MaskedLMHead(nn.Module):
+    """BertForMaskedLM's head (`cls.predictions`): the transform, then a decoder whose weight is
+    the word-embedding table (tied, so it has no parameter of its own) plus an output bias.
+
+    Why tied: that is how BERT was pre-trained and how transformers loads it; a FedBFPT client
+    trains the transform and the bias while the table, shared with the input, stays frozen.
+    """
+
+    config: BertConfig
+
+    @nn.compact
+    def __call__(self, x, table) -> jax.Array:
+        c = self.config
+        h = _Transform(c, name="transform")(x)
+        bias = self.param("bias", nn.initializers.zeros, (c.vocab_size,), jnp.float32)
+        compute = jnp.dtype(c.dtype)
+        logits = jnp.einsum(
+            "...h,vh->...v", h.astype(compute), table.astype(compute),
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
+        return logits + bias
+
+
 class Layout(NamedTuple):
     """Where a packed batch's tokens sit (built by `batching.make_client_batches(packing=True)`).
 
@@ -472,19 +517,26 @@ class _BertClassifier(nn.Module):
         head: bool,
         position_ids=None,
         layout: Layout | None = None,
+        positions=None,
     ):
         c = self.config
         if layout is not None:  # one stream [1, N]
             input_ids, token_type_ids, position_ids = (
                 a.reshape(1, -1) for a in (input_ids, token_type_ids, position_ids)
             )
-        x = _Embeddings(c, name="embeddings")(
-            input_ids, token_type_ids, position_ids, deterministic
-        )
+        embeddings = _Embeddings(c, name="embeddings")
+        x = embeddings(input_ids, token_type_ids, position_ids, deterministic)
         mask = _attention_mask(attention_mask, packed=layout is not None)
         if layout is not None:
             layout = _complete(layout, attention_mask)
         x = _Encoder(c, name="encoder")(x, mask, deterministic, layout)
+        if c.head == "mlm":  # no pooler, no dropout in the head (as BertForMaskedLM)
+            if not head:
+                return x, None
+            if positions is not None:  # only the predicted positions reach the decoder
+                x = jnp.take_along_axis(x, positions[..., None].astype(jnp.int32), axis=1)
+            table = embeddings.variables["params"]["word_embeddings"]["embedding"]
+            return _MaskedLMHead(c, name="mlm")(x, table)
         p = c.hidden_dropout_prob if c.classifier_dropout is None else c.classifier_dropout
         if c.head == "token":  # every token's own logits; no pooler, as in HF
             if not head:
@@ -558,7 +610,9 @@ def _rngs(train: bool, rng: jax.Array | None) -> dict[str, jax.Array]:
 def make_apply(config: BertConfig) -> Callable[..., jax.Array]:
     """Returns the pure classifier `apply(params, input_ids, attention_mask, token_type_ids, *,
     train, rng=None, **packing) -> logits [B, num_labels]` (fp32); with the token head, logits
-    [B, T, num_labels] (packed: [N, num_labels], one row per stream position).
+    [B, T, num_labels] (packed: [N, num_labels], one row per stream position); with the MLM head,
+    vocabulary logits [B, T, vocab], or with `positions` [B, P] (token indices) only those rows,
+    [B, P, vocab]: the decoder's vocabulary matmul then runs on the P predicted tokens only.
 
     Dropout only when `train=True`. Packed input (`batching.make_client_batches(packing=True)`,
     see `Layout`): input_ids, token_type_ids and `position_ids` are one stream [N],
@@ -579,12 +633,15 @@ def make_apply(config: BertConfig) -> Callable[..., jax.Array]:
         row_tokens: jax.Array | None = None,
         token_slots: jax.Array | None = None,
         cls_index: jax.Array | None = None,
+        positions: jax.Array | None = None,
     ) -> jax.Array:
         ids, mask, types = _defaults(input_ids, attention_mask, token_type_ids)
         layout = _layout(position_ids, row_tokens, token_slots, cls_index)
+        if positions is not None and (config.head != "mlm" or layout is not None):
+            raise ValueError("positions are for the MLM head on padded (unpacked) input")
         return module.apply(
             {"params": params}, ids, mask, types, not train, True, position_ids, layout,
-            rngs=_rngs(train, rng),
+            positions, rngs=_rngs(train, rng),
         )  # fmt: skip
 
     return apply

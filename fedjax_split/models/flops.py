@@ -7,6 +7,7 @@ time on them shows up as lower utilisation rather than being hidden.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Protocol
 
 
@@ -64,3 +65,62 @@ def segment_train_flops(config: _Shape, segment: Any, skip_masked_steps: bool = 
     else:
         per_step = forward_flops(config, *segment.input_ids.shape[-2:])
     return 3 * per_step * steps
+
+
+def mlm_train_flops(
+    config: _Shape,
+    batch: int,
+    seq_len: int,
+    predictions: int,
+    *,
+    layers: int,
+    trained_layers: Collection[int],
+    embeddings_trained: bool,
+    head_trained: bool = True,
+) -> int:
+    """Matmul FLOPs of one masked-LM training step of a `layers`-layer model, counted as
+    reverse-mode autodiff runs it when only some parameters are trained (FedBFPT trains one
+    layer and the head; BERT-FL everything).
+
+    Every matmul runs forward (F). Backward, a matmul computes the gradient of its weight only
+    if that weight is trained (W), and the gradient of an activation only if something trained
+    lies below it (A): layers below the lowest trained one run forward only; a trained layer
+    with nothing trained beneath skips its input's gradient (the Q/K/V projections' dx); the
+    layers above run F + A. Per token and layer: projections and feed-forward 8H^2 + 4HI
+    (F, W and A alike), attention scores and weighted sum 4TH (F) and 8TH (A: both operands).
+    The head runs on `predictions` rows per sequence (the prediction slots): transform 2H^2,
+    tied decoder 2HV, whose weight gradient exists only when the word embeddings are trained.
+    Embedding lookups, LayerNorm, softmax, GELU and the optimiser are not matmuls (see above).
+    """
+    h, i, v, t = config.hidden_size, config.intermediate_size, _vocab(config), seq_len
+    tokens, rows = batch * seq_len, batch * predictions
+    trained = set(trained_layers)
+    dense, attention = 8 * h * h + 4 * h * i, 4 * t * h
+    total = 0
+    for layer in range(layers):
+        below = embeddings_trained or any(j < layer for j in trained)
+        total += tokens * (dense + attention)  # forward
+        if layer in trained:
+            total += tokens * dense  # weight gradients
+        if below or layer in trained:
+            total += tokens * (dense - 6 * h * h + 2 * attention)  # gradients inside the layer
+            if below:
+                total += tokens * 6 * h * h  # the Q/K/V projections' input gradient
+    anything = embeddings_trained or bool(trained) or head_trained
+    total += rows * (2 * h * h + 2 * h * v)  # forward: transform, decoder
+    if head_trained:
+        total += rows * 2 * h * h  # transform weight gradient
+    if embeddings_trained:
+        total += rows * 2 * h * v  # decoder weight gradient (the tied word embeddings)
+    if anything:
+        total += rows * 2 * h * v  # decoder input gradient
+    if embeddings_trained or trained:
+        total += rows * 2 * h * h  # transform input gradient
+    return total
+
+
+def _vocab(config: Any) -> int:
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None:
+        raise ValueError("MLM FLOPs need the config's vocab_size")
+    return int(vocab)

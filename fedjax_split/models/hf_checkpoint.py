@@ -5,14 +5,16 @@ or pytorch_model.bin read by a restricted unpickler that never executes pickled 
 (`huggingface_hub.snapshot_download`, when the hub is reachable), or the offline alias `minilm-l6`
 (`assets.fetch`). Tensor names may carry the `bert.` prefix of `BertFor*` models or not
 (`BertModel`).
-Missing encoder tensors are an error; the pooler and classifier are freshly initialised from the
-seed when absent (or when the checkpoint's head has another label count); unexpected tensors such
-as MLM heads are reported in a warning.
+Missing encoder tensors are an error; the pooler and classifier (or the MLM head,
+`cls.predictions.*`) are freshly initialised from the seed when absent (or when the checkpoint's
+head has another label count), with a warning naming them; unexpected tensors (an MLM head read
+for classification, BERT's next-sentence head) are reported in a warning.
 
 Export: `save_pretrained` writes a `BertForSequenceClassification` directory (with the token
-head, `BertForTokenClassification`): config.json, model.safetensors with `bert.`-prefixed names
-plus `classifier.*`, tokenizer files; transformers loads it in PyTorch and `load_pretrained`
-reads it back bit-identically.
+head, `BertForTokenClassification`; with the MLM head, `BertForMaskedLM`): config.json,
+model.safetensors with `bert.`-prefixed names plus `classifier.*` (or `cls.predictions.*`, the
+decoder left out since transformers ties it to the word embeddings), tokenizer files;
+transformers loads it in PyTorch and `load_pretrained` reads it back bit-identically.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ TOKENIZER_FILES = (
 )
 # Non-weight buffers that old checkpoints carry; neither used nor reported.
 _IGNORED = re.compile(r"^(bert\.)?embeddings\.position_ids$")
+# The MLM decoder's weight and bias are tied to the word embeddings and to cls.predictions.bias.
+_TIED = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -100,6 +104,11 @@ def hf_names(config: BertConfig) -> dict[str, tuple[str, bool]]:
         dense(f"{o}/intermediate", f"{t}.intermediate.dense")
         dense(f"{o}/output", f"{t}.output.dense")
         norm(f"{o}/LayerNorm", f"{t}.output.LayerNorm")
+    if config.head == "mlm":  # BertForMaskedLM: no pooler; the decoder is tied (not a tensor)
+        dense("mlm/transform/dense", "cls.predictions.transform.dense")
+        norm("mlm/transform/LayerNorm", "cls.predictions.transform.LayerNorm")
+        names["mlm/bias"] = ("cls.predictions.bias", False)
+        return names
     if config.head == "sequence":  # BertForTokenClassification has no pooler
         dense("pooler/dense", "pooler.dense")
     dense("classifier", "classifier")
@@ -107,7 +116,7 @@ def hf_names(config: BertConfig) -> dict[str, tuple[str, bool]]:
 
 
 def _is_head(path: str) -> bool:
-    return path.startswith(("classifier/", "pooler/"))
+    return path.startswith(("classifier/", "pooler/", "mlm/"))
 
 
 def _normalise_name(name: str) -> str:
@@ -130,6 +139,7 @@ def _shape_of(config: BertConfig, path: str) -> tuple[int, ...]:
         "embeddings/token_type_embeddings/embedding": (c.type_vocab_size, h),
         "classifier/kernel": (h, c.num_labels),
         "classifier/bias": (c.num_labels,),
+        "mlm/bias": (c.vocab_size,),
     }
     if path in fixed:
         return fixed[path]
@@ -395,10 +405,13 @@ def params_from_tensors(
             f"{source} lacks {len(missing)} encoder tensors ({shown}); "
             "use a complete BERT checkpoint"
         )
-    # a token head has no pooler (transformers drops it too); other leftovers are worth a warning
+    # token and MLM heads have no pooler (transformers drops it too), the MLM decoder is tied;
+    # other leftovers are worth a warning
     leftover = set(by_name) - used
-    if config.head == "token":
+    if config.head in ("token", "mlm"):
         leftover = {n for n in leftover if not n.startswith("pooler.")}
+    if config.head == "mlm":
+        leftover -= set(_TIED)
     unexpected = sorted(by_name[n] for n in leftover)
     if unexpected:
         warnings.warn(
@@ -423,8 +436,9 @@ def load_pretrained(
     head: str = "sequence",
     label_names: tuple[str, ...] = (),
 ) -> Pretrained:
-    """Loads a BERT checkpoint for sequence classification (regression: num_labels=1) or, with
-    `head="token"`, token classification (no pooler).
+    """Loads a BERT checkpoint for sequence classification (regression: num_labels=1), with
+    `head="token"` token classification (no pooler), or with `head="mlm"` masked-language
+    modelling (BertForMaskedLM's head; `num_labels` is then unused).
 
     Returns `Pretrained`, which unpacks as `apply, params, config`; `.model_dir` holds the files.
     """
@@ -445,7 +459,8 @@ def load_pretrained(
 
 
 def params_to_tensors(params: Params, config: BertConfig) -> dict[str, np.ndarray]:
-    """Our tree -> HF `BertFor{Sequence,Token}Classification` tensors (fp32, torch layout)."""
+    """Our tree -> HF `BertFor{Sequence,Token}Classification` / `BertForMaskedLM` tensors (fp32,
+    torch layout)."""
     out = {}
     for path, (name, transpose) in hf_names(config).items():
         arr = np.asarray(jax.device_get(_get(params, path)), dtype=np.float32)
@@ -454,7 +469,7 @@ def params_to_tensors(params: Params, config: BertConfig) -> dict[str, np.ndarra
                 f"{path} has shape {arr.shape}, config implies {_shape_of(config, path)}"
             )
         arr = arr.T if transpose else arr
-        full = name if path.startswith("classifier/") else f"bert.{name}"
+        full = name if path.startswith(("classifier/", "mlm/")) else f"bert.{name}"
         out[full] = np.ascontiguousarray(arr)
     return out
 
@@ -475,8 +490,8 @@ def save_pretrained(
     *,
     tokenizer_dir: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """Writes an HF `BertForSequenceClassification` (token head: `BertForTokenClassification`)
-    directory; returns its path.
+    """Writes an HF `BertForSequenceClassification` (token head: `BertForTokenClassification`;
+    MLM head: `BertForMaskedLM`) directory; returns its path.
 
     Written into a temporary sibling and renamed into place, so `out_dir` is never half-written.
     An existing `out_dir` is replaced only if empty or holding a config.json (an earlier export).

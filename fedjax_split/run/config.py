@@ -1,40 +1,34 @@
 """Experiment configuration: one dataclass, config files, flag overrides, validation.
 
-Resolution order (later wins): dataclass defaults -> `--config FILE` -> flags given explicitly on
-the command line. A config file is either a Python file defining `get_config() -> dict` (big_vision
-style, with the run command in its docstring) or a JSON object. Every problem a user can cause is a
+The schema machinery (flags, config files, typing, choices, resume checks) is `run.settings`,
+shared with `pretrain`'s config. Resolution order (later wins): dataclass defaults ->
+`--config FILE` -> flags given explicitly on the command line. Every problem a user can cause is a
 one-line `UserError`, raised before anything is written to the output directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
-import runpy
-import typing
 from pathlib import Path
 from typing import Any
 
 from fedjax_split.errors import UserError
 from fedjax_split.fed.algorithms import ALGORITHMS
+from fedjax_split.run.settings import Schema, load_config_file
+from fedjax_split.run.settings import setting as _setting
+
+__all__ = [
+    "ExperimentConfig", "FIELDS", "SCHEMA", "load_config_file", "nullable", "resolve_config",
+    "trajectory_mismatch", "validate", "validate_critical_layer", "value_type",
+]  # fmt: skip
 
 PARTITIONS = ("paper", "dirichlet", "quantity", "iid")
 PAPER_FILLS = ("exact", "sequential")  # data.partition.FILLS
 QUANTIZE = ("none", "fp16", "bf16")
 DTYPES = ("float32", "bfloat16")  # model compute dtypes; parameters stay fp32
 ATTENTIONS = ("xla", "cudnn")  # model.ATTENTION_IMPLEMENTATIONS
-
-
-def _setting(
-    default: Any, help: str, *, choices: tuple[str, ...] | None = None, metavar: str | None = None
-) -> Any:
-    """A setting and what its flag needs (help text, allowed values, metavar): the one place
-    each is written; `train.build_parser`, `_coerce` and `validate` read them from here."""
-    return dataclasses.field(
-        default=default, metadata={"help": help, "choices": choices, "metavar": metavar}
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,22 +199,6 @@ class ExperimentConfig:
         return dataclasses.asdict(self)
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(ExperimentConfig)}
-_HINTS = typing.get_type_hints(ExperimentConfig)
-
-
-def value_type(name: str) -> type:
-    """The type of a setting's values (int for `int | None`)."""
-    hint = _HINTS[name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
-
-
-def nullable(name: str) -> bool:
-    """Whether a setting may be None (unset)."""
-    return type(None) in typing.get_args(_HINTS[name])
-
-
 # Fields that do not change the trajectory of a run; everything else must match on --resume.
 _NON_TRAJECTORY = {
     "output_dir",
@@ -235,83 +213,24 @@ _NON_TRAJECTORY = {
     "data_dir",
     "model",
 }
-
-
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a `.py` (defining `get_config() -> dict`) or `.json` config file into a plain dict."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"config file {str(p)!r} not found; pass an existing --config file")
-    if p.suffix == ".json":
-        try:
-            values = json.loads(p.read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(
-                f"config file {str(p)!r} is not valid JSON ({e}); fix the file"
-            ) from None
-    elif p.suffix == ".py":
-        try:
-            namespace = runpy.run_path(str(p))
-        except Exception as e:  # noqa: BLE001 - any error in user code is a user error
-            raise UserError(
-                f"config file {str(p)!r} failed to run: {type(e).__name__}: {e}"
-            ) from None
-        get_config = namespace.get("get_config")
-        if not callable(get_config):
-            raise UserError(
-                f"config file {str(p)!r} defines no get_config(); add one returning a dict"
-            )
-        values = get_config()
-    else:
-        raise UserError(f"config file {str(p)!r} must end in .py or .json")
-    if not isinstance(values, dict):
-        raise UserError(f"config file {str(p)!r} must give a dict of settings, got {type(values)}")
-    return dict(values)
-
-
-def _coerce(name: str, value: Any) -> Any:
-    """Type-check one setting from a config file (flags are already typed by argparse)."""
-    if value is None:
-        if nullable(name):
-            return None
-        raise UserError(f"setting {name!r} cannot be null; give a value or leave it out")
-    expected = value_type(name)
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if expected is int and isinstance(value, bool) or not isinstance(value, expected):
-        raise UserError(
-            f"setting {name!r} must be {expected.__name__}, got {value!r}; fix the config"
-        )
-    return value
+SCHEMA = Schema(ExperimentConfig, _NON_TRAJECTORY)
+FIELDS = SCHEMA.fields
+value_type = SCHEMA.value_type
+nullable = SCHEMA.nullable
 
 
 def resolve_config(
     file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
 ) -> ExperimentConfig:
     """Defaults <- config-file values <- explicit overrides, then `validate`."""
-    merged: dict[str, Any] = {}
-    for source in (file_values or {}, overrides or {}):
-        for name, value in source.items():
-            if name not in FIELDS:
-                known = ", ".join(FIELDS)
-                raise UserError(f"unknown setting {name!r}; known settings: {known}")
-            merged[name] = _coerce(name, value)
-    config = ExperimentConfig(**merged)
+    config = SCHEMA.resolve(file_values, overrides)
     validate(config)
     return config
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        flag = "--" + name.replace("_", "-")
-        raise UserError(f"unknown {name} {value!r}; pass {flag} one of: {', '.join(choices)}")
-
-
 def validate(config: ExperimentConfig) -> None:
     """Checks that need no data or model; `validate_critical_layer` needs the model's depth."""
-    for name, field in FIELDS.items():
-        if field.metadata["choices"]:
-            _check_choice(name, getattr(config, name), field.metadata["choices"])
+    SCHEMA.check_choices(config)
     if config.clients < 1:
         raise UserError(f"--clients must be at least 1, got {config.clients}")
     if config.clients_per_round is not None and not 1 <= config.clients_per_round <= config.clients:
@@ -372,7 +291,4 @@ def validate_critical_layer(config: ExperimentConfig, num_layers: int) -> int:
 
 def trajectory_mismatch(saved: dict[str, Any], config: ExperimentConfig) -> list[str]:
     """Names of settings that differ from a saved run and would change its results on --resume."""
-    current = config.to_dict()
-    return sorted(
-        k for k in current if k not in _NON_TRAJECTORY and k in saved and saved[k] != current[k]
-    )
+    return SCHEMA.trajectory_mismatch(saved, config)

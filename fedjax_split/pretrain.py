@@ -1,0 +1,101 @@
+"""The command line: `python -m fedjax_split.pretrain --corpus pubmed --model minilm-l6
+--clients 6 --method fedbfpt --rounds 5 --output-dir DIR`.
+
+Federated further pre-training of BERT with the masked-language-model task: FedBFPT (one layer
+and the MLM head trained and sent per round, on small client models) and its baselines (bert-fl,
+centralised, truncated, none). Thin on purpose: parse flags (generated from
+`run.pretrain_config.PretrainConfig` by `run.settings`), call `run.pretraining.run_pretraining`.
+A `UserError` prints `error: <one line>` and exits 2, before anything is written; Ctrl-C exits 130
+and says which checkpoint `--resume` continues from. DIR/model is then a Hugging Face
+`BertForMaskedLM` that `python -m fedjax_split.train --model DIR/model` fine-tunes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, validate
+
+DESCRIPTION = (
+    "Federated further pre-training (masked LM) of a BERT encoder on text that stays on the "
+    "clients: FedBFPT (Wang et al., IJCAI 2023) trains and sends one layer and the MLM head a "
+    "round on small client models; baselines bert-fl, centralised, truncated, none. Defaults are "
+    "the released FedBFPT setting."
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One flag per PretrainConfig setting."""
+    return SCHEMA.build_parser("python -m fedjax_split.pretrain", DESCRIPTION)
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> PretrainConfig:
+    config = SCHEMA.from_args(build_parser(), argv)
+    validate(config)
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from fedjax_split.errors import UserError, report
+
+    config = None
+    stop = os.environ.get("FEDJAX_SPLIT_STOP_AFTER_ROUND")
+
+    def hook(round_: int, record: dict) -> None:  # tests: Ctrl-C right after a checkpoint
+        if stop and round_ == int(stop):
+            raise KeyboardInterrupt
+
+    try:
+        config = config_from_args(argv)
+        from fedjax_split.run.pretraining import run_pretraining
+
+        summary = run_pretraining(config, progress=True, on_round_end=hook)
+    except UserError as e:
+        return report(e)
+    except KeyboardInterrupt:
+        where = "no checkpoint yet"
+        if config is not None:
+            from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+
+            try:
+                latest = RunCheckpointer(checkpoint_dir(config.run_dir)).latest_round()
+            except UserError:
+                latest = None
+            if latest is not None:
+                where = (
+                    f"last checkpoint: round {latest}; continue with the same flags plus "
+                    f"--resume --output-dir {config.run_dir}"
+                )
+        print(f"interrupted ({where})", file=sys.stderr)
+        return 130
+    final = summary["final"]
+    print(
+        f"done: {summary['method']}, {summary['rounds']} rounds, held-out MLM loss "
+        f"{summary['initial']['mlm_loss']:.4f} -> {final['mlm_loss']:.4f}, accuracy "
+        f"{summary['initial']['mlm_accuracy']:.4f} -> {final['mlm_accuracy']:.4f}, "
+        f"{summary['cum_bytes'] / 1e6:.1f} MB sent; model in {summary['run_dir']}/model"
+    )
+    return 0
+
+
+def cli() -> None:
+    """`python -m fedjax_split.pretrain`: `main` with one-line warnings (and malloc setting)."""
+    import warnings
+
+    from fedjax_split.errors import UserError, report
+    from fedjax_split.run import malloc
+    from fedjax_split.train import _one_line_warning
+
+    try:
+        malloc.check_setting()
+    except UserError as e:
+        sys.exit(report(e))
+    warnings.formatwarning = _one_line_warning
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

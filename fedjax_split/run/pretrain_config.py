@@ -1,0 +1,211 @@
+"""Configuration of a federated further pre-training run (`python -m fedjax_split.pretrain`).
+
+One frozen dataclass; its flags, config files, typing, choice checks and resume checks come from
+`run.settings` (the machinery `train`'s ExperimentConfig uses). Defaults are FedBFPT's released
+setting (MISSION.md section 4): bert-base-uncased, 6 clients, 5 rounds of 1 epoch, AdamW lr 5e-5
+with weight decay 0.01, batch 256, length 128, 15% masking, small models of L/2 layers, the
+"halving" schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from fedjax_split.data.corpus_split import SCHEMES
+from fedjax_split.data.text_corpora import CORPORA, MODES, check_corpus_name
+from fedjax_split.errors import UserError
+from fedjax_split.fed.layerwise import SCHEDULES
+from fedjax_split.run.settings import Schema
+from fedjax_split.run.settings import setting as _setting
+
+# fedbfpt: one layer + the MLM head a round on small models (PL-SDL); bert-fl: FedAvg of the whole
+# model; centralised: one client holding all the clients' text; truncated: the first k layers,
+# trained whole, federatedly (DistilBERT/TinyBERT-style rows); none: no further pre-training.
+METHODS = ("fedbfpt", "bert-fl", "centralised", "truncated", "none")
+AGGREGATIONS = ("weighted", "unweighted")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig:
+    """Everything that defines a further pre-training run."""
+
+    corpus: str = _setting(
+        "pubmed",
+        f"Text: {', '.join(CORPORA)} (local: *.txt under --data-dir; hub: a datasets name or "
+        "local dir with a 'text' column).",
+    )
+    data_dir: str | None = _setting(
+        None, "Directory with the corpus' files (local .txt, or MEDLINE .xml.gz).", metavar="DIR"
+    )
+    text_mode: str = _setting(
+        "document",
+        "document: each client's documents as one token stream cut into full sequences; line: "
+        "one sequence per line, truncated.",
+        choices=MODES,
+    )
+    model: str = _setting(
+        "bert-base-uncased",
+        "Hugging Face model id, local HF directory, or the offline alias 'minilm-l6'.",
+    )
+    method: str = _setting(
+        "fedbfpt",
+        "fedbfpt (one layer + MLM head a round, small client models), bert-fl (FedAvg of the "
+        "whole model), centralised (one client, all text), truncated (the first "
+        "--truncated-layers layers, trained whole), none (no further pre-training).",
+        choices=METHODS,
+    )
+    clients: int = _setting(6, "Number of clients K (all take part every round).")
+    split: str = _setting(
+        "iid",
+        "How documents are split over clients: iid, quantity (normal-distributed sizes), source "
+        "(by file: PubMed's two baseline files).",
+        choices=SCHEMES,
+    )
+    sigma: float = _setting(
+        0.5, "Standard deviation of the relative client sizes for --split quantity."
+    )
+    max_documents: int | None = _setting(
+        None, "Subsample the corpus to this many documents first (CPU runs).", metavar="N"
+    )
+    heldout_fraction: float = _setting(
+        0.05, "Share of the documents held out (on no client) for the MLM loss/accuracy."
+    )
+    rounds: int = _setting(5, "Federated rounds (centralised: epochs over all the text).")
+    local_epochs: int = _setting(1, "Epochs each client trains on its text per round.")
+    batch_size: int = _setting(256, "Client mini-batch size (sequences).")
+    lr: float = _setting(5e-5, "Client AdamW learning rate.")
+    weight_decay: float = _setting(0.01, "AdamW weight decay (not on biases and LayerNorm).")
+    max_length: int = _setting(128, "Tokens per sequence, [CLS] and [SEP] included.")
+    mlm_probability: float = _setting(0.15, "Share of tokens predicted per sequence.")
+    small_layers: int | None = _setting(
+        None, "Layers of a FedBFPT client's small model (default: L/2).", metavar="L_S"
+    )
+    schedule: str = _setting(
+        "halving",
+        "FedBFPT's trained layer per round: halving (the released code's: each layer about "
+        "half the remaining rounds) or every (advance every --schedule-period rounds).",
+        choices=SCHEDULES,
+    )
+    schedule_period: int = _setting(1, "Rounds per layer for --schedule every.")
+    truncated_layers: int | None = _setting(
+        None, "Layers k of the truncated baseline's model (default: L/2).", metavar="K"
+    )
+    freeze: str | None = _setting(
+        None,
+        "Regex over Hugging Face tensor names (re.search): matching parameters are neither "
+        "trained nor sent, whatever the method trains; e.g. 'embeddings\\.|encoder\\.' trains "
+        "the MLM head alone.",
+        metavar="REGEX",
+    )
+    aggregation: str = _setting(
+        "weighted",
+        "Server mean: weighted by the clients' sequences, or unweighted (the released code).",
+        choices=AGGREGATIONS,
+    )
+    seed: int = _setting(0, "The one seed (subsample, split, masks, layer draws, dropout).")
+    output_dir: str | None = _setting(
+        None,
+        "Run directory (unset: runs/pretrain_<corpus>_<method>_K<K>_s<seed>).",
+        metavar="DIR",
+    )
+    resume: bool = _setting(False, "Continue the run in --output-dir from its latest checkpoint.")
+    config: str | None = _setting(
+        None,
+        "Python (get_config() -> dict) or JSON config file; flags override it.",
+        metavar="FILE",
+    )
+    eval_every: int = _setting(1, "Evaluate on the held-out text every N rounds (and the last).")
+    checkpoint_every: int = _setting(
+        1, "Save a checkpoint every N rounds (and after the last); 0 = never."
+    )
+    dtype: str = _setting(
+        "float32", "Compute dtype of the model (parameters stay float32).", choices=DTYPES
+    )
+
+    @property
+    def run_dir(self) -> Path:
+        if self.output_dir is not None:
+            return Path(self.output_dir)
+        corpus = self.corpus.replace(":", "_").replace("/", "_")
+        return Path("runs") / f"pretrain_{corpus}_{self.method}_K{self.clients}_s{self.seed}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SCHEMA = Schema(
+    PretrainConfig,
+    non_trajectory=(
+        "output_dir", "resume", "config", "eval_every", "checkpoint_every", "data_dir", "model",
+    ),
+)  # fmt: skip
+FIELDS = SCHEMA.fields
+
+
+def resolve(
+    file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
+) -> PretrainConfig:
+    """Defaults <- config-file values <- explicit overrides, then `validate`."""
+    config = SCHEMA.resolve(file_values, overrides)
+    validate(config)
+    return config
+
+
+def validate(config: PretrainConfig) -> None:
+    """Checks that need neither data nor model (`check_depth` needs the model's depth)."""
+    SCHEMA.check_choices(config)
+    check_corpus_name(config.corpus)
+    for name in ("clients", "rounds", "local_epochs", "batch_size", "eval_every",
+                 "schedule_period"):  # fmt: skip
+        if getattr(config, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got "
+                            f"{getattr(config, name)}")  # fmt: skip
+    if config.max_length < 8:
+        raise UserError(f"--max-length must be at least 8, got {config.max_length}")
+    for name in ("max_documents", "small_layers", "truncated_layers"):
+        value = getattr(config, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if config.checkpoint_every < 0:
+        raise UserError(f"--checkpoint-every must be >= 0, got {config.checkpoint_every}")
+    if not (math.isfinite(config.lr) and config.lr > 0):
+        raise UserError(f"--lr must be a positive number, got {config.lr}")
+    if not (math.isfinite(config.weight_decay) and config.weight_decay >= 0):
+        raise UserError(f"--weight-decay must be >= 0, got {config.weight_decay}")
+    if not 0 < config.mlm_probability < 1:
+        raise UserError(f"--mlm-probability must be in (0, 1), got {config.mlm_probability}")
+    if not 0 < config.heldout_fraction < 1:
+        raise UserError(f"--heldout-fraction must be in (0, 1), got {config.heldout_fraction}")
+    if not (math.isfinite(config.sigma) and config.sigma >= 0):
+        raise UserError(f"--sigma must be >= 0, got {config.sigma}")
+    if config.data_dir is not None and not Path(config.data_dir).is_dir():
+        raise UserError(f"data dir {config.data_dir!r} does not exist; pass an existing --data-dir")
+    if config.freeze is not None:
+        try:
+            re.compile(config.freeze)
+        except re.error as e:
+            raise UserError(f"--freeze {config.freeze!r} is not a valid regex ({e})") from None
+    if config.corpus == "local" and config.data_dir is None:
+        raise UserError("--corpus local needs --data-dir DIR holding *.txt files")
+
+
+def check_depth(config: PretrainConfig, num_layers: int) -> tuple[int, int]:
+    """(small model layers L_s, truncated layers k) for an L-layer model; UserError when the
+    settings cannot work with it (the schedule's layers must fit the small model)."""
+    from fedjax_split.fed.layerwise import check_small_model, schedule_layers
+
+    small = config.small_layers if config.small_layers is not None else max(1, num_layers // 2)
+    k = config.truncated_layers if config.truncated_layers is not None else max(1, num_layers // 2)
+    if config.method == "fedbfpt":
+        layers = schedule_layers(config.schedule, config.rounds, config.schedule_period)
+        check_small_model(layers, num_layers, small)
+    if config.method == "truncated" and not 1 <= k <= num_layers:
+        raise UserError(
+            f"--truncated-layers {k} is outside 1..{num_layers} for this {num_layers}-layer model"
+        )
+    return small, k

@@ -1,0 +1,512 @@
+"""run_pretraining(config): text -> client split -> MLM rounds (FedBFPT or a baseline) -> outputs.
+
+Importable (the study and notebooks call it); `python -m fedjax_split.pretrain` is a thin
+wrapper. Everything a user can get wrong is checked before the first byte is written. The run
+directory holds config.json, split.json (each client's and the held-out documents),
+metrics.jsonl (one record per round: held-out MLM loss and masked-token accuracy, training loss,
+bytes, FLOPs, seconds, per client too), summary.json, checkpoints/ (orbax) and, at the end,
+model/: the further pre-trained model as a Hugging Face `BertForMaskedLM` directory with the
+tokenizer, which `python -m fedjax_split.train --model DIR/model` fine-tunes.
+
+Randomness comes from the seed, the round and the client only (subsample and split:
+`default_rng([seed, 0, purpose])`; batches and masks: `[seed, round, client, purpose]`; layer
+draws: `fed.layerwise.sample_deeper`; dropout: fold_in(key(seed), round, client)), and clients
+keep no state between rounds (their optimiser starts afresh each round), so `--resume` from the
+checkpoint of round r continues exactly as the uninterrupted run, also after a kill -9.
+
+Costs, per round and client (all counted, none estimated from the paper):
+- bytes_up: the trained part each client sends (fp32), from the arrays sent;
+- bytes_down: what brings a client's copy of the global model up to date, i.e. the parameters the
+  previous round changed (the released code's protocol: every client keeps the full model, which
+  starts as the public pre-trained checkpoint, and receives only the aggregated layer and head);
+  bytes_down_full: the whole model a client runs, for clients that keep nothing between rounds;
+- flops: matmul FLOPs of the steps run, as autodiff computes them (`models.flops.mlm_train_flops`;
+  the FLOPs check against the compiled program's matmuls is in tests/test_flops.py);
+- seconds: each client's training time on this machine, wall and CPU (`cpu_seconds`).
+The same counts for BERT-FL on the same text and rounds (`bert_fl_*`) give each method's shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedjax_split.errors import UserError
+from fedjax_split.run import outputs
+from fedjax_split.run.pretrain_config import PretrainConfig, check_depth, resolve, validate
+
+STEPS_PER_SEGMENT = 8  # optimiser steps per compiled scan call (a client's last call is padded)
+HELDOUT = 0x7FFF_FFFF  # the "client" part of the held-out masks' seed: no client has this id
+RoundHook = Callable[[int, dict[str, Any]], None]
+
+
+@dataclasses.dataclass
+class Setup:
+    """What a run needs in memory, built before anything is written."""
+
+    config: PretrainConfig
+    model_config: Any  # the global model's BertConfig (head "mlm")
+    model_dir: Path
+    small_layers: int
+    truncated_layers: int
+    split: Any  # data.corpus_split.CorpusSplit
+    clients: list[int]  # who trains: 0..K-1, or [0] holding all the text (centralised)
+    sequences: list[Any]  # per training client: data.text_corpora.Sequences
+    heldout: list[Any]  # masked held-out batches
+    masking: Any
+    pad_id: int
+    trainer: Any
+    server_optimizer: Any
+    server_state: Any
+    schedule: list[int]  # FedBFPT's trained layer per round (index 0 = round 1)
+    frozen: frozenset[str]  # --freeze: never trained nor sent
+
+
+def _check_run_dir(config: PretrainConfig) -> None:
+    from fedjax_split.run.pretrain_config import SCHEMA
+
+    run_dir = config.run_dir
+    present = outputs.existing_results(run_dir) + (
+        ["model"] if (run_dir / "model").exists() else []
+    )
+    if not config.resume and present:
+        raise UserError(
+            f"{str(run_dir)!r} already holds a run ({', '.join(present)}); pass --resume to "
+            "continue it or choose another --output-dir"
+        )
+    if config.resume:
+        saved_path = run_dir / "config.json"
+        if not saved_path.is_file():
+            raise UserError(
+                f"nothing to resume in {str(run_dir)!r} (no config.json); drop --resume"
+            )
+        try:
+            saved = outputs.read_json(saved_path)
+        except (OSError, ValueError):
+            raise UserError(
+                f"{str(saved_path)!r} is unreadable; cannot --resume this run"
+            ) from None
+        diff = SCHEMA.trajectory_mismatch(saved, config)
+        if diff:
+            raise UserError(
+                f"--resume with settings that differ from the saved run ({', '.join(diff)}); "
+                "use the saved settings or another --output-dir"
+            )
+
+
+def check(config: PretrainConfig) -> tuple[int, int]:
+    """Cheap checks against the model's depth (reads only its config.json): (L_s, k)."""
+    from fedjax_split.models import hf_checkpoint
+
+    validate(config)
+    model_config = hf_checkpoint.load_config(hf_checkpoint.resolve_model(config.model))
+    return check_depth(config, model_config.num_hidden_layers)
+
+
+def build(config: PretrainConfig) -> Setup:
+    """Load the text and the model, split, tokenise, initialise. Writes nothing but caches."""
+    from fedjax_split.data import corpus_split, masking, mlm_batching, text_corpora, tokenization
+    from fedjax_split.fed import algorithms, client, layerwise
+    from fedjax_split.fed.server import init_server_state
+    from fedjax_split.models import hf_checkpoint
+    from fedjax_split.sim.pretrain_rounds import Trainer
+
+    small, k = check(config)
+    pre = hf_checkpoint.load_pretrained(
+        config.model, num_labels=2, seed=config.seed, dtype=config.dtype, head="mlm"
+    )
+    tokenizer = tokenization.load_tokenizer(pre.model_dir)
+    spec = masking.spec_from_tokenizer(tokenizer, config.mlm_probability)
+    if spec.vocab_size > pre.config.vocab_size:
+        raise UserError(
+            f"the tokenizer has {spec.vocab_size} tokens, the model's vocabulary "
+            f"{pre.config.vocab_size}; use the model's own tokenizer"
+        )
+    corpus = text_corpora.load_corpus(config.corpus, data_dir=config.data_dir)
+    units = text_corpora.tokenize_corpus(corpus, tokenizer, config.text_mode)
+    split = corpus_split.split_corpus(
+        corpus.sources,
+        scheme=config.split,
+        num_clients=config.clients,
+        seed=config.seed,
+        heldout_fraction=config.heldout_fraction,
+        sigma=config.sigma,
+        max_documents=config.max_documents,
+    )
+    ids = {"cls_id": tokenizer.cls_token_id, "sep_id": tokenizer.sep_token_id,
+           "pad_id": tokenizer.pad_token_id}  # fmt: skip
+    make = lambda docs: text_corpora.sequences(  # noqa: E731
+        units, docs, mode=config.text_mode, max_length=config.max_length, **ids
+    )
+    if config.method == "centralised":
+        clients, seqs = [0], [make(np.concatenate(split.clients))]
+    else:
+        clients, seqs = list(range(config.clients)), [make(d) for d in split.clients]
+    for c, s in zip(clients, seqs, strict=True):
+        if s.input_ids.shape[0] == 0:
+            raise UserError(f"client {c} has no text; use more documents or fewer --clients")
+    heldout = mlm_batching.eval_batches(
+        make(split.heldout), batch_size=min(config.batch_size, 64), masking=spec,
+        seed=[config.seed, 0, HELDOUT], pad_id=ids["pad_id"],
+    )  # fmt: skip
+    frozen = frozen_paths(config, pre.config)
+    if config.method != "none":  # round 1 trains layer 0 (FedBFPT) or everything
+        first = [0] if config.method == "fedbfpt" else None
+        if not layerwise.trained_paths(pre.params, first) - frozen:
+            raise UserError(f"--freeze {config.freeze!r} leaves nothing to train; loosen it")
+    server_optimizer = algorithms.server_optimizer("fedavg")
+    optimizer = client.default_client_optimizer(config.lr, config.weight_decay)
+    schedule = (
+        layerwise.schedule_layers(config.schedule, config.rounds, config.schedule_period)
+        if config.method == "fedbfpt"
+        else []
+    )
+    return Setup(
+        config=config,
+        model_config=pre.config,
+        model_dir=Path(pre.model_dir),
+        small_layers=small,
+        truncated_layers=k,
+        split=split,
+        clients=clients,
+        sequences=seqs,
+        heldout=heldout,
+        masking=spec,
+        pad_id=int(ids["pad_id"]),
+        trainer=Trainer(pre.config, optimizer, server_optimizer),
+        server_optimizer=server_optimizer,
+        server_state=init_server_state(pre.params, server_optimizer, "float32"),
+        schedule=schedule,
+        frozen=frozen,
+    )
+
+
+def model_depth(setup: Setup) -> int:
+    """Layers of the model the run produces: k for the truncated baseline, else L."""
+    if setup.config.method == "truncated":
+        return setup.truncated_layers
+    return setup.model_config.num_hidden_layers
+
+
+def final_params(setup: Setup) -> tuple[Any, Any]:
+    """(params, BertConfig) of the model the run produces, from the server's state."""
+    from fedjax_split.fed import layerwise
+    from fedjax_split.fed.wire import cast_from_wire
+
+    params = cast_from_wire(setup.server_state.global_params)
+    depth = model_depth(setup)
+    return layerwise.assemble(params, range(depth)), setup.trainer.depth_config(depth)
+
+
+def evaluate(setup: Setup) -> dict[str, float]:
+    """Held-out MLM loss and masked-token accuracy of the model the run produces."""
+    from fedjax_split.sim.pretrain_rounds import evaluate as eval_mlm
+
+    params, config = final_params(setup)
+    return eval_mlm(config, params, setup.heldout)
+
+
+def frozen_paths(config: PretrainConfig, model_config: Any) -> frozenset[str]:
+    """Paths whose Hugging Face tensor name matches --freeze (none without it)."""
+    from fedjax_split.models.hf_checkpoint import hf_names
+
+    if config.freeze is None:
+        return frozenset()
+    pattern = re.compile(config.freeze)
+    return frozenset(p for p, (name, _) in hf_names(model_config).items() if pattern.search(name))
+
+
+def plan(setup: Setup, r: int) -> Any:
+    """Round r's plan: which layers each client runs, which paths they train (--freeze's
+    parameters left out)."""
+    from fedjax_split.fed import layerwise
+
+    params = setup.server_state.global_params
+    if setup.config.method == "fedbfpt":
+        the_plan = layerwise.fedbfpt_plan(
+            params, layer=setup.schedule[r - 1], round_=r, clients=setup.clients,
+            seed=setup.config.seed, small_layers=setup.small_layers,
+        )  # fmt: skip
+    else:
+        the_plan = layerwise.full_plan(params, clients=setup.clients, depth=model_depth(setup))
+    return the_plan._replace(trained=the_plan.trained - setup.frozen)
+
+
+def _bytes_of(params: Any, paths: frozenset[str]) -> int:
+    from fedjax_split.fed.roles import select
+    from fedjax_split.fed.wire import tree_bytes
+
+    return tree_bytes(select(params, paths)[0])
+
+
+def bert_fl_flops(model_config: Any, segments: Sequence[Any]) -> int:
+    """Matmul FLOPs of BERT-FL's client on `segments`: the whole model trained."""
+    from fedjax_split.models.flops import mlm_train_flops
+
+    total = 0
+    layers = model_config.num_hidden_layers
+    for s in segments:
+        real = int(np.sum(np.asarray(s.step_mask) & (np.asarray(s.example_mask).sum(-1) > 0)))
+        b, t = s.input_ids.shape[-2:]
+        total += real * mlm_train_flops(
+            model_config, b, t, s.positions.shape[-1], layers=layers,
+            trained_layers=range(layers), embeddings_trained=True,
+        )  # fmt: skip
+    return total
+
+
+def _client_costs(
+    setup: Setup, params: Any, report: Any, segments: Sequence[Any], down: int
+) -> dict[str, Any]:
+    """One client's line in a round's record (`report`: a pretrain_rounds.ClientReport)."""
+    from fedjax_split.fed import layerwise
+    from fedjax_split.fed.wire import tree_bytes
+
+    sends = setup.config.method != "centralised"
+    return {
+        "client": report.client,
+        "layers": list(report.layers),
+        "train_loss": report.loss,
+        "predicted_tokens": report.tokens,
+        "steps": report.steps,
+        "seconds": report.seconds,
+        "cpu_seconds": report.cpu_seconds,
+        "flops": report.flops,
+        "bytes_up": report.bytes_up if sends else 0,
+        "bytes_down": down if sends else 0,
+        "bytes_down_full": tree_bytes(layerwise.assemble(params, report.layers)) if sends else 0,
+        "bert_fl_flops": bert_fl_flops(setup.model_config, segments),
+    }
+
+
+def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """Batches, trains and aggregates round r; evaluates when due; the round's record."""
+    import jax
+
+    from fedjax_split.data import mlm_batching
+    from fedjax_split.fed import layerwise
+    from fedjax_split.sim.pretrain_rounds import run_round
+
+    config = setup.config
+    t0 = time.perf_counter()
+    the_plan = plan(setup, r)
+    segments = [
+        mlm_batching.train_segments(
+            seqs,
+            batch_size=config.batch_size,
+            epochs=config.local_epochs,
+            steps_per_segment=STEPS_PER_SEGMENT,
+            masking=setup.masking,
+            seed=[config.seed, r, c],
+            pad_id=setup.pad_id,
+        )  # fmt: skip
+        for c, seqs in zip(setup.clients, setup.sequences, strict=True)
+    ]
+    weights = (
+        [float(s.input_ids.shape[0]) for s in setup.sequences]
+        if config.aggregation == "weighted"
+        else [1.0] * len(setup.clients)
+    )
+    params = setup.server_state.global_params
+    outcome = run_round(
+        setup.trainer, setup.server_state, the_plan, setup.clients, segments, weights,
+        seed=config.seed, round_=r,
+    )  # fmt: skip
+    setup.server_state = outcome.state
+    jax.block_until_ready(setup.server_state.global_params)
+    t_train = time.perf_counter()
+    # what a client receives: the parameters changed last round (it keeps the model), or all
+    # of its model (it keeps nothing); centralised training sends nothing
+    down = 0 if r == 1 else _bytes_of(params, plan(setup, r - 1).trained)
+    clients = [
+        _client_costs(setup, params, rep, segs, down)
+        for rep, segs in zip(outcome.clients, segments, strict=True)
+    ]
+    tokens = np.asarray([c["predicted_tokens"] for c in clients], np.float64)
+    losses = np.asarray([c["train_loss"] for c in clients], np.float64)
+    record: dict[str, Any] = {
+        "round": r,
+        "layer": setup.schedule[r - 1] if setup.schedule else None,
+        "train_loss": float(np.sum(losses * tokens) / max(tokens.sum(), 1.0)),
+    }
+    if r % config.eval_every == 0 or r == config.rounds:
+        record.update(evaluate(setup))
+    t_eval = time.perf_counter()
+    full_bytes = _bytes_of(params, layerwise.trained_paths(params, None))  # BERT-FL's upload
+    k = len(setup.clients)
+    totals = {
+        "bytes_up": sum(c["bytes_up"] for c in clients),
+        "bytes_down": sum(c["bytes_down"] for c in clients),
+        "bytes_down_full": sum(c["bytes_down_full"] for c in clients),
+        "flops": sum(c["flops"] for c in clients),
+        "client_seconds": sum(c["seconds"] for c in clients),
+        "client_cpu_seconds": sum(c["cpu_seconds"] for c in clients),
+        "bert_fl_flops": sum(c["bert_fl_flops"] for c in clients),
+        "bert_fl_bytes_up": k * full_bytes,
+        "bert_fl_bytes_down": 0 if r == 1 else k * full_bytes,
+    }
+    record.update(totals)
+    for key, value in totals.items():
+        record[f"cum_{key}"] = value + (previous[f"cum_{key}"] if previous else 0)
+    record["cum_bytes"] = record["cum_bytes_up"] + record["cum_bytes_down"]
+    record.update(
+        seconds=t_eval - t0, train_seconds=t_train - t0, eval_seconds=t_eval - t_train,
+        clients=clients,
+    )  # fmt: skip
+    return record
+
+
+def _state(setup: Setup) -> dict[str, Any]:
+    return {"server_state": setup.server_state}
+
+
+def _share(a: float, b: float) -> float | None:
+    return None if not b else a / b
+
+
+def make_summary(setup: Setup, history: Sequence[dict[str, Any]], initial: dict[str, Any],
+                 seconds_total: float) -> dict[str, Any]:  # fmt: skip
+    """The run at a glance: held-out MLM before and after, costs and their shares of BERT-FL's
+    on the same text and rounds (FLOPs and bytes counted; time only across runs, see the study)."""
+    from fedjax_split.fed.wire import param_count
+    from fedjax_split.run import malloc
+
+    last = history[-1] if history else {}
+    evaluated = [h for h in history if h.get("mlm_loss") is not None]
+    final = (
+        {k: evaluated[-1][k] for k in ("mlm_loss", "mlm_accuracy")}
+        if evaluated
+        else {k: initial[k] for k in ("mlm_loss", "mlm_accuracy")}
+    )
+    cum = {k: last.get(f"cum_{k}", 0) for k in (
+        "bytes_up", "bytes_down", "bytes_down_full", "flops", "client_seconds",
+        "client_cpu_seconds", "bert_fl_flops",
+        "bert_fl_bytes_up", "bert_fl_bytes_down",
+    )}  # fmt: skip
+    params, config = final_params(setup)
+    return {
+        "method": setup.config.method,
+        "corpus": setup.config.corpus,
+        "model": setup.config.model,
+        "rounds": len(history),
+        "clients": len(setup.clients),
+        "layers": model_depth(setup),
+        "small_layers": setup.small_layers if setup.config.method == "fedbfpt" else None,
+        "schedule": setup.schedule or None,
+        "initial": {k: initial[k] for k in ("mlm_loss", "mlm_accuracy")},
+        "final": final,
+        "train_sequences": [int(s.input_ids.shape[0]) for s in setup.sequences],
+        "heldout_tokens": int(initial.get("predicted_tokens", 0)),
+        **{f"cum_{k}": v for k, v in cum.items()},
+        "cum_bytes": cum["bytes_up"] + cum["bytes_down"],
+        "flops_share_of_bert_fl": _share(cum["flops"], cum["bert_fl_flops"]),
+        "bytes_up_share_of_bert_fl": _share(cum["bytes_up"], cum["bert_fl_bytes_up"]),
+        "bytes_down_share_of_bert_fl": _share(cum["bytes_down"], cum["bert_fl_bytes_down"]),
+        "seconds": float(sum(h["seconds"] for h in history)),
+        "train_seconds": float(sum(h["train_seconds"] for h in history)),
+        "eval_seconds": float(sum(h["eval_seconds"] for h in history)),
+        "wall_seconds_this_process": seconds_total,
+        "params": param_count(params),
+        "model_config": config.to_hf_dict(),
+        "allocator": malloc.allocator(),
+        "run_dir": str(setup.config.run_dir),
+    }
+
+
+def run_pretraining(
+    config: PretrainConfig | dict[str, Any],
+    *,
+    progress: bool = True,
+    on_round_end: RoundHook | None = None,
+) -> dict[str, Any]:
+    """Run (or with config.resume, continue) one further pre-training run; returns the summary."""
+    started = time.perf_counter()
+    if isinstance(config, dict):
+        config = resolve(overrides=config)
+    check(config)
+    _check_run_dir(config)
+    setup = build(config)
+    run_dir = config.run_dir
+
+    from fedjax_split.models.hf_checkpoint import save_pretrained
+    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+
+    checkpointer = RunCheckpointer(checkpoint_dir(run_dir))
+    rounds = 0 if config.method == "none" else config.rounds
+    start_round, history, initial = 0, [], None
+    latest = checkpointer.latest_round() if config.resume else None
+    if config.resume and latest is None:
+        ck = checkpoint_dir(run_dir)
+        if (ck.is_dir() and any(ck.iterdir())) or outputs.read_jsonl(run_dir / "metrics.jsonl"):
+            raise UserError(
+                f"no readable checkpoint in {str(ck)!r} to resume from; delete the run to start "
+                "over, or use another --output-dir"
+            )
+    if latest is not None:
+        state, meta = checkpointer.restore(_state(setup))
+        if meta.get("split") != _plain_split(setup.split):
+            raise UserError(
+                "--resume: the text or its split differ from the checkpoint's; use the same "
+                "--data-dir/--max-documents/--seed or another --output-dir"
+            )
+        if meta.get("model_config") != setup.model_config.to_hf_dict():
+            raise UserError(
+                "--resume: the model's config differs from the checkpoint's; use the saved "
+                "--model or another --output-dir"
+            )
+        setup.server_state = state["server_state"]
+        start_round, history, initial = int(meta["round"]), list(meta["history"]), meta["initial"]
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    outputs.write_json(run_dir / "config.json", config.to_dict())
+    outputs.write_json(run_dir / "split.json", _plain_split(setup.split))
+    outputs.write_jsonl(run_dir / "metrics.jsonl", history)
+    (run_dir / "summary.json").unlink(missing_ok=True)
+    bar = outputs.Progress(rounds, start_round, enabled=progress)
+    sizes = [int(s.input_ids.shape[0]) for s in setup.sequences]
+    bar.note(
+        f"{config.corpus}: {config.method}, {len(setup.clients)} client(s) with {sizes} "
+        f"sequences of {config.max_length} tokens, {setup.model_config.num_hidden_layers}-layer "
+        f"model" + (f", small models of {setup.small_layers} layers, layers by round "
+                    f"{setup.schedule}" if setup.schedule else "")
+        + (f"; resuming after round {start_round}" if start_round else "")
+    )  # fmt: skip
+    if initial is None:
+        initial = evaluate(setup)
+        bar.note(f"before: held-out MLM loss {initial['mlm_loss']:.4f}, "
+                 f"accuracy {initial['mlm_accuracy']:.4f}")  # fmt: skip
+    meta_static = {
+        "seed": config.seed,
+        "split": _plain_split(setup.split),
+        "model_config": setup.model_config.to_hf_dict(),
+        "model_dir": str(setup.model_dir),
+        "initial": initial,
+    }
+    try:
+        for r in range(start_round + 1, rounds + 1):
+            record = run_one_round(setup, r, history[-1] if history else None)
+            history.append(record)
+            outputs.append_jsonl(run_dir / "metrics.jsonl", record)
+            if config.checkpoint_every and (r % config.checkpoint_every == 0 or r == rounds):
+                checkpointer.save(r, _state(setup), {**meta_static, "history": history})
+            bar.round_done(record, "mlm_accuracy")
+            if on_round_end is not None:
+                on_round_end(r, record)
+    finally:
+        bar.close()
+        checkpointer.close()
+    params, model_config = final_params(setup)
+    save_pretrained(params, model_config, run_dir / "model", tokenizer_dir=setup.model_dir)
+    summary = make_summary(setup, history, initial, time.perf_counter() - started)
+    outputs.write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+def _plain_split(split: Any) -> dict[str, Any]:
+    return split.to_dict()

@@ -1,0 +1,181 @@
+"""Settings schemas: a frozen dataclass whose fields say their help, choices and metavar, and
+everything generated from it once, for every command that has one (`train`'s ExperimentConfig,
+`pretrain`'s PretrainConfig): the command-line flags, config files and their typing, choice
+checks, and which settings a `--resume` must keep.
+
+Resolution order (later wins): dataclass defaults -> `--config FILE` -> flags given explicitly on
+the command line. A config file is either a Python file defining `get_config() -> dict`
+(big_vision style, with the run command in its docstring) or a JSON object. Every problem a user
+can cause is a one-line `UserError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import runpy
+import sys
+import typing
+from collections.abc import Collection, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedjax_split.errors import UserError
+
+
+def setting(
+    default: Any, help: str, *, choices: tuple[str, ...] | None = None, metavar: str | None = None
+) -> Any:
+    """A setting and what its flag needs (help text, allowed values, metavar): the one place
+    each is written; `Schema` generates flags, typing and choice checks from it."""
+    return dataclasses.field(
+        default=default, metadata={"help": help, "choices": choices, "metavar": metavar}
+    )
+
+
+def optional_int(text: str) -> int | None:
+    """Integers, with 'none'/'all'/'L' meaning "not set" (all clients, all layers, no limit)."""
+    if text.lower() in ("none", "all", "l"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # one line, exit 2, like every user error
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a `.py` (defining `get_config() -> dict`) or `.json` config file into a plain dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {str(p)!r} not found; pass an existing --config file")
+    if p.suffix == ".json":
+        try:
+            values = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(
+                f"config file {str(p)!r} is not valid JSON ({e}); fix the file"
+            ) from None
+    elif p.suffix == ".py":
+        try:
+            namespace = runpy.run_path(str(p))
+        except Exception as e:  # noqa: BLE001 - any error in user code is a user error
+            raise UserError(
+                f"config file {str(p)!r} failed to run: {type(e).__name__}: {e}"
+            ) from None
+        get_config = namespace.get("get_config")
+        if not callable(get_config):
+            raise UserError(
+                f"config file {str(p)!r} defines no get_config(); add one returning a dict"
+            )
+        values = get_config()
+    else:
+        raise UserError(f"config file {str(p)!r} must end in .py or .json")
+    if not isinstance(values, dict):
+        raise UserError(f"config file {str(p)!r} must give a dict of settings, got {type(values)}")
+    return dict(values)
+
+
+class Schema:
+    """What a settings dataclass `cls` generates; `non_trajectory`: settings that do not change
+    a run's results (a `--resume` may change them)."""
+
+    def __init__(self, cls: type, non_trajectory: Collection[str] = ()) -> None:
+        self.cls = cls
+        self.fields = {f.name: f for f in dataclasses.fields(cls)}
+        self.non_trajectory = frozenset(non_trajectory)
+        self._hints = typing.get_type_hints(cls)
+
+    def value_type(self, name: str) -> type:
+        """The type of a setting's values (int for `int | None`)."""
+        hint = self._hints[name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0] if args else hint
+
+    def nullable(self, name: str) -> bool:
+        """Whether a setting may be None (unset)."""
+        return type(None) in typing.get_args(self._hints[name])
+
+    def coerce(self, name: str, value: Any) -> Any:
+        """Type-check one setting from a config file (flags are already typed by argparse)."""
+        if value is None:
+            if self.nullable(name):
+                return None
+            raise UserError(f"setting {name!r} cannot be null; give a value or leave it out")
+        expected = self.value_type(name)
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if expected is int and isinstance(value, bool) or not isinstance(value, expected):
+            raise UserError(
+                f"setting {name!r} must be {expected.__name__}, got {value!r}; fix the config"
+            )
+        return value
+
+    def resolve(
+        self, file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
+    ) -> Any:
+        """Defaults <- config-file values <- explicit overrides (typed; not yet validated)."""
+        merged: dict[str, Any] = {}
+        for source in (file_values or {}, overrides or {}):
+            for name, value in source.items():
+                if name not in self.fields:
+                    known = ", ".join(self.fields)
+                    raise UserError(f"unknown setting {name!r}; known settings: {known}")
+                merged[name] = self.coerce(name, value)
+        return self.cls(**merged)
+
+    def check_choices(self, config: Any) -> None:
+        """UserError for a setting outside its choices."""
+        for name, field in self.fields.items():
+            choices = field.metadata["choices"]
+            value = getattr(config, name)
+            if choices and value not in choices:
+                flag = "--" + name.replace("_", "-")
+                raise UserError(
+                    f"unknown {name} {value!r}; pass {flag} one of: {', '.join(choices)}"
+                )
+
+    def build_parser(self, prog: str, description: str) -> argparse.ArgumentParser:
+        """One flag per setting (--config first): type from the annotation, 'L'/'all'/'none'
+        for unset ints, --x/--no-x for booleans; only the flags given are returned."""
+        p = Parser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
+        names = ["config"] if "config" in self.fields else []
+        for name in names + [n for n in self.fields if n != "config"]:
+            field = self.fields[name]
+            meta, kind = field.metadata, self.value_type(name)
+            kw: dict[str, Any] = {"metavar": meta["metavar"]}
+            if meta["choices"]:  # checked by check_choices, so a bad value is a one-line error
+                kw["metavar"] = "{" + ",".join(meta["choices"]) + "}"
+            if kind is bool:
+                kw = {"action": argparse.BooleanOptionalAction}
+            elif kind is int and self.nullable(name):
+                kw["type"] = optional_int
+            elif kind is not str:
+                kw["type"] = kind
+            p.add_argument(
+                "--" + name.replace("_", "-"),
+                help=f"{meta['help']} (default: {field.default})",
+                **kw,
+            )
+        return p
+
+    def from_args(self, parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Any:
+        """Parse flags and resolve them against the defaults and the --config file."""
+        given = vars(parser.parse_args(argv))
+        file_values = load_config_file(given["config"]) if "config" in given else {}
+        return self.resolve(file_values, given)
+
+    def trajectory_mismatch(self, saved: dict[str, Any], config: Any) -> list[str]:
+        """Settings that differ from a saved run's and would change its results on --resume."""
+        current = dataclasses.asdict(config)
+        return sorted(
+            k
+            for k in current
+            if k not in self.non_trajectory and k in saved and saved[k] != current[k]
+        )

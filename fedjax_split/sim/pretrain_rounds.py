@@ -1,0 +1,230 @@
+"""One round of federated further pre-training (MLM), clients one after another, and the
+held-out evaluation.
+
+A round follows a `fed.layerwise.Plan`: each client assembles its model from the global
+parameters it received (`layerwise.assemble`: FedBFPT's small model, or the first k layers, or
+the whole model), trains the parameters the plan names with `fed.client`'s update (everything
+else enters as constants: no gradient, no optimiser state), and uploads them renamed to their
+global paths. The server averages the uploads (example-weighted, or unweighted as the released
+FedBFPT code does) and steps only those paths (`fed.server.server_update(trained=...)`): every
+other parameter and its optimiser state stay exactly put.
+
+Costs are counted per client: `bytes_up` from the arrays sent (the trained part in the wire
+dtype), matmul FLOPs from `models.flops.mlm_train_flops` for the steps it ran, and the seconds
+its training took (dispatch to ready, compilation included the first time a shape is seen), as
+wall time and as this process' CPU time (steadier where other processes share the cores).
+
+Keys: a client's dropout key is fold_in(fold_in(key(seed), round), client id), its k-th real
+step's fold_in(that, k) (`fed.client.step_rng`), as in `sim.rounds`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedjax_split.data.batch import apply_batch
+from fedjax_split.data.masking import MaskedBatch
+from fedjax_split.data.objectives import MASKED_LM
+from fedjax_split.fed import layerwise
+from fedjax_split.fed.aggregation import weighted_mean_each
+from fedjax_split.fed.client import ClientSpec
+from fedjax_split.fed.roles import layer_index
+from fedjax_split.fed.server import ServerState, server_update
+from fedjax_split.fed.wire import cast_to_wire, tree_bytes
+from fedjax_split.models.bert import BertConfig, make_apply
+from fedjax_split.models.flops import mlm_train_flops
+from fedjax_split.sim.rounds import RoundSpec, client_round
+
+
+class ClientReport(NamedTuple):
+    """One client's round."""
+
+    client: int
+    layers: tuple[int, ...]  # the global layer at each position of its model
+    loss: float  # mean MLM loss over its predicted tokens
+    tokens: int  # tokens it predicted (all steps)
+    steps: int  # real optimiser steps
+    seconds: float  # wall time
+    cpu_seconds: float  # this process' CPU time (all threads): steadier on a shared machine
+    flops: int  # matmul FLOPs of its steps (models.flops.mlm_train_flops)
+    bytes_up: int
+
+
+class Trainer:
+    """What a round's clients run, per model depth (clients may run models of another depth than
+    the server's: FedBFPT's small ones) and trained set: a `sim.rounds.RoundSpec` whose global part
+    is the client's whole model, of which `trained` is trained and sent, so that a client runs
+    `sim.rounds.client_round`, the programs every federated client of this library runs."""
+
+    def __init__(
+        self,
+        config: BertConfig,
+        optimizer: optax.GradientTransformation,
+        server_optimizer: optax.GradientTransformation | None = None,
+        wire_dtype: str = "float32",
+    ) -> None:
+        self.config = config  # the global model's (head "mlm")
+        self.optimizer = optimizer
+        self.server_optimizer = server_optimizer or optax.sgd(1.0)  # FedAvg
+        self.wire_dtype = wire_dtype
+        self._specs: dict[tuple[int, frozenset[str]], RoundSpec] = {}
+
+    def depth_config(self, depth: int) -> BertConfig:
+        return dataclasses.replace(self.config, num_hidden_layers=depth)
+
+    def spec(self, depth: int, trained: frozenset[str]) -> RoundSpec:
+        """The round spec of a `depth`-layer client model training the paths `trained` (of
+        that model); one per (depth, trained), so each compiles once."""
+        if (depth, trained) not in self._specs:
+            same_depth = [v for (d, _), v in self._specs.items() if d == depth]
+            client = (
+                same_depth[0].client
+                if same_depth
+                else ClientSpec(make_apply(self.depth_config(depth)), MASKED_LM, self.optimizer)
+            )
+            self._specs[(depth, trained)] = RoundSpec(
+                client=client, server_optimizer=self.server_optimizer,
+                wire_dtype=self.wire_dtype, chunk_size=1, trained=trained,
+            )  # fmt: skip
+        return self._specs[(depth, trained)]
+
+
+def step_flops(config: BertConfig, batch: MaskedBatch, depth: int,
+               client_paths: frozenset[str]) -> int:  # fmt: skip
+    """Matmul FLOPs of one step on `batch` ([S, B, T] or [B, T]) of a `depth`-layer model whose
+    trained parameters are `client_paths` (paths of that model)."""
+    b, t = batch.input_ids.shape[-2:]
+    trained_layers = {layer_index(q) for q in client_paths} - {None}
+    return mlm_train_flops(
+        config, b, t, batch.positions.shape[-1],
+        layers=depth,
+        trained_layers=trained_layers,
+        embeddings_trained="embeddings/word_embeddings/embedding" in client_paths,
+        head_trained=any(q.startswith("mlm/transform/") for q in client_paths),
+    )  # fmt: skip
+
+
+def train_client(
+    trainer: Trainer,
+    global_wire: Mapping[str, Any],
+    layers: Sequence[int],
+    trained: frozenset[str],
+    segments: Sequence[MaskedBatch],
+    key: jax.Array,
+) -> tuple[dict[str, Any], jax.Array, jax.Array, int]:
+    """One client's update: (its trained part under global paths, as the server receives it;
+    loss sum; predicted tokens; real steps). `global_wire`: the server's global parameters in the
+    wire dtype, of which the client receives the layers it runs."""
+    spec = trainer.spec(len(layers), layerwise.paths_to_client(trained, layers))
+    model = layerwise.assemble(global_wire, layers)
+    sent, _, metrics = client_round(spec, model, {}, segments, key)
+    return (
+        layerwise.to_global(sent, layers),
+        metrics.loss_sum,
+        metrics.num_examples,
+        int(metrics.num_steps),
+    )
+
+
+class RoundOutcome(NamedTuple):
+    state: ServerState
+    clients: list[ClientReport]
+    bytes_up: int
+
+
+def run_round(
+    trainer: Trainer,
+    state: ServerState,
+    plan: layerwise.Plan,
+    clients: Sequence[int],
+    segments: Sequence[Sequence[MaskedBatch]],
+    weights: Sequence[float],
+    *,
+    seed: int,
+    round_: int,
+) -> RoundOutcome:
+    """Trains every client of `plan` in turn, averages their uploads with `weights` and steps
+    the server with the trainer's server optimizer (only the plan's trained paths move)."""
+    round_key = jax.random.fold_in(jax.random.key(seed), round_)
+    uploads, reports = [], []
+    for c, layers, segs in zip(clients, plan.layers, segments, strict=True):
+        t0, c0 = time.perf_counter(), time.process_time()
+        key = jax.random.fold_in(round_key, c)
+        new, loss_sum, count, steps = train_client(
+            trainer, state.global_params, layers, plan.trained, segs, key
+        )
+        sent = cast_to_wire(new, trainer.wire_dtype)  # what crossed the wire
+        jax.block_until_ready(sent)
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+        client_paths = layerwise.paths_to_client(plan.trained, layers)
+        flops = sum(
+            int(np.sum(np.asarray(s.step_mask) & (np.asarray(s.example_mask).sum(-1) > 0)))
+            * step_flops(trainer.config, s, len(layers), client_paths)
+            for s in segs
+        )
+        uploads.append(new)
+        reports.append(
+            ClientReport(
+                client=int(c),
+                layers=tuple(int(x) for x in layers),
+                loss=float(loss_sum / jnp.maximum(count, 1.0)),
+                tokens=int(count),
+                steps=steps,
+                seconds=seconds,
+                cpu_seconds=cpu_seconds,
+                flops=int(flops),
+                bytes_up=tree_bytes(sent),
+            )
+        )
+    mean = weighted_mean_each(uploads, jnp.asarray(weights, jnp.float32))
+    state = _server_step(trainer.server_optimizer, trainer.wire_dtype, plan.trained)(state, mean)
+    return RoundOutcome(state, reports, sum(r.bytes_up for r in reports))
+
+
+@functools.cache
+def _server_step(
+    optimizer: optax.GradientTransformation, wire_dtype: str, trained: frozenset[str]
+) -> Callable[[ServerState, Any], ServerState]:
+    """`server_update` compiled once per trained set (a few per run), not run op by op."""
+    step = functools.partial(
+        server_update, optimizer=optimizer, wire_dtype=wire_dtype, trained=trained
+    )
+    return jax.jit(step)
+
+
+@functools.cache
+def _eval_step(config: BertConfig) -> Callable[..., tuple[jax.Array, jax.Array, jax.Array]]:
+    apply = make_apply(config)
+
+    @jax.jit
+    def step(params: Any, batch: MaskedBatch) -> tuple[jax.Array, jax.Array, jax.Array]:
+        logits = apply_batch(apply, params, batch.model_inputs(), train=False)
+        loss_sum, count = MASKED_LM.loss_sums(logits, batch.labels, batch.example_mask)
+        labelled = (batch.labels != -100) & (batch.example_mask[:, None] > 0)
+        correct = jnp.sum((MASKED_LM.predict(logits) == batch.labels) & labelled)
+        return loss_sum, count, correct
+
+    return step
+
+
+def evaluate(
+    config: BertConfig, params: Mapping[str, Any], batches: Sequence[MaskedBatch]
+) -> dict[str, float]:
+    """MLM loss (mean over predicted tokens) and masked-token accuracy of `params` (a model of
+    `config`'s depth) on held-out batches."""
+    step = _eval_step(config)
+    totals = np.zeros(3)
+    for batch in batches:
+        totals += np.asarray([float(x) for x in step(params, batch)])
+    loss_sum, count, correct = totals
+    n = max(count, 1.0)
+    return {"mlm_loss": loss_sum / n, "mlm_accuracy": correct / n, "predicted_tokens": int(count)}

@@ -1,0 +1,220 @@
+"""`python -m fedjax_split.pretrain` end to end on a tiny random BERT and local text: the outputs
+and their cost accounting, a kill -9 then --resume equal to the straight run, one-line exit-2
+errors that write nothing, and the exported BertForMaskedLM fine-tuned by `fedjax_split.train`.
+
+Runs go through real subprocesses sharing the session's persistent JAX compilation cache
+(tests/conftest.py), so only the first run pays for compilation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
+    TINY_LAYER,
+    TINY_MLM_HEAD,
+    private_cache,
+    write_tiny_model,
+    write_tiny_text,
+)
+
+from fedjax_split import pretrain
+from fedjax_split.run import malloc
+
+ROOT = Path(__file__).resolve().parents[1]
+SENT = 4 * (TINY_LAYER + TINY_MLM_HEAD)  # fp32: one layer and the MLM head, per client
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    base = tmp_path_factory.mktemp("pretrain")
+    model = write_tiny_model(base / "model", num_layers=4)
+    proc_env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    for name in ("FEDJAX_SPLIT_STOP_AFTER_ROUND", "LD_PRELOAD", malloc.ENV):
+        proc_env.pop(name, None)
+    return {"base": base, "model": model, "text": write_tiny_text(base / "text"), "env": proc_env}
+
+
+def _args(env: dict, out: Path, **extra: object) -> list[str]:
+    flags = {
+        "corpus": "local", "data-dir": env["text"], "model": env["model"], "method": "fedbfpt",
+        "clients": 2, "split": "source", "rounds": 3, "small-layers": 2, "batch-size": 8,
+        "max-length": 24, "lr": 1e-3, "heldout-fraction": 0.1, "output-dir": out,
+    }  # fmt: skip
+    flags.update({k.replace("_", "-"): v for k, v in extra.items()})
+    return [f"--{k}={v}" for k, v in flags.items()]
+
+
+def _cli(env: dict, args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fedjax_split.pretrain", *args], env=env["env"],
+        capture_output=True, text=True, timeout=300, cwd=env["base"],
+    )  # fmt: skip
+
+
+def _metrics(run: Path, timeless: bool = True) -> list[dict]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    if not timeless:
+        return rows
+    drop = ("seconds", "cpu_seconds", "client_seconds", "client_cpu_seconds")
+
+    def clean(d: dict) -> dict:
+        return {
+            k: [clean(c) for c in v] if k == "clients" else v
+            for k, v in d.items()
+            if not k.endswith(drop)
+        }
+
+    return [clean(r) for r in rows]
+
+
+def _digest(run: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def straight(env: dict) -> Path:
+    out = env["base"] / "straight"
+    res = _cli(env, _args(env, out))
+    assert res.returncode == 0, res.stderr
+    assert "done: fedbfpt, 3 rounds" in res.stdout
+    return out
+
+
+def test_outputs_and_their_cost_accounting(straight: Path) -> None:
+    for name in ("config.json", "split.json", "metrics.jsonl", "summary.json"):
+        assert (straight / name).is_file(), name
+    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["2", "3"]
+    rows = _metrics(straight, timeless=False)
+    assert [r["round"] for r in rows] == [1, 2, 3] and [r["layer"] for r in rows] == [0, 0, 1]
+    sent = SENT
+    for r in rows:
+        assert [c["bytes_up"] for c in r["clients"]] == [sent, sent]
+        assert [c["layers"][0] for c in r["clients"]] == [0, 0]
+        assert all(len(c["layers"]) == 2 for c in r["clients"])
+        assert np.isfinite(r["mlm_loss"]) and 0 <= r["mlm_accuracy"] <= 1
+        assert r["flops"] == sum(c["flops"] for c in r["clients"]) < r["bert_fl_flops"]
+    # down: nothing in round 1 (clients hold the public checkpoint), then last round's update
+    assert [r["bytes_down"] for r in rows] == [0, 2 * sent, 2 * sent]
+    layers_used = {c["layers"][1] for r in rows for c in r["clients"] if r["layer"] == 0}
+    assert layers_used <= {1, 2, 3} and len(layers_used) > 1  # sampled per client and round
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["cum_bytes_up"] == 6 * sent and summary["schedule"] == [0, 0, 1]
+    assert summary["bytes_up_share_of_bert_fl"] == pytest.approx(
+        6 * sent / summary["cum_bert_fl_bytes_up"]
+    )
+    assert summary["final"]["mlm_loss"] == rows[-1]["mlm_loss"]
+    assert summary["layers"] == 4 and summary["small_layers"] == 2
+    split = json.loads((straight / "split.json").read_text())
+    assert split["scheme"] == "source" and len(split["clients"]) == 2
+    config = json.loads((straight / "config.json").read_text())
+    assert config["method"] == "fedbfpt" and config["small_layers"] == 2
+
+
+def test_sigkilled_run_resumes_to_the_same_result(env: dict, straight: Path) -> None:
+    out = env["base"] / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedjax_split.pretrain", *_args(env, out)], env=env["env"],
+        cwd=env["base"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.time() + 240
+    while not (out / "checkpoints" / "2").is_dir() and proc.poll() is None:
+        assert time.time() < deadline, "run did not reach round 2"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / "model").exists()
+    res = _cli(env, [*_args(env, out), "--resume"])
+    assert res.returncode == 0, res.stderr
+    assert _metrics(out) == _metrics(straight)
+    a, b = (json.loads((r / "summary.json").read_text()) for r in (out, straight))
+    assert a["final"] == b["final"] and a["cum_flops"] == b["cum_flops"]
+    # the exported models are the same bytes
+    assert _digest(out / "model") == _digest(straight / "model")
+
+
+BAD = [
+    ({"corpus": "wiki"}, "unknown corpus"),
+    ({"method": "fedprox"}, "unknown method"),
+    ({"small_layers": 1}, "--small-layers 2 or more"),
+    ({"small_layers": 9}, "outside 1..4"),
+    ({"data_dir": "/nonexistent/text"}, "data dir"),
+    ({"schedule_period": 0}, "--schedule-period must be at least 1"),
+    ({"text_mode": "paragraph"}, "unknown text_mode"),
+]
+
+
+@pytest.mark.parametrize(("change", "needle"), BAD, ids=[b[1] for b in BAD])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(
+    env: dict, straight: Path, change: dict, needle: str, capsys: pytest.CaptureFixture
+) -> None:
+    fresh = env["base"] / "never"
+    before = _digest(straight)
+    for out, resume in ((fresh, []), (straight, ["--resume"])):  # a new run, or an existing one
+        code = pretrain.main([*_args(env, out, **change), *resume])
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+        assert needle in err, err
+    assert not fresh.exists() and _digest(straight) == before
+
+
+def test_corrupt_checkpoint_and_existing_run(
+    env: dict, straight: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert pretrain.main(_args(env, straight)) == 2  # an existing run needs --resume
+    assert "--resume" in capsys.readouterr().err
+    broken = env["base"] / "broken"
+    shutil.copytree(straight, broken)
+    for f in (broken / "checkpoints").rglob("*"):
+        if f.is_file() and f.stat().st_size > 100 and "meta" not in str(f):
+            f.write_bytes(b"\0" * f.stat().st_size)
+    before = _digest(broken)
+    assert pretrain.main([*_args(env, broken), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "checkpoint" in err and len(err.strip().splitlines()) == 1
+    assert _digest(broken) == before
+
+
+def test_the_model_loads_in_pytorch_and_as_trains_token_classifier(
+    env: dict, straight: Path
+) -> None:
+    """DIR/model is a BertForMaskedLM for transformers, and what `python -m fedjax_split.train
+    --model DIR/model` loads for a token task: the encoder as trained, a fresh classifier (the
+    study fine-tunes it for real on nero: docs/fedbfpt.md)."""
+    import warnings
+
+    from fedjax_split.models.hf_checkpoint import load_pretrained
+
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForMaskedLM.from_pretrained(straight / "model")
+    assert type(model).__name__ == "BertForMaskedLM" and model.config.num_hidden_layers == 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        token = load_pretrained(straight / "model", num_labels=5, head="token")
+    assert "cls.predictions" in " ".join(str(w.message) for w in caught)  # reported, unused
+    mlm = load_pretrained(straight / "model", num_labels=2, head="mlm")
+    np.testing.assert_array_equal(
+        np.asarray(token.params["encoder"]["layer_1"]["output"]["kernel"]),
+        np.asarray(mlm.params["encoder"]["layer_1"]["output"]["kernel"]),
+    )
+    assert set(token.params) == {"embeddings", "encoder", "classifier"}
+    assert (straight / "model" / "vocab.txt").is_file()  # the tokenizer travels with it

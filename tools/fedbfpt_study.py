@@ -1,0 +1,411 @@
+"""FedBFPT's claim on real data, offline: further pre-train MiniLM-L6 on PubMed abstracts with
+FedBFPT and its baselines, fine-tune each result federatedly on NERO's biomedical NER, and report
+F1 against the further pre-training's computation and communication (the paper's Table 3 and
+Figure 8) in docs/fedbfpt.md with its plots.
+
+MiniLM-L6 ships without an MLM head, so a first run (`warmup`) trains a fresh head alone, the
+encoder frozen, on general-domain text (rotten-tomatoes movie-review snippets), centrally: the
+common starting point of every method, standing in for BERT-base's pre-trained head in the paper.
+
+    nice -n 10 python tools/fedbfpt_study.py                # every missing run, then the report
+    python tools/fedbfpt_study.py --report-only             # the report from the finished runs
+    python tools/fedbfpt_study.py --only pretrain           # one stage: pretrain | finetune
+
+Runs are `python -m fedjax_split.pretrain ...` and `python -m fedjax_split.train ...` into
+runs/fedbfpt_study/<name>; a finished run (summary.json) is not run again, an interrupted one is
+continued with --resume, so the study can run in parts. One run at a time (2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedjax_split.run.outputs import read_json, read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "runs" / "fedbfpt_study"
+DOC = ROOT / "docs" / "fedbfpt.md"
+FIGURES = ROOT / "docs" / "figures"
+
+WARMUP = [
+    "--corpus=rotten_tomatoes", "--model=minilm-l6", "--method=centralised", "--clients=1",
+    r"--freeze=embeddings\.|encoder\.", "--rounds=6", "--batch-size=16", "--lr=2e-3",
+    "--max-length=128", "--seed=0",
+]  # fmt: skip
+START = RUNS / "warmup" / "model"
+# Further pre-training: the released setting (6 clients, 5 rounds of 1 epoch, length 128, 15%
+# masking, small models of L/2 = 3 layers, the halving schedule) on a CPU-sized slice of PubMed.
+PRETRAIN = [
+    "--corpus=pubmed", f"--model={START}", "--clients=6", "--split=iid", "--rounds=5",
+    "--local-epochs=1", "--batch-size=16", "--lr=1e-4", "--max-documents=600",
+    "--max-length=128", "--seed=0",
+]  # fmt: skip
+METHODS = {  # name -> (label, extra flags)
+    "fedbfpt": ("FedBFPT (3-layer small models, one layer + head a round)", ["--method=fedbfpt"]),
+    "bert-fl": ("BERT-FL (FedAvg of the whole model)", ["--method=bert-fl"]),
+    "centralised": ("BERT-C (centralised, all the text)", ["--method=centralised"]),
+    "truncated": ("Truncated (first 3 layers, trained whole)", ["--method=truncated"]),
+    "none": ("No further pre-training", ["--method=none"]),
+}
+# Fine-tuning: NERO NER, 3 non-IID clients (Dirichlet over each sentence's main entity type),
+# FedAvg of the whole model (critical layer L), a CPU-sized subsample.
+FINETUNE = [
+    "--config=configs/offline_nero.py", "--critical-layer=L", "--max-examples=3000",
+    "--rounds=3", "--local-epochs=1", "--batch-size=16", "--lr=1e-4",
+]  # fmt: skip
+SEEDS = (0, 1)
+
+
+def pretrain_runs() -> list[tuple[str, list[str]]]:
+    warmup = ("warmup", [sys.executable, "-m", "fedjax_split.pretrain", *WARMUP])
+    return [warmup] + [
+        (f"pretrain_{m}", [sys.executable, "-m", "fedjax_split.pretrain", *PRETRAIN, *extra])
+        for m, (_, extra) in METHODS.items()
+    ]
+
+
+def finetune_runs() -> list[tuple[str, list[str]]]:
+    out = []
+    for seed in SEEDS:
+        for m in METHODS:
+            model = RUNS / f"pretrain_{m}" / "model"
+            cmd = [sys.executable, "-m", "fedjax_split.train", *FINETUNE, f"--model={model}",
+                   f"--seed={seed}"]  # fmt: skip
+            out.append((f"nero_{m}_s{seed}", cmd))
+    return out
+
+
+def run_one(name: str, cmd: list[str]) -> str:
+    out = RUNS / name
+    if (out / "summary.json").is_file():
+        return f"{name}: done before"
+    cmd = [*cmd, f"--output-dir={out}"]
+    if out.exists():  # interrupted: continue from its last checkpoint
+        cmd.append("--resume")
+    RUNS.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    log = RUNS / f"{name}.log"
+    with open(log, "a") as f:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+    status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {log})"
+    return f"{name}: {status} in {time.time() - t0:.0f}s"
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def load(name: str) -> dict[str, Any] | None:
+    d = RUNS / name
+    if not (d / "summary.json").is_file():
+        return None
+    return {
+        "dir": d,
+        "config": read_json(d / "config.json"),
+        "summary": read_json(d / "summary.json"),
+        "records": read_jsonl(d / "metrics.jsonl"),
+    }
+
+
+def fmt(x: float | None, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return f"{x:.{digits}f}"
+
+
+def pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def per_round_client(run: dict[str, Any], key: str, first: int = 1) -> float:
+    """Mean over rounds (from `first`) and clients of a per-client cost."""
+    values = [c[key] for r in run["records"] if r["round"] >= first for c in r["clients"]]
+    return sum(values) / len(values) if values else 0.0
+
+
+def shell(args: Sequence[str]) -> str:
+    return shlex.join(str(a).replace(str(ROOT) + "/", "") for a in args)
+
+
+def pretrain_table(runs: dict[str, dict[str, Any]]) -> list[str]:
+    bert = runs.get("bert-fl")
+    rows = [
+        "| method | model layers | GFLOP per round and client | share of BERT-FL | CPU s per round"
+        " and client | share | wall s | MB up per round and client | share | MB down, rounds 2+"
+        " (client keeps a copy) | MB down (keeps nothing) | held-out MLM loss | masked-token "
+        "accuracy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m, run in runs.items():
+        s = run["summary"]
+        label = METHODS[m][0]
+        if not run["records"]:
+            rows.append(
+                f"| {label} | {s['layers']} | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | 0 | "
+                f"{fmt(s['final']['mlm_loss'], 3)} | {fmt(s['final']['mlm_accuracy'], 3)} |"
+            )
+            continue
+        flops = per_round_client(run, "flops") / 1e9
+        cpu = per_round_client(run, "cpu_seconds")
+        wall = per_round_client(run, "seconds")
+        up = per_round_client(run, "bytes_up") / 1e6
+        down = per_round_client(run, "bytes_down", first=2) / 1e6
+        full = per_round_client(run, "bytes_down_full") / 1e6
+        if bert:
+            b_flops = per_round_client(bert, "flops") / 1e9
+            b_cpu = per_round_client(bert, "cpu_seconds")
+            b_up = per_round_client(bert, "bytes_up") / 1e6
+        rows.append(
+            f"| {label} | {s['layers']} | {flops:,.0f} | {pct(flops / b_flops) if bert else 'n/a'}"
+            f" | {cpu:,.1f} | {pct(cpu / b_cpu) if bert else 'n/a'} | {wall:,.1f} | {up:,.1f} | "
+            f"{pct(up / b_up) if bert and b_up else 'n/a'} | {down:,.1f} | {full:,.1f} | "
+            f"{fmt(s['initial']['mlm_loss'], 3)} -> {fmt(s['final']['mlm_loss'], 3)} | "
+            f"{fmt(s['initial']['mlm_accuracy'], 3)} -> {fmt(s['final']['mlm_accuracy'], 3)} |"
+        )
+    return rows
+
+
+def finetune_scores(m: str) -> list[dict[str, Any]]:
+    out = []
+    for seed in SEEDS:
+        run = load(f"nero_{m}_s{seed}")
+        if run is not None:
+            out.append(run["summary"]["final"])
+    return out
+
+
+def mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def finetune_table(runs: dict[str, dict[str, Any]]) -> list[str]:
+    rows = [
+        "| further pre-training | NERO F1 (mean over seeds) | per seed | precision | recall |"
+        " pre-training TFLOP (all clients, all rounds) | pre-training MB sent (up + down) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m, run in runs.items():
+        scores = finetune_scores(m)
+        if not scores:
+            continue
+        s = run["summary"]
+        f1 = [x["f1"] for x in scores]
+        rows.append(
+            f"| {METHODS[m][0]} | {fmt(mean(f1), 4)} | {', '.join(fmt(x, 4) for x in f1)} | "
+            f"{fmt(mean([x['precision'] for x in scores]), 4)} | "
+            f"{fmt(mean([x['recall'] for x in scores]), 4)} | {s['cum_flops'] / 1e12:,.1f} | "
+            f"{s['cum_bytes'] / 1e6:,.0f} |"
+        )
+    return rows
+
+
+def bert_base_accounting() -> list[str]:
+    """The paper's communication share, and our FLOP shares, for BERT-base (shapes only)."""
+    import jax
+
+    from fedjax_split.fed import layerwise
+    from fedjax_split.fed.roles import select
+    from fedjax_split.fed.wire import param_count
+    from fedjax_split.models.bert import BertConfig, init_params
+    from fedjax_split.models.flops import mlm_train_flops
+
+    config = BertConfig(head="mlm")
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    total = param_count(params)
+    sent = param_count(select(params, layerwise.trained_paths(params, [0]))[0])
+    b, t = 1, 128
+    rows = []
+    for label, p in (("at the 20 predicted positions (ours)", 20), ("at all 128 positions (as "
+                     "transformers' BertForMaskedLM computes them)", 128)):  # fmt: skip
+        full = mlm_train_flops(config, b, t, p, layers=12, trained_layers=range(12),
+                               embeddings_trained=True)  # fmt: skip
+        ours = mlm_train_flops(config, b, t, p, layers=6, trained_layers=[0],
+                               embeddings_trained=False)  # fmt: skip
+        rows.append((label, ours / full))
+    return [
+        f"- Parameters: BertForMaskedLM (bert-base-uncased) holds {total:,}; a FedBFPT client "
+        f"sends one layer and the head's transform and bias, {sent:,}: "
+        f"**{100 * sent / total:.2f}%**, the paper's 7.04% (upload, fp32, per client and round).",
+        *(
+            f"- Matmul FLOPs of a FedBFPT step (6-layer small model, layer 0 and the head trained)"
+            f" against a BERT-FL step (12 layers, everything trained), decoder logits {label}: "
+            f"**{100 * r:.1f}%**."
+            for label, r in rows
+        ),
+    ]
+
+
+def plots(runs: dict[str, dict[str, Any]]) -> list[str]:
+    """PNG figures; returns their markdown lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    lines = []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for m, run in runs.items():
+        s = run["summary"]
+        xs_f, xs_b, ys = [0.0], [0.0], [s["initial"]["mlm_loss"]]
+        for r in run["records"]:
+            if r.get("mlm_loss") is not None:
+                xs_f.append(r["cum_flops"] / 1e12)
+                xs_b.append(r["cum_bytes"] / 1e6)
+                ys.append(r["mlm_loss"])
+        label = METHODS[m][0]
+        axes[0].plot(xs_f, ys, marker="o", label=label)
+        axes[1].plot(xs_b, ys, marker="o", label=label)
+        axes[2].plot(range(len(ys)), ys, marker="o", label=label)
+    axes[0].set_xlabel("client computation, all clients so far (TFLOP of matmuls)")
+    axes[1].set_xlabel("communication so far, up + down (MB)")
+    axes[2].set_xlabel("round (0: the common start)")
+    for ax in axes:
+        ax.set_ylabel("held-out MLM loss (PubMed)")
+        ax.grid(alpha=0.3)
+    axes[1].set_xscale("symlog", linthresh=10)
+    axes[2].legend(fontsize=7)
+    fig.suptitle("Further pre-training of MiniLM-L6 on PubMed, 6 clients, 5 rounds")
+    fig.tight_layout()
+    path = FIGURES / "fedbfpt_mlm.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    lines.append(f"![held-out MLM loss against computation and communication]({path.name})")
+
+    points = []
+    for m, run in runs.items():
+        scores = finetune_scores(m)
+        if scores:
+            f1 = mean([x["f1"] for x in scores])
+            s = run["summary"]
+            points.append((METHODS[m][0], s["cum_flops"] / 1e12, s["cum_bytes"] / 1e6, f1))
+    if points:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for label, flops, mb, f1 in points:
+            axes[0].scatter(flops, f1, s=50, label=label)
+            axes[1].scatter(mb, f1, s=50, label=label)
+        axes[0].set_xlabel("further pre-training computation (TFLOP, all clients)")
+        axes[1].set_xlabel("further pre-training communication (MB, up + down)")
+        axes[1].set_xscale("symlog", linthresh=10)
+        for ax in axes:
+            ax.set_ylabel("NERO entity F1 after federated fine-tuning")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
+        fig.suptitle("Downstream NER against the cost of further pre-training")
+        fig.tight_layout()
+        path = FIGURES / "fedbfpt_f1_cost.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        lines.append(f"![NERO F1 against pre-training cost]({path.name})")
+    return [f"{x.replace('](', '](figures/')}" for x in lines]
+
+
+def fedbfpt_lines(runs: dict[str, dict[str, Any]]) -> list[str]:
+    run = runs.get("fedbfpt")
+    if run is None:
+        return []
+    lines = ["FedBFPT's rounds (trained layer; each client's small model as global layers):", ""]
+    for r in run["records"]:
+        models = " ".join("(" + ",".join(map(str, c["layers"])) + ")" for c in r["clients"])
+        lines.append(f"- round {r['round']}: layer {r['layer']}; clients {models}")
+    return lines
+
+
+def warmup_lines() -> list[str]:
+    run = load("warmup")
+    if run is None:
+        return []
+    s = run["summary"]
+    return [
+        f"Warm-up: {sum(s['train_sequences'])} sequences, {s['rounds']} epochs, "
+        f"{s['cum_flops'] / 1e12:,.1f} TFLOP, {s['train_seconds'] / 60:.0f} min; held-out "
+        f"movie-review MLM loss {fmt(s['initial']['mlm_loss'], 3)} -> "
+        f"{fmt(s['final']['mlm_loss'], 3)}, masked-token accuracy "
+        f"{fmt(s['initial']['mlm_accuracy'], 3)} -> {fmt(s['final']['mlm_accuracy'], 3)}. Its cost "
+        "is the same for every method and left out below.",
+    ]
+
+
+def report() -> None:
+    runs = {m: run for m in METHODS if (run := load(f"pretrain_{m}")) is not None}
+    if not runs:
+        print("no finished pre-training runs yet")
+        return
+    discussion = ROOT / "docs" / "fedbfpt_discussion.md"
+    text = [
+        "# FedBFPT on PubMed: further pre-training one layer at a time",
+        "",
+        "Generated by `python tools/fedbfpt_study.py` from the runs in `runs/fedbfpt_study/` "
+        "(the numbers); the text between the tables is `docs/fedbfpt_discussion.md`.",
+        "",
+        "The common start, MiniLM-L6 with an MLM head trained alone on movie-review snippets:",
+        "",
+        f"    python -m fedjax_split.pretrain {shell(WARMUP)}",
+        "",
+        *warmup_lines(),
+        "",
+        "Pre-training command (each method adds `--method M`):",
+        "",
+        f"    python -m fedjax_split.pretrain {shell(PRETRAIN)}",
+        "",
+        "Fine-tuning command (each pre-trained model, seeds " + ", ".join(map(str, SEEDS)) + "):",
+        "",
+        f"    python -m fedjax_split.train {shell(FINETUNE)} --model DIR/model --seed S",
+        "",
+        "## Further pre-training: cost per round and client, and the held-out MLM task",
+        "",
+        *pretrain_table(runs),
+        "",
+        *fedbfpt_lines(runs),
+        "",
+        *plots(runs),
+        "",
+        "## Fine-tuned on NERO (federated NER): F1 against the pre-training's cost",
+        "",
+        *finetune_table(runs),
+        "",
+        "## The paper's accounting for BERT-base, with our counting",
+        "",
+        *bert_base_accounting(),
+        "",
+    ]
+    if discussion.is_file():
+        text += ["", discussion.read_text().rstrip(), ""]
+    DOC.write_text("\n".join(text) + "\n")
+    print(f"wrote {DOC}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--report-only", action="store_true", help="only rebuild docs/fedbfpt.md")
+    p.add_argument("--only", choices=("pretrain", "finetune"), help="run one stage only")
+    args = p.parse_args(argv)
+    if not args.report_only:
+        stages = []
+        if args.only in (None, "pretrain"):
+            stages += pretrain_runs()
+        if args.only in (None, "finetune"):
+            stages += finetune_runs()
+        for name, cmd in stages:
+            if name.startswith("nero_"):
+                m = name.split("_")[1]
+                if not (RUNS / f"pretrain_{m}" / "summary.json").is_file():
+                    print(f"{name}: waiting for pretrain_{m}", flush=True)
+                    continue
+            print(run_one(name, cmd), flush=True)
+    report()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
