@@ -35,12 +35,16 @@ def run_one(k: int, rounds: int, base: Path, extra: list[str]) -> dict[str, Any]
            "--eval-every", str(10 * rounds), "--checkpoint-every", "1", "--output-dir", str(out),
            *extra]  # fmt: skip
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
+    # the child's progress goes to a file: a pipe nobody reads while wait4 waits would fill and
+    # block the child for ever
+    log = base / f"k{k}.log"
+    with open(log, "w") as err_file:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err_file)
+        _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
-    err = proc.stderr.read().decode() if proc.stderr else ""
     if status != 0:
-        raise SystemExit(f"error: K={k} failed ({status}): {err.strip().splitlines()[-1:]}")
+        last = log.read_text().strip().splitlines()[-1:]
+        raise SystemExit(f"error: K={k} failed ({status}): {last}; see {log}")
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
     steady = [r["train_seconds"] for r in records[1:-1]] or [records[-1]["train_seconds"]]
