@@ -4,11 +4,11 @@ runs on.
 Why: XLA:CPU allocates its temporaries anew on every call (a MiniLM step's gradients of the
 47 MB word-embedding table among them). glibc's defaults hand large blocks back to the kernel on
 free (mmap'd blocks, trimmed heap tops, and the per-thread arenas' heaps, which it shrinks), so
-every call faults its memory in again: 3.9M page faults and 8 s of system time in a 4-client
-benchmark round here. Three `mallopt` settings keep freed memory for reuse instead: every thread
+every call faults its memory in again: 3.7M page faults and 17 s of system time in a 4-client
+benchmark process here. Three `mallopt` settings keep freed memory for reuse instead: every thread
 allocates from the main arena (M_ARENA_MAX 1: the other arenas' heaps shrink whatever the trim
 threshold), from the heap rather than fresh mmaps (M_MMAP_MAX 0), and the heap's top is not
-trimmed (M_TRIM_THRESHOLD 1 GiB). That cut the faults 3-4x and the system time 3x with no
+trimmed (M_TRIM_THRESHOLD 1 GiB). That cut the faults 3.2x and the system time 2x with no
 package to install (docs/benchmarks.md); the cost is that the process keeps its peak heap.
 
 `tune()` runs when `fedjax_split` is imported, before JAX starts its threads, so the command
