@@ -430,6 +430,9 @@ def run_pretraining(
     if isinstance(config, dict):
         config = resolve(overrides=config)
     check(config)
+    from fedjax_split.run import xla_cache
+
+    xla_cache.enable()  # as train's: a second run loads what the first compiled
     _check_run_dir(config)
     setup = build(config)
     run_dir = config.run_dir
