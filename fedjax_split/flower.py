@@ -184,19 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cli() -> None:
-    """`python -m fedjax_split.flower`: `main` with one-line warnings, as train's CLI (every
+    """`python -m fedjax_split.flower` and `fedjax-split-flower`: train's entry point (every
     process of the federation imports fedjax_split, which tunes its malloc)."""
-    import warnings
+    from fedjax_split.train import run_command
 
-    from fedjax_split.run import malloc
-    from fedjax_split.train import _one_line_warning
-
-    try:
-        malloc.check_setting()
-    except UserError as e:
-        sys.exit(report(e))
-    warnings.formatwarning = _one_line_warning
-    sys.exit(main())
+    run_command(main)
 
 
 if __name__ == "__main__":

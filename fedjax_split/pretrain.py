@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Sequence
 
 from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, validate
@@ -56,21 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         return report(e)
     except KeyboardInterrupt:
-        where = "no checkpoint yet"
-        if config is not None:
-            from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+        from fedjax_split.train import interrupted
 
-            try:
-                latest = RunCheckpointer(checkpoint_dir(config.run_dir)).latest_round()
-            except UserError:
-                latest = None
-            if latest is not None:
-                where = (
-                    f"last checkpoint: round {latest}; continue with the same flags plus "
-                    f"--resume --output-dir {config.run_dir}"
-                )
-        print(f"interrupted ({where})", file=sys.stderr)
-        return 130
+        return interrupted(None if config is None else config.run_dir)
     final = summary["final"]
     print(
         f"done: {summary['method']}, {summary['rounds']} rounds, held-out MLM loss "
@@ -82,19 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cli() -> None:
-    """`python -m fedjax_split.pretrain`: `main` with one-line warnings (and malloc setting)."""
-    import warnings
+    """`python -m fedjax_split.pretrain` and `fedjax-split-pretrain` (train's entry point)."""
+    from fedjax_split.train import run_command
 
-    from fedjax_split.errors import UserError, report
-    from fedjax_split.run import malloc
-    from fedjax_split.train import _one_line_warning
-
-    try:
-        malloc.check_setting()
-    except UserError as e:
-        sys.exit(report(e))
-    warnings.formatwarning = _one_line_warning
-    sys.exit(main())
+    run_command(main)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from fedjax_split.run.config import SCHEMA, ExperimentConfig
 
@@ -62,21 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         return report(e)
     except KeyboardInterrupt:
-        where = "no checkpoint yet"
-        if config is not None:
-            from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
-
-            try:
-                latest = RunCheckpointer(checkpoint_dir(config.run_dir)).latest_round()
-            except UserError:
-                latest = None
-            if latest is not None:
-                where = (
-                    f"last checkpoint: round {latest}; continue with the same flags plus "
-                    f"--resume --output-dir {config.run_dir}"
-                )
-        print(f"interrupted ({where})", file=sys.stderr)
-        return 130
+        return interrupted(None if config is None else config.run_dir)
     metric = summary["primary_metric"]
     print(
         f"done: {summary['rounds']} rounds, final {metric} {summary['final'].get(metric)}, "
@@ -93,9 +80,32 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {category.__name__}: {message} ({filename}:{lineno})\n"
 
 
-def cli() -> None:
-    """`python -m fedjax_split.train` and `fedjax-split-train`: `main` with one-line warnings (the
-    malloc is tuned at import: fedjax_split.run.malloc)."""
+def interrupted(run_dir: str | None) -> int:
+    """Ctrl-C's one line (which checkpoint `--resume` continues from, if any); exit status 130.
+    Shared by the train, pretrain and flower commands."""
+    from fedjax_split.errors import UserError
+
+    where = "no checkpoint yet"
+    if run_dir is not None:
+        from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+
+        try:
+            latest = RunCheckpointer(checkpoint_dir(run_dir)).latest_round()
+        except UserError:
+            latest = None
+        if latest is not None:
+            where = (
+                f"last checkpoint: round {latest}; continue with the same flags plus "
+                f"--resume --output-dir {run_dir}"
+            )
+    print(f"interrupted ({where})", file=sys.stderr)
+    return 130
+
+
+def run_command(command_main: Callable[[], int]) -> NoReturn:
+    """A command's entry point: the malloc setting checked (a bad one is the one-line exit-2
+    error; the malloc itself is tuned at import: fedjax_split.run.malloc), warnings on one line,
+    then `command_main`'s exit status. Shared by the train, pretrain and flower commands."""
     import warnings
 
     from fedjax_split.errors import UserError, report
@@ -106,7 +116,12 @@ def cli() -> None:
     except UserError as e:
         sys.exit(report(e))
     warnings.formatwarning = _one_line_warning
-    sys.exit(main())
+    sys.exit(command_main())
+
+
+def cli() -> None:
+    """`python -m fedjax_split.train` and `fedjax-split-train`."""
+    run_command(main)
 
 
 if __name__ == "__main__":
