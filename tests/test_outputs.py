@@ -6,6 +6,8 @@ import io
 import json
 from pathlib import Path
 
+import pytest
+
 from fedjax_split.run import outputs
 
 
@@ -72,3 +74,26 @@ def test_tqdm_bar_on_a_terminal_and_silence_when_disabled() -> None:
     off.note("x")
     off.round_done(_RECORD, "accuracy")
     assert quiet.getvalue() == ""
+
+
+def test_check_run_dir_rules(tmp_path) -> None:
+    """A fresh run never overwrites results; --resume needs a readable, matching config.json."""
+    from fedjax_split.errors import UserError
+    from fedjax_split.run.outputs import check_run_dir
+
+    same = lambda saved: []  # noqa: E731
+    check_run_dir(tmp_path, False, [], same)  # fresh, empty: fine
+    with pytest.raises(UserError, match="already holds a run \\(metrics.jsonl\\)"):
+        check_run_dir(tmp_path, False, ["metrics.jsonl"], same)
+    with pytest.raises(UserError, match="nothing to resume"):
+        check_run_dir(tmp_path, True, [], same)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match="unreadable"):
+        check_run_dir(tmp_path, True, [], same)
+    (tmp_path / "config.json").write_text('{"lr": 0.1}')
+    seen = []
+    check_run_dir(tmp_path, True, ["metrics.jsonl"], lambda saved: seen.append(saved) or [])
+    assert seen == [{"lr": 0.1}]  # the saved settings reach the comparison
+    with pytest.raises(UserError, match="differ from the saved run \\(lr\\)") as e:
+        check_run_dir(tmp_path, True, [], lambda saved: ["lr"])
+    assert "\n" not in str(e.value)

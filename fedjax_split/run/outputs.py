@@ -11,7 +11,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -81,6 +81,39 @@ def existing_results(run_dir: str | Path) -> list[str]:
     """Names of result files already present in `run_dir` (what a fresh run would overwrite)."""
     run_dir = Path(run_dir)
     return [name for name in RESULT_FILES if (run_dir / name).exists()]
+
+
+def check_run_dir(
+    run_dir: Path,
+    resume: bool,
+    present: list[str],
+    mismatch: Callable[[dict[str, Any]], list[str]],
+) -> None:
+    """The run directory's rules, shared by train and pretrain: a fresh run never overwrites
+    results (`present`), and `--resume` needs a readable config.json whose trajectory settings
+    `mismatch` finds equal. UserError (the CLI's one line, exit 2) otherwise."""
+    from fedjax_split.errors import UserError
+
+    if not resume and present:
+        raise UserError(
+            f"{str(run_dir)!r} already holds a run ({', '.join(present)}); pass --resume to "
+            "continue it or choose another --output-dir"
+        )
+    if not resume:
+        return
+    saved_path = run_dir / "config.json"
+    if not saved_path.is_file():
+        raise UserError(f"nothing to resume in {str(run_dir)!r} (no config.json); drop --resume")
+    try:
+        saved = read_json(saved_path)
+    except (OSError, ValueError):
+        raise UserError(f"{str(saved_path)!r} is unreadable; cannot --resume this run") from None
+    diff = mismatch(saved)
+    if diff:
+        raise UserError(
+            f"--resume with settings that differ from the saved run ({', '.join(diff)}); "
+            "use the saved settings or another --output-dir"
+        )
 
 
 def format_round(record: dict[str, Any], metric: str | None) -> str:

@@ -75,29 +75,9 @@ def _check_run_dir(config: PretrainConfig) -> None:
     present = outputs.existing_results(run_dir) + (
         ["model"] if (run_dir / "model").exists() else []
     )
-    if not config.resume and present:
-        raise UserError(
-            f"{str(run_dir)!r} already holds a run ({', '.join(present)}); pass --resume to "
-            "continue it or choose another --output-dir"
-        )
-    if config.resume:
-        saved_path = run_dir / "config.json"
-        if not saved_path.is_file():
-            raise UserError(
-                f"nothing to resume in {str(run_dir)!r} (no config.json); drop --resume"
-            )
-        try:
-            saved = outputs.read_json(saved_path)
-        except (OSError, ValueError):
-            raise UserError(
-                f"{str(saved_path)!r} is unreadable; cannot --resume this run"
-            ) from None
-        diff = SCHEMA.trajectory_mismatch(saved, config)
-        if diff:
-            raise UserError(
-                f"--resume with settings that differ from the saved run ({', '.join(diff)}); "
-                "use the saved settings or another --output-dir"
-            )
+    outputs.check_run_dir(
+        run_dir, config.resume, present, lambda saved: SCHEMA.trajectory_mismatch(saved, config)
+    )
 
 
 def check(config: PretrainConfig) -> tuple[int, int]:
