@@ -317,6 +317,23 @@ def _shapes(
     return _Shapes(batch_size, pad_to_multiple, steps_per_octave, max_length, width, pad_id)
 
 
+def _prepare(
+    tokenized: Any,
+    indices: np.ndarray,
+    labels: np.ndarray,
+    objective: Classification,
+    *shape_args: Any,
+) -> tuple[Packed, np.ndarray, np.ndarray, _Shapes]:
+    """What client_batches and client_eval_batches start from: the flat tokens, the labels
+    (checked against the objective), the client's pool indices and the run-wide shapes
+    (`shape_args`: `_shapes`' arguments after `packed`)."""
+    packed = pack(tokenized)
+    labels = np.asarray(labels)
+    _check_labels(packed, labels, objective)
+    ix = np.asarray(indices, dtype=np.int64).reshape(-1)
+    return packed, labels, ix, _shapes(packed, *shape_args)
+
+
 def _step(
     packed: Packed, batch: np.ndarray, labels: np.ndarray, objective: Classification, sh: _Shapes
 ) -> Batch:
@@ -380,12 +397,9 @@ def client_batches(
     """
     if epochs < 1:
         raise ValueError("epochs must be >= 1")
-    packed = pack(tokenized)
-    labels = np.asarray(labels)
-    _check_labels(packed, labels, objective)
-    sh = _shapes(packed, batch_size, pad_to_multiple, steps_per_octave, max_length, packing,
-                 row_width, pad_id)  # fmt: skip
-    ix = np.asarray(indices, dtype=np.int64).reshape(-1)
+    packed, labels, ix, sh = _prepare(tokenized, indices, labels, objective, batch_size,
+                                      pad_to_multiple, steps_per_octave, max_length, packing,
+                                      row_width, pad_id)  # fmt: skip
     seeds = _seed_list(seed)
     steps = []
     for e in range(epochs):
@@ -415,12 +429,9 @@ def client_eval_batches(
     sorted by length (similar lengths share a batch and a shape), packed ones in order (a full
     packed batch's stream then holds about B times the mean length: one or two shapes, where
     sorted batches would climb the ladder). Map predictions back with `example_index`."""
-    packed = pack(tokenized)
-    labels = np.asarray(labels)
-    _check_labels(packed, labels, objective)
-    sh = _shapes(packed, batch_size, pad_to_multiple, steps_per_octave, max_length, packing,
-                 row_width, pad_id)  # fmt: skip
-    ix = np.asarray(indices, dtype=np.int64).reshape(-1)
+    packed, labels, ix, sh = _prepare(tokenized, indices, labels, objective, batch_size,
+                                      pad_to_multiple, steps_per_octave, max_length, packing,
+                                      row_width, pad_id)  # fmt: skip
     if not packing:
         ix = ix[np.argsort(packed.lengths[ix], kind="stable")]
     return [_step(packed, ix[i : i + batch_size], labels, objective, sh)

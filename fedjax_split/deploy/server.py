@@ -338,18 +338,10 @@ def run_round(
         record.update(evaluated)
     t_eval = time.perf_counter()
     bytes_down = codec.nbytes(sent) * len(sampled)
-    previous = history[-1] if history else None
-    cum_up = bytes_up + (previous["cum_bytes_up"] if previous else 0)
-    cum_down = bytes_down + (previous["cum_bytes_down"] if previous else 0)
+    from fedjax_split.run import experiment
+
+    record.update(experiment.round_costs(history, bytes_up, bytes_down, t0, t_train, t_eval))
     record.update(
-        bytes_up=bytes_up,
-        bytes_down=bytes_down,
-        cum_bytes_up=cum_up,
-        cum_bytes_down=cum_down,
-        cum_bytes=cum_up + cum_down,
-        seconds=t_eval - t0,
-        train_seconds=t_train - t0,
-        eval_seconds=t_eval - t_train,
         clients_failed=sorted(failed),
         eval_failed=sorted(eval_failed),
         eval_bytes_down=eval_bytes,

@@ -619,13 +619,27 @@ def run_one_round(setup: Setup, r: int, history: Sequence[dict[str, Any]]) -> di
         trained = {int(c) for h in history for c in h["clients_sampled"]} | set(sampled.tolist())
         record.update(evaluate(setup, trained))
     t_eval = time.perf_counter()
-    up, down = int(result.bytes_up), int(result.bytes_down)
+    record.update(round_costs(history, int(result.bytes_up), int(result.bytes_down),
+                              t0, t_train, t_eval))  # fmt: skip
+    return record
+
+
+def round_costs(
+    history: list[dict[str, Any]],
+    bytes_up: int,
+    bytes_down: int,
+    t0: float,
+    t_train: float,
+    t_eval: float,
+) -> dict[str, Any]:
+    """A round record's bytes (this round's and, with `history`, cumulative) and seconds; the
+    simulation and the Flower server (deploy.server) write the same fields."""
     previous = history[-1] if history else None
-    cum_up = up + (previous["cum_bytes_up"] if previous else 0)
-    cum_down = down + (previous["cum_bytes_down"] if previous else 0)
-    record.update(
-        bytes_up=up,
-        bytes_down=down,
+    cum_up = bytes_up + (previous["cum_bytes_up"] if previous else 0)
+    cum_down = bytes_down + (previous["cum_bytes_down"] if previous else 0)
+    return dict(
+        bytes_up=bytes_up,
+        bytes_down=bytes_down,
         cum_bytes_up=cum_up,
         cum_bytes_down=cum_down,
         cum_bytes=cum_up + cum_down,
@@ -635,7 +649,6 @@ def run_one_round(setup: Setup, r: int, history: Sequence[dict[str, Any]]) -> di
         train_seconds=t_train - t0,
         eval_seconds=t_eval - t_train,
     )
-    return record
 
 
 def _bytes_under(path: Path) -> int:
