@@ -2,7 +2,7 @@
 
     python tools/reproduce.py                 # all runs (skips finished ones), tables, plots
     python tools/reproduce.py --report-only   # rebuild docs/results.md from finished runs
-    python tools/reproduce.py --only k10      # one group: k10, seeds, k3, news
+    python tools/reproduce.py --only k10      # one group: k10, seeds, k3, news, freeze
 
 Each run is `python -m fedjax_split.train --config <preset> <overrides> --output-dir
 runs/study/<name>`; a finished run (summary.json present) is not run again, so the study can be
@@ -12,6 +12,7 @@ interrupted and continued. The report names the directory behind every number.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -31,32 +32,42 @@ K3 = "configs/study_rotten_tomatoes_k3.py"
 NEWS = "configs/study_20news.py"
 L = 6  # MiniLM-L6
 
-# (group, name, preset, overrides)
+FREEZE = "configs/fednlp_freezing.py"
+# FedNLP's freezing table at a third of the corpus (60 documents a client): eight 28-round runs of
+# the whole corpus would take some 7 hours of a 2-core CPU
+FREEZE_SCALE = ["--max-examples=6000", "--eval-every=4", "--checkpoint-every=2"]
+FROZEN = {"none": None, "E": r"embeddings\.", **{
+    f"E+L0-{k}" if k else "E+L0": rf"embeddings\.|encoder\.layer\.[0-{k}]\." for k in range(L)}}
+
+# (group, name, preset, overrides), in the order they run: the headline rows first, so that a
+# study run in parts has its most important numbers soonest
 RUNS: list[tuple[str, str, str, list[str]]] = [
     ("k10", "k10_fedavg", K10, [f"--critical-layer={L}"]),
     ("k10", "k10_fedsplit_c3", K10, ["--critical-layer=3"]),
-    ("k10", "k10_fedprox", K10, [f"--critical-layer={L}", "--algorithm=fedprox"]),
-    ("k10", "k10_fedadam", K10, [f"--critical-layer={L}", "--algorithm=fedadam"]),
-    ("k10", "k10_fedsplit_c3_fp16", K10, ["--critical-layer=3", "--quantize=fp16"]),
-    ("k10", "k10_fedsplit_c3_bf16", K10, ["--critical-layer=3", "--quantize=bf16"]),
-    ("k10", "k10_fedsplit_c0", K10, ["--critical-layer=0"]),
-    ("k10", "k10_fedsplit_c2", K10, ["--critical-layer=2"]),
-    ("k10", "k10_fedsplit_c4", K10, ["--critical-layer=4"]),
-    ("k10", "k10_fedsplit_c5", K10, ["--critical-layer=5"]),
+    ("k3", "k3_fedavg", K3, [f"--critical-layer={L}"]),
+    ("k3", "k3_fedsplit_c3", K3, ["--critical-layer=3"]),
     ("seeds", "k10_fedavg_seed1", K10, [f"--critical-layer={L}", "--seed=1"]),
     ("seeds", "k10_fedsplit_c3_seed1", K10, ["--critical-layer=3", "--seed=1"]),
     ("seeds", "k10_fedavg_seed2", K10, [f"--critical-layer={L}", "--seed=2"]),
     ("seeds", "k10_fedsplit_c3_seed2", K10, ["--critical-layer=3", "--seed=2"]),
-    ("k3", "k3_fedavg", K3, [f"--critical-layer={L}"]),
-    ("k3", "k3_fedsplit_c3", K3, ["--critical-layer=3"]),
+    ("k10", "k10_fedsplit_c3_fp16", K10, ["--critical-layer=3", "--quantize=fp16"]),
+    ("k10", "k10_fedsplit_c3_bf16", K10, ["--critical-layer=3", "--quantize=bf16"]),
+    ("k10", "k10_fedprox", K10, [f"--critical-layer={L}", "--algorithm=fedprox"]),
+    ("k10", "k10_fedadam", K10, [f"--critical-layer={L}", "--algorithm=fedadam"]),
+    ("k10", "k10_fedsplit_c0", K10, ["--critical-layer=0"]),
+    ("k10", "k10_fedsplit_c2", K10, ["--critical-layer=2"]),
+    ("k10", "k10_fedsplit_c4", K10, ["--critical-layer=4"]),
+    ("k10", "k10_fedsplit_c5", K10, ["--critical-layer=5"]),
+    ("k3", "k3_fedsplit_c3_fp16", K3, ["--critical-layer=3", "--quantize=fp16"]),
     ("k3", "k3_fedprox", K3, [f"--critical-layer={L}", "--algorithm=fedprox"]),
     ("k3", "k3_fedadam", K3, [f"--critical-layer={L}", "--algorithm=fedadam"]),
-    ("k3", "k3_fedsplit_c3_fp16", K3, ["--critical-layer=3", "--quantize=fp16"]),
     ("news", "news_fedavg", NEWS, [f"--critical-layer={L}"]),
     ("news", "news_fedsplit_c3", NEWS, ["--critical-layer=3"]),
     ("news", "news_fedprox", NEWS, [f"--critical-layer={L}", "--algorithm=fedprox"]),
     ("news", "news_fedadam", NEWS, [f"--critical-layer={L}", "--algorithm=fedadam"]),
-]
+    *[("freeze", f"freeze_{row.replace('+', '_')}", FREEZE,
+       FREEZE_SCALE + ([] if rx is None else [f"--freeze={rx}"])) for row, rx in FROZEN.items()],
+]  # fmt: skip
 
 
 def command(preset: str, overrides: Sequence[str], out: Path) -> list[str]:
@@ -64,18 +75,55 @@ def command(preset: str, overrides: Sequence[str], out: Path) -> list[str]:
             f"--output-dir={out}"]  # fmt: skip
 
 
+def git_commit(root: Path = ROOT) -> str:
+    """The checkout's commit, `+dirty` when tracked files differ from it ("unknown" outside git)."""
+    try:
+        git = lambda *a: subprocess.run(["git", *a], cwd=root, check=True, capture_output=True,  # noqa: E731
+                                        text=True).stdout.strip()  # fmt: skip
+        sha, dirty = git("rev-parse", "--short=12", "HEAD"), git("status", "--porcelain", "-uno")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "")
+
+
+def provenance_path(runs_dir: Path, name: str) -> Path:
+    return runs_dir / f"{name}.commits.jsonl"
+
+
+def commits_of(runs_dir: Path, name: str) -> list[str]:
+    """The commits a run's parts ran at, in order, each once (a run resumed in a later session at
+    a newer commit lists both)."""
+    path = provenance_path(runs_dir, name)
+    seen: list[str] = []
+    for rec in read_jsonl(path) if path.is_file() else []:
+        if rec["commit"] not in seen:
+            seen.append(rec["commit"])
+    return seen
+
+
+def note(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def run_one(name: str, preset: str, overrides: Sequence[str], runs_dir: Path) -> str:
     out = runs_dir / name
     if (out / "summary.json").is_file():
         return f"{name}: done before"
     cmd = command(preset, overrides, out)
-    if out.exists():  # an interrupted run: continue it from its last checkpoint, or start again
+    resumed = out.exists()
+    if resumed:  # an interrupted run: continue it from its last checkpoint, or start again
         cmd.append("--resume")
     t0 = time.time()
     log = runs_dir / f"{name}.log"
-    with open(log, "w") as f:
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
+    part = {"commit": git_commit(), "started": started, "resumed": resumed}
+    # noted before the run too: a part killed with the session still names its commit
+    note(provenance_path(runs_dir, name), part)
+    with open(log, "a") as f:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+    note(provenance_path(runs_dir, name), {**part, "exit": rc, "seconds": round(time.time() - t0)})
     status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {log})"
     return f"{name}: {status} in {time.time() - t0:.0f}s"
 
@@ -318,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs-dir", default=str(ROOT / "runs" / "study"), help="where runs go")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time (2 overlaps compilation)")
-    p.add_argument("--only", nargs="*", default=None, help="groups to run: k10 seeds k3 news")
+    p.add_argument("--only", nargs="*", default=None, help="groups: k10 seeds k3 news freeze")
     p.add_argument("--report-only", action="store_true", help="only rebuild docs/results.md")
     p.add_argument("--out", default=str(ROOT / "docs" / "results.md"), help="the report")
     args = p.parse_args(argv)
