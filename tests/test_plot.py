@@ -56,3 +56,13 @@ def test_missing_metrics_file_is_a_one_line_error_with_status_2(tmp_path: Path) 
     assert res.returncode == 2, res.stderr
     assert res.stderr.strip() == f"error: {tmp_path} has no metrics.jsonl; pass run directories"
     assert not list(tmp_path.glob("fig*"))
+
+
+def test_dotted_metric_reaches_into_nested_records() -> None:
+    records = [
+        {"round": 1, "cum_bytes": 1_000_000, "pooled": {"accuracy": 0.4}},
+        {"round": 2, "cum_bytes": 2_000_000},  # not evaluated this round
+        {"round": 3, "cum_bytes": 3_000_000, "pooled": {"accuracy": 0.5}, "accuracy": 0.9},
+    ]
+    assert plot.series(records, "pooled.accuracy") == ([1, 3], [1.0, 3.0], [0.4, 0.5])
+    assert plot.series(records, "accuracy") == ([3], [3.0], [0.9])

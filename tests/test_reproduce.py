@@ -13,7 +13,8 @@ reproduce = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(reproduce)
 
 
-def _run(root: Path, name: str, accs, per_round_bytes, **config):
+def _run(root: Path, name: str, accs, per_round_bytes, extra=(), **config):
+    """A finished run directory; `extra[i]` adds fields to round i+1's record."""
     d = root / name
     d.mkdir(parents=True)
     cfg = {"algorithm": "fedavg", "critical_layer": 6, "quantize": "none", "clients": 10, **config}
@@ -23,6 +24,9 @@ def _run(root: Path, name: str, accs, per_round_bytes, **config):
         cum += 2 * per_round_bytes
         records.append({"round": r, "accuracy": acc, "bytes_up": per_round_bytes,
                         "bytes_down": per_round_bytes, "cum_bytes": cum})  # fmt: skip
+        if acc is None:
+            del records[-1]["accuracy"]
+        records[-1].update(extra[r - 1] if r <= len(extra) else {})
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in records) + "\n")
     (d / "summary.json").write_text("{}")
 
@@ -36,6 +40,20 @@ def report(tmp_path):
     _run(runs, "k10_fedadam", [0.50, 0.60], 100_000_000, algorithm="fedadam")
     _run(runs, "k10_fedavg_seed1", [0.7, 0.8], 100_000_000, seed=1)
     _run(runs, "k10_fedavg_seed2", [0.8, 0.9], 100_000_000, seed=2)
+    # cross-device: round 1 not evaluated; clients 0, 1, 2 trained at least once of 100
+    news = [{"clients_sampled": [0, 1]},
+            {"clients_sampled": [1, 2], "trained_mean": {"accuracy": 0.5},
+             "pooled": {"accuracy": 0.45}}]  # fmt: skip
+    _run(runs, "news_fedavg", [None, 0.3], 100_000_000, news, clients=100, clients_per_round=2)
+    _run(runs, "news_fedsplit_c3", [None, 0.4], 50_000_000, [news[0], {**news[1], "pooled": None}],
+         critical_layer=3, clients=100, clients_per_round=2)  # fmt: skip
+    # freezing: 10 clients a round upload 4 B x 1.5M parameters each
+    freeze = [{"pooled": {"accuracy": 0.4}}, {"pooled": {"accuracy": 0.5}}]
+    _run(runs, "freeze_E", [0.1, 0.2], 60_000_000, freeze, algorithm="fedavgm", clients=100,
+         clients_per_round=10, freeze="embeddings\\.")  # fmt: skip
+    with open(runs / "k10_fedavg.commits.jsonl", "w") as f:
+        for commit in ("aaa", "aaa", "bbb+dirty"):  # started, finished, resumed later
+            f.write(json.dumps({"commit": commit}) + "\n")
     out = tmp_path / "docs" / "results.md"
     out.parent.mkdir()
     reproduce.report(runs, out)
@@ -46,10 +64,40 @@ def test_method_table_rows_by_hand(report):
     text, _ = report
     # FedAvg reaches its own final 0.70 after 2 rounds of 200 MB; FedSplitBERT after 2 rounds of
     # 100 MB: 400 MB vs 200 MB, a 2.0x gain. FedAdam never reaches 0.70.
-    assert "| FedAvg | 0.7000 | 0.7000 | 200.0 | 400.0 | 1.0x |" in text
-    assert "| FedSplitBERT c=3 | 0.7500 | 0.7500 | 100.0 | 200.0 | 2.0x |" in text
-    assert "| FedAdam | 0.6000 | 0.6000 | 200.0 | not reached | n/a |" in text
-    assert "| local only (c=0) | 0.5800 | 0.5800 | 0.0 | not reached | n/a |" in text
+    # 100 MB up (and 100 MB down) per round
+    assert "| FedAvg | 0.7000 | 0.7000 | 100.0 | 200.0 | 400.0 | 1.0x |" in text
+    assert "| FedSplitBERT c=3 | 0.7500 | 0.7500 | 50.0 | 100.0 | 200.0 | 2.0x |" in text
+    assert "| FedAdam | 0.6000 | 0.6000 | 100.0 | 200.0 | not reached | n/a |" in text
+    assert "| local only (c=0) | 0.5800 | 0.5800 | 0.0 | 0.0 | not reached | n/a |" in text
+
+
+def test_rows_name_their_run_and_commits(report):
+    text, _ = report
+    row = next(x for x in text.splitlines() if x.startswith("| FedAvg | 0.7000 | 0.7000"))
+    assert row.endswith("| aaa, bbb+dirty |")  # each commit once, in order
+    row = next(x for x in text.splitlines() if x.startswith("| FedAdam |"))
+    assert row.endswith("k10_fedadam` | not recorded |")
+
+
+def test_cross_device_table_gives_the_three_figures(report):
+    text, _ = report
+    assert "| FedAvg | 0.3000 | 0.5000 (3 of 100) | 0.4500 (0.4500) | 100.0 |" in text
+    assert ("| FedSplitBERT c=3 | 0.4000 | 0.5000 (3 of 100) | n/a: no single global model "
+            "(local parts) | 50.0 |") in text  # fmt: skip
+
+
+def test_freezing_table_against_fednlp(report):
+    text, _ = report
+    # FedNLP's E row 54.86; ours final 0.5 (best 0.5); 60 MB / 10 clients / 4 B = 1.5M parameters
+    assert "| E | 0.5486 | 0.5000 (0.5000) | n/a | 1.50M | 60.0 |" in text
+    assert "| E+L0-3 | 0.3068 | not run |" in text
+
+
+def test_unfinished_runs_are_listed(report):
+    text, _ = report
+    line = next(x for x in text.splitlines() if x.startswith("**Not finished yet**"))
+    assert "`k3_fedavg`" in line and "`freeze_none`" in line
+    assert "`k10_fedavg`" not in line and "`freeze_E`" not in line
 
 
 def test_seed_mean_and_spread(report):
@@ -63,7 +111,7 @@ def test_seed_mean_and_spread(report):
 def test_sweep_counts_global_parameters_from_bytes(report):
     text, _ = report
     # 100 MB up per round / 4 bytes / 10 clients = 2.5M global parameters
-    assert "| 6 | 12 | 2.50M | 0.7000 | 200.0 |" in text
+    assert "| 6 | 12 | 2.50M | 0.7000 | 100.0 |" in text
     assert "| 5 | 10 | n/a | not run |" in text
 
 
@@ -73,3 +121,35 @@ def test_plots_written_and_linked(report):
     assert pngs and all(p.stat().st_size > 1000 for p in pngs)
     for p in pngs:
         assert f"(figures/{p.name})" in text
+
+
+def test_git_commit_names_the_checkout_and_says_when_it_is_dirty(tmp_path):
+    import subprocess
+
+    def git(*args):
+        cmd = ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args]
+        return subprocess.run(cmd, cwd=tmp_path, check=True, capture_output=True, text=True)
+
+    git("init", "-q")
+    (tmp_path / "f").write_text("1")
+    git("add", "f")
+    git("commit", "-qm", "x")
+    sha = git("rev-parse", "--short=12", "HEAD").stdout.strip()
+    assert reproduce.git_commit(tmp_path) == sha
+    (tmp_path / "untracked").write_text("not part of the code")
+    assert reproduce.git_commit(tmp_path) == sha
+    (tmp_path / "f").write_text("2")
+    assert reproduce.git_commit(tmp_path) == sha + "+dirty"
+    assert reproduce.git_commit(tmp_path / "nowhere") == "unknown"
+
+
+def test_run_one_notes_its_commit_before_and_after(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(reproduce, "command", lambda *a: [sys.executable, "-c", "print('ran')"])
+    monkeypatch.setattr(reproduce, "git_commit", lambda: "abc")
+    assert reproduce.run_one("r", "preset", [], tmp_path).startswith("r: ok in ")
+    recs = [json.loads(x) for x in (tmp_path / "r.commits.jsonl").read_text().splitlines()]
+    assert [r["commit"] for r in recs] == ["abc", "abc"]
+    assert "exit" not in recs[0] and recs[1]["exit"] == 0 and recs[1]["resumed"] is False
+    assert (tmp_path / "r.log").read_text() == "ran\n"

@@ -48,25 +48,41 @@ def labels_for(configs: Sequence[dict[str, Any]], names: Sequence[str]) -> list[
     return out
 
 
+def value(record: dict[str, Any], metric: str) -> Any:
+    """A record's metric; a dotted name reaches into a nested one (`pooled.accuracy`: the global
+    model on the pooled test set, `trained_mean.accuracy`)."""
+    for key in metric.split("."):
+        record = record.get(key) if isinstance(record, dict) else None
+    return record
+
+
 def series(records: Sequence[dict[str, Any]], metric: str) -> tuple[list, list, list]:
     """(rounds, cumulative MB, values) of the rounds where `metric` was evaluated."""
-    rows = [r for r in records if r.get(metric) is not None]
+    rows = [r for r in records if value(r, metric) is not None]
     return (
         [r["round"] for r in rows],
         [r["cum_bytes"] / 1e6 for r in rows],
-        [r[metric] for r in rows],
+        [value(r, metric) for r in rows],
     )
 
 
-def plot_runs(run_dirs: Sequence[str | Path], metric: str, out: str | Path) -> list[Path]:
-    """Write the two PNGs; returns their paths."""
+def plot_runs(
+    run_dirs: Sequence[str | Path],
+    metric: str,
+    out: str | Path,
+    labels: Sequence[str] | None = None,
+    ylabel: str | None = None,
+) -> list[Path]:
+    """Write the two PNGs; returns their paths. `labels` name the runs in the legend (default:
+    the settings that differ between them)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     loaded = [load_run(d) for d in run_dirs]
-    labels = labels_for([c for c, _ in loaded], [Path(d).name for d in run_dirs])
+    if labels is None:
+        labels = labels_for([c for c, _ in loaded], [Path(d).name for d in run_dirs])
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -76,7 +92,7 @@ def plot_runs(run_dirs: Sequence[str | Path], metric: str, out: str | Path) -> l
             rounds, mb, values = series(records, metric)
             ax.plot(rounds if kind == "rounds" else mb, values, marker="o", ms=3, label=label)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(f"{metric} (mean over clients)")
+        ax.set_ylabel(ylabel or f"{metric} (mean over clients)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
