@@ -67,10 +67,10 @@ RUNS: list[tuple[str, str, str, list[str]]] = [
     ("k3", "k3_fedadam", K3, [f"--critical-layer={L}", "--algorithm=fedadam"]),
     ("news", "news_fedavg", NEWS, [f"--critical-layer={L}"]),
     ("news", "news_fedsplit_c3", NEWS, ["--critical-layer=3"]),
-    ("news", "news_fedprox", NEWS, [f"--critical-layer={L}", "--algorithm=fedprox"]),
-    ("news", "news_fedadam", NEWS, [f"--critical-layer={L}", "--algorithm=fedadam"]),
     *[("freeze", f"freeze_{row.replace('+', '_')}", FREEZE,
        FREEZE_SCALE + ([] if rx is None else [f"--freeze={rx}"])) for row, rx in FROZEN.items()],
+    ("news", "news_fedprox", NEWS, [f"--critical-layer={L}", "--algorithm=fedprox"]),
+    ("news", "news_fedadam", NEWS, [f"--critical-layer={L}", "--algorithm=fedadam"]),
 ]  # fmt: skip
 
 
