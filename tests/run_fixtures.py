@@ -5,10 +5,13 @@ Used by the CLI/experiment/notebook tests so that a whole federated run takes se
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 POSITIVE = ["good", "great", "fine", "superb", "lovely", "fun"]
 NEGATIVE = ["bad", "awful", "poor", "dull", "boring", "weak"]
@@ -24,6 +27,30 @@ def private_cache(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FEDJAX_SPLIT_CACHE", str(tmp_path_factory.mktemp("cache")))
         yield
+
+
+def cli_env(jax_cache: Path | None = None) -> dict[str, str]:
+    """The environment of a CLI subprocess under test: CPU, this checkout first on the path, and
+    none of the knobs a developer's shell may carry (a stop-after-round, a preloaded malloc, the
+    allocator mode), so that every run starts as a user's would. `jax_cache`: a persistent XLA
+    cache of the module's own, caching every program (default: the session's, tests/conftest.py).
+    """
+    from fedjax_split.run import malloc
+
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    if jax_cache is not None:
+        env.update(
+            JAX_COMPILATION_CACHE_DIR=str(jax_cache),
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        )
+    for name in ("FEDJAX_SPLIT_STOP_AFTER_ROUND", "LD_PRELOAD", malloc.ENV):
+        env.pop(name, None)  # every CLI run starts on the system's malloc, then tunes it
+    return env
 
 
 def write_tiny_model(out_dir: Path, *, num_layers: int = 2, seed: int = 0) -> Path:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
+    cli_env,
     private_cache,
     tiny_args,
     write_tiny_model,
@@ -30,7 +31,6 @@ from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
 
 from fedjax_split.deploy import protocol
 
-ROOT = Path(__file__).resolve().parents[1]
 # one batch per client and epoch (clients hold ~32 examples): one shape, few compilations
 FAST = {"batch_size": 32, "local_epochs": 2, "rounds": 2}
 FLOWER_ONLY = {"clients_failed", "eval_failed", "eval_bytes_down"}
@@ -40,15 +40,7 @@ TIMEOUT = 240  # seconds for one command; the CLI kills its federation when it e
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("flower")
-    proc_env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=str(base / "jax_cache"),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
-    proc_env.pop("FEDJAX_SPLIT_STOP_AFTER_ROUND", None)
+    proc_env = cli_env(jax_cache=base / "jax_cache")
     return {
         "base": base,
         "model": write_tiny_model(base / "model"),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -23,15 +22,14 @@ import pytest
 from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
     TINY_LAYER,
     TINY_MLM_HEAD,
+    cli_env,
     private_cache,
     write_tiny_model,
     write_tiny_text,
 )
 
 from fedjax_split import pretrain
-from fedjax_split.run import malloc
 
-ROOT = Path(__file__).resolve().parents[1]
 SENT = 4 * (TINY_LAYER + TINY_MLM_HEAD)  # fp32: one layer and the MLM head, per client
 
 
@@ -39,13 +37,7 @@ SENT = 4 * (TINY_LAYER + TINY_MLM_HEAD)  # fp32: one layer and the MLM head, per
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("pretrain")
     model = write_tiny_model(base / "model", num_layers=4)
-    proc_env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
-    for name in ("FEDJAX_SPLIT_STOP_AFTER_ROUND", "LD_PRELOAD", malloc.ENV):
-        proc_env.pop(name, None)
+    proc_env = cli_env()  # the session's XLA cache
     return {"base": base, "model": model, "text": write_tiny_text(base / "text"), "env": proc_env}
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
+    cli_env,
     private_cache,
     tiny_args,
     write_tiny_model,
@@ -26,7 +27,6 @@ from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
 )
 
 from fedjax_split import train
-from fedjax_split.run import malloc
 
 ROOT = Path(__file__).resolve().parents[1]
 # batch 32 >= every client's 32 training examples: one batch shape, one compilation
@@ -38,16 +38,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> dict:
     base = tmp_path_factory.mktemp("cli")
     model = write_tiny_model(base / "model")
     data = write_tiny_sst2(base / "data")
-    proc_env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=str(base / "jax_cache"),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
-    for name in ("FEDJAX_SPLIT_STOP_AFTER_ROUND", "LD_PRELOAD", malloc.ENV):
-        proc_env.pop(name, None)  # every CLI run starts on the system's malloc, then tunes it
+    proc_env = cli_env(jax_cache=base / "jax_cache")
     return {"base": base, "model": model, "data": data, "env": proc_env}
 
 
