@@ -34,7 +34,7 @@ def _run(root: Path, name: str, accs, per_round_bytes, extra=(), **config):
 @pytest.fixture
 def report(tmp_path):
     runs = tmp_path / "runs"
-    _run(runs, "k10_fedavg", [0.60, 0.70], 100_000_000)
+    _run(runs, "k10_fedavg", [0.60, 0.70], 100_000_000, [{}, {"pooled": {"accuracy": 0.65}}])
     _run(runs, "k10_fedsplit_c3", [0.65, 0.75], 50_000_000, critical_layer=3)
     _run(runs, "k10_fedsplit_c0", [0.55, 0.58], 0, critical_layer=0)
     _run(runs, "k10_fedadam", [0.50, 0.60], 100_000_000, algorithm="fedadam")
@@ -65,10 +65,27 @@ def test_method_table_rows_by_hand(report):
     # FedAvg reaches its own final 0.70 after 2 rounds of 200 MB; FedSplitBERT after 2 rounds of
     # 100 MB: 400 MB vs 200 MB, a 2.0x gain. FedAdam never reaches 0.70.
     # 100 MB up (and 100 MB down) per round
-    assert "| FedAvg | 0.7000 | 0.7000 | 100.0 | 200.0 | 400.0 | 1.0x |" in text
-    assert "| FedSplitBERT c=3 | 0.7500 | 0.7500 | 50.0 | 100.0 | 200.0 | 2.0x |" in text
-    assert "| FedAdam | 0.6000 | 0.6000 | 100.0 | 200.0 | not reached | n/a |" in text
-    assert "| local only (c=0) | 0.5800 | 0.5800 | 0.0 | 0.0 | not reached | n/a |" in text
+    # the pooled column: the one global model's figure, n/a where the run has none
+    assert "| FedAvg | 0.7000 | 0.7000 | 0.6500 | 100.0 | 200.0 | 400.0 | 1.0x |" in text
+    assert "| FedSplitBERT c=3 | 0.7500 | 0.7500 | n/a | 50.0 | 100.0 | 200.0 | 2.0x |" in text
+    assert "| FedAdam | 0.6000 | 0.6000 | n/a | 100.0 | 200.0 | not reached | n/a |" in text
+    assert "| local only (c=0) | 0.5800 | 0.5800 | n/a | 0.0 | 0.0 | not reached | n/a |" in text
+
+
+def test_majority_baseline_by_hand(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from fedjax_split.data import sources
+
+    labels = [0, 0, 1, 1, 1, 0, 1, 0]
+    monkeypatch.setattr(sources, "load_examples", lambda task: SimpleNamespace(labels=labels))
+    (tmp_path / "partition.json").write_text(json.dumps({"clients": [
+        {"train": [0, 1, 2], "test": [5, 6]},  # majority 0; test labels 0, 1: 0.5
+        {"train": [3, 4], "test": [7]},  # majority 1; test label 0: 0.0
+    ]}))  # fmt: skip
+    run = {"dir": tmp_path, "config": {"task": "sst2", "seed": 0, "max_examples": None}}
+    # everyone's majority training label is 1 (three of five); the pooled test labels 0, 1, 0
+    assert reproduce.majority_baseline(run) == (0.25, 1 / 3)
 
 
 def test_rows_name_their_run_and_commits(report):

@@ -72,9 +72,11 @@ def plot_runs(
     out: str | Path,
     labels: Sequence[str] | None = None,
     ylabel: str | None = None,
+    references: dict[str, float] | None = None,
 ) -> list[Path]:
     """Write the two PNGs; returns their paths. `labels` name the runs in the legend (default:
-    the settings that differ between them)."""
+    the settings that differ between them); `references` are dashed horizontal lines, named
+    (a baseline without a model, a published figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,6 +93,8 @@ def plot_runs(
         for (_, records), label in zip(loaded, labels, strict=True):
             rounds, mb, values = series(records, metric)
             ax.plot(rounds if kind == "rounds" else mb, values, marker="o", ms=3, label=label)
+        for i, (name, y) in enumerate((references or {}).items()):
+            ax.axhline(y, color="0.4", ls=(0, (4, 2 + 2 * i)), lw=1, label=name)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel or f"{metric} (mean over clients)")
         ax.grid(alpha=0.3)

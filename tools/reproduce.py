@@ -204,10 +204,11 @@ def method_label(config: dict[str, Any]) -> str:
     return f"FedSplitBERT c={c}" + q
 
 
-def majority_baseline(run: dict[str, Any]) -> float:
-    """Mean over clients of the accuracy of predicting the client's majority training label on
-    its own test split: what a model learns from the local label prior alone. Rebuilt from the
-    run's partition.json and the task's labels, subsampled exactly as the run did."""
+def majority_baseline(run: dict[str, Any]) -> tuple[float, float]:
+    """What the label priors alone score, no model: the mean over clients of predicting each
+    client's majority training label on its own test split, and predicting the majority training
+    label of all clients on the pooled test set. Rebuilt from the run's partition.json and the
+    task's labels, subsampled exactly as the run did."""
     import numpy as np
 
     from fedjax_split.data.sources import load_examples
@@ -219,25 +220,31 @@ def majority_baseline(run: dict[str, Any]) -> float:
     idx = subsample_indices(len(labels), cfg.get("max_examples"), cfg["seed"])
     labels = labels if idx is None else labels[idx]
     part = read_json(run["dir"] / "partition.json")
-    accs = []
+    accs, trains, tests = [], [], []
     for client in part["clients"]:
         train, test = labels[np.asarray(client["train"])], labels[np.asarray(client["test"])]
+        trains.append(train)
+        tests.append(test)
         if test.size:
             accs.append(float(np.mean(test == np.bincount(train).argmax())))
-    return float(np.mean(accs))
+    everyone = np.bincount(np.concatenate(trains)).argmax()
+    return float(np.mean(accs)), float(np.mean(np.concatenate(tests) == everyone))
 
 
 def method_table(runs: list[dict[str, Any]], baseline: dict[str, Any] | None) -> list[str]:
-    """Paper Table III/V/VI shape: accuracy, bytes per round, MB to reach the target, gain."""
+    """Paper Table III/V/VI shape: accuracy, bytes per round, MB to reach the target, gain; and
+    where there is one global model (nothing local), its accuracy on the pooled test set."""
     target = final_metric(baseline) if baseline else None
     goal = fmt(target, 3) if target else "target"
-    head = ("| method | mean personalised accuracy (final) | best round | MB up per round "
-            f"| MB per round (up+down) | MB to reach {goal} | gain vs FedAvg | run | commit |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    head = ("| method | mean personalised accuracy (final) | best round | global model, pooled "
+            "test set (final) | MB up per round | MB per round (up+down) "
+            f"| MB to reach {goal} | gain vs FedAvg | run | commit |")  # fmt: skip
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     base_mb = mb_to_reach(baseline, target) if baseline else None
     if baseline is not None and (baseline["dir"] / "partition.json").is_file():
-        lines.append(f"| majority label of each client (no model) | "
-                     f"{fmt(majority_baseline(baseline), 4)} | | | | | | "
+        own, everyone = majority_baseline(baseline)
+        lines.append(f"| majority label (no model: each client's own; everyone's on the pooled "
+                     f"set) | {fmt(own, 4)} | | {fmt(everyone, 4)} | | | | | "
                      f"`{show(baseline['dir'])}` partition | |")  # fmt: skip
     for run in runs:
         reach = mb_to_reach(run, target) if target is not None else None
@@ -245,8 +252,8 @@ def method_table(runs: list[dict[str, Any]], baseline: dict[str, Any] | None) ->
         gain_s = "n/a" if reach is None else ("local only" if reach == 0 else f"{gain:.1f}x")
         lines.append(
             f"| {method_label(run['config'])} | {fmt(final_metric(run), 4)} | "
-            f"{fmt(best_metric(run), 4)} | {fmt(mb_per_round(run, 'up'), 1)} | "
-            f"{fmt(mb_per_round(run), 1)} | "
+            f"{fmt(best_metric(run), 4)} | {fmt(final_metric(run, POOLED), 4)} | "
+            f"{fmt(mb_per_round(run, 'up'), 1)} | {fmt(mb_per_round(run), 1)} | "
             f"{fmt(reach, 1) if reach is not None else 'not reached'} | {gain_s} | {cells(run)}"
         )
     return lines
@@ -351,16 +358,30 @@ def plots(runs_dir: Path, fig_dir: Path) -> list[str]:
     }  # fmt: skip
     ylabels = {"accuracy": "accuracy (mean over clients' own test splits)",
                POOLED: "accuracy of the global model, pooled test set"}  # fmt: skip
+    def priors(base: str) -> tuple[float, float] | None:
+        run = load(runs_dir, base)
+        return majority_baseline(run) if run and (run["dir"] / "partition.json").is_file() else None
+
     lines = []
     for name, (members, metric) in groups.items():
         runs = [r for r in (load(runs_dir, m) for m in members) if r]
         if not runs:
             continue
+        prior = priors(f"{name.split('_')[0]}_fedavg") if name[:4] != "free" else None
+        refs = {}
+        if prior is not None and metric == "accuracy":
+            refs["majority label of each client (no model)"] = prior[0]
+        elif prior is not None:
+            refs["one label for everyone (no model)"] = prior[1]
+        if name == "news_pooled":
+            refs["FedNLP's FedAvg, DistilBERT, round 22"] = 0.51
+        if name == "freezing_pooled":
+            refs["FedNLP, nothing frozen, round 28"] = FEDNLP_FREEZING["none"] / 100
         labels = [f"frozen: {r['name'].removeprefix('freeze_').replace('_', '+')}"
                   if r["name"].startswith("freeze_") else method_label(r["config"])
                   for r in runs]  # fmt: skip
         for p in plot_runs([r["dir"] for r in runs], metric, fig_dir / name, labels,
-                           ylabels[metric]):  # fmt: skip
+                           ylabels[metric], refs):  # fmt: skip
             lines.append(f"![{p.stem}]({os.path.relpath(p, fig_dir.parent)})")
     return lines
 
