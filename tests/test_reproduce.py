@@ -123,6 +123,8 @@ def test_seed_mean_and_spread(report):
     assert "| 0.9000 | 0.8000 | 0.1000 |" in line  # mean 0.8, sample std 0.1
     # seeds 1 and 2 of FedSplitBERT were not run: the row says so rather than inventing values
     assert "| FedSplitBERT c=3 | 0.7500 | n/a | n/a | 0.7500 | n/a |" in text
+    # the label-prior row needs each run's partition.json, which these runs lack
+    assert "| majority label of each client (no model) | n/a | n/a | n/a | n/a | n/a |" in text
 
 
 def test_sweep_counts_global_parameters_from_bytes(report):

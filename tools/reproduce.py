@@ -264,10 +264,14 @@ def seeds_table(runs_dir: Path) -> list[str]:
         "| method | seed 0 | seed 1 | seed 2 | mean | std | runs |",
         "|---|---|---|---|---|---|---|",
     ]
-    for label, base in (("FedAvg", "k10_fedavg"), ("FedSplitBERT c=3", "k10_fedsplit_c3")):
+    prior = lambda r: majority_baseline(r)[0] if (r["dir"] / "partition.json").is_file() else None  # noqa: E731
+    rows = (("majority label of each client (no model)", "k10_fedavg", prior),
+            ("FedAvg", "k10_fedavg", final_metric),
+            ("FedSplitBERT c=3", "k10_fedsplit_c3", final_metric))  # fmt: skip
+    for label, base, metric in rows:
         names = [base, f"{base}_seed1", f"{base}_seed2"]
         runs = [load(runs_dir, n) for n in names]
-        vals = [final_metric(r) if r else None for r in runs]
+        vals = [metric(r) if r else None for r in runs]
         got = [v for v in vals if v is not None]
         mean = statistics.mean(got) if got else None
         std = statistics.stdev(got) if len(got) > 1 else None
