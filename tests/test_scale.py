@@ -5,7 +5,6 @@ import importlib.util
 import json
 from pathlib import Path
 
-import pytest
 from run_fixtures import private_cache, write_tiny_model, write_tiny_sst2  # noqa: F401
 
 _SPEC = importlib.util.spec_from_file_location(
@@ -32,5 +31,6 @@ def test_tiny_scale(tmp_path, monkeypatch):
         assert 0.05 < r["peak_rss_gb"] < 24  # the child's own peak, from the kernel
         assert r["checkpoint_mb"] > 0 and r["client_store_mb"] > 0
         assert r["steady_round_s"] > 0 and r["final_eval_s"] > 0
-    # a checkpoint is the server state only: the same size for 10 clients as for 20
-    assert rows[1]["checkpoint_mb"] == pytest.approx(rows[0]["checkpoint_mb"], rel=0.02)
+    # a checkpoint is the server state only: 10 more clients' local parts (layer 1, pooler and
+    # head: about 9.7k parameters, 39 KB each) would add 0.39 MB; it grows by a few KB at most
+    assert abs(rows[1]["checkpoint_mb"] - rows[0]["checkpoint_mb"]) < 0.1
