@@ -13,17 +13,19 @@ reproduce = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(reproduce)
 
 
-def _run(root: Path, name: str, accs, per_round_bytes, extra=(), **config):
-    """A finished run directory; `extra[i]` adds fields to round i+1's record."""
+def _run(root: Path, name: str, accs, per_round_bytes, extra=(), down=None, **config):
+    """A finished run directory; `extra[i]` adds fields to round i+1's record; `down`: bytes
+    sent to the clients a round (default: as many as they upload)."""
     d = root / name
     d.mkdir(parents=True)
     cfg = {"algorithm": "fedavg", "critical_layer": 6, "quantize": "none", "clients": 10, **config}
     (d / "config.json").write_text(json.dumps(cfg))
     records, cum = [], 0
+    down = per_round_bytes if down is None else down
     for r, acc in enumerate(accs, 1):
-        cum += 2 * per_round_bytes
+        cum += per_round_bytes + down
         records.append({"round": r, "accuracy": acc, "bytes_up": per_round_bytes,
-                        "bytes_down": per_round_bytes, "cum_bytes": cum})  # fmt: skip
+                        "bytes_down": down, "cum_bytes": cum})  # fmt: skip
         if acc is None:
             del records[-1]["accuracy"]
         records[-1].update(extra[r - 1] if r <= len(extra) else {})
@@ -35,9 +37,9 @@ def _run(root: Path, name: str, accs, per_round_bytes, extra=(), **config):
 def report(tmp_path):
     runs = tmp_path / "runs"
     _run(runs, "k10_fedavg", [0.60, 0.70], 100_000_000, [{}, {"pooled": {"accuracy": 0.65}}])
-    _run(runs, "k10_fedsplit_c3", [0.65, 0.75], 50_000_000, critical_layer=3)
+    _run(runs, "k10_fedsplit_c3", [0.65, 0.75], 50_000_000, down=60_000_000, critical_layer=3)
     _run(runs, "k10_fedsplit_c0", [0.55, 0.58], 0, critical_layer=0)
-    _run(runs, "k10_fedadam", [0.50, 0.60], 100_000_000, algorithm="fedadam")
+    _run(runs, "k10_fedadam", [0.60, 0.50], 100_000_000, algorithm="fedadam")
     _run(runs, "k10_fedavg_seed1", [0.7, 0.8], 100_000_000, seed=1)
     _run(runs, "k10_fedavg_seed2", [0.8, 0.9], 100_000_000, seed=2)
     # cross-device: round 1 not evaluated; clients 0, 1, 2 trained at least once of 100
@@ -62,13 +64,13 @@ def report(tmp_path):
 
 def test_method_table_rows_by_hand(report):
     text, _ = report
-    # FedAvg reaches its own final 0.70 after 2 rounds of 200 MB; FedSplitBERT after 2 rounds of
-    # 100 MB: 400 MB vs 200 MB, a 2.0x gain. FedAdam never reaches 0.70.
-    # 100 MB up (and 100 MB down) per round
-    # the pooled column: the one global model's figure, n/a where the run has none
+    # FedAvg: 100 MB up and 100 MB down per round, reaching its final 0.70 after 2 rounds (400
+    # MB); FedSplitBERT: 50 up + 60 down, 0.75 >= 0.70 after 2 rounds (220 MB): 400/220 = 1.8x;
+    # FedAdam ends at 0.50 after a best of 0.60 and never reaches 0.70. The pooled column: the
+    # one global model's figure, n/a where the run has none
     assert "| FedAvg | 0.7000 | 0.7000 | 0.6500 | 100.0 | 200.0 | 400.0 | 1.0x |" in text
-    assert "| FedSplitBERT c=3 | 0.7500 | 0.7500 | n/a | 50.0 | 100.0 | 200.0 | 2.0x |" in text
-    assert "| FedAdam | 0.6000 | 0.6000 | n/a | 100.0 | 200.0 | not reached | n/a |" in text
+    assert "| FedSplitBERT c=3 | 0.7500 | 0.7500 | n/a | 50.0 | 110.0 | 220.0 | 1.8x |" in text
+    assert "| FedAdam | 0.5000 | 0.6000 | n/a | 100.0 | 200.0 | not reached | n/a |" in text
     assert "| local only (c=0) | 0.5800 | 0.5800 | n/a | 0.0 | 0.0 | not reached | n/a |" in text
 
 
@@ -78,7 +80,7 @@ def test_majority_baseline_by_hand(tmp_path, monkeypatch):
     from fedjax_split.data import sources
 
     labels = [0, 0, 1, 1, 1, 0, 1, 0]
-    monkeypatch.setattr(sources, "load_examples", lambda task: SimpleNamespace(labels=labels))
+    monkeypatch.setattr(sources, "load_examples", lambda task, **_: SimpleNamespace(labels=labels))
     (tmp_path / "partition.json").write_text(json.dumps({"clients": [
         {"train": [0, 1, 2], "test": [5, 6]},  # majority 0; test labels 0, 1: 0.5
         {"train": [3, 4], "test": [7]},  # majority 1; test label 0: 0.0
@@ -160,6 +162,23 @@ def test_git_commit_names_the_checkout_and_says_when_it_is_dirty(tmp_path):
     (tmp_path / "f").write_text("2")
     assert reproduce.git_commit(tmp_path) == sha + "+dirty"
     assert reproduce.git_commit(tmp_path / "nowhere") == "unknown"
+
+
+def test_run_one_resumes_only_from_a_checkpoint(tmp_path, monkeypatch):
+    import sys
+
+    argv = [sys.executable, "-c", "import sys; print(sys.argv[1:])"]
+    monkeypatch.setattr(reproduce, "command", lambda *a: list(argv))
+    monkeypatch.setattr(reproduce, "git_commit", lambda: "abc")
+    # stopped after round 1, before its first checkpoint (every 2 rounds): start again
+    (tmp_path / "early").mkdir()
+    (tmp_path / "early" / "metrics.jsonl").write_text('{"round": 1}\n')
+    reproduce.run_one("early", "preset", [], tmp_path)
+    assert (tmp_path / "early.log").read_text() == "[]\n" and not (tmp_path / "early").exists()
+    # stopped after the checkpoint of round 2: continue from it
+    (tmp_path / "late" / "checkpoints" / "2").mkdir(parents=True)
+    reproduce.run_one("late", "preset", [], tmp_path)
+    assert (tmp_path / "late.log").read_text() == "['--resume']\n"
 
 
 def test_run_one_notes_its_commit_before_and_after(tmp_path, monkeypatch):

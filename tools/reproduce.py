@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -115,9 +116,12 @@ def run_one(name: str, preset: str, overrides: Sequence[str], runs_dir: Path) ->
     if (out / "summary.json").is_file():
         return f"{name}: done before"
     cmd = command(preset, overrides, out)
-    resumed = out.exists()
-    if resumed:  # an interrupted run: continue it from its last checkpoint, or start again
+    ckpts = out / "checkpoints"
+    resumed = ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())
+    if resumed:  # an interrupted run: continue it from its last complete checkpoint
         cmd.append("--resume")
+    elif out.exists():  # stopped before its first checkpoint: nothing to continue, start again
+        shutil.rmtree(out)
     t0 = time.time()
     log = runs_dir / f"{name}.log"
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -216,7 +220,7 @@ def majority_baseline(run: dict[str, Any]) -> tuple[float, float]:
     from fedjax_split.run.experiment import subsample_indices
 
     cfg = run["config"]
-    labels = np.asarray(load_examples(get_task(cfg["task"])).labels)
+    labels = np.asarray(load_examples(get_task(cfg["task"]), data_dir=cfg.get("data_dir")).labels)
     idx = subsample_indices(len(labels), cfg.get("max_examples"), cfg["seed"])
     labels = labels if idx is None else labels[idx]
     part = read_json(run["dir"] / "partition.json")
@@ -225,7 +229,7 @@ def majority_baseline(run: dict[str, Any]) -> tuple[float, float]:
         train, test = labels[np.asarray(client["train"])], labels[np.asarray(client["test"])]
         trains.append(train)
         tests.append(test)
-        if test.size:
+        if test.size and train.size:
             accs.append(float(np.mean(test == np.bincount(train).argmax())))
     everyone = np.bincount(np.concatenate(trains)).argmax()
     return float(np.mean(accs)), float(np.mean(np.concatenate(tests) == everyone))
