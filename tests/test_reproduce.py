@@ -4,6 +4,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 _SPEC = importlib.util.spec_from_file_location(
@@ -81,6 +82,7 @@ def test_majority_baseline_by_hand(tmp_path, monkeypatch):
 
     labels = [0, 0, 1, 1, 1, 0, 1, 0]
     monkeypatch.setattr(sources, "load_examples", lambda task, **_: SimpleNamespace(labels=labels))
+    reproduce.pool_labels.cache_clear()  # the pool is loaded once per process
     (tmp_path / "partition.json").write_text(json.dumps({"clients": [
         {"train": [0, 1, 2], "test": [5, 6]},  # majority 0; test labels 0, 1: 0.5
         {"train": [3, 4], "test": [7]},  # majority 1; test label 0: 0.0
@@ -176,7 +178,9 @@ def test_run_one_resumes_only_from_a_checkpoint(tmp_path, monkeypatch):
     reproduce.run_one("early", "preset", [], tmp_path)
     assert (tmp_path / "early.log").read_text() == "[]\n" and not (tmp_path / "early").exists()
     # stopped after the checkpoint of round 2: continue from it
-    (tmp_path / "late" / "checkpoints" / "2").mkdir(parents=True)
+    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+
+    RunCheckpointer(checkpoint_dir(tmp_path / "late")).save(2, {"x": np.zeros(2)}, {})
     reproduce.run_one("late", "preset", [], tmp_path)
     assert (tmp_path / "late.log").read_text() == "['--resume']\n"
 

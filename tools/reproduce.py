@@ -12,6 +12,7 @@ interrupted and continued. The report names the directory behind every number.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -111,13 +112,26 @@ def note(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether the run has a complete checkpoint for `--resume` to continue from, as the train
+    command itself sees it (an unreadable checkpoint directory counts as none)."""
+    from fedjax_split.errors import UserError
+    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+
+    if not checkpoint_dir(run_dir).is_dir():
+        return False
+    try:
+        return RunCheckpointer(checkpoint_dir(run_dir)).latest_round() is not None
+    except UserError:
+        return False
+
+
 def run_one(name: str, preset: str, overrides: Sequence[str], runs_dir: Path) -> str:
     out = runs_dir / name
     if (out / "summary.json").is_file():
         return f"{name}: done before"
     cmd = command(preset, overrides, out)
-    ckpts = out / "checkpoints"
-    resumed = ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())
+    resumed = has_checkpoint(out)
     if resumed:  # an interrupted run: continue it from its last complete checkpoint
         cmd.append("--resume")
     elif out.exists():  # stopped before its first checkpoint: nothing to continue, start again
@@ -208,6 +222,21 @@ def method_label(config: dict[str, Any]) -> str:
     return f"FedSplitBERT c={c}" + q
 
 
+@functools.cache
+def pool_labels(task: str, data_dir: str | None, max_examples: int | None, seed: int) -> Any:
+    """The labels of a run's example pool, subsampled exactly as the run did (loaded once per
+    report: every table and plot of a study asks for the same few pools)."""
+    import numpy as np
+
+    from fedjax_split.data.sources import load_examples
+    from fedjax_split.data.tasks import get_task
+    from fedjax_split.run.experiment import subsample_indices
+
+    labels = np.asarray(load_examples(get_task(task), data_dir=data_dir).labels)
+    idx = subsample_indices(len(labels), max_examples, seed)
+    return labels if idx is None else labels[idx]
+
+
 def majority_baseline(run: dict[str, Any]) -> tuple[float, float]:
     """What the label priors alone score, no model: the mean over clients of predicting each
     client's majority training label on its own test split, and predicting the majority training
@@ -215,14 +244,8 @@ def majority_baseline(run: dict[str, Any]) -> tuple[float, float]:
     task's labels, subsampled exactly as the run did."""
     import numpy as np
 
-    from fedjax_split.data.sources import load_examples
-    from fedjax_split.data.tasks import get_task
-    from fedjax_split.run.experiment import subsample_indices
-
     cfg = run["config"]
-    labels = np.asarray(load_examples(get_task(cfg["task"]), data_dir=cfg.get("data_dir")).labels)
-    idx = subsample_indices(len(labels), cfg.get("max_examples"), cfg["seed"])
-    labels = labels if idx is None else labels[idx]
+    labels = pool_labels(cfg["task"], cfg.get("data_dir"), cfg.get("max_examples"), cfg["seed"])
     part = read_json(run["dir"] / "partition.json")
     accs, trains, tests = [], [], []
     for client in part["clients"]:
@@ -352,39 +375,40 @@ def plots(runs_dir: Path, fig_dir: Path) -> list[str]:
     from plot import plot_runs  # noqa: PLC0415  (matplotlib only when plotting)
 
     fig_dir.mkdir(parents=True, exist_ok=True)
+    # name: (runs, metric, the run whose partition gives the label-prior line, published lines)
     groups = {
         "k10_methods": (["k10_fedavg", "k10_fedprox", "k10_fedadam", "k10_fedsplit_c3",
-                         "k10_fedsplit_c3_fp16", "k10_fedsplit_c3_bf16"], "accuracy"),
+                         "k10_fedsplit_c3_fp16", "k10_fedsplit_c3_bf16"], "accuracy",
+                        "k10_fedavg", {}),
         "k10_critical_layer": (["k10_fedsplit_c0", "k10_fedsplit_c2", "k10_fedsplit_c3",
-                                "k10_fedsplit_c4", "k10_fedsplit_c5", "k10_fedavg"], "accuracy"),
+                                "k10_fedsplit_c4", "k10_fedsplit_c5", "k10_fedavg"], "accuracy",
+                               "k10_fedavg", {}),
         "k3_methods": (["k3_fedavg", "k3_fedprox", "k3_fedadam", "k3_fedsplit_c3",
-                        "k3_fedsplit_c3_fp16"], "accuracy"),
+                        "k3_fedsplit_c3_fp16"], "accuracy", "k3_fedavg", {}),
         "news_methods": (["news_fedavg", "news_fedprox", "news_fedadam", "news_fedsplit_c3"],
-                         "accuracy"),
-        "news_pooled": (["news_fedavg", "news_fedprox", "news_fedadam"], POOLED),
-        "freezing_pooled": ([f"freeze_{r.replace('+', '_')}" for r in FEDNLP_FREEZING], POOLED),
+                         "accuracy", "news_fedavg", {}),
+        "news_pooled": (["news_fedavg", "news_fedprox", "news_fedadam"], POOLED, "news_fedavg",
+                        {"FedNLP's FedAvg, DistilBERT, round 22": 0.51}),
+        "freezing_pooled": ([f"freeze_{r.replace('+', '_')}" for r in FEDNLP_FREEZING], POOLED,
+                            None, {"FedNLP, nothing frozen, round 28":
+                                   FEDNLP_FREEZING["none"] / 100}),
     }  # fmt: skip
     ylabels = {"accuracy": "accuracy (mean over clients' own test splits)",
                POOLED: "accuracy of the global model, pooled test set"}  # fmt: skip
-    def priors(base: str) -> tuple[float, float] | None:
-        run = load(runs_dir, base)
-        return majority_baseline(run) if run and (run["dir"] / "partition.json").is_file() else None
-
     lines = []
-    for name, (members, metric) in groups.items():
+    for name, (members, metric, prior_run, published) in groups.items():
         runs = [r for r in (load(runs_dir, m) for m in members) if r]
         if not runs:
             continue
-        prior = priors(f"{name.split('_')[0]}_fedavg") if name[:4] != "free" else None
+        base = load(runs_dir, prior_run) if prior_run else None
         refs = {}
-        if prior is not None and metric == "accuracy":
-            refs["majority label of each client (no model)"] = prior[0]
-        elif prior is not None:
-            refs["one label for everyone (no model)"] = prior[1]
-        if name == "news_pooled":
-            refs["FedNLP's FedAvg, DistilBERT, round 22"] = 0.51
-        if name == "freezing_pooled":
-            refs["FedNLP, nothing frozen, round 28"] = FEDNLP_FREEZING["none"] / 100
+        if base is not None and (base["dir"] / "partition.json").is_file():
+            own, everyone = majority_baseline(base)
+            if metric == "accuracy":
+                refs["majority label of each client (no model)"] = own
+            else:
+                refs["one label for everyone (no model)"] = everyone
+        refs.update(published)
         labels = [f"frozen: {r['name'].removeprefix('freeze_').replace('_', '+')}"
                   if r["name"].startswith("freeze_") else method_label(r["config"])
                   for r in runs]  # fmt: skip
