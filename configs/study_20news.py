@@ -5,7 +5,8 @@
 documents, about 188 per client), 22 rounds of 1 local epoch (FedNLP's FedAvg reaches 0.51 on the
 global test set at round 22 with DistilBERT), 128 tokens; evaluated every 4 rounds and after the
 last. With nothing local (--critical-layer 6) the record's `pooled` is FedNLP's figure: the global
-model on the union of the clients' test data. About an hour a run on a 2-core CPU (estimated).
+model on the union of the clients' test data. About 98 minutes a run on a 2-core CPU,
+two side by side (measured: news_fedavg, 5,872 s).
 
   python -m fedjax_split.train --config configs/study_20news.py --output-dir runs/study/news_fedsplit_c3
 """

@@ -327,15 +327,21 @@ def trained_clients(run: dict[str, Any]) -> int:
     return len({c for r in run["records"] for c in r.get("clients_sampled", [])})
 
 
-def news_table(runs: list[dict[str, Any]]) -> list[str]:
+def news_table(runs: list[dict[str, Any]], baseline: dict[str, Any] | None) -> list[str]:
     """The three cross-device figures: every client's personalised model, the clients trained
-    at least once, and FedNLP's: the global model on the pooled test set."""
+    at least once, and FedNLP's: the global model on the pooled test set; beside them what the
+    label priors alone score (a local head can learn its client's prior)."""
     lines = [
         "| method | mean over all clients | mean over clients trained at least once "
         "| global model on the pooled test set (best round) | MB up per round | run | commit |",
         "|---|---|---|---|---|---|---|",
         "| FedNLP's FedAvg, DistilBERT, round 22 (Lin et al. 2022) | | | 0.51 | | | |",
     ]
+    if baseline is not None and (baseline["dir"] / "partition.json").is_file():
+        own, everyone = majority_baseline(baseline)
+        lines.append(f"| majority label (no model: each client's own; everyone's on the pooled "
+                     f"set) | {fmt(own, 4)} | | {fmt(everyone, 4)} | | "
+                     f"`{show(baseline['dir'])}` partition | |")  # fmt: skip
     for run in runs:
         pooled = final_metric(run, POOLED)
         pooled_s = ("n/a: no single global model (local parts)" if pooled is None
@@ -488,7 +494,7 @@ def report(runs_dir: Path, out: Path) -> None:
         "least once, and FedNLP's: the global model on the pooled test set (only where nothing "
         "is local).",
         "",
-        *news_table(news),
+        *news_table(news, base(news)),
         "",
         "## FedNLP's freezing table (Lin et al. 2022, Table 3)",
         "",
