@@ -116,18 +116,19 @@ def test_cross_device_table_has_the_label_priors(tmp_path, monkeypatch):
     labels = [2, 2, 1, 0, 2, 1, 1, 0, 2]
     monkeypatch.setattr(sources, "load_examples", lambda task, **_: SimpleNamespace(labels=labels))
     reproduce.pool_labels.cache_clear()
-    _run(tmp_path, "news_fedavg", [0.3], 1_000_000, clients=2, clients_per_round=1,
-         task="20news", seed=0, max_examples=None)  # fmt: skip
+    _run(tmp_path, "news_fedavg", [0.3], 1_000_000, [{"clients_sampled": [1]}], clients=2,
+         clients_per_round=1, task="20news", seed=0, max_examples=None)  # fmt: skip
     (tmp_path / "news_fedavg" / "partition.json").write_text(json.dumps({"clients": [
         {"train": [0, 1, 2], "test": [3, 4]},  # majority 2; test labels 0, 2: 0.5
         {"train": [5, 6, 7], "test": [8]},  # majority 1; test label 2: 0.0
     ]}))  # fmt: skip
     run = reproduce.load(tmp_path, "news_fedavg")
     lines = reproduce.news_table([run], run)
-    # everyone's majority training label is 2 or 1 (two each; bincount's argmax takes 1): the
-    # pooled test labels 0, 2, 2 score 0 for label 1
+    # only client 1 trained: its prior alone scores 0.0; everyone's majority training label is 2
+    # or 1 (three each; bincount's argmax takes 1): the pooled test labels 0, 2, 2 score 0 for 1
     prior = next(x for x in lines if x.startswith("| majority label"))
-    assert "| 0.2500 | | 0.0000 |" in prior and "news_fedavg` partition" in prior
+    assert "| 0.2500 | 0.0000 (the 1 FedAvg trained) | 0.0000 |" in prior
+    assert "news_fedavg` partition" in prior
     assert reproduce.news_table([run], None)[3].startswith("| FedAvg | 0.3000 |")
 
 

@@ -237,22 +237,24 @@ def pool_labels(task: str, data_dir: str | None, max_examples: int | None, seed:
     return labels if idx is None else labels[idx]
 
 
-def majority_baseline(run: dict[str, Any]) -> tuple[float, float]:
-    """What the label priors alone score, no model: the mean over clients of predicting each
-    client's majority training label on its own test split, and predicting the majority training
-    label of all clients on the pooled test set. Rebuilt from the run's partition.json and the
-    task's labels, subsampled exactly as the run did."""
+def majority_baseline(
+    run: dict[str, Any], clients: set[int] | None = None
+) -> tuple[float, float]:
+    """What the label priors alone score, no model: the mean over clients (all, or those in
+    `clients`) of predicting each client's majority training label on its own test split, and
+    predicting the majority training label of all clients on the pooled test set. Rebuilt from
+    the run's partition.json and the task's labels, subsampled exactly as the run did."""
     import numpy as np
 
     cfg = run["config"]
     labels = pool_labels(cfg["task"], cfg.get("data_dir"), cfg.get("max_examples"), cfg["seed"])
     part = read_json(run["dir"] / "partition.json")
     accs, trains, tests = [], [], []
-    for client in part["clients"]:
+    for j, client in enumerate(part["clients"]):
         train, test = labels[np.asarray(client["train"])], labels[np.asarray(client["test"])]
         trains.append(train)
         tests.append(test)
-        if test.size and train.size:
+        if test.size and train.size and (clients is None or j in clients):
             accs.append(float(np.mean(test == np.bincount(train).argmax())))
     everyone = np.bincount(np.concatenate(trains)).argmax()
     return float(np.mean(accs)), float(np.mean(np.concatenate(tests) == everyone))
@@ -323,8 +325,8 @@ def sweep_table(runs_dir: Path) -> list[str]:
     return lines
 
 
-def trained_clients(run: dict[str, Any]) -> int:
-    return len({c for r in run["records"] for c in r.get("clients_sampled", [])})
+def trained_clients(run: dict[str, Any]) -> set[int]:
+    return {c for r in run["records"] for c in r.get("clients_sampled", [])}
 
 
 def news_table(runs: list[dict[str, Any]], baseline: dict[str, Any] | None) -> list[str]:
@@ -339,14 +341,17 @@ def news_table(runs: list[dict[str, Any]], baseline: dict[str, Any] | None) -> l
     ]
     if baseline is not None and (baseline["dir"] / "partition.json").is_file():
         own, everyone = majority_baseline(baseline)
+        trained = trained_clients(baseline)
+        own_trained = majority_baseline(baseline, trained)[0]
         lines.append(f"| majority label (no model: each client's own; everyone's on the pooled "
-                     f"set) | {fmt(own, 4)} | | {fmt(everyone, 4)} | | "
+                     f"set) | {fmt(own, 4)} | {fmt(own_trained, 4)} (the {len(trained)} "
+                     f"{method_label(baseline['config'])} trained) | {fmt(everyone, 4)} | | "
                      f"`{show(baseline['dir'])}` partition | |")  # fmt: skip
     for run in runs:
         pooled = final_metric(run, POOLED)
         pooled_s = ("n/a: no single global model (local parts)" if pooled is None
                     else f"{pooled:.4f} ({fmt(best_metric(run, POOLED), 4)})")  # fmt: skip
-        n, k = trained_clients(run), run["config"]["clients"]
+        n, k = len(trained_clients(run)), run["config"]["clients"]
         lines.append(f"| {method_label(run['config'])} | {fmt(final_metric(run), 4)} | "
                      f"{fmt(final_metric(run, TRAINED), 4)} ({n} of {k}) | {pooled_s} | "
                      f"{fmt(mb_per_round(run, 'up'), 1)} | {cells(run)}")  # fmt: skip
