@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from itertools import cycle
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,11 @@ def series(records: Sequence[dict[str, Any]], metric: str) -> tuple[list, list, 
     )
 
 
+# reference lines (a no-model baseline, a published figure) told apart by dash and shade of grey,
+# so that they never take a run's colour
+REFERENCE_STYLES = (("0.45", "--"), ("0.0", ":"), ("0.25", "-."), ("0.6", (0, (8, 3))))
+
+
 def plot_runs(
     run_dirs: Sequence[str | Path],
     metric: str,
@@ -75,8 +81,8 @@ def plot_runs(
     references: dict[str, float] | None = None,
 ) -> list[Path]:
     """Write the two PNGs; returns their paths. `labels` name the runs in the legend (default:
-    the settings that differ between them); `references` are dashed horizontal lines, named
-    (a baseline without a model, a published figure)."""
+    the settings that differ between them); `references` are named horizontal grey lines, each
+    dashed its own way (a baseline without a model, a published figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,8 +99,8 @@ def plot_runs(
         for (_, records), label in zip(loaded, labels, strict=True):
             rounds, mb, values = series(records, metric)
             ax.plot(rounds if kind == "rounds" else mb, values, marker="o", ms=3, label=label)
-        for i, (name, y) in enumerate((references or {}).items()):
-            ax.axhline(y, color="0.4", ls=(0, (4, 2 + 2 * i)), lw=1, label=name)
+        for (name, y), (color, ls) in zip((references or {}).items(), cycle(REFERENCE_STYLES)):
+            ax.axhline(y, color=color, ls=ls, lw=1.2, label=name)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel or f"{metric} (mean over clients)")
         ax.grid(alpha=0.3)
