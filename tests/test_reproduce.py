@@ -171,7 +171,7 @@ def test_plots_written_and_linked(report):
         assert f"(figures/{p.name})" in text
 
 
-def test_git_commit_names_the_checkout_and_says_when_it_is_dirty(tmp_path):
+def test_git_commit_names_the_checkout_and_what_differs_from_it(tmp_path):
     import subprocess
 
     def git(*args):
@@ -187,7 +187,11 @@ def test_git_commit_names_the_checkout_and_says_when_it_is_dirty(tmp_path):
     (tmp_path / "untracked").write_text("not part of the code")
     assert reproduce.git_commit(tmp_path) == sha
     (tmp_path / "f").write_text("2")
-    assert reproduce.git_commit(tmp_path) == sha + "+dirty"
+    assert reproduce.git_commit(tmp_path) == sha + "+dirty:f"
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("1")
+    git("add", "docs/a.md")  # staged, not committed: differs from HEAD
+    assert reproduce.git_commit(tmp_path) == sha + "+dirty:docs,f"
     assert reproduce.git_commit(tmp_path / "nowhere") == "unknown"
 
 
