@@ -75,7 +75,7 @@ def test_method_table_rows_by_hand(report):
     assert "| local only (c=0) | 0.5800 | 0.5800 | n/a | 0.0 | 0.0 | not reached | n/a |" in text
 
 
-def test_majority_baseline_by_hand(tmp_path, monkeypatch):
+def test_majority_baseline_by_hand(tmp_path, monkeypatch, request):
     from types import SimpleNamespace
 
     from fedjax_split.data import sources
@@ -83,6 +83,7 @@ def test_majority_baseline_by_hand(tmp_path, monkeypatch):
     labels = [0, 0, 1, 1, 1, 0, 1, 0]
     monkeypatch.setattr(sources, "load_examples", lambda task, **_: SimpleNamespace(labels=labels))
     reproduce.pool_labels.cache_clear()  # the pool is loaded once per process
+    request.addfinalizer(reproduce.pool_labels.cache_clear)  # no fake labels left for others
     (tmp_path / "partition.json").write_text(json.dumps({"clients": [
         {"train": [0, 1, 2], "test": [5, 6]},  # majority 0; test labels 0, 1: 0.5
         {"train": [3, 4], "test": [7]},  # majority 1; test label 0: 0.0
@@ -107,7 +108,7 @@ def test_cross_device_table_gives_the_three_figures(report):
             "(local parts) | 50.0 |") in text  # fmt: skip
 
 
-def test_cross_device_table_has_the_label_priors(tmp_path, monkeypatch):
+def test_cross_device_table_has_the_label_priors(tmp_path, monkeypatch, request):
     """A local head can learn its client's prior: the table shows what the priors alone score."""
     from types import SimpleNamespace
 
@@ -116,6 +117,7 @@ def test_cross_device_table_has_the_label_priors(tmp_path, monkeypatch):
     labels = [2, 2, 1, 0, 2, 1, 1, 0, 2]
     monkeypatch.setattr(sources, "load_examples", lambda task, **_: SimpleNamespace(labels=labels))
     reproduce.pool_labels.cache_clear()
+    request.addfinalizer(reproduce.pool_labels.cache_clear)  # no fake labels left for others
     _run(tmp_path, "news_fedavg", [0.3], 1_000_000, [{"clients_sampled": [1]}], clients=2,
          clients_per_round=1, task="20news", seed=0, max_examples=None)  # fmt: skip
     (tmp_path / "news_fedavg" / "partition.json").write_text(json.dumps({"clients": [
@@ -124,8 +126,8 @@ def test_cross_device_table_has_the_label_priors(tmp_path, monkeypatch):
     ]}))  # fmt: skip
     run = reproduce.load(tmp_path, "news_fedavg")
     lines = reproduce.news_table([run], run)
-    # only client 1 trained: its prior alone scores 0.0; everyone's majority training label is 2
-    # or 1 (three each; bincount's argmax takes 1): the pooled test labels 0, 2, 2 score 0 for 1
+    # only client 1 trained: its prior alone scores 0.0; everyone's majority training label is 1
+    # (training labels 2, 2, 1 and 1, 1, 0): the pooled test labels 0, 2, 2 score 0 for it
     prior = next(x for x in lines if x.startswith("| majority label"))
     assert "| 0.2500 | 0.0000 (the 1 FedAvg trained) | 0.0000 |" in prior
     assert "news_fedavg` partition" in prior
@@ -191,7 +193,18 @@ def test_git_commit_names_the_checkout_and_what_differs_from_it(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "a.md").write_text("1")
     git("add", "docs/a.md")  # staged, not committed: differs from HEAD
-    assert reproduce.git_commit(tmp_path) == sha + "+dirty:docs,f"
+    assert reproduce.git_commit(tmp_path) == sha + "+dirty:docs+f"
+    git("checkout", "-q", "--", "f")
+    git("rm", "-q", "--cached", "docs/a.md")
+    assert reproduce.git_commit(tmp_path) == sha
+    # a file moved out of the code: both sides count, the old path most of all
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "m.py").write_text("x = 1\n" * 20)
+    git("add", "code/m.py")
+    git("commit", "-qm", "y")
+    sha = git("rev-parse", "--short=12", "HEAD").stdout.strip()
+    git("mv", "code/m.py", "café.py")
+    assert reproduce.git_commit(tmp_path) == sha + "+dirty:café.py+code"
     assert reproduce.git_commit(tmp_path / "nowhere") == "unknown"
 
 
