@@ -197,7 +197,7 @@ def test_git_commit_names_the_checkout_and_what_differs_from_it(tmp_path):
     git("checkout", "-q", "--", "f")
     git("rm", "-q", "--cached", "docs/a.md")
     assert reproduce.git_commit(tmp_path) == sha
-    # a file moved out of the code: both sides count, the old path most of all
+    # a file moved out of the code: both of its sides are named
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "m.py").write_text("x = 1\n" * 20)
     git("add", "code/m.py")
