@@ -75,15 +75,25 @@ def test_method_table_rows_by_hand(report):
     assert "| local only (c=0) | 0.5800 | 0.5800 | n/a | 0.0 | 0.0 | not reached | n/a |" in text
 
 
-def test_majority_baseline_by_hand(tmp_path, monkeypatch, request):
+@pytest.fixture
+def fake_pool(monkeypatch, request):
+    """Give the task's pool these labels. The pool is loaded once per process (cached), so the
+    cache is cleared before, and after so that no fake labels are left for other tests."""
     from types import SimpleNamespace
 
     from fedjax_split.data import sources
 
-    labels = [0, 0, 1, 1, 1, 0, 1, 0]
-    monkeypatch.setattr(sources, "load_examples", lambda task, **_: SimpleNamespace(labels=labels))
-    reproduce.pool_labels.cache_clear()  # the pool is loaded once per process
-    request.addfinalizer(reproduce.pool_labels.cache_clear)  # no fake labels left for others
+    def use(labels):
+        stand_in = SimpleNamespace(labels=labels)
+        monkeypatch.setattr(sources, "load_examples", lambda task, **_: stand_in)
+        reproduce.pool_labels.cache_clear()
+
+    request.addfinalizer(reproduce.pool_labels.cache_clear)
+    return use
+
+
+def test_majority_baseline_by_hand(tmp_path, fake_pool):
+    fake_pool([0, 0, 1, 1, 1, 0, 1, 0])
     (tmp_path / "partition.json").write_text(json.dumps({"clients": [
         {"train": [0, 1, 2], "test": [5, 6]},  # majority 0; test labels 0, 1: 0.5
         {"train": [3, 4], "test": [7]},  # majority 1; test label 0: 0.0
@@ -108,16 +118,9 @@ def test_cross_device_table_gives_the_three_figures(report):
             "(local parts) | 50.0 |") in text  # fmt: skip
 
 
-def test_cross_device_table_has_the_label_priors(tmp_path, monkeypatch, request):
+def test_cross_device_table_has_the_label_priors(tmp_path, fake_pool):
     """A local head can learn its client's prior: the table shows what the priors alone score."""
-    from types import SimpleNamespace
-
-    from fedjax_split.data import sources
-
-    labels = [2, 2, 1, 0, 2, 1, 1, 0, 2]
-    monkeypatch.setattr(sources, "load_examples", lambda task, **_: SimpleNamespace(labels=labels))
-    reproduce.pool_labels.cache_clear()
-    request.addfinalizer(reproduce.pool_labels.cache_clear)  # no fake labels left for others
+    fake_pool([2, 2, 1, 0, 2, 1, 1, 0, 2])
     _run(tmp_path, "news_fedavg", [0.3], 1_000_000, [{"clients_sampled": [1]}], clients=2,
          clients_per_round=1, task="20news", seed=0, max_examples=None)  # fmt: skip
     (tmp_path / "news_fedavg" / "partition.json").write_text(json.dumps({"clients": [

@@ -243,25 +243,42 @@ def pool_labels(task: str, data_dir: str | None, max_examples: int | None, seed:
     return labels if idx is None else labels[idx]
 
 
-def majority_baseline(run: dict[str, Any], clients: set[int] | None = None) -> tuple[float, float]:
-    """What the label priors alone score, no model: the mean over clients (all, or those in
-    `clients`) of predicting each client's majority training label on its own test split, and
-    predicting the majority training label of all clients on the pooled test set. Rebuilt from
-    the run's partition.json and the task's labels, subsampled exactly as the run did."""
+PRIOR_ROW = "majority label (no model: each client's own; everyone's on the pooled set)"
+
+
+def client_priors(run: dict[str, Any]) -> tuple[dict[int, float], float] | None:
+    """What the label priors alone score, no model: by client, its majority training label on its
+    own test split (clients with training and test data); and the majority training label of all
+    clients on the pooled test set. Rebuilt from the run's partition.json and the task's labels,
+    subsampled exactly as the run did; None when the run has no partition.json."""
     import numpy as np
 
+    if not (run["dir"] / "partition.json").is_file():
+        return None
     cfg = run["config"]
     labels = pool_labels(cfg["task"], cfg.get("data_dir"), cfg.get("max_examples"), cfg["seed"])
     part = read_json(run["dir"] / "partition.json")
-    accs, trains, tests = [], [], []
+    own, trains, tests = {}, [], []
     for j, client in enumerate(part["clients"]):
         train, test = labels[np.asarray(client["train"])], labels[np.asarray(client["test"])]
         trains.append(train)
         tests.append(test)
-        if test.size and train.size and (clients is None or j in clients):
-            accs.append(float(np.mean(test == np.bincount(train).argmax())))
+        if test.size and train.size:
+            own[j] = float(np.mean(test == np.bincount(train).argmax()))
     everyone = np.bincount(np.concatenate(trains)).argmax()
-    return float(np.mean(accs)), float(np.mean(np.concatenate(tests) == everyone))
+    return own, float(np.mean(np.concatenate(tests) == everyone))
+
+
+def majority_baseline(run: dict[str, Any]) -> tuple[float, float] | None:
+    """The priors' two figures: the mean over clients of each one's own majority label, and
+    everyone's majority label on the pooled test set (None without a partition.json)."""
+    import numpy as np
+
+    priors = client_priors(run)
+    if priors is None:
+        return None
+    own, everyone = priors
+    return float(np.mean(list(own.values()))), everyone
 
 
 def method_table(runs: list[dict[str, Any]], baseline: dict[str, Any] | None) -> list[str]:
@@ -274,10 +291,10 @@ def method_table(runs: list[dict[str, Any]], baseline: dict[str, Any] | None) ->
             f"| MB to reach {goal} | gain vs FedAvg | run | commit |")  # fmt: skip
     lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     base_mb = mb_to_reach(baseline, target) if baseline else None
-    if baseline is not None and (baseline["dir"] / "partition.json").is_file():
-        own, everyone = majority_baseline(baseline)
-        lines.append(f"| majority label (no model: each client's own; everyone's on the pooled "
-                     f"set) | {fmt(own, 4)} | | {fmt(everyone, 4)} | | | | | "
+    prior = majority_baseline(baseline) if baseline is not None else None
+    if prior is not None:
+        own, everyone = prior
+        lines.append(f"| {PRIOR_ROW} | {fmt(own, 4)} | | {fmt(everyone, 4)} | | | | | "
                      f"`{show(baseline['dir'])}` partition | |")  # fmt: skip
     for run in runs:
         reach = mb_to_reach(run, target) if target is not None else None
@@ -297,7 +314,7 @@ def seeds_table(runs_dir: Path) -> list[str]:
         "| method | seed 0 | seed 1 | seed 2 | mean | std | runs |",
         "|---|---|---|---|---|---|---|",
     ]
-    prior = lambda r: majority_baseline(r)[0] if (r["dir"] / "partition.json").is_file() else None  # noqa: E731
+    prior = lambda r: None if (mb := majority_baseline(r)) is None else mb[0]  # noqa: E731
     rows = (("majority label of each client (no model)", "k10_fedavg", prior),
             ("FedAvg", "k10_fedavg", final_metric),
             ("FedSplitBERT c=3", "k10_fedsplit_c3", final_metric))  # fmt: skip
@@ -343,12 +360,15 @@ def news_table(runs: list[dict[str, Any]], baseline: dict[str, Any] | None) -> l
         "|---|---|---|---|---|---|---|",
         "| FedNLP's FedAvg, DistilBERT, round 22 (Lin et al. 2022) | | | 0.51 | | | |",
     ]
-    if baseline is not None and (baseline["dir"] / "partition.json").is_file():
-        own, everyone = majority_baseline(baseline)
+    priors = client_priors(baseline) if baseline is not None else None
+    if priors is not None:
+        import numpy as np
+
+        own, everyone = priors
         trained = trained_clients(baseline)
-        own_trained = majority_baseline(baseline, trained)[0]
-        lines.append(f"| majority label (no model: each client's own; everyone's on the pooled "
-                     f"set) | {fmt(own, 4)} | {fmt(own_trained, 4)} (the {len(trained)} "
+        own_trained = np.mean([acc for j, acc in own.items() if j in trained])
+        lines.append(f"| {PRIOR_ROW} | {fmt(float(np.mean(list(own.values()))), 4)} | "
+                     f"{fmt(float(own_trained), 4)} (the {len(trained)} "
                      f"{method_label(baseline['config'])} trained) | {fmt(everyone, 4)} | | "
                      f"`{show(baseline['dir'])}` partition | |")  # fmt: skip
     for run in runs:
@@ -417,8 +437,9 @@ def plots(runs_dir: Path, fig_dir: Path) -> list[str]:
             continue
         base = load(runs_dir, prior_run) if prior_run else None
         refs = {}
-        if base is not None and (base["dir"] / "partition.json").is_file():
-            own, everyone = majority_baseline(base)
+        prior = majority_baseline(base) if base is not None else None
+        if prior is not None:
+            own, everyone = prior
             if metric == "accuracy":
                 refs["majority label of each client (no model)"] = own
             else:
