@@ -2,7 +2,9 @@
 and federated further pre-training (FedBFPT).
 
 The public API is imported lazily so that `import fedjax_split` stays cheap (no jax/transformers
-import until a name is used). Importing it tunes glibc's malloc for XLA:CPU (run/malloc.py).
+import until a name is used), and importing it changes nothing in the process: the process
+settings (malloc, compilation cache, CPU devices) are `fedjax_split.runtime`'s, applied by the
+entry points.
 """
 
 from __future__ import annotations
@@ -11,10 +13,6 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
-
-# glibc's malloc kept from handing XLA:CPU's buffers back to the kernel on every call, before JAX
-# starts its threads (fedjax_split.run.malloc: FEDJAX_SPLIT_MALLOC=system opts out)
-importlib.import_module("fedjax_split.run.malloc").tune()
 
 _EXPORTS = {
     # models

@@ -112,7 +112,8 @@ def _jax_cache_env() -> dict[str, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     from fedjax_split.deploy.launch import Federation, write_app
     from fedjax_split.deploy.protocol import PARTITION_ID, STATE_DIR
-    from fedjax_split.run import experiment, outputs
+    from fedjax_split.run import driver, outputs, pieces
+    from fedjax_split.run.config import trajectory_mismatch
 
     try:
         config, deploy = parse(argv)
@@ -130,8 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in ("round_timeout", "connect_timeout", "run_timeout"):
             if deploy.get(name) is not None and not deploy[name] > 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {deploy[name]}")
-        experiment.check(config)
-        experiment._check_run_dir(config)  # before anything is written
+        pieces.check(config)
+        driver.check_run_dir(config.run_dir, config.resume,  # before anything is written
+                             lambda saved: trajectory_mismatch(saved, config))
     except UserError as err:
         return report(err)
 
@@ -184,8 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cli() -> None:
-    """`python -m fedjax_split.flower` and `fedjax-split-flower`: train's entry point (every
-    process of the federation imports fedjax_split, which tunes its malloc)."""
+    """`python -m fedjax_split.flower` and `fedjax-split-flower`: train's entry point (the
+    federation's ServerApp and ClientApp processes apply `fedjax_split.runtime` themselves)."""
     from fedjax_split.train import run_command
 
     run_command(main)

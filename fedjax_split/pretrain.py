@@ -13,7 +13,6 @@ and says which checkpoint `--resume` continues from. DIR/model is then a Hugging
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 
 from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, validate
@@ -39,25 +38,18 @@ def config_from_args(argv: Sequence[str] | None = None) -> PretrainConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from fedjax_split.errors import UserError, report
+    from fedjax_split.run import driver
 
     config = None
-    stop = os.environ.get("FEDJAX_SPLIT_STOP_AFTER_ROUND")
-
-    def hook(round_: int, record: dict) -> None:  # tests: Ctrl-C right after a checkpoint
-        if stop and round_ == int(stop):
-            raise KeyboardInterrupt
-
     try:
         config = config_from_args(argv)
         from fedjax_split.run.pretraining import run_pretraining
 
-        summary = run_pretraining(config, progress=True, on_round_end=hook)
+        summary = run_pretraining(config, progress=True, on_round_end=driver.stop_hook_from_env())
     except UserError as e:
         return report(e)
     except KeyboardInterrupt:
-        from fedjax_split.train import interrupted
-
-        return interrupted(None if config is None else config.run_dir)
+        return driver.interrupted(None if config is None else config.run_dir)
     final = summary["final"]
     print(
         f"done: {summary['method']}, {summary['rounds']} rounds, held-out MLM loss "

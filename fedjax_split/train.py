@@ -8,7 +8,6 @@ Ctrl-C exits 130 and says which checkpoint `--resume` will continue from.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -37,33 +36,20 @@ def config_from_args(argv: Sequence[str] | None = None) -> ExperimentConfig:
     return config
 
 
-def _interrupt_hook() -> Callable[[int, dict], None] | None:
-    """FEDJAX_SPLIT_STOP_AFTER_ROUND=N acts like Ctrl-C right after round N's checkpoint (tests)."""
-    value = os.environ.get("FEDJAX_SPLIT_STOP_AFTER_ROUND")
-    if not value:
-        return None
-    stop = int(value)
-
-    def hook(round_: int, record: dict) -> None:
-        if round_ == stop:
-            raise KeyboardInterrupt
-
-    return hook
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     from fedjax_split.errors import UserError, report
+    from fedjax_split.run import driver
 
     config = None
     try:
         config = config_from_args(argv)
         from fedjax_split.run.experiment import run_experiment
 
-        summary = run_experiment(config, progress=True, on_round_end=_interrupt_hook())
+        summary = run_experiment(config, progress=True, on_round_end=driver.stop_hook_from_env())
     except UserError as e:
         return report(e)
     except KeyboardInterrupt:
-        return interrupted(None if config is None else config.run_dir)
+        return driver.interrupted(None if config is None else config.run_dir)
     metric = summary["primary_metric"]
     print(
         f"done: {summary['rounds']} rounds, final {metric} {summary['final'].get(metric)}, "
@@ -80,39 +66,18 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {category.__name__}: {message} ({filename}:{lineno})\n"
 
 
-def interrupted(run_dir: str | None) -> int:
-    """Ctrl-C's one line (which checkpoint `--resume` continues from, if any); exit status 130.
-    Shared by the train, pretrain and flower commands."""
-    from fedjax_split.errors import UserError
-
-    where = "no checkpoint yet"
-    if run_dir is not None:
-        from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
-
-        try:
-            latest = RunCheckpointer(checkpoint_dir(run_dir)).latest_round()
-        except UserError:
-            latest = None
-        if latest is not None:
-            where = (
-                f"last checkpoint: round {latest}; continue with the same flags plus "
-                f"--resume --output-dir {run_dir}"
-            )
-    print(f"interrupted ({where})", file=sys.stderr)
-    return 130
-
-
 def run_command(command_main: Callable[[], int]) -> NoReturn:
-    """A command's entry point: the malloc setting checked (a bad one is the one-line exit-2
-    error; the malloc itself is tuned at import: fedjax_split.run.malloc), warnings on one line,
-    then `command_main`'s exit status. Shared by the train, pretrain and flower commands."""
+    """A command's entry point: the malloc checked and tuned before anything starts threads (a bad
+    setting is the one-line exit-2 error; `fedjax_split.runtime`), warnings on one line, then
+    `command_main`'s exit status. Shared by the train, pretrain and flower commands."""
     import warnings
 
+    from fedjax_split import runtime
     from fedjax_split.errors import UserError, report
-    from fedjax_split.run import malloc
 
     try:
-        malloc.check_setting()
+        runtime.check_malloc_setting()
+        runtime.tune_malloc()
     except UserError as e:
         sys.exit(report(e))
     warnings.formatwarning = _one_line_warning

@@ -35,7 +35,7 @@ def cli_env(jax_cache: Path | None = None) -> dict[str, str]:
     allocator mode), so that every run starts as a user's would. `jax_cache`: a persistent XLA
     cache of the module's own, caching every program (default: the session's, tests/conftest.py).
     """
-    from fedjax_split.run import malloc
+    from fedjax_split import runtime
 
     env = dict(
         os.environ,
@@ -48,7 +48,7 @@ def cli_env(jax_cache: Path | None = None) -> dict[str, str]:
             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
         )
-    for name in ("FEDJAX_SPLIT_STOP_AFTER_ROUND", "LD_PRELOAD", malloc.ENV):
+    for name in ("FEDJAX_SPLIT_STOP_AFTER_ROUND", "LD_PRELOAD", runtime.MALLOC_ENV):
         env.pop(name, None)  # every CLI run starts on the system's malloc, then tunes it
     return env
 

@@ -51,32 +51,6 @@ def _global_count_by_hand(model_dir: Path, c: int) -> int:
     return emb + c * layer
 
 
-def test_subsample_indices_are_seeded_sorted_and_distinct() -> None:
-    a = experiment.subsample_indices(100, 10, seed=3)
-    assert a is not None and a.size == 10 and np.all(np.diff(a) > 0) and a.max() < 100
-    np.testing.assert_array_equal(a, experiment.subsample_indices(100, 10, seed=3))
-    assert not np.array_equal(a, experiment.subsample_indices(100, 10, seed=4))
-    assert experiment.subsample_indices(100, None, seed=0) is None
-    assert experiment.subsample_indices(100, 100, seed=0) is None
-
-
-def test_subsample_keeps_every_per_example_field_aligned() -> None:
-    from fedjax_split.data.sources import Examples
-
-    n = 10
-    ex = Examples(
-        texts_a=[f"a{i}" for i in range(n)],
-        texts_b=[f"b{i}" for i in range(n)],
-        labels=np.arange(n) % 3,
-        groups=np.array([f"g{i}" for i in range(n)]),
-        splits=np.array([f"s{i}" for i in range(n)]),
-    )
-    sub = experiment._subset_examples(ex, np.array([1, 4, 7]))
-    assert sub.texts_a == ["a1", "a4", "a7"] and sub.texts_b == ["b1", "b4", "b7"]
-    assert sub.labels.tolist() == [1, 1, 1] and sub.groups.tolist() == ["g1", "g4", "g7"]
-    assert sub.splits.tolist() == ["s1", "s4", "s7"] and len(sub) == 3
-
-
 @pytest.fixture(scope="module")
 def partial_fp16(files: dict[str, Path]) -> Path:
     """2 of 3 clients per round, 16-bit wire, critical layer 1 of 2."""
@@ -148,14 +122,18 @@ def test_the_client_store_trains_what_clients_held_in_memory_train(files: dict[s
         files, "store_vs_memory", clients_per_round=2, critical_layer=1, rounds=2))  # fmt: skip
     experiment.run_experiment(cfg, progress=False)
     setup = experiment.build(cfg)  # the same start, held in memory
-    stacked = rounds.replicate(setup.local0, cfg.clients)
+    model = setup.model
+    stacked = rounds.replicate(model.local0, cfg.clients)
+    state = rounds.init_server_state(
+        model.global0, model.round_spec.server_optimizer, model.round_spec.wire_dtype
+    )
     for r in (1, 2):
         sampled = rounds.sample_clients(cfg.clients, cfg.sampled_clients, cfg.seed, r)
         n = np.asarray([len(setup.partition.clients[i].train) for i in sampled], np.float32)
-        setup.server_state, new, _ = rounds.run_round(
-            setup.round_spec, setup.server_state, rounds.take_clients(stacked, sampled), n,
+        state, new, _ = rounds.run_round(
+            model.round_spec, state, rounds.take_clients(stacked, sampled), n,
             experiment.round_batches(setup, r), jax.random.key(cfg.seed), client_ids=sampled,
-            frozen=setup.frozen,
+            frozen=model.frozen,
         )  # fmt: skip
         stacked = rounds.put_clients(stacked, sampled, new)
     store = ClientStore(cfg.run_dir / experiment.CLIENTS_DIR)
@@ -163,9 +141,9 @@ def test_the_client_store_trains_what_clients_held_in_memory_train(files: dict[s
         held = jax.tree.map(lambda x, k=k: np.asarray(x[k]), stacked)
         for a, b in zip(jax.tree.leaves(store.load(k)), jax.tree.leaves(held), strict=True):
             np.testing.assert_array_equal(a, b)
-    state, _ = RunCheckpointer(checkpoint_dir(cfg.run_dir)).restore_untyped()
-    for a, b in zip(jax.tree.leaves(state["server_state"]["master"]),
-                    jax.tree.leaves(setup.server_state.master), strict=True):  # fmt: skip
+    saved, _ = RunCheckpointer(checkpoint_dir(cfg.run_dir)).restore_untyped()
+    for a, b in zip(jax.tree.leaves(saved["server_state"]["master"]),
+                    jax.tree.leaves(state.master), strict=True):  # fmt: skip
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -270,17 +248,13 @@ def test_evaluate_maps_groups_by_example_index_and_means_over_clients(
     ])  # fmt: skip
     monkeypatch.setattr(evaluation, "evaluate_client", lambda *a, **k: next(results))
     setup = SimpleNamespace(
-        server_state=SimpleNamespace(global_params={}),
-        apply=None,
-        local0={},
-        local_part=lambda client: {},
-        frozen={},
-        num_local=0,
+        model=SimpleNamespace(apply=None, num_local=0, task=tasks.get_task("mnli")),
         eval_batches=[["client 0's batches"], ["client 1's batches"]],
-        task=tasks.get_task("mnli"),
         examples=SimpleNamespace(groups=groups),
     )
-    out = experiment.evaluate(setup, trained={0})
+    store = SimpleNamespace(load=lambda client: {})
+    state = SimpleNamespace(global_params={})
+    out = experiment.evaluate(setup, state, frozen={}, store=store, trained={0})
     c0, c1 = out["clients"]
     # client 0: row 3 (mismatched) right, row 0 (matched) right, row 1 (mismatched) wrong
     assert c0["accuracy"] == pytest.approx(2 / 3)
@@ -297,29 +271,6 @@ def test_evaluate_maps_groups_by_example_index_and_means_over_clients(
     assert out["pooled"]["accuracy"] == pytest.approx(3 / 5)
     assert out["pooled"]["accuracy_matched"] == pytest.approx(2 / 3)
     assert out["pooled"]["accuracy_mismatched"] == pytest.approx(1 / 2)
-
-
-def test_mean_over_clients_skips_undefined_metrics() -> None:
-    per_client = [
-        {"client": 0, "pearson": 0.5, "spearman": 0.25},
-        {"client": 1, "pearson": float("nan"), "spearman": 0.75},  # constant test split
-        {"client": 3, "pearson": 0.9, "spearman": None},
-    ]
-    assert experiment.mean_over_clients(per_client) == {
-        "pearson": pytest.approx(0.7),
-        "spearman": pytest.approx(0.5),
-    }
-    nan = experiment.mean_over_clients([{"client": 0, "pearson": float("nan")}])["pearson"]
-    assert np.isnan(nan)
-    assert experiment.mean_over_clients([]) == {}
-
-
-def test_round_chunk_size_defaults_by_backend() -> None:
-    assert experiment.round_chunk_size(None, "cpu") == 1
-    assert experiment.round_chunk_size(None, "gpu") is None
-    assert experiment.round_chunk_size(None, "tpu") is None
-    assert experiment.round_chunk_size(4, "cpu") == 4
-    assert experiment.round_chunk_size(4, "gpu") == 4
 
 
 def test_freeze_sends_nothing_frozen_and_keeps_it_bit_identical(files: dict[str, Path]) -> None:

@@ -104,7 +104,7 @@ def test_straight_run_writes_every_output(straight: Path) -> None:
     assert summary["final"]["accuracy"] == records[-1]["accuracy"]
     for key in ("seconds", "train_seconds", "eval_seconds"):
         assert summary[key] == pytest.approx(sum(r[key] for r in records))
-    # the CLI ran on glibc's malloc tuned at import (fedjax_split.run.malloc)
+    # the CLI ran on glibc's malloc, tuned before anything else (fedjax_split.runtime)
     assert summary["allocator"] == "glibc-tuned"
     config = json.loads((straight / "config.json").read_text())
     assert config["critical_layer"] == 1 and config["clients"] == 3
@@ -313,8 +313,9 @@ def test_cli_checks_the_malloc_setting_before_main_and_prints_warnings_on_one_li
     probe = (
         "import warnings\n"
         "from fedjax_split import train\n"
-        "from fedjax_split.run import malloc\n"
-        "malloc.check_setting = lambda: print('check')\n"
+        "from fedjax_split import runtime\n"
+        "runtime.check_malloc_setting = lambda: print('check')\n"
+        "runtime.tune_malloc = lambda: print('tune')\n"
         "def main():\n"
         "    print('main')\n"
         "    warnings.warn('model: freshly initialised from seed 0: classifier.weight')\n"
@@ -327,7 +328,7 @@ def test_cli_checks_the_malloc_setting_before_main_and_prints_warnings_on_one_li
     res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
                          timeout=120)  # fmt: skip
     assert res.returncode == 3, res.stderr
-    assert res.stdout == "check\nmain\n"
+    assert res.stdout == "check\ntune\nmain\n"
     assert res.stderr.splitlines() == [
         "warning: model: freshly initialised from seed 0: classifier.weight",
         "warning: RuntimeWarning: overflow (lib.py:7)",

@@ -52,9 +52,8 @@ from fedjax_split.models.bert import (
     init_params,
     make_apply,
 )
-from fedjax_split.run.malloc import allocator
+from fedjax_split.runtime import allocator, tune_malloc, use_cpu_devices
 from fedjax_split.sim import rounds
-from fedjax_split.sim.devices import use_cpu_devices
 
 
 def _seconds(fn, repeats: int) -> list[float]:
@@ -559,6 +558,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
+    tune_malloc()  # as the commands do, before JAX starts its threads
     use_cpu_devices(args.cpu_devices)  # before the first JAX computation
     check_attention(args.attention, compute_dtype(args), jax.default_backend())  # before timing
     if args.torch_reference and not (

@@ -236,7 +236,7 @@ def pool_labels(task: str, data_dir: str | None, max_examples: int | None, seed:
 
     from fedjax_split.data.sources import load_examples
     from fedjax_split.data.tasks import get_task
-    from fedjax_split.run.experiment import subsample_indices
+    from fedjax_split.run.pieces import subsample_indices
 
     labels = np.asarray(load_examples(get_task(task), data_dir=data_dir).labels)
     idx = subsample_indices(len(labels), max_examples, seed)

@@ -4,7 +4,7 @@ one process, with utilisation against this machine's measured fp32 matmul peak.
     python tools/yardstick.py --config configs/offline_rotten_tomatoes.py --clients 10 \
         --local-epochs 1 --max-examples 2000 --rounds 3 --out runs/yardstick.json
 
-Ours: `run_experiment`'s rounds (`experiment.build` + `run_one_round`) with the defaults a user
+Ours: `run_experiment`'s rounds (`experiment.build` + `Simulation.step`) with the defaults a user
 gets, each round with its evaluation of every client; the first round (compilation, or loading
 it from the XLA cache) is reported apart from the steady rounds (their median).
 PyTorch: transformers' BertForSequenceClassification from the same checkpoint, the same sampled
@@ -40,7 +40,7 @@ def _flops(setup: Any, sampled: list[int]) -> tuple[int, int]:
     """(training, evaluation) model FLOPs of one round: each example at its own length."""
     from fedjax_split.models import flops
 
-    config, lengths = setup.model_config, setup.tokenized.lengths
+    config, lengths = setup.model.config, setup.tokenized.lengths
     epochs = setup.config.local_epochs
     train = sum(
         epochs * flops.train_step_flops(config, 1, int(n))
@@ -54,17 +54,17 @@ def _flops(setup: Any, sampled: list[int]) -> tuple[int, int]:
 
 def ours(config: Any, rounds: int) -> tuple[Any, list[dict[str, Any]]]:
     """The experiment's own rounds, as run_experiment runs them (no files written)."""
-    from fedjax_split.run import experiment, xla_cache
+    from fedjax_split import runtime
+    from fedjax_split.run import experiment
     from fedjax_split.sim.client_store import ClientStore
-    from fedjax_split.sim.devices import use_cpu_devices
 
-    xla_cache.enable()
-    use_cpu_devices(config.cpu_devices)
+    runtime.apply(config.cpu_devices)
     setup = experiment.build(config)
-    setup.store = ClientStore.create(tempfile.mkdtemp(prefix="yardstick-"), setup.local0)
+    store = ClientStore.create(tempfile.mkdtemp(prefix="yardstick-"), setup.model.local0)
+    simulation = experiment.Simulation(setup, store)
     history: list[dict[str, Any]] = []
     for r in range(1, rounds + 1):
-        history.append(experiment.run_one_round(setup, r, history))
+        history.append(simulation.step(r, history))
         rec = history[-1]
         print(f"ours round {r}: {rec['seconds']:.1f} s (eval {rec['eval_seconds']:.1f} s), "
               f"accuracy {rec.get('accuracy', float('nan')):.4f}", file=sys.stderr, flush=True)
@@ -79,9 +79,9 @@ def torch_rounds(setup: Any, rounds: int) -> list[float]:
     from fedjax_split.run import experiment
     from fedjax_split.sim import rounds as rounds_mod
 
-    config, c = setup.config, setup.critical_layer
+    config, c = setup.config, setup.model.critical_layer
     model = transformers.BertForSequenceClassification.from_pretrained(
-        str(setup.model_dir), num_labels=2
+        str(setup.model.model_dir), num_labels=2
     )
     prefixes = ("bert.embeddings.",) + tuple(f"bert.encoder.layer.{i}." for i in range(c))
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -149,7 +149,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     import jax.numpy as jnp
     from benchmark import measure_peak
 
-    from fedjax_split.run import malloc
+    from fedjax_split import runtime
     from fedjax_split.run.config import load_config_file, resolve_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -188,7 +188,7 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
         "command": " ".join(["python", "tools/yardstick.py", *(argv or sys.argv[1:])]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "jax": jax.__version__, "torch": torch.__version__,
-                    "torch_threads": torch.get_num_threads(), "allocator": malloc.allocator()},
+                    "torch_threads": torch.get_num_threads(), "allocator": runtime.allocator()},
         "config": config.to_dict(),
         "peak": peak,
         "ours": {"first_round_s": history[0]["seconds"], "steady_round_s": ours_s,

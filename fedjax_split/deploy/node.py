@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from fedjax_split.errors import UserError
-from fedjax_split.run.config import ExperimentConfig, validate_critical_layer
+from fedjax_split.run.config import ExperimentConfig
 
 
 @dataclasses.dataclass
@@ -97,11 +97,11 @@ def _tokenized(
 
 
 def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None) -> NodeSetup:
-    """This client's share and model, derived as `experiment.build` derives them. `cache`: a
-    directory of the node's own for the tokenised pool (None: tokenise every time)."""
+    """This client's share and model, derived by `run.pieces` as the simulation derives them.
+    `cache`: a directory of the node's own for the tokenised pool (None: tokenise each time)."""
     from fedjax_split.data import partition, tasks
     from fedjax_split.fed.roles import flatten_paths
-    from fedjax_split.run import experiment
+    from fedjax_split.run import pieces
 
     if not 0 <= client_id < config.clients:
         raise UserError(
@@ -109,14 +109,11 @@ def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None)
             f"{config.clients}); give each SuperNode one of those"
         )
     task = tasks.get_task(config.task)
-    examples = experiment.load_pool(config, task)
-    pre = experiment.load_model(config, task, getattr(examples, "tag_names", ()))
-    c = validate_critical_layer(config, pre.config.num_hidden_layers)
+    examples = pieces.load_pool(config, task)
+    model = pieces.build_model(config, task, getattr(examples, "tag_names", ()))
     labels = np.asarray(examples.labels)
-    part = experiment.make_partition(config, task, labels)
-    tokenized = _tokenized(config, task, examples, getattr(pre, "model_dir", None), cache)
-    row_width = experiment.row_width(config, tokenized)
-    global0, local0, frozen = experiment.model_parts(config, pre, c)
+    part = pieces.make_partition(config, task, labels)
+    tokenized = _tokenized(config, task, examples, model.model_dir, cache)
     return NodeSetup(
         config=config,
         task=task,
@@ -124,7 +121,7 @@ def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None)
         examples=examples,
         labels=labels,
         tokenized=tokenized,
-        row_width=row_width,
+        row_width=pieces.row_width(config, tokenized),
         split=part.clients[client_id],
         shares=None if part.target_shares is None else partition.client_shares(
             part.clients[client_id], labels, part.target_shares.shape[1]).tolist(),
@@ -134,11 +131,11 @@ def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None)
             if f.name != "clients"
         },
         pool_size=len(labels),
-        apply=pre.apply,
-        round_spec=experiment.make_round_spec(config, pre.apply, task),
-        local0=local0,
-        frozen=frozen,
-        global_shapes={p: tuple(np.shape(x)) for p, x in flatten_paths(global0).items()},
+        apply=model.apply,
+        round_spec=model.round_spec,
+        local0=model.local0,
+        frozen=model.frozen,
+        global_shapes={p: tuple(np.shape(x)) for p, x in flatten_paths(model.global0).items()},
     )
 
 
@@ -155,10 +152,10 @@ def train(
     `state_round`: the rounds the server's state had completed (the key folds it in)."""
     import jax
 
-    from fedjax_split.run import experiment
+    from fedjax_split.run import pieces
     from fedjax_split.sim import rounds
 
-    steps = experiment.client_steps(
+    steps = pieces.client_steps(
         node.config, node.task, node.tokenized, node.labels, node.row_width,
         node.split.train, node.client_id, round_index,
     )  # fmt: skip
@@ -172,10 +169,10 @@ def evaluate(node: NodeSetup, global_wire: Any, local: Any) -> dict[str, Any]:
     import jax.numpy as jnp
 
     from fedjax_split.fed import roles, wire
-    from fedjax_split.run import experiment
+    from fedjax_split.run import pieces
     from fedjax_split.sim import evaluation
 
-    batches = experiment.client_eval_steps(
+    batches = pieces.client_eval_steps(
         node.config, node.task, node.tokenized, node.labels, node.row_width, node.split.test
     )
     received = wire.cast_from_wire(global_wire, jnp.float32)
@@ -183,7 +180,7 @@ def evaluate(node: NodeSetup, global_wire: Any, local: Any) -> dict[str, Any]:
     res = evaluation.evaluate_client(node.apply, params, batches, node.task.objective)
     if len(res.labels) == 0:
         return {}
-    return experiment.score(node.task, node.examples, res)
+    return pieces.score(node.task, node.examples, res)
 
 
 def store(state_dir: str | Path, run_id: str, node: NodeSetup) -> Any:

@@ -26,16 +26,14 @@ import json
 import secrets
 import sys
 import time
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from fedjax_split.deploy import codec, protocol
 from fedjax_split.errors import UserError
-from fedjax_split.run import outputs
-from fedjax_split.run.config import ExperimentConfig, validate_critical_layer
+from fedjax_split.run.config import ExperimentConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,63 +187,47 @@ def _tag_names(found: Mapping[int, tuple[int, Any]]) -> tuple[str, ...]:
 
 @dataclasses.dataclass
 class ServerRun:
-    """The server's side of a run in memory."""
+    """The server's side of a run in memory: no data and no local part."""
 
-    setup: Any  # experiment.Setup with the server's fields (no data, no local parts)
+    config: ExperimentConfig
+    model: Any  # run.pieces.Model: the model, its roles and round spec, as every node builds it
+    partition: Any  # the nodes' shares as they report them (pool indices, for partition.json)
     nodes: dict[int, int]  # client id -> Flower node id
     run_id: str  # ours: survives a restart (checkpoint meta), names the nodes' local parts
     step: Callable[..., Any]  # jitted: (state, uploads, weights) -> state
+    server_state: Any
     shares: list[Any] | None = None  # each client's realised label shares, as its node reported
 
 
 def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> ServerRun:
-    """Model, roles and server state, as `experiment.build` makes them, without data."""
+    """Model, roles and server state, as `run.pieces` makes them for every node, without data."""
     import jax
 
     from fedjax_split.data import tasks
     from fedjax_split.fed.aggregation import weighted_mean_each
-    from fedjax_split.fed.server import server_update
-    from fedjax_split.run import experiment
-    from fedjax_split.sim import rounds
+    from fedjax_split.fed.server import init_server_state, server_update
+    from fedjax_split.run import pieces
 
-    task = tasks.get_task(config.task)
-    pre = experiment.load_model(config, task, _tag_names(found))
-    c = validate_critical_layer(config, pre.config.num_hidden_layers)
-    global0, local0, frozen = experiment.model_parts(config, pre, c)
-    spec = experiment.make_round_spec(config, pre.apply, task)
-    state = rounds.init_server_state(global0, spec.server_optimizer, spec.wire_dtype)
-    count = lambda t: int(sum(np.size(x) for x in jax.tree.leaves(t)))  # noqa: E731
+    model = pieces.build_model(config, tasks.get_task(config.task), _tag_names(found))
+    spec = model.round_spec
 
     def step(state: Any, uploads: tuple, weights: Any) -> Any:
-        # rounds.round_functions' combine, minus the local parts the server never sees
+        # the simulation's one-at-a-time combine, minus the local parts the server never sees
         mean = weighted_mean_each(list(uploads), weights)
         return server_update(state, mean, spec.server_optimizer, spec.wire_dtype, spec.trained)
 
-    model_dir = getattr(pre, "model_dir", None)
-    setup = experiment.Setup(
-        config=config,
-        task=task,
-        critical_layer=c,
-        model_config=pre.config,
-        model_dir=None if model_dir is None else Path(model_dir),
-        apply=pre.apply,
-        examples=None,
-        tokenized=None,
-        partition=partition_from_nodes(config, found),
-        round_spec=spec,
-        server_state=state,
-        local0=local0,
-        frozen=frozen,
-        row_width=None,
-        eval_batches=None,
-        num_global=count(global0),
-        num_local=count(local0),
-        num_frozen=count(frozen),
-    )
     nodes = {cid: node_id for cid, (node_id, _) in found.items()}
     shares = [json.loads(str(found[i][1][protocol.SHARES])) for i in range(config.clients)]
-    return ServerRun(setup, nodes, secrets.token_hex(16), jax.jit(step),
-                     None if any(x is None for x in shares) else shares)  # fmt: skip
+    return ServerRun(
+        config=config,
+        model=model,
+        partition=partition_from_nodes(config, found),
+        nodes=nodes,
+        run_id=secrets.token_hex(16),
+        step=jax.jit(step),
+        server_state=init_server_state(model.global0, spec.server_optimizer, spec.wire_dtype),
+        shares=None if any(x is None for x in shares) else shares,
+    )
 
 
 def _decode_upload(reply: Any, expected: Mapping[str, Any], wire: str) -> Any:
@@ -267,13 +249,13 @@ def run_round(
     import jax
 
     from fedjax_split.fed.roles import flatten_paths, select
+    from fedjax_split.run import pieces
     from fedjax_split.sim import rounds
 
-    setup, config = run.setup, run.setup.config
-    spec = setup.round_spec
+    config, spec = run.config, run.model.round_spec
     wire = spec.wire_dtype
     t0 = time.perf_counter()
-    state = setup.server_state
+    state = run.server_state
     sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
     sent = codec.encode(state.global_params, wire)
     expected_up = {p: np.shape(x)
@@ -318,9 +300,9 @@ def run_round(
             "check the SuperNodes, then continue with --resume"
         )
     weights_np = np.asarray(weights, np.float32)
-    setup.server_state = run.step(state, tuple(uploads), weights_np)
+    run.server_state = run.step(state, tuple(uploads), weights_np)
     losses_np = np.asarray(losses, np.float64)
-    jax.block_until_ready(setup.server_state)
+    jax.block_until_ready(run.server_state)
     t_train = time.perf_counter()
     record: dict[str, Any] = {
         "round": r,
@@ -331,16 +313,12 @@ def run_round(
     eval_failed: dict[int, str] = {}
     eval_bytes = 0
     if r % config.eval_every == 0 or r == config.rounds:
-        trained = {c for h in history for c in h["clients_sampled"]
-                   if c not in h.get("clients_failed", ())}  # fmt: skip
-        trained |= {int(c) for c in sampled if int(c) not in failed}
+        trained = pieces.trained_clients(history, [c for c in sampled if int(c) not in failed])
         evaluated, eval_failed, eval_bytes = evaluate(run, exchange, r, options, failed, trained)
         record.update(evaluated)
     t_eval = time.perf_counter()
     bytes_down = codec.nbytes(sent) * len(sampled)
-    from fedjax_split.run import experiment
-
-    record.update(experiment.round_costs(history, bytes_up, bytes_down, t0, t_train, t_eval))
+    record.update(pieces.round_costs(history, bytes_up, bytes_down, t0, t_train, t_eval))
     record.update(
         clients_failed=sorted(failed),
         eval_failed=sorted(eval_failed),
@@ -362,14 +340,14 @@ def evaluate(
     `trained`: the clients whose uploads the server has taken so far (for `trained_mean`). The
     simulation's `pooled` figure needs every client's predictions; only metrics leave a node, so
     it is not recorded here."""
-    from fedjax_split.run import experiment
+    from fedjax_split.run import pieces
 
-    state = run.setup.server_state
-    wire = run.setup.round_spec.wire_dtype
+    state = run.server_state
+    wire = run.model.round_spec.wire_dtype
     sent = codec.encode(state.global_params, wire)
     cfg = {protocol.ROUND: r, protocol.WIRE: wire, protocol.RUN: run.run_id}
     msgs = {}
-    for cid in range(run.setup.config.clients):
+    for cid in range(run.config.clients):
         if cid in skip:
             continue
         content = {protocol.CONFIG: _config_record({**cfg, protocol.CLIENT: cid})}
@@ -386,19 +364,88 @@ def evaluate(
     for cid, why in sorted(failed.items()):
         if cid not in skip:
             _warn(f"round {r}: client {cid} failed to evaluate ({why})")
-    record = {
-        **experiment.mean_over_clients(per_client),
-        "clients": per_client,
-        "trained_mean": experiment.mean_over_clients(
-            [pc for pc in per_client if pc["client"] in trained]
-        ),
-    }
-    return record, failed, codec.nbytes(sent) * len(msgs)
+    return pieces.personalised_record(per_client, trained), failed, codec.nbytes(sent) * len(msgs)
 
 
-def _state(setup: Any) -> dict[str, Any]:
-    """A checkpoint's arrays: the server state only (the local parts are on the nodes)."""
-    return {"server_state": setup.server_state}
+class FlowerServer:
+    """The Flower server's `driver.Run`: rounds over the federation; checkpoints hold the server
+    state and the run's id, by which each node finds its own local parts again."""
+
+    def __init__(self, run: ServerRun, exchange: Exchange, options: DeployOptions) -> None:
+        self.run = run
+        self.exchange = exchange
+        self.options = options
+        self.run_dir = run.config.run_dir
+        self.rounds = run.config.rounds
+        self.metric = run.model.task.primary_metric
+        self.saved_round = 0  # the last checkpoint's round: nodes keep the versions it needs
+
+    def arrays(self) -> dict[str, Any]:
+        return {"server_state": self.run.server_state}  # the local parts are on the nodes
+
+    def meta(self) -> dict[str, Any]:
+        from fedjax_split.run import pieces
+
+        run, model = self.run, self.run.model
+        return {
+            "seed": run.config.seed,
+            "partition": [{"train": tr, "test": te}
+                          for tr, te in pieces.partition_lists(run.partition)],
+            "model_config": model.config.to_hf_dict(),
+            "model_dir": None if model.model_dir is None else str(model.model_dir),
+            "critical_layer": model.critical_layer,
+            "deploy": "flower",
+            "run_id": run.run_id,
+        }  # fmt: skip
+
+    def resume(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+        from fedjax_split.run import pieces
+
+        if meta.get("deploy") != "flower" or "run_id" not in meta:
+            raise UserError(
+                "--resume: this run was not written by the Flower server (its clients' local "
+                "parts are in its client store); continue it with `python -m fedjax_split.train`"
+            )
+        saved = [[list(c["train"]), list(c["test"])] for c in meta["partition"]]
+        if saved != pieces.partition_lists(self.run.partition):
+            raise UserError(
+                "--resume: the nodes' data or partition differ from the checkpoint's; use the "
+                "same data and --max-examples/--seed, or another --output-dir"
+            )
+        self.run.server_state = arrays["server_state"]
+        self.run.run_id = str(meta["run_id"])
+
+    def start(self, start_round: int, note: Callable[[str], None]) -> None:
+        from fedjax_split.data import partition as partition_mod
+
+        run, config, model = self.run, self.run.config, self.run.model
+        self.saved_round = start_round
+        partition_mod.save_partition(run.partition, self.run_dir / "partition.json",
+                                     realised=run.shares)  # fmt: skip
+        note(
+            f"{config.task} on Flower: {config.clients} SuperNodes, {config.algorithm}, critical "
+            f"layer {model.critical_layer}/{model.config.num_hidden_layers}, "
+            f"{model.num_global:,} global / {model.num_local:,} local parameters per client"
+            + (f"; resuming after round {start_round}" if start_round else "")
+        )
+
+    def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        return run_round(self.run, self.exchange, r, list(history), self.options, self.saved_round)
+
+    def checkpointed(self, r: int, kept: Sequence[int]) -> None:
+        self.saved_round = r
+
+    def summary(self, history: Sequence[dict[str, Any]], stats: Any) -> dict[str, Any]:
+        from fedjax_split import runtime
+        from fedjax_split.run import pieces
+
+        return {
+            **pieces.summary(self.run.config, self.run.model, history),
+            "allocator": runtime.allocator(),
+            "checkpoint_seconds": stats.checkpoint_seconds,
+            "deploy": "flower",
+            "supernodes": len(self.run.nodes),
+        }
 
 
 def run_server(
@@ -413,90 +460,23 @@ def run_server(
     Writes the run directory as `train` does: config.json, partition.json, metrics.jsonl,
     summary.json, checkpoints/ (server state; the clients' local parts stay on their nodes).
     Raises Stopped after the checkpoint of `options.stop_after_round`."""
-    from fedjax_split.data import partition as partition_mod
-    from fedjax_split.run import experiment
-    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+    from fedjax_split.run import driver, pieces
+    from fedjax_split.run.config import trajectory_mismatch
 
-    experiment.check(config)
-    experiment._check_run_dir(config)
-    found = connect(grid, config, options)
-    run = build_server(config, found)
-    setup = run.setup
-    run_dir = config.run_dir
-    checkpointer = RunCheckpointer(checkpoint_dir(run_dir))
-    start_round, history = 0, []
-    if config.resume and checkpointer.latest_round() is None:
-        if outputs.read_jsonl(run_dir / "metrics.jsonl"):
-            raise UserError(
-                f"no readable checkpoint in {str(checkpoint_dir(run_dir))!r} to resume from; "
-                "delete the run to start over, or use another --output-dir"
-            )
-    if config.resume and checkpointer.latest_round() is not None:
-        state, meta = checkpointer.restore(_state(setup))
-        setup.server_state = state["server_state"]
-        start_round, history = int(meta["round"]), list(meta["history"])
-        if meta.get("deploy") != "flower" or "run_id" not in meta:
-            raise UserError(
-                "--resume: this run was not written by the Flower server (its clients' local "
-                "parts are in its checkpoint); continue it with `python -m fedjax_split.train`"
-            )
-        run.run_id = str(meta["run_id"])
-        if meta.get("model_config") != setup.model_config.to_hf_dict():
-            raise UserError(
-                "--resume: the model's config differs from the checkpoint's; use the saved "
-                "--model or another --output-dir"
-            )
-        saved = [[list(c["train"]), list(c["test"])] for c in meta["partition"]]
-        if saved != experiment._partition_lists(setup.partition):
-            raise UserError(
-                "--resume: the nodes' data or partition differ from the checkpoint's; use the "
-                "same data and --max-examples/--seed, or another --output-dir"
-            )
+    pieces.check(config)
+    driver.check_run_dir(config.run_dir, config.resume,
+                         lambda saved: trajectory_mismatch(saved, config))  # fmt: skip
+    run = build_server(config, connect(grid, config, options))
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    outputs.write_json(run_dir / "config.json", config.to_dict())
-    partition_mod.save_partition(setup.partition, run_dir / "partition.json",
-                                 realised=run.shares)  # fmt: skip
-    outputs.write_jsonl(run_dir / "metrics.jsonl", history)
-    if start_round < config.rounds:
-        (run_dir / "summary.json").unlink(missing_ok=True)
-    bar = outputs.Progress(config.rounds, start_round, enabled=progress)
-    bar.note(
-        f"{config.task} on Flower: {config.clients} SuperNodes, {config.algorithm}, critical "
-        f"layer {setup.critical_layer}/{setup.model_config.num_hidden_layers}, "
-        f"{setup.num_global:,} global / {setup.num_local:,} local parameters per client"
-        + (f"; resuming after round {start_round}" if start_round else "")
+    def stop(round_: int, record: dict[str, Any]) -> None:
+        if options.stop_after_round == round_:
+            raise Stopped(round_)
+
+    return driver.drive(
+        FlowerServer(run, Exchange(grid, options), options),
+        config.to_dict(),
+        resume=config.resume,
+        checkpoint_every=config.checkpoint_every,
+        progress=progress,
+        on_round_end=stop,
     )
-    meta_static = {
-        "seed": config.seed,
-        "partition": [{"train": tr, "test": te}
-                      for tr, te in experiment._partition_lists(setup.partition)],
-        "model_config": setup.model_config.to_hf_dict(),
-        "model_dir": None if setup.model_dir is None else str(setup.model_dir),
-        "critical_layer": setup.critical_layer,
-        "deploy": "flower",
-        "run_id": run.run_id,
-    }  # fmt: skip
-    exchange = Exchange(grid, options)
-    saved_round = start_round
-    try:
-        for r in range(start_round + 1, config.rounds + 1):
-            record = run_round(run, exchange, r, history, options, saved_round)
-            history.append(record)
-            outputs.append_jsonl(run_dir / "metrics.jsonl", record)
-            if config.checkpoint_every and (r % config.checkpoint_every == 0 or r == config.rounds):
-                checkpointer.save(r, _state(setup), {**meta_static, "history": history})
-                saved_round = r
-            bar.round_done(record, setup.task.primary_metric)
-            if options.stop_after_round == r:
-                raise Stopped(r)
-    finally:
-        bar.close()
-        checkpointer.close()
-    summary = {
-        **experiment.make_summary(setup, history),
-        "deploy": "flower",
-        "supernodes": len(run.nodes),
-    }
-    outputs.write_json(run_dir / "summary.json", summary)
-    return summary

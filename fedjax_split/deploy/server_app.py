@@ -31,6 +31,7 @@ def _write_status(path: str, status: dict[str, Any]) -> None:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    from fedjax_split import runtime
     from fedjax_split.deploy.server import DeployOptions, Stopped, run_server
     from fedjax_split.errors import UserError
     from fedjax_split.run.config import resolve_config
@@ -38,6 +39,7 @@ def main(grid: Grid, context: Context) -> None:
     rc = context.run_config
     status_file = str(rc.get(protocol.STATUS_FILE, ""))
     try:
+        runtime.apply()
         config = resolve_config(overrides=json.loads(str(rc[protocol.EXPERIMENT])))
         stop = int(rc.get(protocol.STOP_AFTER_ROUND, 0))
         options = DeployOptions(

@@ -115,6 +115,12 @@ def hf_names(config: BertConfig) -> dict[str, tuple[str, bool]]:
     return names
 
 
+def tensor_names(config: BertConfig) -> dict[str, str]:
+    """Our parameter paths -> their Hugging Face tensor names, the names users choose parameters
+    by (`--freeze`, `fed.roles.freeze_rule`)."""
+    return {path: name for path, (name, _) in hf_names(config).items()}
+
+
 def _is_head(path: str) -> bool:
     return path.startswith(("classifier/", "pooler/", "mlm/"))
 

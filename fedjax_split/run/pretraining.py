@@ -29,7 +29,6 @@ The same counts for BERT-FL on the same text and rounds (`bert_fl_*`) give each 
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -66,18 +65,6 @@ class Setup:
     server_state: Any
     schedule: list[int]  # FedBFPT's trained layer per round (index 0 = round 1)
     frozen: frozenset[str]  # --freeze: never trained nor sent
-
-
-def _check_run_dir(config: PretrainConfig) -> None:
-    from fedjax_split.run.pretrain_config import SCHEMA
-
-    run_dir = config.run_dir
-    present = outputs.existing_results(run_dir) + (
-        ["model"] if (run_dir / "model").exists() else []
-    )
-    outputs.check_run_dir(
-        run_dir, config.resume, present, lambda saved: SCHEMA.trajectory_mismatch(saved, config)
-    )
 
 
 def check(config: PretrainConfig) -> tuple[int, int]:
@@ -135,7 +122,7 @@ def build(config: PretrainConfig) -> Setup:
         make(split.heldout), batch_size=min(config.batch_size, 64), masking=spec,
         seed=[config.seed, 0, HELDOUT], pad_id=ids["pad_id"],
     )  # fmt: skip
-    frozen = frozen_paths(config, pre.config)
+    frozen = frozen_paths(config, pre.config, pre.params)
     if config.method != "none":  # round 1 trains layer 0 (FedBFPT) or everything
         first = [0] if config.method == "fedbfpt" else None
         if not layerwise.trained_paths(pre.params, first) - frozen:
@@ -192,14 +179,14 @@ def evaluate(setup: Setup) -> dict[str, float]:
     return eval_mlm(config, params, setup.heldout)
 
 
-def frozen_paths(config: PretrainConfig, model_config: Any) -> frozenset[str]:
-    """Paths whose Hugging Face tensor name matches --freeze (none without it)."""
-    from fedjax_split.models.hf_checkpoint import hf_names
+def frozen_paths(config: PretrainConfig, model_config: Any, params: Any) -> frozenset[str]:
+    """The paths --freeze freezes: `fed.roles.freeze_rule` over the Hugging Face tensor names, as
+    fine-tuning chooses them (none without --freeze)."""
+    from fedjax_split.fed import roles
+    from fedjax_split.models.hf_checkpoint import tensor_names
 
-    if config.freeze is None:
-        return frozenset()
-    pattern = re.compile(config.freeze)
-    return frozenset(p for p, (name, _) in hf_names(model_config).items() if pattern.search(name))
+    rule = roles.freeze_rule(lambda path: roles.GLOBAL, config.freeze, tensor_names(model_config))
+    return frozenset(roles.flatten_paths(roles.partition(params, rule).frozen))
 
 
 def plan(setup: Setup, r: int) -> Any:
@@ -342,10 +329,6 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
     return record
 
 
-def _state(setup: Setup) -> dict[str, Any]:
-    return {"server_state": setup.server_state}
-
-
 def _share(a: float, b: float) -> float | None:
     return None if not b else a / b
 
@@ -354,8 +337,8 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]], initial: dict[
                  seconds_total: float) -> dict[str, Any]:  # fmt: skip
     """The run at a glance: held-out MLM before and after, costs and their shares of BERT-FL's
     on the same text and rounds (FLOPs and bytes counted; time only across runs, see the study)."""
+    from fedjax_split import runtime
     from fedjax_split.fed.wire import param_count
-    from fedjax_split.run import malloc
 
     last = history[-1] if history else {}
     evaluated = [h for h in history if h.get("mlm_loss") is not None]
@@ -394,9 +377,75 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]], initial: dict[
         "wall_seconds_this_process": seconds_total,
         "params": param_count(params),
         "model_config": config.to_hf_dict(),
-        "allocator": malloc.allocator(),
+        "allocator": runtime.allocator(),
         "run_dir": str(setup.config.run_dir),
     }
+
+
+class Pretraining:
+    """Further pre-training's `driver.Run`: the server state and the held-out evaluation before
+    round 1; the model is written to `model/` at the end."""
+
+    def __init__(self, setup: Setup, started: float) -> None:
+        self.setup = setup
+        self.run_dir = setup.config.run_dir
+        self.rounds = 0 if setup.config.method == "none" else setup.config.rounds
+        self.metric = "mlm_accuracy"
+        self.initial: dict[str, Any] | None = None  # held-out MLM before round 1
+        self.started = started
+
+    def arrays(self) -> dict[str, Any]:
+        return {"server_state": self.setup.server_state}
+
+    def meta(self) -> dict[str, Any]:
+        setup = self.setup
+        return {
+            "seed": setup.config.seed,
+            "split": setup.split.to_dict(),
+            "model_config": setup.model_config.to_hf_dict(),
+            "model_dir": str(setup.model_dir),
+            "initial": self.initial,
+        }
+
+    def resume(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+        if meta.get("split") != self.setup.split.to_dict():
+            raise UserError(
+                "--resume: the text or its split differ from the checkpoint's; use the same "
+                "--data-dir/--max-documents/--seed or another --output-dir"
+            )
+        self.setup.server_state = arrays["server_state"]
+        self.initial = meta["initial"]
+
+    def start(self, start_round: int, note: Callable[[str], None]) -> None:
+        setup, config = self.setup, self.setup.config
+        outputs.write_json(self.run_dir / "split.json", setup.split.to_dict())
+        sizes = [int(s.input_ids.shape[0]) for s in setup.sequences]
+        note(
+            f"{config.corpus}: {config.method}, {len(setup.clients)} client(s) with {sizes} "
+            f"sequences of {config.max_length} tokens, {setup.model_config.num_hidden_layers}"
+            f"-layer model" + (f", small models of {setup.small_layers} layers, layers by round "
+                               f"{setup.schedule}" if setup.schedule else "")
+            + (f"; resuming after round {start_round}" if start_round else "")
+        )  # fmt: skip
+        if self.initial is None:
+            self.initial = evaluate(setup)
+            note(f"before: held-out MLM loss {self.initial['mlm_loss']:.4f}, "
+                 f"accuracy {self.initial['mlm_accuracy']:.4f}")  # fmt: skip
+
+    def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        return run_one_round(self.setup, r, history[-1] if history else None)
+
+    def checkpointed(self, r: int, kept: Sequence[int]) -> None:
+        pass  # clients keep nothing between rounds: the checkpoint is the whole state
+
+    def summary(self, history: Sequence[dict[str, Any]], stats: Any) -> dict[str, Any]:
+        from fedjax_split.models.hf_checkpoint import save_pretrained
+
+        params, model_config = final_params(self.setup)
+        save_pretrained(params, model_config, self.run_dir / "model",
+                        tokenizer_dir=self.setup.model_dir)  # fmt: skip
+        return make_summary(self.setup, history, self.initial,
+                            time.perf_counter() - self.started)  # fmt: skip
 
 
 def run_pretraining(
@@ -405,91 +454,21 @@ def run_pretraining(
     progress: bool = True,
     on_round_end: RoundHook | None = None,
 ) -> dict[str, Any]:
-    """Run (or with config.resume, continue) one further pre-training run; returns the summary."""
+    """Run (or with config.resume, continue) one further pre-training run; returns the summary.
+    Everything a user can get wrong is checked before the first byte is written."""
+    from fedjax_split import runtime
+    from fedjax_split.run import driver
+    from fedjax_split.run.pretrain_config import SCHEMA
+
     started = time.perf_counter()
     if isinstance(config, dict):
         config = resolve(overrides=config)
     check(config)
-    from fedjax_split.run import xla_cache
-
-    xla_cache.enable()  # as train's: a second run loads what the first compiled
-    _check_run_dir(config)
-    setup = build(config)
-    run_dir = config.run_dir
-
-    from fedjax_split.models.hf_checkpoint import save_pretrained
-    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
-
-    checkpointer = RunCheckpointer(checkpoint_dir(run_dir))
-    rounds = 0 if config.method == "none" else config.rounds
-    start_round, history, initial = 0, [], None
-    latest = checkpointer.latest_round() if config.resume else None
-    if config.resume and latest is None:
-        ck = checkpoint_dir(run_dir)
-        if (ck.is_dir() and any(ck.iterdir())) or outputs.read_jsonl(run_dir / "metrics.jsonl"):
-            raise UserError(
-                f"no readable checkpoint in {str(ck)!r} to resume from; delete the run to start "
-                "over, or use another --output-dir"
-            )
-    if latest is not None:
-        state, meta = checkpointer.restore(_state(setup))
-        if meta.get("split") != _plain_split(setup.split):
-            raise UserError(
-                "--resume: the text or its split differ from the checkpoint's; use the same "
-                "--data-dir/--max-documents/--seed or another --output-dir"
-            )
-        if meta.get("model_config") != setup.model_config.to_hf_dict():
-            raise UserError(
-                "--resume: the model's config differs from the checkpoint's; use the saved "
-                "--model or another --output-dir"
-            )
-        setup.server_state = state["server_state"]
-        start_round, history, initial = int(meta["round"]), list(meta["history"]), meta["initial"]
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    outputs.write_json(run_dir / "config.json", config.to_dict())
-    outputs.write_json(run_dir / "split.json", _plain_split(setup.split))
-    outputs.write_jsonl(run_dir / "metrics.jsonl", history)
-    (run_dir / "summary.json").unlink(missing_ok=True)
-    bar = outputs.Progress(rounds, start_round, enabled=progress)
-    sizes = [int(s.input_ids.shape[0]) for s in setup.sequences]
-    bar.note(
-        f"{config.corpus}: {config.method}, {len(setup.clients)} client(s) with {sizes} "
-        f"sequences of {config.max_length} tokens, {setup.model_config.num_hidden_layers}-layer "
-        f"model" + (f", small models of {setup.small_layers} layers, layers by round "
-                    f"{setup.schedule}" if setup.schedule else "")
-        + (f"; resuming after round {start_round}" if start_round else "")
-    )  # fmt: skip
-    if initial is None:
-        initial = evaluate(setup)
-        bar.note(f"before: held-out MLM loss {initial['mlm_loss']:.4f}, "
-                 f"accuracy {initial['mlm_accuracy']:.4f}")  # fmt: skip
-    meta_static = {
-        "seed": config.seed,
-        "split": _plain_split(setup.split),
-        "model_config": setup.model_config.to_hf_dict(),
-        "model_dir": str(setup.model_dir),
-        "initial": initial,
-    }
-    try:
-        for r in range(start_round + 1, rounds + 1):
-            record = run_one_round(setup, r, history[-1] if history else None)
-            history.append(record)
-            outputs.append_jsonl(run_dir / "metrics.jsonl", record)
-            if config.checkpoint_every and (r % config.checkpoint_every == 0 or r == rounds):
-                checkpointer.save(r, _state(setup), {**meta_static, "history": history})
-            bar.round_done(record, "mlm_accuracy")
-            if on_round_end is not None:
-                on_round_end(r, record)
-    finally:
-        bar.close()
-        checkpointer.close()
-    params, model_config = final_params(setup)
-    save_pretrained(params, model_config, run_dir / "model", tokenizer_dir=setup.model_dir)
-    summary = make_summary(setup, history, initial, time.perf_counter() - started)
-    outputs.write_json(run_dir / "summary.json", summary)
-    return summary
-
-
-def _plain_split(split: Any) -> dict[str, Any]:
-    return split.to_dict()
+    runtime.apply()  # before the first JAX computation
+    driver.check_run_dir(config.run_dir, config.resume,
+                         lambda saved: SCHEMA.trajectory_mismatch(saved, config),
+                         output_names=["model"])  # fmt: skip
+    run = Pretraining(build(config), started)
+    return driver.drive(run, config.to_dict(), resume=config.resume,
+                        checkpoint_every=config.checkpoint_every, progress=progress,
+                        on_round_end=on_round_end)  # fmt: skip

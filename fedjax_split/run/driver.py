@@ -1,0 +1,195 @@
+"""The one run loop: resume, the run directory and its files, progress, checkpoint cadence,
+Ctrl-C, summary. Fine-tuning in simulation (`run.experiment`), further pre-training
+(`run.pretraining`) and the Flower server (`deploy.server`) each supply a `Run`: their round step
+and their metadata, nothing of the loop.
+
+The rules every run keeps: a fresh run never overwrites results; `--resume` needs the saved
+config's trajectory settings, a readable checkpoint (or a run that finished no round) and the
+same model and data as the checkpoint's; nothing is written before every check has passed; each
+round's record is on disk (metrics.jsonl, flushed) before the next round starts; a checkpoint
+holds the run's arrays and its metadata with the records so far, so that a resumed run continues
+to exactly the result of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from fedjax_split.errors import UserError
+from fedjax_split.run import outputs
+
+RoundHook = Callable[[int, dict[str, Any]], None]
+STOP_ENV = "FEDJAX_SPLIT_STOP_AFTER_ROUND"  # tests: act like Ctrl-C after this round's checkpoint
+
+
+class Run(Protocol):
+    """What a kind of run supplies to `drive`. The driver calls, in order: `arrays` and `resume`
+    (only when continuing from a checkpoint), `start`, then `step` per round with `checkpointed`
+    after each checkpoint, and `summary` at the end."""
+
+    run_dir: Path
+    rounds: int  # the round the run ends after
+    metric: str | None  # the metric the progress line shows
+
+    def arrays(self) -> dict[str, Any]:
+        """What a checkpoint holds as arrays (the restore target's structure too)."""
+
+    def meta(self) -> dict[str, Any]:
+        """A checkpoint's metadata: `model_config` (checked on resume) and what the run's own
+        `resume` checks; the driver adds `history`."""
+
+    def resume(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+        """Checks a checkpoint's metadata against this run (UserError) and takes its state."""
+
+    def start(self, start_round: int, note: Callable[[str], None]) -> None:
+        """Writes the run's own files and says how the run starts (`note`: a progress line)."""
+
+    def step(self, round_: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Round `round_`'s work; its record (metrics.jsonl's row). `history`: the records of the
+        rounds before it."""
+
+    def checkpointed(self, round_: int, kept: Sequence[int]) -> None:
+        """Called after the checkpoint of `round_`; `kept`: the rounds whose checkpoints remain."""
+
+    def summary(self, history: Sequence[dict[str, Any]], stats: Stats) -> dict[str, Any]:
+        """summary.json's content, after the last round."""
+
+
+@dataclasses.dataclass
+class Stats:
+    """What the driver measured in this process."""
+
+    checkpoint_seconds: float = 0.0  # saving checkpoints and the run's `checkpointed` work
+
+
+def check_run_dir(
+    run_dir: Path,
+    resume: bool,
+    mismatch: Callable[[dict[str, Any]], list[str]],
+    output_names: Sequence[str] = (),
+) -> None:
+    """The run directory's rules, before anything is built: a fresh run never overwrites results
+    (the driver's files and the run's `output_names`), and `--resume` needs a readable
+    config.json whose trajectory settings `mismatch` finds equal. UserError otherwise."""
+    present = outputs.existing_results(run_dir) + [
+        name for name in output_names if (run_dir / name).exists()
+    ]
+    outputs.check_run_dir(run_dir, resume, present, mismatch)
+
+
+def _restore(run: Run, checkpointer: Any, resume: bool) -> tuple[int, list[dict[str, Any]]]:
+    """(rounds done, their records): from the latest checkpoint with --resume, else (0, [])."""
+    from fedjax_split.run.checkpoint import checkpoint_dir
+
+    latest = checkpointer.latest_round() if resume else None
+    if latest is None:
+        ck_dir = checkpoint_dir(run.run_dir)
+        if resume and (
+            (ck_dir.is_dir() and any(ck_dir.iterdir()))
+            or outputs.read_jsonl(run.run_dir / "metrics.jsonl")
+        ):  # without a checkpoint, --resume may only restart a run that finished no round
+            raise UserError(
+                f"no readable checkpoint in {str(ck_dir)!r} to resume from; delete the run to "
+                "start over, or use another --output-dir"
+            )
+        return 0, []
+    arrays, meta = checkpointer.restore(run.arrays())
+    if meta.get("model_config") != run.meta().get("model_config"):
+        raise UserError(
+            "--resume: the model's config differs from the checkpoint's; use the saved "
+            "--model or another --output-dir"
+        )
+    run.resume(arrays, meta)
+    return int(meta["round"]), list(meta["history"])
+
+
+def drive(
+    run: Run,
+    config: dict[str, Any],
+    *,
+    resume: bool,
+    checkpoint_every: int,
+    progress: bool = True,
+    on_round_end: RoundHook | None = None,
+) -> dict[str, Any]:
+    """Runs (or with `resume`, continues) `run` to its last round; returns its summary.
+
+    `config`: the resolved settings, saved as config.json. `on_round_end(round, record)` is
+    called after each round's record and checkpoint are on disk (a KeyboardInterrupt raised there
+    stops the run as Ctrl-C does)."""
+    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+
+    run_dir = run.run_dir
+    checkpointer = RunCheckpointer(checkpoint_dir(run_dir))
+    stats = Stats()
+    try:
+        start_round, history = _restore(run, checkpointer, resume)
+        # From here on we write.
+        run_dir.mkdir(parents=True, exist_ok=True)
+        outputs.write_json(run_dir / "config.json", config)
+        outputs.write_jsonl(run_dir / "metrics.jsonl", history)  # on resume: to the checkpoint
+        if start_round < run.rounds:
+            (run_dir / "summary.json").unlink(missing_ok=True)  # stale until this run ends
+        bar = outputs.Progress(run.rounds, start_round, enabled=progress)
+        try:
+            run.start(start_round, bar.note)
+            for r in range(start_round + 1, run.rounds + 1):
+                record = run.step(r, history)
+                history.append(record)
+                outputs.append_jsonl(run_dir / "metrics.jsonl", record)
+                if checkpoint_every and (r % checkpoint_every == 0 or r == run.rounds):
+                    t0 = time.perf_counter()
+                    checkpointer.save(r, run.arrays(), {**run.meta(), "history": history})
+                    run.checkpointed(r, checkpointer.all_rounds())
+                    stats.checkpoint_seconds += time.perf_counter() - t0
+                bar.round_done(record, run.metric)
+                if on_round_end is not None:
+                    on_round_end(r, record)
+        finally:
+            bar.close()
+    finally:
+        checkpointer.close()
+    summary = run.summary(history, stats)
+    outputs.write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+def stop_hook_from_env() -> RoundHook | None:
+    """FEDJAX_SPLIT_STOP_AFTER_ROUND=N acts like Ctrl-C right after round N's checkpoint, so that
+    tests can interrupt a command's run at a known place."""
+    value = os.environ.get(STOP_ENV)
+    if not value:
+        return None
+    stop = int(value)
+
+    def hook(round_: int, record: dict[str, Any]) -> None:
+        if round_ == stop:
+            raise KeyboardInterrupt
+
+    return hook
+
+
+def interrupted(run_dir: str | Path | None) -> int:
+    """Ctrl-C's one line (which checkpoint `--resume` continues from, if any); exit status 130.
+    Every command prints it."""
+    where = "no checkpoint yet"
+    if run_dir is not None:
+        from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+
+        try:
+            latest = RunCheckpointer(checkpoint_dir(run_dir)).latest_round()
+        except UserError:
+            latest = None
+        if latest is not None:
+            where = (
+                f"last checkpoint: round {latest}; continue with the same flags plus "
+                f"--resume --output-dir {run_dir}"
+            )
+    print(f"interrupted ({where})", file=sys.stderr)
+    return 130

@@ -1,0 +1,410 @@
+"""From a fine-tuning config to the pieces of a run: the pool, the model and its roles, the
+partition, the round's spec, each client's steps, scoring and costs.
+
+Every execution path builds from these: the simulation (`run.experiment`), the Flower server
+(`deploy.server`: the model, no data) and each Flower node (`deploy.node`: the model and its own
+share), so that all of them derive the same pieces from the same config and seed. Nothing here
+writes to the run directory. Randomness comes from the seed only (`default_rng([seed, 0,
+purpose])` for the subsample), so a resumed run derives the same pieces again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedjax_split.errors import UserError
+from fedjax_split.run.config import ExperimentConfig, validate, validate_critical_layer
+
+SUBSAMPLE = 0  # purpose of the subsample's numpy seed (rounds.sample_clients uses 1)
+WIRE_DTYPE = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The model's pieces as the config makes them: the same on the server, in the simulation and
+    on every node. `global0`, `local0`, `frozen`: the pretrained parameters by role (the head
+    seeded by the run's seed)."""
+
+    task: Any
+    critical_layer: int
+    config: Any  # models.bert.BertConfig
+    model_dir: Path | None
+    apply: Callable[..., Any]
+    round_spec: Any  # sim.rounds.RoundSpec
+    global0: Any
+    local0: Any
+    frozen: Any
+
+    @property
+    def num_global(self) -> int:
+        return _count(self.global0)
+
+    @property
+    def num_local(self) -> int:
+        return _count(self.local0)
+
+    @property
+    def num_frozen(self) -> int:
+        return _count(self.frozen)
+
+
+def _count(tree: Any) -> int:
+    import jax
+
+    return int(sum(np.size(x) for x in jax.tree.leaves(tree)))
+
+
+def round_chunk_size(chunk_size: int | None, backend: str) -> int | None:
+    """Clients trained at once in a round: as configured, else one at a time on a CPU (each
+    matmul already fills the cores, and a vmapped round holds every client's state at once) and
+    all at once on an accelerator (docs/benchmarks.md)."""
+    if chunk_size is not None:
+        return chunk_size
+    return 1 if backend == "cpu" else None
+
+
+def subsample_indices(n: int, max_examples: int | None, seed: int) -> np.ndarray | None:
+    """Indices of a uniform subsample (sorted, so the pool keeps its order), or None for all."""
+    if max_examples is None or max_examples >= n:
+        return None
+    rng = np.random.default_rng([seed, 0, SUBSAMPLE])
+    return np.sort(rng.choice(n, size=max_examples, replace=False))
+
+
+def subset_examples(examples: Any, idx: np.ndarray | None) -> Any:
+    """The pool's rows `idx` (all of it for None), every per-row field taken alike."""
+    if idx is None:
+        return examples
+
+    def take(seq: Any) -> Any:
+        if seq is None:
+            return None
+        if isinstance(seq, np.ndarray):
+            return seq[idx]
+        return [seq[i] for i in idx]
+
+    changes = {
+        f: take(getattr(examples, f))
+        for f in ("texts_a", "texts_b", "tokens", "tags", "labels", "groups", "splits")
+        if hasattr(examples, f)
+    }
+    if dataclasses.is_dataclass(examples):
+        return dataclasses.replace(examples, **changes)
+    return examples._replace(**changes)
+
+
+def check(config: ExperimentConfig) -> int:
+    """Cheap checks of a config against the task registry and the model's depth (reads only the
+    model's config.json); returns the critical layer as an int in 0..L."""
+    from fedjax_split.data import tasks
+    from fedjax_split.models import hf_checkpoint
+
+    validate(config)
+    tasks.get_task(config.task)
+    model_config = hf_checkpoint.load_config(hf_checkpoint.resolve_model(config.model))
+    return validate_critical_layer(config, model_config.num_hidden_layers)
+
+
+def load_pool(config: ExperimentConfig, task: Any) -> Any:
+    """The task's example pool as every client sees it: loaded, then subsampled (--max-examples).
+    A token task's tag vocabulary (`tag_names`) is the whole pool's, taken before subsampling."""
+    from fedjax_split.data import sources
+
+    examples = sources.load_examples(task, data_dir=config.data_dir)
+    idx = subsample_indices(len(examples.labels), config.max_examples, config.seed)
+    return subset_examples(examples, idx)
+
+
+def load_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = ()) -> Any:
+    """The pretrained model with the task's head (seeded by the run's seed); a token task's head
+    has one output per tag of the pool."""
+    from fedjax_split.models import hf_checkpoint
+
+    tag_names = tuple(tag_names)
+    return hf_checkpoint.load_pretrained(
+        config.model,
+        num_labels=len(tag_names) if tag_names else task.num_labels,
+        seed=config.seed,
+        problem_type="regression" if task.is_regression else None,
+        dtype=config.dtype,
+        attention=config.attention,
+        head=task.objective.head,
+        label_names=tag_names,
+    )
+
+
+def model_parts(config: ExperimentConfig, pre: Any, critical_layer: int) -> Any:
+    """The model's parameters by role (global, local, frozen): the critical layer's split with
+    --freeze over the Hugging Face tensor names."""
+    from fedjax_split.fed import roles
+    from fedjax_split.models import hf_checkpoint
+
+    rule = roles.freeze_rule(
+        roles.critical_layer_rule(critical_layer, pre.config.num_hidden_layers),
+        config.freeze,
+        hf_checkpoint.tensor_names(pre.config),
+    )
+    return roles.partition(pre.params, rule)
+
+
+def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: Any) -> Any:
+    """The round's static description: client update (objective, AdamW, FedProx mu), server
+    optimiser, wire dtype, clients at once, devices."""
+    import jax
+
+    from fedjax_split.fed import algorithms, client
+    from fedjax_split.sim import devices, rounds
+
+    client_spec = client.ClientSpec(
+        apply=apply,
+        objective=task.objective,
+        optimizer=client.default_client_optimizer(config.lr),
+        prox_mu=config.prox_mu,
+    )
+    return rounds.RoundSpec(
+        client=client_spec,
+        server_optimizer=algorithms.server_optimizer(config.algorithm, config.effective_server_lr),
+        wire_dtype=WIRE_DTYPE[config.quantize],
+        chunk_size=round_chunk_size(config.chunk_size, jax.default_backend()),
+        devices=devices.for_rounds(config.cpu_devices, jax.default_backend()),
+    )
+
+
+def build_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = ()) -> Model:
+    """The model, its roles and its round spec (`tag_names`: a token task's tag vocabulary)."""
+    pre = load_model(config, task, tag_names)
+    c = validate_critical_layer(config, pre.config.num_hidden_layers)
+    global0, local0, frozen = model_parts(config, pre, c)
+    model_dir = getattr(pre, "model_dir", None)
+    return Model(
+        task=task,
+        critical_layer=c,
+        config=pre.config,
+        model_dir=None if model_dir is None else Path(model_dir),
+        apply=pre.apply,
+        round_spec=make_round_spec(config, pre.apply, task),
+        global0=global0,
+        local0=local0,
+        frozen=frozen,
+    )
+
+
+def make_partition(config: ExperimentConfig, task: Any, labels: np.ndarray) -> Any:
+    """The clients' train/test split of the pool; a client without training examples is a
+    UserError."""
+    from fedjax_split.data import partition
+
+    part = partition.partition_clients(
+        labels,
+        scheme=config.partition,
+        num_clients=config.clients,
+        seed=config.seed,
+        alpha=config.alpha if config.partition == "dirichlet" else None,
+        beta=config.beta if config.partition == "quantity" else None,
+        # a token task partitions by each sentence's dominant entity type, not by its tags
+        task=None if task.objective.per_token else task,
+        fill=config.paper_fill,
+    )
+    for i, cs in enumerate(part.clients):
+        if len(cs.train) == 0:
+            raise UserError(
+                f"client {i} got no training examples ({len(labels)} examples for "
+                f"{config.clients} clients); use more data (--max-examples) or fewer --clients"
+            )
+    return part
+
+
+def partition_lists(part: Any) -> list[list[list[int]]]:
+    """Each client's [train, test] pool indices as plain lists (a checkpoint's record of them)."""
+    return [[np.asarray(c.train).tolist(), np.asarray(c.test).tolist()] for c in part.clients]
+
+
+def load_tokenized(config: ExperimentConfig, task: Any, examples: Any, model_dir: Any) -> Any:
+    """The pool tokenised with the model's tokenizer and flattened once (`batching.pack`)."""
+    from fedjax_split.data import batching, sources, tokenization
+
+    tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
+    return batching.pack(sources.tokenize_examples(examples, tokenizer, task, config.max_length))
+
+
+def row_width(config: ExperimentConfig, tokenized: Any) -> int | None:
+    """Packed batches' attention rows: run-wide, from the pool's longest example (None: padded)."""
+    from fedjax_split.data import batching
+
+    return batching.default_row_width(tokenized) if config.packing else None
+
+
+def eval_batch_size(config: ExperimentConfig) -> int:
+    """Evaluation batches: at least 32 examples (no gradients to hold)."""
+    return max(config.batch_size, 32)
+
+
+def client_steps(
+    config: ExperimentConfig,
+    task: Any,
+    tokenized: Any,
+    labels: np.ndarray,
+    width: int | None,
+    indices: np.ndarray,
+    client_id: int,
+    r: int,
+) -> list[Any]:
+    """Round r's training steps of one client: a pure function of the config, r, the client's
+    id and its own examples (what a federated client builds alone)."""
+    from fedjax_split.data import batching
+
+    return batching.client_batches(
+        tokenized,
+        indices,
+        labels,
+        batch_size=config.batch_size,
+        epochs=config.local_epochs,
+        seed=[config.seed, r],
+        client_id=int(client_id),
+        objective=task.objective,
+        packing=config.packing,
+        bucketing=config.bucketing,
+        row_width=width,
+    )
+
+
+def client_eval_steps(
+    config: ExperimentConfig,
+    task: Any,
+    tokenized: Any,
+    labels: np.ndarray,
+    width: int | None,
+    indices: np.ndarray,
+) -> list[Any]:
+    """One client's test batches (its own examples, once each, sorted by length)."""
+    from fedjax_split.data import batching
+
+    return batching.client_eval_batches(
+        tokenized,
+        indices,
+        labels,
+        batch_size=eval_batch_size(config),
+        objective=task.objective,
+        packing=config.packing,
+        row_width=width,
+    )
+
+
+def score(task: Any, examples: Any, res: Any) -> dict[str, float]:
+    """The task's metrics of one set of predictions (MNLI's groups by each row's pool index, a
+    token task's entities by the pool's tag names)."""
+    from fedjax_split.data import tasks
+
+    groups = getattr(examples, "groups", None)
+    return tasks.compute_metrics(
+        task,
+        res.predictions,
+        res.labels,
+        groups=None if groups is None else np.asarray(groups)[res.example_index],
+        label_names=getattr(examples, "tag_names", None),
+    )
+
+
+def mean_over_clients(per_client: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Unweighted mean of each metric over clients (the paper's figure).
+
+    A metric undefined for a client (NaN: e.g. Pearson on a constant test split) is left out of
+    the mean rather than turning it into NaN; the per-client entry keeps it (null in JSON).
+    """
+    names = sorted(set().union(*per_client) - {"client"}) if per_client else []
+    mean = {}
+    for m in names:
+        vals = [pc[m] for pc in per_client if pc.get(m) is not None and np.isfinite(pc[m])]
+        mean[m] = float(np.mean(vals)) if vals else float("nan")
+    return mean
+
+
+def personalised_record(
+    per_client: Sequence[dict[str, Any]], trained: set[int] | None
+) -> dict[str, Any]:
+    """An evaluation's record: each metric's mean over all clients (the paper's figure), each
+    client's, and `trained_mean` over the clients in `trained` (those trained at least once: with
+    partial participation the mean over all includes clients that never trained)."""
+    record: dict[str, Any] = {**mean_over_clients(per_client), "clients": list(per_client)}
+    if trained is not None:
+        record["trained_mean"] = mean_over_clients(
+            [pc for pc in per_client if pc["client"] in trained]
+        )
+    return record
+
+
+def round_costs(
+    history: Sequence[dict[str, Any]],
+    bytes_up: int,
+    bytes_down: int,
+    t0: float,
+    t_train: float,
+    t_eval: float,
+) -> dict[str, Any]:
+    """A round record's bytes (this round's and, with `history`, cumulative) and seconds; the
+    simulation and the Flower server write the same fields."""
+    previous = history[-1] if history else None
+    cum_up = bytes_up + (previous["cum_bytes_up"] if previous else 0)
+    cum_down = bytes_down + (previous["cum_bytes_down"] if previous else 0)
+    return dict(
+        bytes_up=bytes_up,
+        bytes_down=bytes_down,
+        cum_bytes_up=cum_up,
+        cum_bytes_down=cum_down,
+        cum_bytes=cum_up + cum_down,
+        seconds=t_eval - t0,
+        # where the round's time went: sampling, batching, training and the server step (with
+        # the first round's compilation), then evaluation (0 when not due)
+        train_seconds=t_train - t0,
+        eval_seconds=t_eval - t_train,
+    )
+
+
+def trained_clients(history: Sequence[dict[str, Any]], now: Sequence[int] = ()) -> set[int]:
+    """The clients whose updates the server has taken so far: every round's sampled clients but
+    those that failed (a deployed round's `clients_failed`), and `now`."""
+    done = {
+        int(c)
+        for h in history
+        for c in h["clients_sampled"]
+        if c not in h.get("clients_failed", ())
+    }
+    return done | {int(c) for c in now}
+
+
+def summary(
+    config: ExperimentConfig, model: Model, history: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
+    """A fine-tuning run at a glance (the simulation's and the Flower server's summary.json):
+    final and best primary metric, bytes, time, parameter counts."""
+    metric = model.task.primary_metric
+    evaluated = [h for h in history if h.get(metric) is not None and np.isfinite(h[metric])]
+    last = history[-1] if history else {}
+    final_eval = evaluated[-1] if evaluated else {}
+    best = max(evaluated, key=lambda h: h[metric]) if evaluated else {}
+    return {
+        "task": config.task,
+        "algorithm": config.algorithm,
+        "critical_layer": model.critical_layer,
+        "num_layers": model.config.num_hidden_layers,
+        "rounds": len(history),
+        "primary_metric": metric,
+        "final": {k: v for k, v in final_eval.items() if k not in ("clients_sampled",)},
+        "best_round": best.get("round"),
+        "best": best.get(metric),
+        "cum_bytes_up": last.get("cum_bytes_up", 0),
+        "cum_bytes_down": last.get("cum_bytes_down", 0),
+        "cum_bytes": last.get("cum_bytes", 0),
+        "seconds": float(sum(h["seconds"] for h in history)),
+        "train_seconds": float(sum(h["train_seconds"] for h in history)),
+        "eval_seconds": float(sum(h["eval_seconds"] for h in history)),
+        "global_params": model.num_global,
+        "local_params_per_client": model.num_local,
+        "frozen_params": model.num_frozen,
+        "run_dir": str(config.run_dir),
+    }

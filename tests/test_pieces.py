@@ -1,0 +1,84 @@
+"""run.pieces: the config -> pieces API every execution path builds from (the subsample, scoring
+over clients, the round's bytes and seconds, the clients trained so far)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedjax_split.run import pieces
+
+
+def test_subsample_indices_are_seeded_sorted_and_distinct() -> None:
+    a = pieces.subsample_indices(100, 10, seed=3)
+    assert a is not None and a.size == 10 and np.all(np.diff(a) > 0) and a.max() < 100
+    np.testing.assert_array_equal(a, pieces.subsample_indices(100, 10, seed=3))
+    assert not np.array_equal(a, pieces.subsample_indices(100, 10, seed=4))
+    assert pieces.subsample_indices(100, None, seed=0) is None
+    assert pieces.subsample_indices(100, 100, seed=0) is None
+
+
+def test_subsample_keeps_every_per_example_field_aligned() -> None:
+    from fedjax_split.data.sources import Examples
+
+    n = 10
+    ex = Examples(
+        texts_a=[f"a{i}" for i in range(n)],
+        texts_b=[f"b{i}" for i in range(n)],
+        labels=np.arange(n) % 3,
+        groups=np.array([f"g{i}" for i in range(n)]),
+        splits=np.array([f"s{i}" for i in range(n)]),
+    )
+    sub = pieces.subset_examples(ex, np.array([1, 4, 7]))
+    assert sub.texts_a == ["a1", "a4", "a7"] and sub.texts_b == ["b1", "b4", "b7"]
+    assert sub.labels.tolist() == [1, 1, 1] and sub.groups.tolist() == ["g1", "g4", "g7"]
+    assert sub.splits.tolist() == ["s1", "s4", "s7"] and len(sub) == 3
+
+
+def test_mean_over_clients_skips_undefined_metrics() -> None:
+    per_client = [
+        {"client": 0, "pearson": 0.5, "spearman": 0.25},
+        {"client": 1, "pearson": float("nan"), "spearman": 0.75},  # constant test split
+        {"client": 3, "pearson": 0.9, "spearman": None},
+    ]
+    assert pieces.mean_over_clients(per_client) == {
+        "pearson": pytest.approx(0.7),
+        "spearman": pytest.approx(0.5),
+    }
+    nan = pieces.mean_over_clients([{"client": 0, "pearson": float("nan")}])["pearson"]
+    assert np.isnan(nan)
+    assert pieces.mean_over_clients([]) == {}
+
+
+def test_round_chunk_size_defaults_by_backend() -> None:
+    assert pieces.round_chunk_size(None, "cpu") == 1
+    assert pieces.round_chunk_size(None, "gpu") is None
+    assert pieces.round_chunk_size(None, "tpu") is None
+    assert pieces.round_chunk_size(4, "cpu") == 4
+    assert pieces.round_chunk_size(4, "gpu") == 4
+
+
+def test_personalised_record_means_over_all_and_over_the_trained() -> None:
+    per_client = [{"client": 0, "accuracy": 0.5}, {"client": 2, "accuracy": 1.0}]
+    record = pieces.personalised_record(per_client, trained={2, 7})
+    assert record == {"accuracy": 0.75, "clients": per_client, "trained_mean": {"accuracy": 1.0}}
+    assert "trained_mean" not in pieces.personalised_record(per_client, None)
+
+
+def test_trained_clients_leave_out_failed_clients_and_add_the_current_round() -> None:
+    history = [
+        {"clients_sampled": [0, 1]},
+        {"clients_sampled": [1, 2], "clients_failed": [2]},  # a deployed round: 2 failed
+    ]
+    assert pieces.trained_clients(history) == {0, 1}
+    assert pieces.trained_clients(history, [np.int32(4)]) == {0, 1, 4}
+    assert pieces.trained_clients([]) == set()
+
+
+def test_round_costs_accumulate_bytes_and_split_seconds() -> None:
+    first = pieces.round_costs([], 10, 30, t0=1.0, t_train=3.0, t_eval=3.5)
+    assert first["cum_bytes"] == 40 and first["seconds"] == 2.5
+    assert first["train_seconds"] == 2.0 and first["eval_seconds"] == 0.5
+    second = pieces.round_costs([first], 1, 2, t0=0.0, t_train=1.0, t_eval=1.0)
+    assert (second["cum_bytes_up"], second["cum_bytes_down"], second["cum_bytes"]) == (11, 32, 43)
+    assert second["bytes_up"] == 1 and second["eval_seconds"] == 0.0
