@@ -41,7 +41,6 @@ _EXPORTS = {
     "head_only_rule": "fedjax_split.fed.roles",
     "regex_rule": "fedjax_split.fed.roles",
     "freeze_rule": "fedjax_split.fed.roles",
-    "layer_schedule": "fedjax_split.fed.roles",
     "partition": "fedjax_split.fed.roles",
     "split_params": "fedjax_split.fed.roles",
     "merge_params": "fedjax_split.fed.roles",

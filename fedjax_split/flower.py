@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cli() -> None:
     """`python -m fedjax_split.flower` and `fedjax-split-flower`: train's entry point (the
     federation's ServerApp and ClientApp processes apply `fedjax_split.runtime` themselves)."""
-    from fedjax_split.train import run_command
+    from fedjax_split.cli import run_command
 
     run_command(main)
 

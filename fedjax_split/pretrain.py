@@ -37,32 +37,30 @@ def config_from_args(argv: Sequence[str] | None = None) -> PretrainConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fedjax_split.errors import UserError, report
+    """The command in-process (Python, notebooks, tests): its exit status."""
+    from fedjax_split.cli import run_main
     from fedjax_split.run import driver
 
-    config = None
-    try:
-        config = config_from_args(argv)
+    def run(config: PretrainConfig) -> dict:
         from fedjax_split.run.pretraining import run_pretraining
 
-        summary = run_pretraining(config, progress=True, on_round_end=driver.stop_hook_from_env())
-    except UserError as e:
-        return report(e)
-    except KeyboardInterrupt:
-        return driver.interrupted(None if config is None else config.run_dir)
-    final = summary["final"]
-    print(
-        f"done: {summary['method']}, {summary['rounds']} rounds, held-out MLM loss "
-        f"{summary['initial']['mlm_loss']:.4f} -> {final['mlm_loss']:.4f}, accuracy "
-        f"{summary['initial']['mlm_accuracy']:.4f} -> {final['mlm_accuracy']:.4f}, "
-        f"{summary['cum_bytes'] / 1e6:.1f} MB sent; model in {summary['run_dir']}/model"
-    )
-    return 0
+        return run_pretraining(config, progress=True, on_round_end=driver.stop_hook_from_env())
+
+    def done(summary: dict) -> str:
+        initial, final = summary["initial"], summary["final"]
+        return (
+            f"done: {summary['method']}, {summary['rounds']} rounds, held-out MLM loss "
+            f"{initial['mlm_loss']:.4f} -> {final['mlm_loss']:.4f}, accuracy "
+            f"{initial['mlm_accuracy']:.4f} -> {final['mlm_accuracy']:.4f}, "
+            f"{summary['cum_bytes'] / 1e6:.1f} MB sent; model in {summary['run_dir']}/model"
+        )
+
+    return run_main(lambda: config_from_args(argv), run, done)
 
 
 def cli() -> None:
     """`python -m fedjax_split.pretrain` and `fedjax-split-pretrain` (train's entry point)."""
-    from fedjax_split.train import run_command
+    from fedjax_split.cli import run_command
 
     run_command(main)
 

@@ -8,9 +8,7 @@ Ctrl-C exits 130 and says which checkpoint `--resume` will continue from.
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable, Sequence
-from typing import NoReturn
+from collections.abc import Sequence
 
 from fedjax_split.run.config import SCHEMA, ExperimentConfig
 
@@ -37,55 +35,29 @@ def config_from_args(argv: Sequence[str] | None = None) -> ExperimentConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fedjax_split.errors import UserError, report
+    """The command in-process (Python, notebooks, tests): its exit status."""
+    from fedjax_split.cli import run_main
     from fedjax_split.run import driver
 
-    config = None
-    try:
-        config = config_from_args(argv)
+    def run(config: ExperimentConfig) -> dict:
         from fedjax_split.run.experiment import run_experiment
 
-        summary = run_experiment(config, progress=True, on_round_end=driver.stop_hook_from_env())
-    except UserError as e:
-        return report(e)
-    except KeyboardInterrupt:
-        return driver.interrupted(None if config is None else config.run_dir)
-    metric = summary["primary_metric"]
-    print(
-        f"done: {summary['rounds']} rounds, final {metric} {summary['final'].get(metric)}, "
-        f"{summary['cum_bytes'] / 1e6:.1f} MB sent; results in {summary['run_dir']}"
-    )
-    return 0
+        return run_experiment(config, progress=True, on_round_end=driver.stop_hook_from_env())
 
+    def done(summary: dict) -> str:
+        metric = summary["primary_metric"]
+        return (
+            f"done: {summary['rounds']} rounds, final {metric} {summary['final'].get(metric)}, "
+            f"{summary['cum_bytes'] / 1e6:.1f} MB sent; results in {summary['run_dir']}"
+        )
 
-def _one_line_warning(message, category, filename, lineno, line=None) -> str:
-    """Warnings as the CLI's other messages, on one line: a source line under them reads like a
-    crash. Ours are plain UserWarnings; others keep their category and origin."""
-    if category is UserWarning:
-        return f"warning: {message}\n"
-    return f"warning: {category.__name__}: {message} ({filename}:{lineno})\n"
-
-
-def run_command(command_main: Callable[[], int]) -> NoReturn:
-    """A command's entry point: the malloc checked and tuned before anything starts threads (a bad
-    setting is the one-line exit-2 error; `fedjax_split.runtime`), warnings on one line, then
-    `command_main`'s exit status. Shared by the train, pretrain and flower commands."""
-    import warnings
-
-    from fedjax_split import runtime
-    from fedjax_split.errors import UserError, report
-
-    try:
-        runtime.check_malloc_setting()
-        runtime.tune_malloc()
-    except UserError as e:
-        sys.exit(report(e))
-    warnings.formatwarning = _one_line_warning
-    sys.exit(command_main())
+    return run_main(lambda: config_from_args(argv), run, done)
 
 
 def cli() -> None:
     """`python -m fedjax_split.train` and `fedjax-split-train`."""
+    from fedjax_split.cli import run_command
+
     run_command(main)
 
 

@@ -15,10 +15,12 @@ from fedjax_split.fed.roles import (
     flatten_paths,
     freeze_rule,
     head_only_rule,
-    layer_schedule,
+    layer_filter,
     merge_params,
+    name_filter,
     num_layers,
     partition,
+    paths_where,
     regex_rule,
     role_labels,
     select,
@@ -218,19 +220,31 @@ def test_split_params_refuses_a_freezing_rule_and_labels_are_checked() -> None:
     assert labels["encoder/layer_1/output/bias"] == LOCAL
 
 
-def test_select_and_layer_schedule() -> None:
+def test_select_by_layer_filters() -> None:
+    """The paths a FedBFPT round trains, one layer a round and the head, chosen by a filter."""
     params = _tree(np.random.default_rng(8))
     g = partition(params, critical_layer_rule(L, L)).global_
     paths = frozenset(flatten_paths(g))
-    schedule = layer_schedule(lambda r: (r - 1) % L, always=("classifier/",))
-    for r in (1, 2, 3, 4):
-        trained = schedule(r, paths)
-        layer = (r - 1) % L
+    for layer in range(L):
+        trained = paths_where(g, layer_filter([layer], always=("classifier/",)))
         assert trained == {
             p for p in paths if p.startswith((f"encoder/layer_{layer}/", "classifier/"))
         }
         chosen, rest = select(g, trained)
         assert set(flatten_paths(chosen)) == trained
         _assert_same(merge_params(chosen, rest), params)
+    assert paths_where(g, layer_filter(None)) == paths
+    assert paths_where(g, layer_filter([])) == frozenset()
     everything, nothing = select(g, None)
     assert everything == g and nothing == {}
+
+
+def test_name_filter_matches_the_names_users_know() -> None:
+    path = "encoder/layer_0/attention/query/kernel"
+    names = {path: "encoder.layer.0.attention.self.query.weight"}
+    keep = name_filter(r"self\.query", names)
+    assert keep("encoder/layer_0/attention/query/kernel")
+    assert not keep("encoder/layer_0/attention/key/kernel")
+    assert name_filter("pooler")("pooler/dense/bias")  # no name: the path itself
+    with pytest.raises(UserError, match="invalid --freeze regex"):
+        name_filter("(")

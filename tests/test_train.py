@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -305,34 +304,6 @@ def test_resume_without_any_checkpoint_is_refused(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no readable checkpoint" in err[0]
     assert _digest(run) == before
-
-
-def test_cli_checks_the_malloc_setting_before_main_and_prints_warnings_on_one_line() -> None:
-    """train.cli with stand-ins for the malloc check and main: order, one-line warnings, main's
-    exit status."""
-    probe = (
-        "import warnings\n"
-        "from fedjax_split import train\n"
-        "from fedjax_split import runtime\n"
-        "runtime.check_malloc_setting = lambda: print('check')\n"
-        "runtime.tune_malloc = lambda: print('tune')\n"
-        "def main():\n"
-        "    print('main')\n"
-        "    warnings.warn('model: freshly initialised from seed 0: classifier.weight')\n"
-        "    warnings.warn_explicit('overflow', RuntimeWarning, 'lib.py', 7)\n"
-        "    return 3\n"
-        "train.main = main\n"
-        "train.cli()\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
-    assert res.returncode == 3, res.stderr
-    assert res.stdout == "check\ntune\nmain\n"
-    assert res.stderr.splitlines() == [
-        "warning: model: freshly initialised from seed 0: classifier.weight",
-        "warning: RuntimeWarning: overflow (lib.py:7)",
-    ]
 
 
 def test_an_unknown_malloc_mode_is_a_one_line_error(env: dict) -> None:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fedjax_split.errors import UserError
-from fedjax_split.fed.roles import flatten_paths, layer_index
+from fedjax_split.fed.roles import layer_filter, layer_index, paths_where
 
 LAYER_PURPOSE = 0x6C_79  # "ly": the `purpose` part of the layer draws' numpy seed
 HEAD_PATHS = ("mlm/transform/", "mlm/bias")  # the MLM head a FedBFPT client trains
@@ -137,13 +137,9 @@ def to_global(tree: Mapping[str, Any], layers: Sequence[int]) -> dict[str, Any]:
 def trained_paths(
     params: Mapping[str, Any], layers: Sequence[int] | None, head: Sequence[str] = HEAD_PATHS
 ) -> frozenset[str]:
-    """Paths of `params` in encoder layers `layers` (None: every path) or under `head`."""
-    if layers is None:
-        return frozenset(flatten_paths(params))
-    wanted = set(layers)
-    return frozenset(
-        p for p in flatten_paths(params) if layer_index(p) in wanted or p.startswith(tuple(head))
-    )
+    """Paths of `params` in encoder layers `layers` (None: every path) or under `head`: the
+    roles' layer filter."""
+    return paths_where(params, layer_filter(layers, head))
 
 
 def paths_to_client(paths: frozenset[str], layers: Sequence[int]) -> frozenset[str]:

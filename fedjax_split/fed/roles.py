@@ -8,8 +8,9 @@
 A rule maps a "/"-joined parameter path ("encoder/layer_3/output/kernel") to a role, so that
 FedSplitBERT's critical layer, head-only personalisation (FedPer), user regexes and frozen parts
 are one mechanism, and splitting, merging and byte counting never need to know which method runs.
-A schedule (`Schedule`) picks, per round, which of the global parameters are trained (FedBFPT
-trains one layer a round); the rest of the global part stays exactly as the server holds it.
+The same path filters choose every other set of parameters: the parameters --freeze names (by
+their Hugging Face tensor names, `name_filter`) and the ones a round trains (FedBFPT's one layer
+and head, `layer_filter`); the rest of the global part stays exactly as the server holds it.
 
 The functions work on any nested dict of arrays, including trees stacked on a leading client axis.
 """
@@ -17,7 +18,7 @@ The functions work on any nested dict of arrays, including trees stacked on a le
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from fedjax_split.errors import UserError
@@ -28,8 +29,8 @@ ROLES = (GLOBAL, LOCAL, FROZEN)
 Rule = Callable[[str], str]
 """A role rule: maps a parameter path such as "encoder/layer_3/output/kernel" to a role."""
 
-Schedule = Callable[[int, frozenset[str]], frozenset[str]]
-"""(round index, 1-based; the paths of the global part) -> the paths trained in that round."""
+Filter = Callable[[str], bool]
+"""A path filter: whether a parameter path belongs to a set (trained this round, frozen, ...)."""
 
 _LAYER_RE = re.compile(r"^encoder/layer_(\d+)(/|$)")
 
@@ -128,18 +129,38 @@ def regex_rule(pattern: str) -> Rule:
     return lambda path: GLOBAL if compiled.search(path) is not None else LOCAL
 
 
-def freeze_rule(rule: Rule, pattern: str | None, names: Mapping[str, str] | None = None) -> Rule:
-    """`rule` with every parameter whose name matches `pattern` (`re.search`) frozen instead.
+def name_filter(
+    pattern: str, names: Mapping[str, str] | None = None, what: str = "--freeze"
+) -> Filter:
+    """Paths whose name matches `pattern` (`re.search`): `names` maps our paths to the names users
+    know (Hugging Face tensor names such as "embeddings.word_embeddings.weight"); paths without a
+    name are matched as they are. A bad regex is a UserError naming `what`."""
+    compiled = _compile(pattern, what)
+    names = names or {}
+    return lambda path: compiled.search(names.get(path, path)) is not None
 
-    `names` maps our paths to the names users know (Hugging Face tensor names such as
-    "embeddings.word_embeddings.weight"); paths without a name are matched as they are. Frozen
-    wins over the rule's role, so `--freeze` composes with any critical layer.
-    """
+
+def layer_filter(layers: Iterable[int] | None, always: Sequence[str] = ()) -> Filter:
+    """Paths in the encoder layers `layers` (None: every path) or under a prefix in `always`
+    (e.g. a head that trains with every layer)."""
+    if layers is None:
+        return lambda path: True
+    wanted, prefixes = frozenset(layers), tuple(always)
+    return lambda path: layer_index(path) in wanted or path.startswith(prefixes)
+
+
+def paths_where(tree: Mapping[str, Any], keep: Filter) -> frozenset[str]:
+    """The paths of `tree`'s leaves that `keep` selects."""
+    return frozenset(p for p in flatten_paths(tree) if keep(p))
+
+
+def freeze_rule(rule: Rule, pattern: str | None, names: Mapping[str, str] | None = None) -> Rule:
+    """`rule` with every parameter whose name matches `pattern` frozen instead (`name_filter`).
+    Frozen wins over the rule's role, so `--freeze` composes with any critical layer."""
     if not pattern:
         return rule
-    compiled = _compile(pattern, "--freeze")
-    names = names or {}
-    return lambda path: FROZEN if compiled.search(names.get(path, path)) else rule(path)
+    frozen = name_filter(pattern, names)
+    return lambda path: FROZEN if frozen(path) else rule(path)
 
 
 def role_labels(params: Mapping[str, Any], rule: Rule) -> dict[str, str]:
@@ -211,16 +232,3 @@ def select(tree: Mapping[str, Any], paths: frozenset[str] | None) -> tuple[dict,
     for path, leaf in flatten_paths(tree).items():
         (chosen if path in paths else rest)[path] = leaf
     return unflatten_paths(chosen), unflatten_paths(rest)
-
-
-def layer_schedule(layers_by_round: Callable[[int], int], always: tuple[str, ...] = ()) -> Schedule:
-    """A schedule that trains one encoder layer a round (FedBFPT) plus the paths starting with
-    any of `always` (e.g. the head); the other global parameters stay as the server holds them."""
-
-    def trained(round_index: int, global_paths: frozenset[str]) -> frozenset[str]:
-        layer = layers_by_round(round_index)
-        return frozenset(
-            p for p in global_paths if layer_index(p) == layer or p.startswith(always)
-        )
-
-    return trained

@@ -185,8 +185,9 @@ def frozen_paths(config: PretrainConfig, model_config: Any, params: Any) -> froz
     from fedjax_split.fed import roles
     from fedjax_split.models.hf_checkpoint import tensor_names
 
-    rule = roles.freeze_rule(lambda path: roles.GLOBAL, config.freeze, tensor_names(model_config))
-    return frozenset(roles.flatten_paths(roles.partition(params, rule).frozen))
+    if config.freeze is None:
+        return frozenset()
+    return roles.paths_where(params, roles.name_filter(config.freeze, tensor_names(model_config)))
 
 
 def plan(setup: Setup, r: int) -> Any:

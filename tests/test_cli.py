@@ -1,0 +1,76 @@
+"""fedjax_split.cli: what every command does around its run (process settings first, warnings
+and errors on one line, Ctrl-C's line, exit statuses)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from fedjax_split import cli
+from fedjax_split.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_run_main_prints_the_done_line_and_exits_0(capsys: pytest.CaptureFixture) -> None:
+    code = cli.run_main(lambda: "cfg", lambda c: {"ran": c}, lambda s: f"done: {s['ran']}")
+    assert code == 0 and capsys.readouterr().out == "done: cfg\n"
+
+
+def test_run_main_a_user_error_is_one_line_and_exit_2(capsys: pytest.CaptureFixture) -> None:
+    def parse() -> None:
+        raise UserError("unknown task 'sst3'; use one of ...")
+
+    assert cli.run_main(parse, lambda c: {}, lambda s: "never") == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "error: unknown task 'sst3'; use one of ...\n"
+
+
+def test_run_main_ctrl_c_is_exit_130_with_the_checkpoint_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    def run(config: object) -> dict:
+        raise KeyboardInterrupt
+
+    config = SimpleNamespace(run_dir=tmp_path / "run")
+    assert cli.run_main(lambda: config, run, lambda s: "never") == 130
+    assert capsys.readouterr().err == "interrupted (no checkpoint yet)\n"
+
+
+def test_one_line_warning() -> None:
+    assert cli.one_line_warning("careful", UserWarning, "x.py", 3) == "warning: careful\n"
+    line = cli.one_line_warning("overflow", RuntimeWarning, "lib.py", 7)
+    assert line == "warning: RuntimeWarning: overflow (lib.py:7)\n"
+
+
+def test_cli_checks_the_malloc_setting_before_main_and_prints_warnings_on_one_line() -> None:
+    """train.cli with stand-ins for the malloc check and main: order, one-line warnings, main's
+    exit status."""
+    probe = (
+        "import warnings\n"
+        "from fedjax_split import train\n"
+        "from fedjax_split import runtime\n"
+        "runtime.check_malloc_setting = lambda: print('check')\n"
+        "runtime.tune_malloc = lambda: print('tune')\n"
+        "def main():\n"
+        "    print('main')\n"
+        "    warnings.warn('model: freshly initialised from seed 0: classifier.weight')\n"
+        "    warnings.warn_explicit('overflow', RuntimeWarning, 'lib.py', 7)\n"
+        "    return 3\n"
+        "train.main = main\n"
+        "train.cli()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert res.returncode == 3, res.stderr
+    assert res.stdout == "check\ntune\nmain\n"
+    assert res.stderr.splitlines() == [
+        "warning: model: freshly initialised from seed 0: classifier.weight",
+        "warning: RuntimeWarning: overflow (lib.py:7)",
+    ]
