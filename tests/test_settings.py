@@ -108,12 +108,18 @@ def test_config_arg_mistakes_are_one_line_user_errors(tmp_path) -> None:
     plain.write_text("def get_config():\n    return {}\n")
     broken = tmp_path / "b.py"
     broken.write_text("def get_config(arg):\n    return {'rate': 1 / 0}\n")
+    refusing = tmp_path / "r.py"
+    refusing.write_text(
+        "from fedjax_split.errors import UserError\n\n\n"
+        "def get_config():\n    raise UserError('not today; try tomorrow')\n"
+    )
     cases = [
         (str(cfg), f"takes an argument (speed); pass --config {cfg}:SPEED"),
         (f"{cfg}:medium", "unknown speed 'medium'; pass one of: slow, fast"),
         (f"{cfg}:", "empty argument"),
         (f"{plain}:x", f"takes no argument, got 'x'; pass --config {plain}"),
         (f"{broken}:x", "failed in get_config: ZeroDivisionError"),
+        (str(refusing), f"config {str(refusing)!r}: not today; try tomorrow"),
         (f"{tmp_path / 'missing.py'}:x", "missing.py' not found"),
     ]
     for spec, needle in cases:

@@ -91,7 +91,8 @@ def _call_get_config(get_config: Any, path: Path, arg: str | None) -> Any:
     try:
         return get_config() if arg is None else get_config(arg)
     except UserError as e:
-        raise UserError(f"config {f'{path}:{arg}'!r}: {e}") from None
+        spec = str(path) if arg is None else f"{path}:{arg}"
+        raise UserError(f"config {spec!r}: {e}") from None
     except Exception as e:  # noqa: BLE001 - any error in user code is a user error
         raise UserError(
             f"config file {str(path)!r} failed in get_config: {type(e).__name__}: {e}"
