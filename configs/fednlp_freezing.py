@@ -26,11 +26,8 @@ def get_config() -> dict:
         critical_layer=None,
         clients=100,
         clients_per_round=10,
-        partition="dirichlet",
-        alpha=1.0,
+        partition="dirichlet",  # alpha 1, the default
         rounds=28,
         local_epochs=1,
-        batch_size=16,
         lr=5e-5,
-        max_length=128,
     )

@@ -12,15 +12,10 @@ def get_config() -> dict:
     return dict(
         task="20news",
         model="minilm-l6",
-        algorithm="fedavg",
         critical_layer=3,
         clients=10,
         clients_per_round=5,
-        partition="dirichlet",
-        alpha=1.0,
-        rounds=10,
+        partition="dirichlet",  # alpha 1, the default
         local_epochs=1,
-        batch_size=16,
         lr=5e-5,
-        max_length=128,
     )

@@ -14,13 +14,9 @@ def get_config() -> dict:
     return dict(
         task="rotten_tomatoes",
         model="minilm-l6",
-        algorithm="fedavg",
         critical_layer=3,
-        clients=3,
-        partition="paper",
         rounds=5,
         local_epochs=2,
-        batch_size=16,
         lr=5e-5,
         max_length=64,
     )

@@ -10,14 +10,12 @@ def get_config() -> dict:
     return dict(
         task="trec",
         model="minilm-l6",
-        algorithm="fedavg",
         critical_layer=3,
         clients=5,
         partition="dirichlet",
         alpha=0.5,
         rounds=8,
         local_epochs=2,
-        batch_size=16,
         lr=5e-5,
         max_length=64,
     )

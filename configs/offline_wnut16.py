@@ -13,14 +13,8 @@ def get_config() -> dict:
     return dict(
         task="wnut16",
         model="minilm-l6",
-        algorithm="fedavg",
         critical_layer=3,
-        clients=3,
-        partition="dirichlet",
-        alpha=1.0,
-        rounds=10,
+        partition="dirichlet",  # alpha 1, the default
         local_epochs=2,
-        batch_size=16,
         lr=1e-4,
-        max_length=128,
     )

@@ -1,8 +1,13 @@
-"""Config: defaults, file + flag resolution order, type checks, one-line validation errors."""
+"""Config: defaults, file + flag resolution order, type checks, one-line validation errors, and
+every shipped config (each ARG of a parameterised one) with the commands its docstring gives."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
+import runpy
+import shlex
 from pathlib import Path
 
 import pytest
@@ -106,13 +111,53 @@ def test_trajectory_mismatch_ignores_bookkeeping() -> None:
     assert trajectory_mismatch(saved, ExperimentConfig(paper_fill="sequential")) == ["paper_fill"]
 
 
-def test_every_shipped_config_file_resolves() -> None:
+def _args_of(path: Path) -> list[str | None]:
+    """The ARGs a shipped config takes, from its one-line error listing them; [None] if none."""
+    params = inspect.signature(runpy.run_path(str(path))["get_config"]).parameters
+    if not params:
+        return [None]
+    with pytest.raises(UserError, match="takes an argument"):
+        load_config_file(path)
+    with pytest.raises(UserError) as err:
+        load_config_file(f"{path}:no-such-arg")
+    message = str(err.value)
+    assert "no-such-arg" in message and "\n" not in message and "pass one of: " in message
+    return message.split("pass one of: ")[1].split(", ")
+
+
+def _documented_commands(path: Path) -> list[list[str]]:
+    """The `python -m fedjax_split.train` commands of a config's docstring, as flags."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    lines = [x.strip() for x in doc.splitlines()]
+    runs = [shlex.split(x, comments=True) for x in lines if x.startswith("python -m")]
+    return [cmd[3:] for cmd in runs if cmd[:3] == ["python", "-m", "fedjax_split.train"]]
+
+
+def test_every_shipped_config_and_arg_resolves_and_states_only_what_differs() -> None:
     files = sorted(CONFIGS.glob("*.py"))
     assert files, "configs/ holds no config files"
+    defaults = ExperimentConfig().to_dict()
     for f in files:
-        cfg = resolve_config(load_config_file(f))
-        assert "python -m fedjax_split.train" in f.read_text(), f"{f.name}: no run command"
-        assert cfg.rounds >= 1
+        documented = " ".join(" ".join(c) for c in _documented_commands(f))
+        same = set(defaults)  # the settings every ARG of the file leaves at their defaults
+        for arg in _args_of(f):
+            spec = f"configs/{f.name}" + ("" if arg is None else f":{arg}")
+            values = load_config_file(CONFIGS.parent / spec)
+            assert resolve_config(values).rounds >= 1
+            same &= {k for k, v in values.items() if v == defaults[k]}
+            assert f"--config {spec} " in documented, f"{spec}: no run command in its docstring"
+        assert not same, f"{f.name} repeats the defaults of {sorted(same)}"
+
+
+def test_every_command_in_a_config_docstring_parses(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedjax_split import train
+
+    monkeypatch.chdir(CONFIGS.parent)  # the commands name configs/ from the repository root
+    commands = [c for f in sorted(CONFIGS.glob("*.py")) for c in _documented_commands(f)]
+    assert len(commands) > 50
+    for cmd in commands:
+        cmd = [x.replace("$c", "4") for x in cmd]  # Table IV's loop over c
+        assert train.config_from_args(cmd).config == cmd[cmd.index("--config") + 1]
 
 
 def test_choices_mirror_the_models_own() -> None:

@@ -240,3 +240,19 @@ def test_run_one_notes_its_commit_before_and_after(tmp_path, monkeypatch):
     assert [r["commit"] for r in recs] == ["abc", "abc"]
     assert "exit" not in recs[0] and recs[1]["exit"] == 0 and recs[1]["resumed"] is False
     assert (tmp_path / "r.log").read_text() == "ran\n"
+
+
+def test_every_study_run_resolves_from_its_preset(monkeypatch):
+    """Each run's command line, as run_one builds it, parses and resolves; the preset is kept as
+    given (with its `:ARG`), and every run has its own name."""
+    from fedjax_split import train
+
+    monkeypatch.chdir(reproduce.ROOT)  # the presets name configs/ from the repository root
+    names = [name for _, name, _, _ in reproduce.RUNS]
+    assert len(set(names)) == len(names)
+    for _, name, preset, overrides in reproduce.RUNS:
+        args = reproduce.command(preset, overrides, Path("runs/study") / name)[3:]
+        config = train.config_from_args(args)
+        assert config.config == preset and config.output_dir == f"runs/study/{name}"
+    k10, k3 = (train.config_from_args([f"--config={p}"]) for p in (reproduce.K10, reproduce.K3))
+    assert (k10.clients, k3.clients) == (10, 3)

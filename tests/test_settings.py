@@ -1,14 +1,22 @@
-"""The settings schema: one flag per field with its help, typing of config-file values, choices,
-resume checks; the same machinery for train's and pretrain's configs."""
+"""The settings schema: one flag per field with its help, config files (`FILE.py:ARG`) and the
+typing of their values, choices, resume checks; the same machinery for train's and pretrain's
+configs."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from fedjax_split.errors import UserError
-from fedjax_split.run.settings import Schema, setting
+from fedjax_split.run.settings import (
+    Schema,
+    choose,
+    load_config_file,
+    setting,
+    split_config_spec,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,3 +62,70 @@ def test_typing_choices_and_resume_checks() -> None:
     saved = dataclasses.asdict(Toy(count=2))
     assert SCHEMA.trajectory_mismatch(saved, Toy(count=2, output_dir="x")) == []
     assert SCHEMA.trajectory_mismatch(saved, Toy(count=3, flag=True)) == ["count", "flag"]
+
+
+def test_a_config_spec_splits_at_the_last_py_colon(tmp_path) -> None:
+    assert split_config_spec("configs/t.py") == (Path("configs/t.py"), None)
+    assert split_config_spec("configs/t.py:mrpc") == (Path("configs/t.py"), "mrpc")
+    assert split_config_spec("a:b/c.py:k10") == (Path("a:b/c.py"), "k10")  # ':' in the path
+    assert split_config_spec("a.py:b/c.py:x:y") == (Path("a.py:b/c.py"), "x:y")  # ':' in ARG
+    assert split_config_spec("c.json") == (Path("c.json"), None)
+    odd = tmp_path / "a.py:b.py"  # an existing file is itself, whatever its name holds
+    odd.write_text("")
+    assert split_config_spec(odd) == (odd, None)
+
+
+PARAMETERISED = '''
+from fedjax_split.run.settings import choose
+
+RATES = {"slow": 0.1, "fast": 2.0}
+
+
+def get_config(speed):
+    return {"rate": RATES[choose(speed, RATES, "speed")]}
+'''
+
+
+def test_file_py_arg_calls_get_config_with_arg(tmp_path) -> None:
+    folder = tmp_path / "with:colon"  # the path holds ':' before `.py`
+    folder.mkdir()
+    cfg = folder / "c.py"
+    cfg.write_text(PARAMETERISED)
+    assert load_config_file(f"{cfg}:fast") == {"rate": 2.0}
+    parser = SCHEMA.build_parser("toy", "A toy.")
+    got = SCHEMA.from_args(parser, ["--config", f"{cfg}:slow"])
+    assert (got.rate, got.config) == (0.1, f"{cfg}:slow")  # the config is kept as given
+    optional = tmp_path / "o.py"
+    optional.write_text("def get_config(arg=None):\n    return {'name': arg or 'b'}\n")
+    assert load_config_file(optional) == {"name": "b"}
+    assert load_config_file(f"{optional}:a") == {"name": "a"}
+
+
+def test_config_arg_mistakes_are_one_line_user_errors(tmp_path) -> None:
+    cfg = tmp_path / "c.py"
+    cfg.write_text(PARAMETERISED)
+    plain = tmp_path / "p.py"
+    plain.write_text("def get_config():\n    return {}\n")
+    broken = tmp_path / "b.py"
+    broken.write_text("def get_config(arg):\n    return {'rate': 1 / 0}\n")
+    refusing = tmp_path / "r.py"
+    refusing.write_text(
+        "from fedjax_split.errors import UserError\n\n\n"
+        "def get_config():\n    raise UserError('not today; try tomorrow')\n"
+    )
+    cases = [
+        (str(cfg), f"takes an argument (speed); pass --config {cfg}:SPEED"),
+        (f"{cfg}:medium", "unknown speed 'medium'; pass one of: slow, fast"),
+        (f"{cfg}:", "empty argument"),
+        (f"{plain}:x", f"takes no argument, got 'x'; pass --config {plain}"),
+        (f"{broken}:x", "failed in get_config: ZeroDivisionError"),
+        (str(refusing), f"config {str(refusing)!r}: not today; try tomorrow"),
+        (f"{tmp_path / 'missing.py'}:x", "missing.py' not found"),
+    ]
+    for spec, needle in cases:
+        with pytest.raises(UserError) as err:
+            load_config_file(spec)
+        assert needle in str(err.value) and "\n" not in str(err.value), spec
+    with pytest.raises(UserError, match="unknown size 'x'; pass one of: a, b"):
+        choose("x", ("a", "b"), "size")
+    assert choose("b", {"a": 1, "b": 2}, "size") == "b"

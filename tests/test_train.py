@@ -112,15 +112,26 @@ def test_straight_run_writes_every_output(straight: Path) -> None:
     assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["3", "4"]
 
 
-def test_interrupted_then_resumed_run_matches_straight_run(env: dict, straight: Path) -> None:
+def test_interrupted_then_resumed_run_matches_straight_run(
+    env: dict, straight: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The seed comes from a parameterised config (`FILE.py:ARG`), kept as given in config.json;
+    --resume with another ARG is refused, with the same one resumes."""
     out = env["base"] / "interrupted"
-    res = _cli(env, _args(env, out), FEDJAX_SPLIT_STOP_AFTER_ROUND="2")
+    seeds = env["base"] / "seeds.py"
+    seeds.write_text("def get_config(seed):\n    return {'seed': int(seed)}\n")
+    args = [a for a in _args(env, out) if not a.startswith("--seed=")]
+    res = _cli(env, [f"--config={seeds}:0", *args], FEDJAX_SPLIT_STOP_AFTER_ROUND="2")
     assert res.returncode == 130, res.stderr
     assert "last checkpoint: round 2" in res.stderr
     assert [r["round"] for r in _metrics(out)] == [1, 2]
     assert not (out / "summary.json").exists()
-    res = _cli(env, [*_args(env, out), "--resume"])
+    assert json.loads((out / "config.json").read_text())["config"] == f"{seeds}:0"
+    assert train.main([f"--config={seeds}:1", *args, "--resume"]) == 2
+    assert "seed" in capsys.readouterr().err
+    res = _cli(env, [f"--config={seeds}:0", *args, "--resume"])
     assert res.returncode == 0, res.stderr
+    assert json.loads((out / "config.json").read_text())["config"] == f"{seeds}:0"
     assert _without_time(_metrics(out)) == _without_time(_metrics(straight))
     a = json.loads((out / "summary.json").read_text())
     b = json.loads((straight / "summary.json").read_text())
@@ -159,6 +170,9 @@ BAD = [
     ({"data_dir": "/nonexistent/glue"}, "data dir"),
     ({"attention": "cudnn"}, "--attention cudnn needs a GPU and --dtype bfloat16"),
     ({"freeze": "embeddings.("}, "--freeze"),
+    ({"config": f"{ROOT}/configs/table3.py:nope"}, "unknown Table III task 'nope'"),
+    ({"config": f"{ROOT}/configs/table3.py"}, "takes an argument (task)"),
+    ({"config": f"{ROOT}/configs/table6_communication.py:mrpc"}, "takes no argument"),
 ]
 
 

@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 from plot import value  # noqa: E402
 
-K10 = "configs/study_rotten_tomatoes_k10.py"
-K3 = "configs/study_rotten_tomatoes_k3.py"
+K10 = "configs/study_rotten_tomatoes.py:k10"
+K3 = "configs/study_rotten_tomatoes.py:k3"
 NEWS = "configs/study_20news.py"
 L = 6  # MiniLM-L6
 

@@ -125,7 +125,8 @@ class ExperimentConfig:
     resume: bool = _setting(False, "Continue the run in --output-dir from its latest checkpoint.")
     config: str | None = _setting(
         None,
-        "Python (get_config() -> dict) or JSON config file; flags given override it.",
+        "Python (get_config() -> dict; FILE.py:ARG calls get_config(ARG)) or JSON config "
+        "file; flags given override it.",
         metavar="FILE",
     )
     server_lr: float | None = _setting(

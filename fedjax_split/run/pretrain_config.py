@@ -116,7 +116,8 @@ class PretrainConfig:
     resume: bool = _setting(False, "Continue the run in --output-dir from its latest checkpoint.")
     config: str | None = _setting(
         None,
-        "Python (get_config() -> dict) or JSON config file; flags override it.",
+        "Python (get_config() -> dict; FILE.py:ARG calls get_config(ARG)) or JSON config "
+        "file; flags override it.",
         metavar="FILE",
     )
     eval_every: int = _setting(1, "Evaluate on the held-out text every N rounds (and the last).")

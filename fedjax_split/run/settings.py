@@ -5,14 +5,16 @@ checks, and which settings a `--resume` must keep.
 
 Resolution order (later wins): dataclass defaults -> `--config FILE` -> flags given explicitly on
 the command line. A config file is either a Python file defining `get_config() -> dict`
-(big_vision style, with the run command in its docstring) or a JSON object. Every problem a user
-can cause is a one-line `UserError`.
+(big_vision style, with the run command in its docstring; `--config FILE.py:ARG` calls
+`get_config(ARG)`, so one file holds several configs that differ by one value) or a JSON object.
+Every problem a user can cause is a one-line `UserError`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import runpy
 import sys
@@ -50,9 +52,57 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a `.py` (defining `get_config() -> dict`) or `.json` config file into a plain dict."""
-    p = Path(path)
+def split_config_spec(spec: str | Path) -> tuple[Path, str | None]:
+    """`FILE.py:ARG` -> (FILE.py, ARG), big_vision's convention for one file holding several
+    configs that differ by a value. ARG is what follows the last `.py:`, so the path itself may
+    hold ':'; a spec that names an existing file as a whole is that file, with no ARG."""
+    text = str(spec)
+    cut = text.rfind(".py:")
+    if cut < 0 or Path(text).is_file():
+        return Path(text), None
+    return Path(text[: cut + 3]), text[cut + 4 :]
+
+
+def choose(arg: str, choices: Collection[str], what: str) -> str:
+    """For a parameterised config's `get_config(arg)`: `arg` if it is one of `choices` (a dict's
+    keys count), else a one-line UserError listing them."""
+    if arg not in choices:
+        raise UserError(f"unknown {what} {arg!r}; pass one of: {', '.join(choices)}")
+    return arg
+
+
+def _call_get_config(get_config: Any, path: Path, arg: str | None) -> Any:
+    """get_config() or get_config(ARG), as the file's signature asks; a mismatch is the user's."""
+    params = list(inspect.signature(get_config).parameters.values())
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    required = [q for q in params if q.default is q.empty and q.kind not in variadic]
+    if arg is None and required:
+        name = required[0].name
+        raise UserError(
+            f"config file {str(path)!r} takes an argument ({name}); pass --config "
+            f"{path}:{name.upper()} (its docstring lists the choices)"
+        )
+    if arg is not None and not params:
+        raise UserError(
+            f"config file {str(path)!r} takes no argument, got {arg!r}; pass --config {path}"
+        )
+    if arg == "":
+        raise UserError(f"config file {str(path)!r} got an empty argument after ':'; name one")
+    try:
+        return get_config() if arg is None else get_config(arg)
+    except UserError as e:
+        spec = str(path) if arg is None else f"{path}:{arg}"
+        raise UserError(f"config {spec!r}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - any error in user code is a user error
+        raise UserError(
+            f"config file {str(path)!r} failed in get_config: {type(e).__name__}: {e}"
+        ) from None
+
+
+def load_config_file(spec: str | Path) -> dict[str, Any]:
+    """Read a `.py` (defining `get_config() -> dict`, or `get_config(arg) -> dict` named as
+    `FILE.py:ARG`) or `.json` config file into a plain dict."""
+    p, arg = split_config_spec(spec)
     if not p.is_file():
         raise UserError(f"config file {str(p)!r} not found; pass an existing --config file")
     if p.suffix == ".json":
@@ -74,7 +124,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             raise UserError(
                 f"config file {str(p)!r} defines no get_config(); add one returning a dict"
             )
-        values = get_config()
+        values = _call_get_config(get_config, p, arg)
     else:
         raise UserError(f"config file {str(p)!r} must end in .py or .json")
     if not isinstance(values, dict):
