@@ -241,29 +241,16 @@ def _decode_upload(reply: Any, expected: Mapping[str, Any], wire: str) -> Any:
     return cast_from_wire(codec.decode(arrays, wire)), codec.nbytes(arrays)
 
 
-def run_round(
-    run: ServerRun, exchange: Exchange, r: int, history: list[dict[str, Any]],
-    options: DeployOptions, checkpoint_round: int,
-) -> dict[str, Any]:  # fmt: skip
-    """Round r over the federation; the round's record (metrics.jsonl's row)."""
-    import jax
-
-    from fedjax_split.fed.roles import flatten_paths, select
-    from fedjax_split.run import pieces
-    from fedjax_split.sim import rounds
-
-    config, spec = run.config, run.model.round_spec
-    wire = spec.wire_dtype
-    t0 = time.perf_counter()
-    state = run.server_state
-    sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
-    sent = codec.encode(state.global_params, wire)
-    expected_up = {p: np.shape(x)
-                   for p, x in flatten_paths(select(state.global_params, spec.trained)[0]).items()}
+def _train_messages(
+    run: ServerRun, r: int, sampled: Any, sent: Mapping[str, np.ndarray], checkpoint_round: int
+) -> dict[int, Any]:
+    """Round r's TRAIN message for each sampled client: the global part as sent, the round's
+    config (the server state's round for the keys, the rounds whose local parts to keep)."""
+    spec, state = run.model.round_spec, run.server_state
     cfg = {
         protocol.ROUND: r,
         protocol.STATE_ROUND: int(state.round),
-        protocol.WIRE: wire,
+        protocol.WIRE: spec.wire_dtype,
         protocol.RUN: run.run_id,
         protocol.KEEP_FROM: checkpoint_round,
     }
@@ -275,12 +262,23 @@ def run_round(
         if sent:
             content[protocol.GLOBAL] = codec.to_record(sent)
         msgs[cid] = _message(content, run.nodes[cid], protocol.TRAIN)
-    replies, failed = exchange.send(msgs, options.round_timeout)
+    return msgs
+
+
+def _take_uploads(
+    run: ServerRun, replies: Mapping[int, Any], failed: dict[int, str]
+) -> tuple[list[Any], list[float], list[float], int]:
+    """(uploads in fp32, example counts, losses, bytes) of the replies that decode to the trained
+    global part's shapes, in client order; a reply that does not is added to `failed`."""
+    from fedjax_split.fed.roles import flatten_paths, select
+
+    spec, params = run.model.round_spec, run.server_state.global_params
+    expected = {p: np.shape(x) for p, x in flatten_paths(select(params, spec.trained)[0]).items()}
     uploads, weights, losses, bytes_up = [], [], [], 0
     for cid in sorted(replies):
         reply = replies[cid]
         try:
-            upload, nbytes = _decode_upload(reply, expected_up, wire)
+            upload, nbytes = _decode_upload(reply, expected, spec.wire_dtype)
         except ValueError as err:
             failed[cid] = f"bad reply: {err}"
             continue
@@ -292,6 +290,26 @@ def run_round(
                                                               np.float32(1.0))  # fmt: skip
         losses.append(float(loss))
         bytes_up += nbytes
+    return uploads, weights, losses, bytes_up
+
+
+def run_round(
+    run: ServerRun, exchange: Exchange, r: int, history: list[dict[str, Any]],
+    options: DeployOptions, checkpoint_round: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Round r over the federation; the round's record (metrics.jsonl's row)."""
+    import jax
+
+    from fedjax_split.run import pieces
+    from fedjax_split.sim import rounds
+
+    config = run.config
+    t0 = time.perf_counter()
+    sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
+    sent = codec.encode(run.server_state.global_params, run.model.round_spec.wire_dtype)
+    msgs = _train_messages(run, r, sampled, sent, checkpoint_round)
+    replies, failed = exchange.send(msgs, options.round_timeout)
+    uploads, weights, losses, bytes_up = _take_uploads(run, replies, failed)
     for cid, why in sorted(failed.items()):
         _warn(f"round {r}: client {cid} failed ({why})")
     if not uploads:
@@ -300,7 +318,7 @@ def run_round(
             "check the SuperNodes, then continue with --resume"
         )
     weights_np = np.asarray(weights, np.float32)
-    run.server_state = run.step(state, tuple(uploads), weights_np)
+    run.server_state = run.step(run.server_state, tuple(uploads), weights_np)
     losses_np = np.asarray(losses, np.float64)
     jax.block_until_ready(run.server_state)
     t_train = time.perf_counter()
