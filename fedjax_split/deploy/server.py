@@ -202,11 +202,11 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
     """Model, roles and server state, as `experiment.build` makes them, without data."""
     import jax
 
-    from fedjax_split.data import tasks
     from fedjax_split.fed.aggregation import weighted_mean_each
     from fedjax_split.fed.server import server_update
     from fedjax_split.run import experiment
     from fedjax_split.sim import rounds
+    from fedjax_split.tasks import registry as tasks
 
     task = tasks.get_task(config.task)
     pre = experiment.load_model(config, task, _tag_names(found))

@@ -127,8 +127,8 @@ def _check_run_dir(config: ExperimentConfig) -> None:
 def check(config: ExperimentConfig) -> int:
     """Cheap checks of a config against the task registry and the model's depth (reads only the
     model's config.json); returns the critical layer as an int in 0..L."""
-    from fedjax_split.data import tasks
     from fedjax_split.models import hf_checkpoint
+    from fedjax_split.tasks import registry as tasks
 
     validate(config)
     tasks.get_task(config.task)
@@ -304,8 +304,8 @@ def build(config: ExperimentConfig) -> Setup:
     """Load task, data, model; partition, tokenise, split, initialise. Writes nothing."""
     import jax
 
-    from fedjax_split.data import tasks
     from fedjax_split.sim import rounds
+    from fedjax_split.tasks import registry as tasks
 
     task = tasks.get_task(config.task)
     # the data first: a token task's tag vocabulary (from the whole pool) sizes the model's head
@@ -394,7 +394,7 @@ def evaluate(setup: Setup, trained: set[int] | None = None) -> dict[str, Any]:
 def score(task: Any, examples: Any, res: Any) -> dict[str, float]:
     """The task's metrics of one set of predictions (MNLI's groups by each row's pool index, a
     token task's entities by the pool's tag names)."""
-    from fedjax_split.data import tasks
+    from fedjax_split.tasks import registry as tasks
 
     groups = getattr(examples, "groups", None)
     return tasks.compute_metrics(
