@@ -1,6 +1,6 @@
 # ruff: noqa: E501  (the run commands in the docstring are kept on one line each)
 """Offline preset: biomedical NER (NERO, BIO derived from its mention annotations, the 8 most
-frequent classes; see fedjax_split/data/ner_corpora.py) with MiniLM-L6, 3 non-IID clients.
+frequent classes; see fedjax_split/data/tokens/ner_corpora.py) with MiniLM-L6, 3 non-IID clients.
 
   python -m fedjax_split.train --config configs/offline_nero.py
   python -m fedjax_split.train --config configs/offline_nero.py --max-examples 6000 --rounds 5

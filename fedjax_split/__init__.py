@@ -21,12 +21,13 @@ _EXPORTS = {
     "make_apply": "fedjax_split.models.bert",
     "load_pretrained": "fedjax_split.models.hf_checkpoint",
     "save_pretrained": "fedjax_split.models.hf_checkpoint",
+    # tasks
+    "get_task": "fedjax_split.tasks.registry",
+    "CLASSIFICATION": "fedjax_split.tasks.objectives",
+    "REGRESSION": "fedjax_split.tasks.objectives",
+    "TOKEN_CLASSIFICATION": "fedjax_split.tasks.objectives",
+    "MASKED_LM": "fedjax_split.tasks.objectives",
     # data
-    "get_task": "fedjax_split.data.tasks",
-    "CLASSIFICATION": "fedjax_split.data.objectives",
-    "REGRESSION": "fedjax_split.data.objectives",
-    "TOKEN_CLASSIFICATION": "fedjax_split.data.objectives",
-    "MASKED_LM": "fedjax_split.data.objectives",
     "load_tokenizer": "fedjax_split.data.tokenization",
     "Batch": "fedjax_split.data.batch",
     "PackedBatch": "fedjax_split.data.batch",

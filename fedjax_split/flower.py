@@ -93,7 +93,7 @@ def run_config(config: Any, deploy: dict[str, Any], status_file: str = "") -> di
 def _jax_cache_env() -> dict[str, str]:
     """A persistent JAX compilation cache for the ServerApp and every ClientApp process: Flower
     starts a ClientApp process per message, and without it each would compile its programs."""
-    from fedjax_split.data.assets import cache_dir
+    from fedjax_split.assets import cache_dir
 
     env = {
         "JAX_COMPILATION_CACHE_DIR": os.environ.get(

@@ -110,7 +110,7 @@ def enable_xla_cache() -> Path | None:
         return Path(current)
     if mode == "off":
         return None
-    from fedjax_split.data.assets import cache_dir
+    from fedjax_split.assets import cache_dir
 
     path = cache_dir() / "xla"
     jax.config.update("jax_compilation_cache_dir", str(path))

@@ -98,7 +98,7 @@ def write_tiny_conll(
 ) -> Path:
     """CoNLL NER files (train.txt / test.txt) over the tiny model's words, learnable by word:
     positive words are `pos` entities (a run of two is one entity), negative words `neg`."""
-    from fedjax_split.data.conll import write_conll
+    from fedjax_split.data.tokens.conll import write_conll
 
     rng = np.random.default_rng(seed)
     data_dir.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_split.data import assets
+from fedjax_split import assets
 from fedjax_split.errors import UserError
 
 FILES = {

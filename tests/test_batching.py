@@ -18,7 +18,7 @@ from fedjax_split.data.batching import (
     padding_waste,
     stack_clients,
 )
-from fedjax_split.data.objectives import IGNORE, REGRESSION, TOKEN_CLASSIFICATION
+from fedjax_split.tasks.objectives import IGNORE, REGRESSION, TOKEN_CLASSIFICATION
 
 
 def _tokenized(lengths):

@@ -1,4 +1,4 @@
-"""data.bio: entity spans and scores against seqeval's strict IOB2 mode (the independent
+"""tasks.bio: entity spans and scores against seqeval's strict IOB2 mode (the independent
 reference NER papers report), on hand-made odd cases and on random tag sequences."""
 
 from __future__ import annotations
@@ -6,7 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedjax_split.data.bio import check_tags, entity_scores, entity_types, spans, tag_vocabulary
+from fedjax_split.tasks.bio import (
+    check_tags,
+    entity_scores,
+    entity_types,
+    spans,
+    tag_vocabulary,
+    word_tags,
+)
+from fedjax_split.tasks.objectives import IGNORE
 
 seqeval_metrics = pytest.importorskip("seqeval.metrics")
 from seqeval.scheme import IOB2  # noqa: E402
@@ -76,3 +84,13 @@ def test_vocabulary_types_and_tag_checks() -> None:
     for bad in ("S-x", "B-", "PER", "b-x"):
         with pytest.raises(ValueError, match="token 1"):
             check_tags(["O", bad])
+
+
+def test_word_tags_read_labelled_positions_only() -> None:
+    names = ("O", "B-x", "I-x")
+    labels = np.array(
+        [[IGNORE, 1, IGNORE, 2, 0, IGNORE], [IGNORE, 0, IGNORE, IGNORE, IGNORE, IGNORE]]
+    )
+    preds = np.array([[2, 1, 2, 0, 1, 1], [1, 1, 1, 1, 1, 1]])
+    true, pred = word_tags(preds, labels, names)
+    assert true == [["B-x", "I-x", "O"], ["O"]] and pred == [["B-x", "O", "B-x"], ["B-x"]]

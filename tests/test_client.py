@@ -9,7 +9,6 @@ import optax
 import pytest
 from fedcore_helpers import client_slice, make_segments, reference_loss, tiny_model
 
-from fedjax_split.data.objectives import CLASSIFICATION, REGRESSION
 from fedjax_split.errors import UserError
 from fedjax_split.fed.client import (
     ClientSpec,
@@ -20,6 +19,7 @@ from fedjax_split.fed.client import (
     step_rng,
 )
 from fedjax_split.fed.roles import merge_params, split_params
+from fedjax_split.tasks.objectives import CLASSIFICATION, REGRESSION
 
 
 def _assert_trees_equal(a, b) -> None:

@@ -1,4 +1,4 @@
-"""data.conll: CoNLL-style files as the corpora write them."""
+"""data.tokens.conll: CoNLL-style files as the corpora write them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_split.data.conll import find_split_files, parse_conll, read_conll, write_conll
+from fedjax_split.data.tokens.conll import find_split_files, parse_conll, read_conll, write_conll
 from fedjax_split.errors import UserError
 
 

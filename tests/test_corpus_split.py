@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedjax_split.data.corpus_split import split_corpus
+from fedjax_split.data.text.corpus_split import split_corpus
 from fedjax_split.errors import UserError
 
 SOURCES = np.array(["old.xml.gz"] * 120 + ["new.xml.gz"] * 180)

@@ -12,7 +12,7 @@ def test_report_prints_one_line_to_stderr_and_returns_status_2(capsys) -> None:
 
 
 def test_user_errors_are_ordinary_value_errors() -> None:
-    from fedjax_split.data.tasks import get_task
+    from fedjax_split.tasks.registry import get_task
 
     try:
         get_task("sst3")

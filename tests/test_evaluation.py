@@ -8,7 +8,6 @@ import jax
 import numpy as np
 from fedcore_helpers import make_segments, per_client, tiny_config, tiny_model
 
-from fedjax_split.data.objectives import CLASSIFICATION, IGNORE, REGRESSION, TOKEN_CLASSIFICATION
 from fedjax_split.fed.roles import merge_params, split_params
 from fedjax_split.models.bert import init_params, make_apply
 from fedjax_split.sim.evaluation import (
@@ -17,6 +16,7 @@ from fedjax_split.sim.evaluation import (
     evaluate_clients,
     evaluate_pooled,
 )
+from fedjax_split.tasks.objectives import CLASSIFICATION, IGNORE, REGRESSION, TOKEN_CLASSIFICATION
 
 K = 3
 

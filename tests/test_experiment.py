@@ -155,7 +155,8 @@ def test_personalised_metrics_match_transformers(
     torch = pytest.importorskip("torch")
     from transformers import BertForSequenceClassification, BertTokenizerFast
 
-    from fedjax_split.data import sources, tasks
+    from fedjax_split.data import sources
+    from fedjax_split.tasks import registry as tasks
 
     last = json.loads((partial_fp16 / "metrics.jsonl").read_text().splitlines()[-1])
     part = json.loads((partial_fp16 / "partition.json").read_text())
@@ -237,9 +238,9 @@ def test_evaluate_maps_groups_by_example_index_and_means_over_clients(
     mean over all clients, over the trained ones, and (nothing local) the pooled figure."""
     from types import SimpleNamespace
 
-    from fedjax_split.data import tasks
     from fedjax_split.sim import evaluation
     from fedjax_split.sim.evaluation import ClientPredictions
+    from fedjax_split.tasks import registry as tasks
 
     groups = np.array(["matched", "mismatched", "matched", "mismatched", "matched", "matched"])
     results = iter([  # client 0: rows 3, 0, 1 (sorted by length); client 1: rows 5, 2
@@ -316,13 +317,13 @@ def test_minilm_freeze_embeddings_at_c6_sends_all_but_the_embeddings() -> None:
     'embeddings\\.' sends 4 bytes x (every parameter but the embeddings) per client each way."""
     import jax.numpy as jnp
 
-    from fedjax_split.data.objectives import CLASSIFICATION
     from fedjax_split.fed import server_optimizers
     from fedjax_split.fed.client import ClientSpec
     from fedjax_split.fed.roles import critical_layer_rule, freeze_rule, partition
     from fedjax_split.models.bert import BertConfig, init_params
     from fedjax_split.models.hf_checkpoint import hf_names
     from fedjax_split.sim.rounds import RoundSpec, client_bytes
+    from fedjax_split.tasks.objectives import CLASSIFICATION
 
     config = BertConfig(
         hidden_size=384,

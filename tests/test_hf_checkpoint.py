@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_split.data import assets
+from fedjax_split import assets
 from fedjax_split.errors import UserError
 from fedjax_split.models import hf_checkpoint
 from fedjax_split.models.bert import BertConfig, init_params, make_apply, make_encode
@@ -538,7 +538,7 @@ def test_mlm_loss_and_logits_equal_transformers_both_ways(torch_mlm, tmp_path):
     logits, and the MLM loss on prediction slots, equal transformers' loss on [B, T] labels
     (IGNORE elsewhere); our export loads in PyTorch as BertForMaskedLM with the same logits, and
     back in ours bit for bit."""
-    from fedjax_split.data.objectives import IGNORE, MASKED_LM
+    from fedjax_split.tasks.objectives import IGNORE, MASKED_LM
 
     model, path = torch_mlm
     with warnings.catch_warnings():

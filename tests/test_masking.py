@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fedjax_split.data.batch import Batch
-from fedjax_split.data.masking import (
+from fedjax_split.data.text.masking import (
     MaskedBatch,
     MaskingSpec,
     mask_batch,
@@ -16,7 +16,7 @@ from fedjax_split.data.masking import (
     selected_count,
     spec_from_tokenizer,
 )
-from fedjax_split.data.objectives import IGNORE
+from fedjax_split.tasks.objectives import IGNORE
 
 PAD, UNK, CLS, SEP, MASK = 0, 1, 2, 3, 4
 SPEC = MaskingSpec(mask_id=MASK, vocab_size=1000, special_ids=(PAD, UNK, CLS, SEP, MASK))

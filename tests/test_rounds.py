@@ -23,7 +23,6 @@ from fedcore_helpers import (
     tiny_model,
 )
 
-from fedjax_split.data.objectives import CLASSIFICATION
 from fedjax_split.errors import UserError
 from fedjax_split.fed import server_optimizers
 from fedjax_split.fed.client import ClientSpec, make_client_fns
@@ -43,6 +42,7 @@ from fedjax_split.sim.rounds import (
     sample_clients,
     take_clients,
 )
+from fedjax_split.tasks.objectives import CLASSIFICATION
 
 K = 3
 WEIGHTS = np.array([5, 20, 75])  # distinct, so unweighted averaging would be caught

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedjax_split.data import text_corpora
-from fedjax_split.data.text_corpora import TextCorpus, TextUnits
+from fedjax_split.data.text import text_corpora
+from fedjax_split.data.text.text_corpora import TextCorpus, TextUnits
 from fedjax_split.errors import UserError
 
 

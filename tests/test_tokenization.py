@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedjax_split.data import assets, tokenization
+from fedjax_split import assets
+from fedjax_split.data import tokenization
 from fedjax_split.data.tokenization import Tokenized, load_tokenizer, tokenize
 from fedjax_split.errors import UserError
 
@@ -101,7 +102,7 @@ def test_local_directory_with_only_vocab(tmp_path):
 
 
 def test_align_labels_first_subword_only() -> None:
-    from fedjax_split.data.objectives import IGNORE
+    from fedjax_split.tasks.objectives import IGNORE
 
     # [CLS] un ##believ ##ably film [SEP]: word 0 has three sub-words
     got = tokenization.align_labels([None, 0, 0, 0, 1, None], [3, 5])
@@ -110,7 +111,7 @@ def test_align_labels_first_subword_only() -> None:
 
 
 def test_tokenize_words_labels_each_words_first_piece_and_counts_truncation(tok) -> None:
-    from fedjax_split.data.objectives import IGNORE
+    from fedjax_split.tasks.objectives import IGNORE
 
     words = [["Unbelievably", "overlong", "film"], ["ok"]]
     labels = [[1, 2, 0], [4]]

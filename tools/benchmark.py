@@ -40,7 +40,6 @@ import numpy as np
 
 from fedjax_split.data import batching
 from fedjax_split.data.batch import apply_batch
-from fedjax_split.data.objectives import CLASSIFICATION
 from fedjax_split.errors import UserError, report
 from fedjax_split.fed import client, server_optimizers
 from fedjax_split.fed.roles import merge_params, split_params
@@ -54,6 +53,7 @@ from fedjax_split.models.bert import (
 )
 from fedjax_split.runtime import allocator, tune_malloc, use_cpu_devices
 from fedjax_split.sim import rounds
+from fedjax_split.tasks.objectives import CLASSIFICATION
 
 
 def _seconds(fn, repeats: int) -> list[float]:
@@ -118,8 +118,8 @@ def client_lengths(
     if spec != "rotten_tomatoes":
         raise UserError(f"unknown --lengths {spec!r}; use rotten_tomatoes or a number like 128")
     from fedjax_split.data.sources import load_examples
-    from fedjax_split.data.tasks import get_task
     from fedjax_split.data.tokenization import load_tokenizer, tokenize
+    from fedjax_split.tasks.registry import get_task
 
     ex = load_examples(get_task("rotten_tomatoes"))
     pick = rng.choice(len(ex.texts_a), size=num_clients * per_client, replace=False)

@@ -235,8 +235,8 @@ def pool_labels(task: str, data_dir: str | None, max_examples: int | None, seed:
     import numpy as np
 
     from fedjax_split.data.sources import load_examples
-    from fedjax_split.data.tasks import get_task
     from fedjax_split.run.pieces import subsample_indices
+    from fedjax_split.tasks.registry import get_task
 
     labels = np.asarray(load_examples(get_task(task), data_dir=data_dir).labels)
     idx = subsample_indices(len(labels), max_examples, seed)

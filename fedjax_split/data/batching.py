@@ -8,7 +8,7 @@ batches the simulation builds for it, and the simulation can hold only the sampl
 `client_batches` gives one client's steps in order: E epochs of mini-batches, each step a typed
 batch (`data.batch.Batch`, or `PackedBatch` with packing) with a leading step axis of 1:
 input_ids / attention_mask / token_type_ids int32 [1, B, T], labels [1, B] (int32, float32 for
-regression; a token task's int32 [1, B, T], IGNORE where no label is: see data.objectives),
+regression; a token task's int32 [1, B, T], IGNORE where no label is: see tasks.objectives),
 example_mask float32 [1, B], step_mask bool [1], example_index int32 [1, B] (pool index of each
 row, -1 for padding; evaluation maps predictions back with it). `stack_clients` stacks several
 clients' steps on a leading client axis K for the vmapped round ([K, 1, ...] per step), padding
@@ -55,7 +55,7 @@ import jax
 import numpy as np
 
 from fedjax_split.data.batch import Batch, PackedBatch
-from fedjax_split.data.objectives import CLASSIFICATION, IGNORE, Classification
+from fedjax_split.tasks.objectives import CLASSIFICATION, IGNORE, Classification
 
 _TAG_CLIENT = 0x63_6C_69  # "cli"
 PACK_WIDTH = 64  # the narrowest attention row of packed batches

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedjax_split.data.tasks import Task, get_task
 from fedjax_split.errors import UserError
+from fedjax_split.tasks.registry import Task, get_task
 
 SCHEMES = ("paper", "dirichlet", "quantity", "iid")
 FILLS = ("exact", "sequential")  # the paper scheme's: exact shares, or |D|/K each filled in order

@@ -35,8 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from fedjax_split.data.tasks import Task, get_task
+from fedjax_split.data.tokenization import tokenizer_identity
 from fedjax_split.errors import UserError
+from fedjax_split.tasks.registry import Task, get_task
 
 SOURCES = ("auto", "hub", "local", "offline")
 HUB_DATASET = "nyu-mll/glue"
@@ -432,7 +433,7 @@ def _load_offline(task: Task, root: Path | None) -> Examples:
             f"task {task.name} has no offline copy; use the hub or {_layout_hint(task)}"
         )
     if root is None:
-        from fedjax_split.data import assets
+        from fedjax_split import assets
 
         root = assets.fetch(task.asset)
     return _OFFLINE_LOADERS[task.name](task, _corpus_files(task, root))
@@ -447,7 +448,7 @@ def load_examples(
     """The task's example pool (train + validation merged) from the chosen source."""
     task = get_task(task)
     if task.objective.per_token:  # BIO-tagged sentences: CoNLL files or an offline corpus
-        from fedjax_split.data import tagged
+        from fedjax_split.data.tokens import tagged
 
         return tagged.load_tagged(task, data_dir)
     if source not in SOURCES:
@@ -472,27 +473,6 @@ def load_examples(
 # tokenised-dataset cache
 
 _CACHE_VERSION = 1
-
-
-def tokenizer_identity(tokenizer: Any) -> str:
-    """name_or_path + class + sha256 of the full tokenizer definition (vocab, normaliser, ...)."""
-    h = hashlib.sha256()
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and hasattr(backend, "to_str"):
-        definition = backend.to_str()
-        try:  # truncation/padding are call state that a call leaves behind, not identity
-            doc = json.loads(definition)
-            doc.pop("truncation", None)
-            doc.pop("padding", None)
-            definition = json.dumps(doc, sort_keys=True)
-        except ValueError:
-            pass
-        h.update(definition.encode("utf-8"))
-    else:
-        vocab = tokenizer.get_vocab()
-        h.update(json.dumps(sorted(vocab.items())).encode("utf-8"))
-    name = str(getattr(tokenizer, "name_or_path", ""))
-    return f"{name}|{type(tokenizer).__name__}|{h.hexdigest()}"
 
 
 def _cache_path(examples: Examples, tokenizer: Any, task: Task, max_length: int, cache_dir: Path):
@@ -527,11 +507,11 @@ def tokenize_examples(
 
     task = get_task(task)
     if task.objective.per_token:  # words with per-token labels; fast enough not to cache
-        from fedjax_split.data import tagged
+        from fedjax_split.data.tokens import tagged
 
         return tagged.tokenize(examples, tokenizer, max_length)
     if cache_dir is None:
-        from fedjax_split.data import assets
+        from fedjax_split import assets
 
         cache_dir = assets.cache_dir() / "tokenized"
     cache_dir = Path(cache_dir)

@@ -6,6 +6,8 @@ short sentences are not padded to `max_length`. Pairs are truncated like HF's `l
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,8 +15,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fedjax_split.data.objectives import IGNORE
 from fedjax_split.errors import UserError
+from fedjax_split.tasks.objectives import IGNORE
 
 _CHUNK = 8192  # texts per tokenizer call: bounds the memory of Python lists of ids
 
@@ -47,6 +49,27 @@ def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Any:
             f"cannot load the tokenizer in {model_dir} ({str(e).splitlines()[0][:200]}); "
             "fix or re-download the tokenizer files"
         ) from None
+
+
+def tokenizer_identity(tokenizer: Any) -> str:
+    """name_or_path + class + sha256 of the full tokenizer definition (vocab, normaliser, ...)."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "to_str"):
+        definition = backend.to_str()
+        try:  # truncation/padding are call state that a call leaves behind, not identity
+            doc = json.loads(definition)
+            doc.pop("truncation", None)
+            doc.pop("padding", None)
+            definition = json.dumps(doc, sort_keys=True)
+        except ValueError:
+            pass
+        h.update(definition.encode("utf-8"))
+    else:
+        vocab = tokenizer.get_vocab()
+        h.update(json.dumps(sorted(vocab.items())).encode("utf-8"))
+    name = str(getattr(tokenizer, "name_or_path", ""))
+    return f"{name}|{type(tokenizer).__name__}|{h.hexdigest()}"
 
 
 def tokenize(

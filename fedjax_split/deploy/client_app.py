@@ -45,7 +45,7 @@ def _node(context: Context) -> NodeSetup:
 
 
 def _state_dir(context: Context) -> Path:
-    from fedjax_split.data.assets import cache_dir
+    from fedjax_split.assets import cache_dir
 
     return Path(str(context.node_config.get(protocol.STATE_DIR) or cache_dir() / "flower_nodes"))
 

@@ -99,9 +99,10 @@ def _tokenized(
 def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None) -> NodeSetup:
     """This client's share and model, derived by `run.pieces` as the simulation derives them.
     `cache`: a directory of the node's own for the tokenised pool (None: tokenise each time)."""
-    from fedjax_split.data import partition, tasks
+    from fedjax_split.data import partition
     from fedjax_split.fed.roles import flatten_paths
     from fedjax_split.run import pieces
+    from fedjax_split.tasks import registry as tasks
 
     if not 0 <= client_id < config.clients:
         raise UserError(

@@ -203,10 +203,10 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
     """Model, roles and server state, as `run.pieces` makes them for every node, without data."""
     import jax
 
-    from fedjax_split.data import tasks
     from fedjax_split.fed.aggregation import weighted_mean_each
     from fedjax_split.fed.server import init_server_state, server_update
     from fedjax_split.run import pieces
+    from fedjax_split.tasks import registry as tasks
 
     model = pieces.build_model(config, tasks.get_task(config.task), _tag_names(found))
     spec = model.round_spec

@@ -46,7 +46,7 @@ class ClientMetrics(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class ClientSpec:
     """What a client update needs: the model's `apply`, the task's objective (its loss: see
-    `data.objectives`), the optimiser, FedProx mu."""
+    `tasks.objectives`), the optimiser, FedProx mu."""
 
     apply: Apply
     objective: Any

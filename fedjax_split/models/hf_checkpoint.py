@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from fedjax_split.data import assets
+from fedjax_split import assets
 from fedjax_split.errors import UserError
 from fedjax_split.models.bert import BertConfig, Params, make_apply
 

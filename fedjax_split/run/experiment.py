@@ -43,7 +43,7 @@ class Setup:
 
 def build(config: ExperimentConfig) -> Setup:
     """Load task, data, model; partition, tokenise. Writes nothing."""
-    from fedjax_split.data import tasks
+    from fedjax_split.tasks import registry as tasks
 
     task = tasks.get_task(config.task)
     # the data first: a token task's tag vocabulary (from the whole pool) sizes the model's head

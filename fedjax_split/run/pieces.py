@@ -101,8 +101,8 @@ def subset_examples(examples: Any, idx: np.ndarray | None) -> Any:
 def check(config: ExperimentConfig) -> int:
     """Cheap checks of a config against the task registry and the model's depth (reads only the
     model's config.json); returns the critical layer as an int in 0..L."""
-    from fedjax_split.data import tasks
     from fedjax_split.models import hf_checkpoint
+    from fedjax_split.tasks import registry as tasks
 
     validate(config)
     tasks.get_task(config.task)
@@ -298,7 +298,7 @@ def client_eval_steps(
 def score(task: Any, examples: Any, res: Any) -> dict[str, float]:
     """The task's metrics of one set of predictions (MNLI's groups by each row's pool index, a
     token task's entities by the pool's tag names)."""
-    from fedjax_split.data import tasks
+    from fedjax_split.tasks import registry as tasks
 
     groups = getattr(examples, "groups", None)
     return tasks.compute_metrics(

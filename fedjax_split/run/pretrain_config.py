@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fedjax_split.data.corpus_split import SCHEMES
-from fedjax_split.data.text_corpora import CORPORA, MODES, check_corpus_name
+from fedjax_split.data.text.corpus_split import SCHEMES
+from fedjax_split.data.text.text_corpora import CORPORA, MODES, check_corpus_name
 from fedjax_split.errors import UserError
 from fedjax_split.fed.layerwise import SCHEDULES
 from fedjax_split.run.settings import Schema

@@ -54,9 +54,9 @@ class Setup:
     model_dir: Path
     small_layers: int
     truncated_layers: int
-    split: Any  # data.corpus_split.CorpusSplit
+    split: Any  # data.text.corpus_split.CorpusSplit
     clients: list[int]  # who trains: 0..K-1, or [0] holding all the text (centralised)
-    sequences: list[Any]  # per training client: data.text_corpora.Sequences
+    sequences: list[Any]  # per training client: data.text.text_corpora.Sequences
     heldout: list[Any]  # masked held-out batches
     masking: Any
     pad_id: int
@@ -78,7 +78,8 @@ def check(config: PretrainConfig) -> tuple[int, int]:
 
 def build(config: PretrainConfig) -> Setup:
     """Load the text and the model, split, tokenise, initialise. Writes nothing but caches."""
-    from fedjax_split.data import corpus_split, masking, mlm_batching, text_corpora, tokenization
+    from fedjax_split.data import tokenization
+    from fedjax_split.data.text import corpus_split, masking, mlm_batching, text_corpora
     from fedjax_split.fed import algorithms, client, layerwise
     from fedjax_split.fed.server import init_server_state
     from fedjax_split.models import hf_checkpoint
@@ -257,7 +258,7 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
     """Batches, trains and aggregates round r; evaluates when due; the round's record."""
     import jax
 
-    from fedjax_split.data import mlm_batching
+    from fedjax_split.data.text import mlm_batching
     from fedjax_split.fed import layerwise
     from fedjax_split.sim.pretrain_rounds import run_round
 

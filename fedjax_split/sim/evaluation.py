@@ -19,8 +19,8 @@ import jax
 import numpy as np
 
 from fedjax_split.data.batch import Batch, apply_batch
-from fedjax_split.data.objectives import IGNORE
 from fedjax_split.fed.roles import merge_params
+from fedjax_split.tasks.objectives import IGNORE
 
 Apply = Callable[..., jax.Array]
 

@@ -32,8 +32,7 @@ import numpy as np
 import optax
 
 from fedjax_split.data.batch import apply_batch
-from fedjax_split.data.masking import MaskedBatch
-from fedjax_split.data.objectives import MASKED_LM
+from fedjax_split.data.text.masking import MaskedBatch
 from fedjax_split.fed import layerwise
 from fedjax_split.fed.aggregation import weighted_mean_each
 from fedjax_split.fed.client import ClientSpec
@@ -43,6 +42,7 @@ from fedjax_split.fed.wire import cast_to_wire, tree_bytes
 from fedjax_split.models.bert import BertConfig, make_apply
 from fedjax_split.models.flops import mlm_train_flops
 from fedjax_split.sim.rounds import RoundSpec, client_round
+from fedjax_split.tasks.objectives import MASKED_LM
 
 
 class ClientReport(NamedTuple):

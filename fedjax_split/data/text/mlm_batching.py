@@ -21,8 +21,8 @@ import jax
 import numpy as np
 
 from fedjax_split.data.batch import Batch
-from fedjax_split.data.masking import MaskedBatch, MaskingSpec, mask_batch
-from fedjax_split.data.text_corpora import Sequences
+from fedjax_split.data.text.masking import MaskedBatch, MaskingSpec, mask_batch
+from fedjax_split.data.text.text_corpora import Sequences
 
 SHUFFLE, MASK = 0x73_68, 0x6D_6B  # "sh", "mk": `purpose` parts of the numpy seeds
 

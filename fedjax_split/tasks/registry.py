@@ -10,14 +10,14 @@ import dataclasses
 
 import numpy as np
 
-from fedjax_split.data import metrics as _metrics
-from fedjax_split.data.objectives import (
+from fedjax_split.errors import UserError
+from fedjax_split.tasks import metrics as _metrics
+from fedjax_split.tasks.objectives import (
     CLASSIFICATION,
     REGRESSION,
     TOKEN_CLASSIFICATION,
     Classification,
 )
-from fedjax_split.errors import UserError
 
 NEWSGROUPS = (
     "alt.atheism",
@@ -58,7 +58,7 @@ class Task:
     text_fields: tuple[str, ...]
     label_field: str
     num_labels: int
-    objective: Classification  # what the model is trained on and predicts (data.objectives)
+    objective: Classification  # what the model is trained on and predicts (tasks.objectives)
     label_names: tuple[str, ...]
     metrics: tuple[str, ...]
     primary_metric: str
@@ -183,11 +183,11 @@ def compute_metrics(
     """
     task = get_task(task)
     if task.objective.per_token:
-        from fedjax_split.data import bio, tagged
+        from fedjax_split.tasks import bio
 
         if not label_names:
             raise ValueError(f"task {task.name} needs the tag names to score entities")
-        return bio.entity_scores(*tagged.word_tags(predictions, labels, label_names))
+        return bio.entity_scores(*bio.word_tags(predictions, labels, label_names))
     predictions = np.asarray(predictions)
     labels = np.asarray(labels)
     out = {m: _metrics.METRICS[m](predictions, labels) for m in task.metrics}

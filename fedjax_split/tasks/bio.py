@@ -1,4 +1,5 @@
-"""BIO (IOB2) tags: the tag vocabulary, entity spans and entity-level precision/recall/F1.
+"""BIO (IOB2) tags: the tag vocabulary, a token model's predictions read back as word tags,
+entity spans and entity-level precision/recall/F1.
 
 Spans follow seqeval's strict IOB2 mode (`classification_report(..., mode="strict",
 scheme=IOB2)`), the figure NER papers report: an entity starts at a B-X tag and runs over the
@@ -12,6 +13,8 @@ without its warning).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 Span = tuple[str, int, int]  # (entity type, first token, one past the last token)
 
@@ -78,3 +81,16 @@ def _prf(tp: int, predicted: int, actual: int) -> dict[str, float]:
     recall = tp / actual if actual else 0.0
     f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
     return {"precision": precision, "recall": recall, "f1": f1}
+
+
+def word_tags(
+    predictions: np.ndarray, labels: np.ndarray, tag_names: tuple[str, ...]
+) -> tuple[list[list[str]], list[list[str]]]:
+    """(true, predicted) tag sequences of each row, read at the labelled positions (each word's
+    first sub-word): what `entity_scores` compares."""
+    true, pred = [], []
+    for p, y in zip(np.asarray(predictions), np.asarray(labels), strict=True):
+        keep = y >= 0
+        true.append([tag_names[i] for i in y[keep]])
+        pred.append([tag_names[i] for i in p[keep]])
+    return true, pred

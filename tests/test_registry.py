@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from fedjax_split.data.tasks import TASKS, compute_metrics, get_task
 from fedjax_split.errors import UserError
+from fedjax_split.tasks.objectives import IGNORE
+from fedjax_split.tasks.registry import TASKS, compute_metrics, get_task
 
 GLUE = ("cola", "sst2", "mrpc", "qqp", "mnli", "qnli", "rte", "wnli", "stsb")
 
@@ -54,3 +55,18 @@ def test_mnli_matched_and_mismatched_reported_apart():
     assert out == {"accuracy": 4 / 6, "accuracy_matched": 1.0, "accuracy_mismatched": 1 / 3}
     only = compute_metrics("mnli", p[:3], y[:3], groups=g[:3])
     assert "accuracy_mismatched" not in only
+
+
+def test_token_task_scored_as_entities_at_labelled_positions() -> None:
+    names = ("O", "B-x", "I-x")
+    labels = np.array(
+        [[IGNORE, 1, IGNORE, 2, 0, IGNORE], [IGNORE, 0, IGNORE, IGNORE, IGNORE, IGNORE]]
+    )
+    preds = np.array([[2, 1, 2, 0, 1, 1], [1, 1, 1, 1, 1, 1]])
+    scores = compute_metrics("wnut16", preds, labels, label_names=names)
+    # true: one entity (x, 0..2); predicted: (x, 0..1), (x, 2..3), (x, 0..1) in sentence 2
+    assert scores["precision"] == 0.0 and scores["recall"] == 0.0 and scores["f1"] == 0.0
+    perfect = compute_metrics("wnut16", np.where(labels < 0, 0, labels), labels, label_names=names)
+    assert perfect["f1"] == 1.0 and perfect["f1_x"] == 1.0
+    with pytest.raises(ValueError, match="tag names"):
+        compute_metrics("wnut16", preds, labels)

