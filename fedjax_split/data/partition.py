@@ -240,25 +240,11 @@ def _validate_labels(labels: np.ndarray, regression: bool) -> np.ndarray:
     return labels
 
 
-def partition_clients(
-    labels: np.ndarray,
-    *,
-    scheme: str,
-    num_clients: int,
-    seed: int,
-    alpha: float | None = None,
-    beta: float | None = None,
-    task: str | Task | None = None,
-    test_fraction: float = 0.2,
-    fill: str = "exact",
-) -> Partition:
-    """Split the pool (indices 0..len(labels)-1) over `num_clients` clients, then train/test.
-
-    Every example lands in at most one client's train or test split: all of them, except with the
-    paper scheme's exact fill (`fill`, see the module docstring), which leaves out the surplus
-    that no client's shares can take (`Partition.dropped`). Raises UserError on bad parameters,
-    invalid labels, or a client left without training examples.
-    """
+def _check_settings(
+    scheme: str, fill: str, num_clients: int, test_fraction: float,
+    alpha: float | None, beta: float | None,
+) -> None:  # fmt: skip
+    """UserError for a partition setting that no scheme takes."""
     if scheme not in SCHEMES:
         raise UserError(f"unknown partition scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
     if fill not in FILLS:
@@ -278,7 +264,13 @@ def partition_clients(
         )
     if scheme == "quantity" and beta is None:
         raise UserError("scheme 'quantity' needs --beta (Dirichlet concentration of client sizes)")
-    task_obj = get_task(task) if task is not None else None
+
+
+def _checked_labels(
+    labels: np.ndarray, task_obj: Task | None, alpha: float | None
+) -> tuple[np.ndarray, bool]:
+    """(the labels validated, whether they are regression scores); UserError for labels the task
+    does not have or a label skew over scores."""
     regression = (
         bool(task_obj.is_regression)
         if task_obj
@@ -293,41 +285,45 @@ def partition_clients(
         )
     if regression and alpha is not None:
         raise UserError("Dirichlet label skew needs class labels; use scheme 'paper' or 'quantity'")
-    n, k = labels.size, int(num_clients)
-    if n < k:
-        raise UserError(f"partition: {n} examples cannot fill {k} clients")
-    rng = np.random.default_rng([seed, 0x70617274])  # "part"
+    return labels, regression
 
-    equal_sizes = np.array([a.size for a in np.array_split(np.arange(n), k)], dtype=np.int64)
+
+def _members(
+    labels: np.ndarray, regression: bool, task_obj: Task | None, k: int, rng: np.random.Generator,
+    *, scheme: str, alpha: float | None, beta: float | None, fill: str,
+) -> tuple[list[np.ndarray], np.ndarray | None, int]:  # fmt: skip
+    """(each client's pool indices, the label shares they were drawn to (None without), the
+    examples left out) under the scheme; draws from `rng` in a fixed order."""
+    n = labels.size
     if beta is not None and scheme in ("dirichlet", "quantity"):
         sizes = _round_to_total(_dirichlet(rng, np.full(k, float(beta)), 1)[0], n)
     else:
-        sizes = equal_sizes
-
-    shares, dropped = None, 0
+        sizes = np.array([a.size for a in np.array_split(np.arange(n), k)], dtype=np.int64)
     if scheme == "paper" and regression:
         order = np.argsort(labels, kind="stable")  # sorted by score, K contiguous parts
-        members = np.array_split(order, k)
-    elif scheme == "iid" or (scheme == "quantity" and alpha is None):
+        return np.array_split(order, k), None, 0
+    if scheme == "iid" or (scheme == "quantity" and alpha is None):
         perm = rng.permutation(n)
-        members = np.split(perm, np.cumsum(sizes)[:-1])
+        return np.split(perm, np.cumsum(sizes)[:-1]), None, 0
+    class_ids = labels.astype(np.int64)
+    num_classes = int(max(class_ids.max() + 1, task_obj.num_labels if task_obj is not None else 0))
+    if scheme == "paper":
+        shares = paper_shares(k, num_classes, task_obj)
     else:
-        class_ids = labels.astype(np.int64)
-        num_classes = int(
-            max(class_ids.max() + 1, task_obj.num_labels if task_obj is not None else 0)
-        )
-        if scheme == "paper":
-            shares = paper_shares(k, num_classes, task_obj)
-        else:
-            prior = np.bincount(class_ids, minlength=num_classes) / n
-            shares = _dirichlet(rng, float(alpha) * prior, k)
-        if scheme == "paper" and fill == "exact":
-            counts = exact_counts(shares, np.bincount(class_ids, minlength=num_classes))
-            members = _exact_skew(class_ids, counts, rng)
-            dropped = n - int(counts.sum())
-        else:
-            members = _label_skew(class_ids, shares, sizes, rng)
+        prior = np.bincount(class_ids, minlength=num_classes) / n
+        shares = _dirichlet(rng, float(alpha) * prior, k)
+    if scheme == "paper" and fill == "exact":
+        counts = exact_counts(shares, np.bincount(class_ids, minlength=num_classes))
+        return _exact_skew(class_ids, counts, rng), shares, n - int(counts.sum())
+    return _label_skew(class_ids, shares, sizes, rng), shares, 0
 
+
+def _train_test(
+    members: Sequence[np.ndarray], rng: np.random.Generator, test_fraction: float,
+    scheme: str, dropped: int,
+) -> list[ClientSplit]:  # fmt: skip
+    """Each client's indices shuffled and cut into train and test (sorted); UserError for a
+    client left without training examples."""
     clients = []
     for j, idx in enumerate(members):
         idx = rng.permutation(idx)
@@ -341,8 +337,39 @@ def partition_clients(
                 + ("" if not dropped else ", or --paper-fill sequential")
             )
         clients.append(ClientSplit(train.astype(np.int64), test.astype(np.int64)))
+    return clients
+
+
+def partition_clients(
+    labels: np.ndarray,
+    *,
+    scheme: str,
+    num_clients: int,
+    seed: int,
+    alpha: float | None = None,
+    beta: float | None = None,
+    task: str | Task | None = None,
+    test_fraction: float = 0.2,
+    fill: str = "exact",
+) -> Partition:
+    """Split the pool (indices 0..len(labels)-1) over `num_clients` clients, then train/test.
+
+    Every example lands in at most one client's train or test split: all of them, except with the
+    paper scheme's exact fill (`fill`, see the module docstring), which leaves out the surplus
+    that no client's shares can take (`Partition.dropped`). Raises UserError on bad parameters,
+    invalid labels, or a client left without training examples.
+    """
+    _check_settings(scheme, fill, num_clients, test_fraction, alpha, beta)
+    task_obj = get_task(task) if task is not None else None
+    labels, regression = _checked_labels(labels, task_obj, alpha)
+    n, k = labels.size, int(num_clients)
+    if n < k:
+        raise UserError(f"partition: {n} examples cannot fill {k} clients")
+    rng = np.random.default_rng([seed, 0x70617274])  # "part"
+    members, shares, dropped = _members(labels, regression, task_obj, k, rng, scheme=scheme,
+                                        alpha=alpha, beta=beta, fill=fill)  # fmt: skip
     return Partition(
-        clients=clients,
+        clients=_train_test(members, rng, test_fraction, scheme, dropped),
         scheme=scheme,
         num_clients=k,
         seed=int(seed),
