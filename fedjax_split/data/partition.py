@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -405,15 +404,9 @@ def save_partition(
             {"train": c.train.tolist(), "test": c.test.tolist()} for c in partition.clients
         ],
     }
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    from fedjax_split import atomic
+
+    return atomic.write_text(path, json.dumps(doc))
 
 
 def load_partition(path: str | os.PathLike) -> Partition:

@@ -19,10 +19,8 @@ stored as their bits with the dtype's name beside them).
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from fedjax_split import atomic
 from fedjax_split.fed.roles import flatten_paths, unflatten_paths
 
 _ROUND_FILE = re.compile(r"^round_(\d+)\.npz$")
@@ -47,14 +46,7 @@ def save_tree(path: Path, tree: Any) -> None:
         arrays[p] = x if x.dtype.isbuiltin == 1 else x.view(f"u{x.itemsize}")
     arrays[_DTYPES] = np.asarray(dtypes)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic.atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 def load_tree(path: Path) -> Any:
