@@ -1,12 +1,12 @@
 # ruff: noqa: E501  (the run commands in the docstring are kept on one line each)
-"""Study preset (issue 6): 20 Newsgroups, MiniLM-L6, FedNLP's cross-device regime.
+"""Study preset (docs/results.md): 20 Newsgroups, MiniLM-L6, FedNLP's cross-device regime.
 
 100 clients, Dirichlet label skew alpha = 1, 10 clients sampled per round, the whole corpus (18,821
 documents, about 188 per client), 22 rounds of 1 local epoch (FedNLP's FedAvg reaches 0.51 on the
 global test set at round 22 with DistilBERT), 128 tokens; evaluated every 4 rounds and after the
 last. With nothing local (--critical-layer 6) the record's `pooled` is FedNLP's figure: the global
-model on the union of the clients' test data. About 98 minutes a run on a 2-core CPU,
-two side by side (measured: news_fedavg, 5,872 s).
+model on the union of the clients' test data. Sized for a 2-core CPU (docs/benchmarks.md has the
+run times).
 
   python -m fedjax_split.train --config configs/study_20news.py --output-dir runs/study/news_fedsplit_c3
 """

@@ -1,8 +1,8 @@
 # ruff: noqa: E501  (the run commands in the docstring are kept on one line each)
-"""Study preset (issue 6, docs/results.md): rotten tomatoes, MiniLM-L6, K=10, Table II label ramp.
+"""Study preset (docs/results.md): rotten tomatoes, MiniLM-L6, K=10, Table II label ramp.
 
-Sized so that FedAvg learns and the study still runs on a 2-core CPU (two runs side by side take
-about 14 minutes): 4,000 of the 12,808 snippets subsampled, exact Table II shares (3,120 used: 250
+Sized so that FedAvg learns and the study still runs on a 2-core CPU (docs/benchmarks.md has the
+run times): 4,000 of the 12,808 snippets subsampled, exact Table II shares (3,120 used: 250
 train + 62 test per client, the surplus of the majority class dropped), 10 rounds of 1 local
 epoch, all clients every round. MiniLM-L6 has 6 layers: c = 3/4/5 stand for the paper's
 6/8/10 of 12, c = 6 is FedAvg, c = 0 is local training only.

@@ -1,9 +1,9 @@
 # ruff: noqa: E501  (the run commands in the docstring are kept on one line each)
-"""Study preset (issue 6): rotten tomatoes, MiniLM-L6, K=3, Table I "other" row (80/20, 50/50, 20/80).
+"""Study preset (docs/results.md): rotten tomatoes, MiniLM-L6, K=3, Table I "other" row (80/20, 50/50, 20/80).
 
-Sized so that FedAvg learns on a 2-core CPU (two runs side by side take about 14 minutes): 4,000 of
-the 12,808 snippets subsampled, exact Table I shares (3,429 used: 914 train + 229 test per client,
-the surplus dropped), 10 rounds of 1 local epoch.
+Sized so that FedAvg learns on a 2-core CPU (docs/benchmarks.md has the run times): 4,000 of the
+12,808 snippets subsampled, exact Table I shares (3,429 used: 914 train + 229 test per client, the
+surplus dropped), 10 rounds of 1 local epoch.
 
   python -m fedjax_split.train --config configs/study_rotten_tomatoes_k3.py --output-dir runs/study/k3_fedsplit_c3
 """

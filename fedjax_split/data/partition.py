@@ -10,8 +10,7 @@ Schemes (`partition_clients(scheme=...)`):
   example: all clients get the largest common size n at which every row is feasible,
   n = min over classes c of N_c / sum_k s_kc, and the surplus examples are dropped (reported). The
   paper's "about |D|/K each" cannot hold the table's shares on skewed pools: filled in order
-  (`fill="sequential"`, the former behaviour), SST-2 at K=10 leaves client 10 all positive where
-  the table asks 2%.
+  (`fill="sequential"`), SST-2 at K=10 leaves client 10 all positive where the table asks 2%.
 - "dirichlet": client j's class shares q_j ~ Dir(alpha * p), p the pool's class prior; with `beta`
   also quantity skew (the combined scheme).
 - "quantity": client sizes z ~ Dir(beta * 1), |D_j| = z_j |D|; labels drawn IID (with `alpha`

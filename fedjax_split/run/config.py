@@ -102,7 +102,7 @@ class ExperimentConfig:
         "--partition paper: 'exact' gives every client its row's label shares exactly (all clients "
         "the largest size at which every row is feasible, the surplus left out and reported); "
         "'sequential' gives each |D|/K examples filled in client order, so on skewed pools the "
-        "last clients miss their shares (the former behaviour).",
+        "last clients miss their shares.",
         choices=PAPER_FILLS,
     )
     alpha: float = _setting(
@@ -159,9 +159,9 @@ class ExperimentConfig:
     cpu_devices: int | None = _setting(
         None,
         "CPU devices that clients trained one at a time are dealt to, each running its clients "
-        "while the others run theirs (default 1). 2 made a 10-client round 10%% faster on 2 cores "
-        "but compiles every program once per device (docs/benchmarks.md). Results do not "
-        "depend on it.",
+        "while the others run theirs (default 1): two streams of small ops keep the cores "
+        "busier, but every program compiles once per device, so it pays in long runs with many "
+        "clients (docs/benchmarks.md measures it). Results do not depend on it.",
         metavar="N",
     )
     dtype: str = _setting(

@@ -1,9 +1,9 @@
 """Every client's local (personal) part on disk, so that memory holds only the sampled clients'.
 
-Why: in FedNLP's cross-device regime hundreds to thousands of clients each keep a local part (22 MB
-for MiniLM at c = 3), and a few are sampled per round; holding them all stacked in memory did not
-fit 1,000 clients in 24 GB. Here a client's part is a file written when the client trains, and
-read when it is sampled or evaluated; a client that never trained has the shared initial part.
+Why: in FedNLP's cross-device regime hundreds to thousands of clients each keep a local part, and a
+few are sampled per round; holding them all stacked in memory grows with the number of clients
+(docs/benchmarks.md measures it). Here a client's part is a file written when the client trains,
+and read when it is sampled or evaluated; a client that never trained has the shared initial part.
 
 Layout under the store's directory: `initial.npz` (the part every client starts from) and
 `client_<id>/round_<r>.npz`, one file per round the client trained in, each written atomically
