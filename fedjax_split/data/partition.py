@@ -419,31 +419,32 @@ def load_partition(path: str | os.PathLike) -> Partition:
             ClientSplit(np.asarray(c["train"], np.int64), np.asarray(c["test"], np.int64))
             for c in doc["clients"]
         ]
-        n = int(doc["num_examples"])
+        target = doc["target_shares"]
+        partition = Partition(
+            clients=clients,
+            scheme=doc["scheme"],
+            num_clients=len(clients),
+            seed=int(doc["seed"]),
+            num_examples=int(doc["num_examples"]),
+            alpha=doc["alpha"],
+            beta=doc["beta"],
+            task=doc["task"],
+            test_fraction=float(doc["test_fraction"]),
+            fill=doc["fill"],
+            target_shares=None if target is None else np.asarray(target, np.float64),
+            dropped=int(doc["dropped"]),
+        )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(
             f"cannot read partition file {path}: {e}; rewrite it with save_partition"
         ) from None
     every = np.concatenate([np.concatenate([c.train, c.test]) for c in clients])
+    n = partition.num_examples
     if every.size != np.unique(every).size or (
         every.size and (every.min() < 0 or every.max() >= n)
     ):
         raise UserError(f"partition file {path} has repeated or out-of-range example indices")
-    return Partition(
-        clients=clients,
-        scheme=doc["scheme"],
-        num_clients=len(clients),
-        seed=int(doc["seed"]),
-        num_examples=n,
-        alpha=doc.get("alpha"),
-        beta=doc.get("beta"),
-        task=doc.get("task"),
-        test_fraction=float(doc.get("test_fraction", 0.2)),
-        fill=doc.get("fill"),
-        target_shares=None if doc.get("target_shares") is None else np.asarray(
-            doc["target_shares"], np.float64),
-        dropped=int(doc.get("dropped", 0)),
-    )  # fmt: skip
+    return partition
 
 
 def partition_report(

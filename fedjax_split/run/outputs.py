@@ -121,7 +121,7 @@ def format_round(record: dict[str, Any], metric: str | None) -> str:
     if metric and record.get(metric) is not None:
         parts.append(f"{metric} {record[metric]:.4f}")
     parts.append(f"sent {record['cum_bytes'] / 1e6:.1f} MB")  # cumulative, up + down
-    evaluated = record.get("eval_seconds") or 0.0
+    evaluated = record["eval_seconds"]
     took = f"{record['seconds']:.1f}s"
     parts.append(f"{took} (eval {evaluated:.1f}s)" if evaluated else took)
     return " | ".join(parts)
