@@ -22,7 +22,6 @@ from fedjax_split.errors import UserError, report
 
 def personalised_params(run_dir: str | Path, client: int, round_: int | None = None) -> Any:
     """(params, BertConfig, model_dir) of client `client` from the run's checkpoint."""
-    import jax
     import jax.numpy as jnp
 
     from fedjax_split.fed.roles import merge_params
@@ -38,15 +37,12 @@ def personalised_params(run_dir: str | Path, client: int, round_: int | None = N
     if not 0 <= client < num_clients:
         raise UserError(f"--client {client} is outside 0..{num_clients - 1} for this run")
     global_params = cast_from_wire(state["server_state"]["global_params"], jnp.float32)
-    if "local_params" in state:  # a checkpoint of an older version held every client's part
-        local = jax.tree.map(lambda x: x[client], state["local_params"])
-    else:
-        store = ClientStore(Path(run_dir) / CLIENTS_DIR)
-        if not (store.directory / "initial.npz").is_file():
-            raise UserError(f"{str(run_dir)!r} has no client store ({CLIENTS_DIR}/) to export from")
-        local = store.load(client, at_most=int(meta["round"]))
-    params = merge_params(global_params, local, state.get("frozen", {}))
-    return params, BertConfig.from_hf_dict(meta["model_config"]), meta.get("model_dir")
+    store = ClientStore(Path(run_dir) / CLIENTS_DIR)
+    if not (store.directory / "initial.npz").is_file():
+        raise UserError(f"{str(run_dir)!r} has no client store ({CLIENTS_DIR}/) to export from")
+    local = store.load(client, at_most=int(meta["round"]))
+    params = merge_params(global_params, local, state.get("frozen", {}))  # saved when there is one
+    return params, BertConfig.from_hf_dict(meta["model_config"]), meta["model_dir"]
 
 
 def export_client(

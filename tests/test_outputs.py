@@ -40,7 +40,7 @@ def test_existing_results(tmp_path: Path) -> None:
 
 
 _RECORD = {"round": 3, "train_loss": 0.25, "accuracy": 0.875, "cum_bytes": 2_500_000,
-           "seconds": 1.5}  # fmt: skip
+           "seconds": 1.5, "eval_seconds": 0.0}  # fmt: skip
 
 
 def test_plain_lines_when_not_a_terminal() -> None:

@@ -284,6 +284,11 @@ def test_save_load_roundtrip_and_corrupt_files(tmp_path):
     (tmp_path / "junk.json").write_text("{not json")
     with pytest.raises(UserError, match="cannot read partition file"):
         load_partition(tmp_path / "junk.json")
+    doc = json.loads(path.read_text())
+    del doc["dropped"]  # every field save_partition writes is needed
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(UserError, match="cannot read partition file .*'dropped'"):
+        load_partition(bad)
     assert not list(tmp_path.glob("sub/*.tmp"))
 
 

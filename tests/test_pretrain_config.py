@@ -22,6 +22,14 @@ def test_defaults_are_the_released_setting() -> None:
     assert check_depth(c, 12) == (6, 6)  # L/2, as the released 6 of 12
 
 
+def test_help_lists_every_corpus() -> None:
+    from fedjax_split.data.text.text_corpora import CORPORA
+
+    text = " ".join(pretrain.build_parser().format_help().split())  # argparse wraps lines
+    for name in CORPORA:
+        assert name in text, name
+
+
 def test_one_flag_per_setting() -> None:
     parser = pretrain.build_parser()
     assert {a.dest for a in parser._actions} - {"help"} == set(FIELDS)

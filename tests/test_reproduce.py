@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedjax_split.run.config import ExperimentConfig
+
 _SPEC = importlib.util.spec_from_file_location(
     "reproduce", Path(__file__).resolve().parents[1] / "tools" / "reproduce.py"
 )
@@ -19,14 +21,16 @@ def _run(root: Path, name: str, accs, per_round_bytes, extra=(), down=None, **co
     sent to the clients a round (default: as many as they upload)."""
     d = root / name
     d.mkdir(parents=True)
-    cfg = {"algorithm": "fedavg", "critical_layer": 6, "quantize": "none", "clients": 10, **config}
+    cfg = {**ExperimentConfig(algorithm="fedavg", critical_layer=6, clients=10).to_dict(), **config}
     (d / "config.json").write_text(json.dumps(cfg))
     records, cum = [], 0
+    sampled = list(range(cfg["clients_per_round"] or cfg["clients"]))
     down = per_round_bytes if down is None else down
     for r, acc in enumerate(accs, 1):
         cum += per_round_bytes + down
         records.append({"round": r, "accuracy": acc, "bytes_up": per_round_bytes,
-                        "bytes_down": down, "cum_bytes": cum})  # fmt: skip
+                        "bytes_down": down, "cum_bytes": cum,
+                        "clients_sampled": sampled})  # fmt: skip
         if acc is None:
             del records[-1]["accuracy"]
         records[-1].update(extra[r - 1] if r <= len(extra) else {})
@@ -98,7 +102,7 @@ def test_majority_baseline_by_hand(tmp_path, fake_pool):
         {"train": [0, 1, 2], "test": [5, 6]},  # majority 0; test labels 0, 1: 0.5
         {"train": [3, 4], "test": [7]},  # majority 1; test label 0: 0.0
     ]}))  # fmt: skip
-    run = {"dir": tmp_path, "config": {"task": "sst2", "seed": 0, "max_examples": None}}
+    run = {"dir": tmp_path, "config": ExperimentConfig(task="sst2", seed=0).to_dict()}
     # everyone's majority training label is 1 (three of five); the pooled test labels 0, 1, 0
     assert reproduce.majority_baseline(run) == (0.25, 1 / 3)
 

@@ -27,6 +27,7 @@ class Toy:
     flag: bool = setting(False, "Whether the toy flies.")
     config: str | None = setting(None, "Config file of the toy.", metavar="FILE")
     output_dir: str | None = setting(None, "Where the toy writes.", metavar="DIR")
+    colour: str = setting("red", lambda: "Colour, from a registry read when the flags are built.")
 
 
 SCHEMA = Schema(Toy, non_trajectory=("output_dir", "config"))
@@ -37,6 +38,8 @@ def test_flags_from_the_fields(tmp_path) -> None:
     assert {a.dest for a in parser._actions} - {"help"} == set(SCHEMA.fields)
     text = parser.format_help()
     assert "How many; unset means all. (default: None)" in text and "--no-flag" in text
+    assert SCHEMA.help("colour") == "Colour, from a registry read when the flags are built."
+    assert "from a registry" in text
     assert SCHEMA.from_args(parser, ["--count", "all", "--flag"]) == Toy(count=None, flag=True)
     assert SCHEMA.from_args(parser, ["--count", "3", "--rate", "1"]) == Toy(count=3, rate=1.0)
     cfg = tmp_path / "c.json"

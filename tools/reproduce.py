@@ -218,8 +218,8 @@ def fmt(x: float | None, digits: int = 2) -> str:
 
 def method_label(config: dict[str, Any]) -> str:
     """How a person names the run: "FedSplitBERT c=3 + fp16 wire", "FedAvg"."""
-    c = config.get("critical_layer")
-    q = {"none": "", "fp16": " + fp16 wire", "bf16": " + bf16 wire"}[config.get("quantize", "none")]
+    c = config["critical_layer"]
+    q = {"none": "", "fp16": " + fp16 wire", "bf16": " + bf16 wire"}[config["quantize"]]
     if c is None or c == L:
         return {"fedavg": "FedAvg", "fedprox": "FedProx", "fedadam": "FedAdam",
                 "fedavgm": "FedAvgM"}.get(config["algorithm"], config["algorithm"]) + q  # fmt: skip
@@ -256,7 +256,7 @@ def client_priors(run: dict[str, Any]) -> tuple[dict[int, float], float] | None:
     if not (run["dir"] / "partition.json").is_file():
         return None
     cfg = run["config"]
-    labels = pool_labels(cfg["task"], cfg.get("data_dir"), cfg.get("max_examples"), cfg["seed"])
+    labels = pool_labels(cfg["task"], cfg["data_dir"], cfg["max_examples"], cfg["seed"])
     part = read_json(run["dir"] / "partition.json")
     own, trains, tests = {}, [], []
     for j, client in enumerate(part["clients"]):
@@ -347,7 +347,7 @@ def sweep_table(runs_dir: Path) -> list[str]:
 
 
 def trained_clients(run: dict[str, Any]) -> set[int]:
-    return {c for r in run["records"] for c in r.get("clients_sampled", [])}
+    return {c for r in run["records"] for c in r["clients_sampled"]}
 
 
 def news_table(runs: list[dict[str, Any]], baseline: dict[str, Any] | None) -> list[str]:
@@ -398,7 +398,7 @@ def freeze_table(runs_dir: Path) -> list[str]:
                          f"`{show(runs_dir / name)}` | |")  # fmt: skip
             continue
         cfg = run["config"]
-        sent = run["records"][0]["bytes_up"] / 4 / (cfg.get("clients_per_round") or cfg["clients"])
+        sent = run["records"][0]["bytes_up"] / 4 / (cfg["clients_per_round"] or cfg["clients"])
         pooled = f"{fmt(final_metric(run, POOLED), 4)} ({fmt(best_metric(run, POOLED), 4)})"
         lines.append(f"| {row} | {theirs / 100:.4f} | {pooled} | "
                      f"{fmt(final_metric(run, TRAINED), 4)} | {sent / 1e6:.2f}M | "

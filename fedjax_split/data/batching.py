@@ -34,10 +34,10 @@ Shapes: a step's size (T padded, N packed) is its longest example (padded) or it
 `pad_to_multiple`), so that the same few shapes recur in every round and compile once. W is
 run-wide (`row_width`, default from the pool's longest example), R follows N (a batch that needs
 more rows takes a larger N), and N is at least B W / 4, so that an epoch's last, partial batch
-does not add a small shape per client. On rotten tomatoes (B=16, 10 rounds of K=3 or 10 clients)
-that is 6-7 training shapes with about 8% of the stream padding. Padding rows (example_mask 0) of
-padded batches get input_ids = pad_id and attend to position 0 only, so a model never sees an
-all-masked attention row (which could produce NaN that a zero weight cannot cancel).
+does not add a small shape per client (docs/benchmarks.md counts the shapes and the padding of a
+run). Padding rows (example_mask 0) of padded batches get input_ids = pad_id and attend to
+position 0 only, so a model never sees an all-masked attention row (which could produce NaN that a
+zero weight cannot cancel).
 
 Dropout (`models.bert.dropout`) draws each element's mask from its flat index, so growing a
 leading axis (a packed stream's tokens, attention rows) when clients are stacked leaves every

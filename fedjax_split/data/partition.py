@@ -10,8 +10,7 @@ Schemes (`partition_clients(scheme=...)`):
   example: all clients get the largest common size n at which every row is feasible,
   n = min over classes c of N_c / sum_k s_kc, and the surplus examples are dropped (reported). The
   paper's "about |D|/K each" cannot hold the table's shares on skewed pools: filled in order
-  (`fill="sequential"`, the former behaviour), SST-2 at K=10 leaves client 10 all positive where
-  the table asks 2%.
+  (`fill="sequential"`), SST-2 at K=10 leaves client 10 all positive where the table asks 2%.
 - "dirichlet": client j's class shares q_j ~ Dir(alpha * p), p the pool's class prior; with `beta`
   also quantity skew (the combined scheme).
 - "quantity": client sizes z ~ Dir(beta * 1), |D_j| = z_j |D|; labels drawn IID (with `alpha`
@@ -29,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -432,15 +430,9 @@ def save_partition(
             {"train": c.train.tolist(), "test": c.test.tolist()} for c in partition.clients
         ],
     }
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    from fedjax_split import atomic
+
+    return atomic.write_text(path, json.dumps(doc))
 
 
 def load_partition(path: str | os.PathLike) -> Partition:
@@ -454,31 +446,32 @@ def load_partition(path: str | os.PathLike) -> Partition:
             ClientSplit(np.asarray(c["train"], np.int64), np.asarray(c["test"], np.int64))
             for c in doc["clients"]
         ]
-        n = int(doc["num_examples"])
+        target = doc["target_shares"]
+        partition = Partition(
+            clients=clients,
+            scheme=doc["scheme"],
+            num_clients=len(clients),
+            seed=int(doc["seed"]),
+            num_examples=int(doc["num_examples"]),
+            alpha=doc["alpha"],
+            beta=doc["beta"],
+            task=doc["task"],
+            test_fraction=float(doc["test_fraction"]),
+            fill=doc["fill"],
+            target_shares=None if target is None else np.asarray(target, np.float64),
+            dropped=int(doc["dropped"]),
+        )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(
             f"cannot read partition file {path}: {e}; rewrite it with save_partition"
         ) from None
     every = np.concatenate([np.concatenate([c.train, c.test]) for c in clients])
+    n = partition.num_examples
     if every.size != np.unique(every).size or (
         every.size and (every.min() < 0 or every.max() >= n)
     ):
         raise UserError(f"partition file {path} has repeated or out-of-range example indices")
-    return Partition(
-        clients=clients,
-        scheme=doc["scheme"],
-        num_clients=len(clients),
-        seed=int(doc["seed"]),
-        num_examples=n,
-        alpha=doc.get("alpha"),
-        beta=doc.get("beta"),
-        task=doc.get("task"),
-        test_fraction=float(doc.get("test_fraction", 0.2)),
-        fill=doc.get("fill"),
-        target_shares=None if doc.get("target_shares") is None else np.asarray(
-            doc["target_shares"], np.float64),
-        dropped=int(doc.get("dropped", 0)),
-    )  # fmt: skip
+    return partition
 
 
 def partition_report(

@@ -28,7 +28,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -527,26 +526,17 @@ def tokenize_examples(
             pass
     tok = tokenize(tokenizer, examples.texts_a, examples.texts_b, max_length=max_length)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            empty = np.zeros(0, np.int32)
-            np.savez(
-                f,
-                input_ids=np.concatenate(tok.input_ids).astype(np.int32)
-                if len(tok.lengths)
-                else empty,
-                token_type_ids=(
-                    np.concatenate(tok.token_type_ids).astype(np.int32)
-                    if len(tok.lengths)
-                    else empty
-                ),
-                lengths=np.asarray(tok.lengths, dtype=np.int32),
-            )
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from fedjax_split import atomic
+
+    def flat(rows: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(rows).astype(np.int32) if len(tok.lengths) else np.zeros(0, np.int32)
+
+    arrays = {
+        "input_ids": flat(tok.input_ids),
+        "token_type_ids": flat(tok.token_type_ids),
+        "lengths": np.asarray(tok.lengths, dtype=np.int32),
+    }
+    atomic.atomic_write(path, lambda f: np.savez(f, **arrays))
     return tok
 
 

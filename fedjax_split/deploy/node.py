@@ -16,15 +16,14 @@ checkpoint and the node still has the local part of that round.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fedjax_split import atomic
 from fedjax_split.errors import UserError
 from fedjax_split.run.config import ExperimentConfig
 
@@ -89,10 +88,8 @@ def _tokenized(
     packed = batching.pack(sources.tokenize_examples(examples, tokenizer, task, config.max_length))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **{k: v for k, v in packed._asdict().items() if v is not None})
-        os.replace(tmp, path)
+        arrays = {k: v for k, v in packed._asdict().items() if v is not None}
+        atomic.atomic_write(path, lambda f: np.savez(f, **arrays))
     return packed
 
 

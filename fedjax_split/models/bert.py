@@ -242,7 +242,7 @@ def dropout(x: jax.Array, rate: float, key: jax.Array) -> jax.Array:
     """Inverted dropout whose masks come from 16-bit draws, four per threefry hash.
 
     Why not flax's nn.Dropout: it draws a float32 uniform per element, one threefry hash each;
-    making one MiniLM step's masks took 12.0 ms that way on CPU, 5.6 ms here. Each hash of a
+    here a hash serves four elements (docs/benchmarks.md measures the masks' cost). Each hash of a
     counter pair (j, 0) gives 64 random bits, four draws for four elements of x flattened, in
     fixed blocks of 4 * _DRAW_BLOCK elements; so an element's draw depends on the key and its
     flat index only: a leading axis grown or cut (more or fewer tokens in a packed stream, or

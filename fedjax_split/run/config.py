@@ -31,6 +31,22 @@ DTYPES = ("float32", "bfloat16")  # model compute dtypes; parameters stay fp32
 ATTENTIONS = ("xla", "cudnn")  # model.ATTENTION_IMPLEMENTATIONS
 
 
+_TASK_KINDS = {"glue": "a GLUE task", "offline": "an offline corpus", "ner": "a NER task"}
+
+
+def _task_help() -> str:
+    """--task's help, listing every registered task by kind. The registry imports jax, so it is
+    imported when the flags are built, after the entry point has tuned the process."""
+    from fedjax_split.tasks.registry import TASKS
+
+    kinds: dict[str, list[str]] = {}
+    for task in TASKS.values():
+        kinds.setdefault(task.kind, []).append(task.name)
+    parts = [f"{_TASK_KINDS.get(k, k)} ({', '.join(names)})" for k, names in kinds.items()]
+    listed = f"{', '.join(parts[:-1])} or {parts[-1]}" if len(parts) > 1 else parts[0]
+    return f"Task: {listed}."
+
+
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """Everything that defines a run. Defaults are the paper's setting (FedSplitBERT, Table III).
@@ -42,19 +58,15 @@ class ExperimentConfig:
     rounds to reach 84% on MRPC; Table V uses 3 to 9).
     """
 
-    task: str = _setting(
-        "sst2",
-        "Task: a GLUE task (cola, sst2, mrpc, qqp, mnli, qnli, rte, wnli, stsb) or an offline "
-        "corpus (rotten_tomatoes, 20news, trec).",
-    )
+    task: str = _setting("sst2", _task_help)
     model: str = _setting(
         "bert-base-uncased",
         "Hugging Face model id, local HF-format directory, or the offline alias 'minilm-l6'.",
     )
     data_dir: str | None = _setting(
         None,
-        "Directory with the task's local files (GLUE TSV/parquet); unset: the hub or the offline "
-        "asset.",
+        "Directory with the task's local files (GLUE TSV/parquet, CoNLL for ner); unset: the hub "
+        "or the offline asset.",
         metavar="DIR",
     )
     algorithm: str = _setting(
@@ -90,7 +102,7 @@ class ExperimentConfig:
         "--partition paper: 'exact' gives every client its row's label shares exactly (all clients "
         "the largest size at which every row is feasible, the surplus left out and reported); "
         "'sequential' gives each |D|/K examples filled in client order, so on skewed pools the "
-        "last clients miss their shares (the former behaviour).",
+        "last clients miss their shares.",
         choices=PAPER_FILLS,
     )
     alpha: float = _setting(
@@ -148,9 +160,9 @@ class ExperimentConfig:
     cpu_devices: int | None = _setting(
         None,
         "CPU devices that clients trained one at a time are dealt to, each running its clients "
-        "while the others run theirs (default 1). 2 made a 10-client round 10%% faster on 2 cores "
-        "but compiles every program once per device (docs/benchmarks.md). Results do not "
-        "depend on it.",
+        "while the others run theirs (default 1): two streams of small ops keep the cores "
+        "busier, but every program compiles once per device, so it pays in long runs with many "
+        "clients (docs/benchmarks.md measures it). Results do not depend on it.",
         metavar="N",
     )
     dtype: str = _setting(

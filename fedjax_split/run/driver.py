@@ -100,7 +100,7 @@ def _restore(run: Run, checkpointer: Any, resume: bool) -> tuple[int, list[dict[
             )
         return 0, []
     arrays, meta = checkpointer.restore(run.arrays())
-    if meta.get("model_config") != run.meta().get("model_config"):
+    if meta["model_config"] != run.meta()["model_config"]:
         raise UserError(
             "--resume: the model's config differs from the checkpoint's; use the saved "
             "--model or another --output-dir"

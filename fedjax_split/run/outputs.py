@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TextIO
 
+from fedjax_split import atomic
+
 RESULT_FILES = ("config.json", "partition.json", "metrics.jsonl", "summary.json", "checkpoints")
 
 
@@ -31,11 +33,7 @@ def _clean(value: Any) -> Any:
 
 def write_json(path: str | Path, obj: Any) -> Path:
     """Write `obj` as indented JSON atomically (temp file + rename)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    return atomic.write_text(path, json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n")
 
 
 def read_json(path: str | Path) -> Any:
@@ -43,14 +41,13 @@ def read_json(path: str | Path) -> Any:
 
 
 def write_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> Path:
-    """Replace a JSONL file with `records` atomically (used to truncate the log on --resume)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
+    """Replace a JSONL file with `records` atomically (--resume truncates the log with it)."""
+
+    def write(f: TextIO) -> None:
         for r in records:
             f.write(json.dumps(_clean(r)) + "\n")
-    os.replace(tmp, path)
-    return path
+
+    return atomic.atomic_write_text(path, write)
 
 
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
@@ -124,7 +121,7 @@ def format_round(record: dict[str, Any], metric: str | None) -> str:
     if metric and record.get(metric) is not None:
         parts.append(f"{metric} {record[metric]:.4f}")
     parts.append(f"sent {record['cum_bytes'] / 1e6:.1f} MB")  # cumulative, up + down
-    evaluated = record.get("eval_seconds") or 0.0
+    evaluated = record["eval_seconds"]
     took = f"{record['seconds']:.1f}s"
     parts.append(f"{took} (eval {evaluated:.1f}s)" if evaluated else took)
     return " | ".join(parts)

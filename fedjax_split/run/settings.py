@@ -19,7 +19,7 @@ import json
 import runpy
 import sys
 import typing
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +27,16 @@ from fedjax_split.errors import UserError
 
 
 def setting(
-    default: Any, help: str, *, choices: tuple[str, ...] | None = None, metavar: str | None = None
+    default: Any,
+    help: str | Callable[[], str],
+    *,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
 ) -> Any:
     """A setting and what its flag needs (help text, allowed values, metavar): the one place
-    each is written; `Schema` generates flags, typing and choice checks from it."""
+    each is written; `Schema` generates flags, typing and choice checks from it. A callable help
+    is called when the flags are built, for text generated from a registry that is costly to
+    import."""
     return dataclasses.field(
         default=default, metadata={"help": help, "choices": choices, "metavar": metavar}
     )
@@ -191,6 +197,11 @@ class Schema:
                     f"unknown {name} {value!r}; pass {flag} one of: {', '.join(choices)}"
                 )
 
+    def help(self, name: str) -> str:
+        """The help text of setting `name`."""
+        text = self.fields[name].metadata["help"]
+        return text() if callable(text) else text
+
     def build_parser(self, prog: str, description: str) -> argparse.ArgumentParser:
         """One flag per setting (--config first): type from the annotation, 'L'/'all'/'none'
         for unset ints, --x/--no-x for booleans; only the flags given are returned."""
@@ -210,7 +221,7 @@ class Schema:
                 kw["type"] = kind
             p.add_argument(
                 "--" + name.replace("_", "-"),
-                help=f"{meta['help']} (default: {field.default})",
+                help=f"{self.help(name)} (default: {field.default})",
                 **kw,
             )
         return p

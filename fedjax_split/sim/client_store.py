@@ -1,9 +1,9 @@
 """Every client's local (personal) part on disk, so that memory holds only the sampled clients'.
 
-Why: in FedNLP's cross-device regime hundreds to thousands of clients each keep a local part (22 MB
-for MiniLM at c = 3), and a few are sampled per round; holding them all stacked in memory did not
-fit 1,000 clients in 24 GB. Here a client's part is a file written when the client trains, and
-read when it is sampled or evaluated; a client that never trained has the shared initial part.
+Why: in FedNLP's cross-device regime hundreds to thousands of clients each keep a local part, and a
+few are sampled per round; holding them all stacked in memory grows with the number of clients
+(docs/benchmarks.md measures it). Here a client's part is a file written when the client trains,
+and read when it is sampled or evaluated; a client that never trained has the shared initial part.
 
 Layout under the store's directory: `initial.npz` (the part every client starts from) and
 `client_<id>/round_<r>.npz`, one file per round the client trained in, each written atomically
@@ -19,10 +19,8 @@ stored as their bits with the dtype's name beside them).
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from fedjax_split import atomic
 from fedjax_split.fed.roles import flatten_paths, unflatten_paths
 
 _ROUND_FILE = re.compile(r"^round_(\d+)\.npz$")
@@ -47,14 +46,7 @@ def save_tree(path: Path, tree: Any) -> None:
         arrays[p] = x if x.dtype.isbuiltin == 1 else x.view(f"u{x.itemsize}")
     arrays[_DTYPES] = np.asarray(dtypes)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic.atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 def load_tree(path: Path) -> Any:

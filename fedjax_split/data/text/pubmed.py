@@ -22,7 +22,6 @@ import gzip
 import hashlib
 import json
 import os
-import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -105,13 +104,7 @@ def load_abstracts(
     out = _unique([(f.name, a) for f in files for a in iter_abstracts(f)])
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=cache.name + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                for name, a in out:
-                    f.write(json.dumps([name, a.pmid, a.text]) + "\n")
-            os.replace(tmp, cache)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        from fedjax_split import atomic
+
+        atomic.write_text(cache, "".join(json.dumps([n, a.pmid, a.text]) + "\n" for n, a in out))
     return out

@@ -29,7 +29,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -219,15 +218,10 @@ def tokenize_corpus(
         ids.extend(np.asarray(x, np.int32) for x in enc["input_ids"])
     lengths = np.asarray([len(x) for x in ids], np.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            flat = np.concatenate(ids) if ids else np.zeros(0, np.int32)
-            np.savez(f, ids=flat.astype(np.int32), lengths=lengths, document=document)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from fedjax_split import atomic
+
+    flat = (np.concatenate(ids) if ids else np.zeros(0, np.int32)).astype(np.int32)
+    atomic.atomic_write(path, lambda f: np.savez(f, ids=flat, lengths=lengths, document=document))
     return TextUnits(ids, document)
 
 
