@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fedjax_split"
 # apps are on top: nothing imports them.
 LAYERS = [
     {"errors"},
-    {"assets", "runtime"},
+    {"assets", "atomic", "runtime"},
     {"tasks"},
     {"models"},
     {"data"},

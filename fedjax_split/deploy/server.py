@@ -404,17 +404,9 @@ class FlowerServer:
     def meta(self) -> dict[str, Any]:
         from fedjax_split.run import pieces
 
-        run, model = self.run, self.run.model
-        return {
-            "seed": run.config.seed,
-            "partition": [{"train": tr, "test": te}
-                          for tr, te in pieces.partition_lists(run.partition)],
-            "model_config": model.config.to_hf_dict(),
-            "model_dir": None if model.model_dir is None else str(model.model_dir),
-            "critical_layer": model.critical_layer,
-            "deploy": "flower",
-            "run_id": run.run_id,
-        }  # fmt: skip
+        run = self.run
+        meta = pieces.checkpoint_meta(run.config, run.model, run.partition)
+        return {**meta, "deploy": "flower", "run_id": run.run_id}
 
     def resume(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
         from fedjax_split.run import pieces
@@ -424,12 +416,7 @@ class FlowerServer:
                 "--resume: this run was not written by the Flower server (its clients' local "
                 "parts are in its client store); continue it with `python -m fedjax_split.train`"
             )
-        saved = [[list(c["train"]), list(c["test"])] for c in meta["partition"]]
-        if saved != pieces.partition_lists(self.run.partition):
-            raise UserError(
-                "--resume: the nodes' data or partition differ from the checkpoint's; use the "
-                "same data and --max-examples/--seed, or another --output-dir"
-            )
+        pieces.check_partition(meta, self.run.partition, "the nodes' data")
         self.run.server_state = arrays["server_state"]
         self.run.run_id = str(meta["run_id"])
 

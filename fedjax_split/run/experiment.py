@@ -138,15 +138,7 @@ class Simulation:
         return {**state, "frozen": self.frozen} if self.frozen else state
 
     def meta(self) -> dict[str, Any]:
-        model = self.setup.model
-        return {
-            "seed": self.setup.config.seed,
-            "partition": [{"train": tr, "test": te}
-                          for tr, te in pieces.partition_lists(self.setup.partition)],
-            "model_config": model.config.to_hf_dict(),
-            "model_dir": None if model.model_dir is None else str(model.model_dir),
-            "critical_layer": model.critical_layer,
-        }  # fmt: skip
+        return pieces.checkpoint_meta(self.setup.config, self.setup.model, self.setup.partition)
 
     def resume(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
         if meta.get("deploy") is not None:
@@ -154,12 +146,7 @@ class Simulation:
                 f"--resume: this run was written by the {meta['deploy']} server (its clients' "
                 "local parts are on its nodes); continue it with `python -m fedjax_split.flower`"
             )
-        saved = [[list(c["train"]), list(c["test"])] for c in meta["partition"]]
-        if saved != pieces.partition_lists(self.setup.partition):
-            raise UserError(
-                "--resume: the data or partition differ from the checkpoint's; use the same "
-                "--data-dir/--max-examples/--seed or another --output-dir"
-            )
+        pieces.check_partition(meta, self.setup.partition, "the data")
         if not (self.run_dir / CLIENTS_DIR / "initial.npz").is_file():
             raise UserError(
                 f"{str(self.run_dir)!r} has no client store ({CLIENTS_DIR}/) to resume from; "

@@ -224,6 +224,29 @@ def partition_lists(part: Any) -> list[list[list[int]]]:
     return [[np.asarray(c.train).tolist(), np.asarray(c.test).tolist()] for c in part.clients]
 
 
+def checkpoint_meta(config: ExperimentConfig, model: Model, part: Any) -> dict[str, Any]:
+    """What a fine-tuning checkpoint records besides its arrays, simulated or deployed: the seed,
+    the partition and the model it was made with (checked on --resume)."""
+    return {
+        "seed": config.seed,
+        "partition": [{"train": tr, "test": te} for tr, te in partition_lists(part)],
+        "model_config": model.config.to_hf_dict(),
+        "model_dir": None if model.model_dir is None else str(model.model_dir),
+        "critical_layer": model.critical_layer,
+    }
+
+
+def check_partition(meta: dict[str, Any], part: Any, what: str) -> None:
+    """UserError unless the checkpoint's partition (`meta`) is `part`; `what`: where the data
+    come from, for the message."""
+    saved = [[list(c["train"]), list(c["test"])] for c in meta["partition"]]
+    if saved != partition_lists(part):
+        raise UserError(
+            f"--resume: {what} or partition differ from the checkpoint's; use the same data "
+            "and --max-examples/--seed, or another --output-dir"
+        )
+
+
 def load_tokenized(config: ExperimentConfig, task: Any, examples: Any, model_dir: Any) -> Any:
     """The pool tokenised with the model's tokenizer and flattened once (`batching.pack`)."""
     from fedjax_split.data import batching, sources, tokenization
