@@ -55,8 +55,8 @@ _EXPORTS = {
     # simulation and runs
     "RoundSpec": "fedjax_split.sim.rounds",
     "run_round": "fedjax_split.sim.rounds",
-    "client_round": "fedjax_split.sim.rounds",
-    "client_key": "fedjax_split.sim.rounds",
+    "client_round": "fedjax_split.fed.client_program",
+    "client_key": "fedjax_split.fed.client_program",
     "replicate": "fedjax_split.sim.rounds",
     "run_experiment": "fedjax_split.run.experiment",
     "run_pretraining": "fedjax_split.run.pretraining",

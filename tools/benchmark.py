@@ -42,6 +42,7 @@ from fedjax_split.data import batching
 from fedjax_split.data.batch import apply_batch
 from fedjax_split.errors import UserError, report
 from fedjax_split.fed import client, server_optimizers
+from fedjax_split.fed.client_program import client_round
 from fedjax_split.fed.roles import merge_params, split_params
 from fedjax_split.models import flops
 from fedjax_split.models.bert import (
@@ -192,15 +193,15 @@ def run(args: argparse.Namespace) -> dict:
         seq_compile_s = seq_s = step_compile_s = step_s = float("nan")
         per_client = []
 
-    # The same clients one after another (rounds.client_round: each client's own steps, one
+    # The same clients one after another (client_program.client_round: each client's own steps, one
     # jitted program per step shape), on one device.
     alone = dataclasses.replace(spec, chunk_size=1, devices=tuple(jax.local_devices()[:1]))
     per_client = own_steps
 
     def sequential():
         outs = [
-            rounds.client_round(alone, state.global_params, jax.tree.map(lambda x, i=i: x[i],
-                                locals_k), pc, jax.random.key(i))  # fmt: skip
+            client_round(alone, state.global_params, jax.tree.map(lambda x, i=i: x[i], locals_k),
+                         pc, jax.random.key(i))  # fmt: skip
             for i, pc in enumerate(per_client)
         ]
         return jax.tree.map(lambda *x: sum(x), *[o[0] for o in outs])

@@ -150,15 +150,15 @@ def train(
     `state_round`: the rounds the server's state had completed (the key folds it in)."""
     import jax
 
+    from fedjax_split.fed.client_program import client_key, client_round
     from fedjax_split.run import pieces
-    from fedjax_split.sim import rounds
 
     steps = pieces.client_steps(
         node.config, node.task, node.tokenized, node.labels, node.row_width,
         node.split.train, node.client_id, round_index,
     )  # fmt: skip
-    key = rounds.client_key(jax.random.key(node.config.seed), state_round, node.client_id)
-    return rounds.client_round(node.round_spec, global_wire, local, steps, key, node.frozen)
+    key = client_key(jax.random.key(node.config.seed), state_round, node.client_id)
+    return client_round(node.round_spec, global_wire, local, steps, key, node.frozen)
 
 
 def evaluate(node: NodeSetup, global_wire: Any, local: Any) -> dict[str, Any]:

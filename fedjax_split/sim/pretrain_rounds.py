@@ -15,7 +15,7 @@ its training took (dispatch to ready, compilation included the first time a shap
 wall time and as this process' CPU time (steadier where other processes share the cores).
 
 Keys: a client's dropout key is fold_in(fold_in(key(seed), round), client id), its k-th real
-step's fold_in(that, k) (`fed.client.step_rng`), as in `sim.rounds`.
+step's fold_in(that, k) (`fed.client.step_rng`), as in `fed.client_program`.
 """
 
 from __future__ import annotations
@@ -36,12 +36,13 @@ from fedjax_split.data.text.masking import MaskedBatch
 from fedjax_split.fed import layerwise
 from fedjax_split.fed.aggregation import weighted_mean_each
 from fedjax_split.fed.client import ClientSpec
+from fedjax_split.fed.client_program import client_round
 from fedjax_split.fed.roles import layer_index
 from fedjax_split.fed.server import ServerState, server_update
 from fedjax_split.fed.wire import cast_to_wire, tree_bytes
 from fedjax_split.models.bert import BertConfig, make_apply
 from fedjax_split.models.flops import mlm_train_flops
-from fedjax_split.sim.rounds import RoundSpec, client_round
+from fedjax_split.sim.rounds import RoundSpec
 from fedjax_split.tasks.objectives import MASKED_LM
 
 
@@ -63,7 +64,7 @@ class Trainer:
     """What a round's clients run, per model depth (clients may run models of another depth than
     the server's: FedBFPT's small ones) and trained set: a `sim.rounds.RoundSpec` whose global part
     is the client's whole model, of which `trained` is trained and sent, so that a client runs
-    `sim.rounds.client_round`, the programs every federated client of this library runs."""
+    `fed.client_program.client_round`, the programs every federated client of this library runs."""
 
     def __init__(
         self,

@@ -1,11 +1,10 @@
-"""One federated round as jitted, vmapped computations, and the client sampling before it.
+"""One federated round of many clients in one process: two execution strategies of the same
+round, and the client sampling before it.
 
 Steps (FedSplitBERT's Algorithm 1 with a FedOpt server):
 1. download: the server holds the global part in the wire dtype; each client casts it to fp32;
-2. every sampled client runs its client update, vmapped over the leading client axis, in chunks of
-   `chunk_size` clients (`lax.map(..., batch_size=chunk_size)`), and with a mesh the client axis is
-   sharded over its 'clients' axis (`shard_map`), padded with weight-0 clients to a multiple of the
-   device count;
+2. every sampled client runs its client update (`fed.client_program`: the program one client runs,
+   whatever executes it);
 3. upload: each client's new global part is cast to the wire dtype;
 4. the server takes the example-weighted mean in fp32 and steps the global part
    (`fed.server.server_update`, the seam every execution strategy shares).
@@ -15,23 +14,26 @@ those global parameters; the others enter the model as constants, like the froze
 Bytes are counted from the arrays sent: down, the global part in the wire dtype; up, its trained
 part; once per sampled client (zero when the split leaves nothing global).
 
-The round runs as three jitted pieces (`round_functions`): start (download, client states), one
-call per stacked step (all clients at once), finish (upload, aggregate, server step). Steps of
-equal shape share one compiled program (batching's shape ladder keeps them few); client states
-stay on device (and sharded) between the calls.
-
 Each sampled client brings its own steps (`batching.client_batches`: built from its examples
-alone). With `chunk_size=1` and no mesh, clients run one at a time and each keeps its state in its
-own buffers for the whole round (`start_one`, `segment_one`, `finish_one`, `combine`): the host
-only enqueues the client's step programs (no device-to-host transfer inside the round). This is
-`client_round`, what a client of a real federation (`fedjax_split.deploy`) runs too, so both
-compute the same model bit for bit. With several devices (`RoundSpec.devices`, by default every
-local one: on a CPU see `devices.use_cpu_devices`), client i runs on device i % D, all devices at
-once. Otherwise the clients' steps are stacked (`batching.stack_clients`, [K, 1, ...] per step)
-for the vmapped pieces.
+alone). The two strategies, one factory each:
+- stacked (`stacked_functions`): the clients' steps are stacked (`batching.stack_clients`,
+  [K, 1, ...] per step) and the round runs as three jitted pieces: start (download, client
+  states), one call per stacked step (all clients at once: vmapped, in chunks of `chunk_size`
+  clients with `lax.map`, or a loop with `chunk_size=1`; with a mesh the client axis is sharded
+  over its 'clients' axis by `shard_map`, padded with weight-0 clients to a multiple of the device
+  count), finish (upload, aggregate, server step). Client states stay on device (and sharded)
+  between the calls.
+- one at a time (`one_at_a_time_functions`; `chunk_size=1` and no mesh): each client runs the
+  client program (`fed.client_program.client_round`'s pieces) with its state in its own buffers
+  for the whole round, and `combine` aggregates the uploads: the host only enqueues the client's
+  step programs (no device-to-host transfer inside the round), and a client of a real federation
+  (`fedjax_split.deploy`) computes the same model bit for bit. With several devices
+  (`RoundSpec.devices`, by default every local one: on a CPU see `devices.use_cpu_devices`),
+  client i runs on device i % D, all devices at once.
+Steps of equal shape share one compiled program (batching's shape ladder keeps them few).
 
-Keys: round key = fold_in(run key, round), client key = fold_in(round key, client id), step key =
-fold_in(client key, real step index) (see `client.step_rng`).
+Keys: `fed.client_program`'s (round key, then client key from the client's global id, then step
+key).
 """
 
 from __future__ import annotations
@@ -51,10 +53,17 @@ from fedjax_split.data.batch import Batch
 from fedjax_split.data.batching import stack_clients
 from fedjax_split.errors import UserError
 from fedjax_split.fed.aggregation import weighted_mean, weighted_mean_each
-from fedjax_split.fed.client import ClientMetrics, ClientSpec, ClientState, make_client_fns
-from fedjax_split.fed.roles import merge_params, select
+from fedjax_split.fed.client import (
+    ClientFns,
+    ClientMetrics,
+    ClientSpec,
+    ClientState,
+    make_client_fns,
+)
+from fedjax_split.fed.client_program import client_functions, client_rngs, download, round_rng
+from fedjax_split.fed.roles import select
 from fedjax_split.fed.server import ServerState, init_server_state, server_update, upload
-from fedjax_split.fed.wire import cast_from_wire, cast_to_wire, tree_bytes, wire_dtype
+from fedjax_split.fed.wire import cast_to_wire, tree_bytes, wire_dtype
 
 __all__ = ["ServerState", "init_server_state"]  # re-exported: rounds build on the server's state
 
@@ -75,8 +84,10 @@ class RoundResult(NamedTuple):
 class RoundSpec:
     """Static description of a round; hashable, so each distinct spec compiles once.
 
-    `donate=True` lets XLA reuse the buffers of the server state and local parts passed in, which
-    the caller must then not touch again.
+    `client`, `wire_dtype` and `trained` are all the client program reads (a
+    `fed.client_program.ProgramSpec`), `server_optimizer` the server step; the others choose how
+    the simulation executes the clients. `donate=True` lets XLA reuse the buffers of the server
+    state and local parts passed in, which the caller must then not touch again.
     """
 
     client: ClientSpec
@@ -91,16 +102,6 @@ class RoundSpec:
     devices: tuple[Any, ...] | None = None
     # The paths of the global parameters trained this round (a schedule's choice); None: all.
     trained: frozenset[str] | None = None
-
-
-def round_rng(run_rng: jax.Array, round_index: jax.Array | int) -> jax.Array:
-    """Key of one round."""
-    return jax.random.fold_in(run_rng, round_index)
-
-
-def client_rngs(round_key: jax.Array, client_ids: jax.Array) -> jax.Array:
-    """Keys [K] of the sampled clients, from their global ids (not their position in the sample)."""
-    return jax.vmap(lambda i: jax.random.fold_in(round_key, i))(jnp.asarray(client_ids))
 
 
 def sample_clients(
@@ -147,77 +148,34 @@ def _pad_clients(tree: Any, pad: int, fill: Any = None) -> Any:
     return jax.tree.map(one, tree)
 
 
-class RoundFns(NamedTuple):
-    """A round's jitted pieces; `segment` and `segment_one` compile once per distinct step shape.
+def client_keys(round_index: jax.Array, rng: jax.Array, client_ids: jax.Array) -> jax.Array:
+    """Keys [K] of a round's sampled clients from the run's key (`fed.client_program`'s keys)."""
+    return client_rngs(round_rng(rng, round_index), client_ids)
 
-    Stacked clients (vmapped, chunked or sharded):
+
+def _server_step(spec: RoundSpec, state: ServerState, mean: Any) -> ServerState:
+    """The server's step on the clients' weighted mean, the same for both strategies."""
+    return server_update(state, mean, spec.server_optimizer, wire_dtype(spec.wire_dtype),
+                         spec.trained)  # fmt: skip
+
+
+class StackedFns(NamedTuple):
+    """A stacked round's jitted pieces; `segment` compiles once per distinct step shape.
+
     start(server_state, local_params [K], client_ids, rng) -> (client_states, keys)
     segment(client_states, global_wire, segment [K, S, ...], keys, frozen) -> client_states
     finish(server_state, client_states, num_examples) -> (server_state, new_local, metrics)
     Client states and keys are padded with weight-0 clients to a multiple of the device count.
-    One client, its state in its own buffers (`client_round`):
-    start_one(global_wire, local, key) -> client_state; segment_one(client_state, global_wire,
-    segment [S, ...], key, frozen) -> client_state; finish_one(client_state) -> (uploaded global
-    part in fp32, new local part, metrics); combine(server_state, tuple of finish_one outputs,
-    num_examples) -> (server_state, new_local [K], metrics [K]) on the first device.
-    keys(round, rng, client_ids) -> [K] client keys.
     """
 
     start: Callable[..., Any]
     segment: Callable[..., Any]
     finish: Callable[..., Any]
-    start_one: Callable[..., Any]
-    segment_one: Callable[..., Any]
-    finish_one: Callable[..., Any]
-    combine: Callable[..., Any]
-    keys: Callable[..., Any]
 
 
-@functools.lru_cache(maxsize=32)
-def round_functions(spec: RoundSpec) -> RoundFns:
-    """The jitted pieces of a round for `spec` (cached per spec)."""
-    if spec.mesh is not None and CLIENT_AXIS not in spec.mesh.axis_names:
-        raise UserError(f"the mesh has axes {spec.mesh.axis_names}; name its axis '{CLIENT_AXIS}'")
-    if spec.chunk_size is not None and spec.chunk_size < 1:
-        raise UserError(f"chunk size must be >= 1, got {spec.chunk_size}; use a positive integer")
-    wire = wire_dtype(spec.wire_dtype)
-    fns = make_client_fns(spec.client)
-    num_devices = spec.mesh.devices.size if spec.mesh is not None else 1
-    clients = PartitionSpec(CLIENT_AXIS)
-
-    def shard(tree: Any) -> Any:
-        if spec.mesh is None:
-            return tree
-        sharding = NamedSharding(spec.mesh, clients)
-        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
-
-    def download(global_wire: Any, frozen: Any = None) -> tuple[Any, Any]:
-        """(trained global part, constants) as a client holds them: received in the wire dtype,
-        cast to fp32; the constants are the frozen parameters and the untrained global ones."""
-        trained, untrained = select(cast_from_wire(global_wire), spec.trained)
-        return trained, untrained if frozen is None else merge_params(frozen, untrained)
-
-    def keys(round_index: jax.Array, rng: jax.Array, client_ids: jax.Array) -> jax.Array:
-        return client_rngs(round_rng(rng, round_index), client_ids)
-
-    def start(state: ServerState, local_params: Any, client_ids: jax.Array, rng: jax.Array):
-        pad = -client_ids.shape[0] % num_devices
-        padded_keys = _pad_clients(keys(state.round, rng, client_ids), pad)
-        received = download(state.global_params)[0]
-        client_states = jax.vmap(fns.init, in_axes=(None, 0), axis_size=padded_keys.shape[0])(
-            received, _pad_clients(local_params, pad)
-        )
-        return shard(client_states), shard(padded_keys)
-
-    def start_one(global_wire: Any, local: Any, key: jax.Array) -> ClientState:
-        del key  # the key enters at every step; kept in the signature for symmetry with start
-        return fns.init(download(global_wire)[0], local)
-
-    def segment_one(
-        client_state: ClientState, global_wire: Any, seg: Any, key: jax.Array, frozen: Any = None
-    ):
-        received, constants = download(global_wire, frozen)
-        return fns.train_segment(client_state, seg, received, key, constants)
+def _train_stacked(spec: RoundSpec, fns: ClientFns) -> Callable[..., ClientState]:
+    """One stacked step for all clients: vmapped, in chunks (`lax.map`), or a loop over clients
+    (chunk_size=1); with a mesh, each device runs its share of the clients (`shard_map`)."""
 
     def train(
         client_states: ClientState, received: Any, seg: Any, keys: jax.Array, constants: Any
@@ -239,14 +197,44 @@ def round_functions(spec: RoundSpec) -> RoundFns:
             return jax.lax.fori_loop(0, keys.shape[0], body, client_states)
         return jax.lax.map(one, (client_states, seg, keys), batch_size=spec.chunk_size)
 
-    if spec.mesh is not None:
-        train = jax.shard_map(
-            train,
-            mesh=spec.mesh,
-            in_specs=(clients, PartitionSpec(), clients, clients, PartitionSpec()),
-            out_specs=clients,
-            check_vma=False,
+    if spec.mesh is None:
+        return train
+    clients = PartitionSpec(CLIENT_AXIS)
+    return jax.shard_map(
+        train,
+        mesh=spec.mesh,
+        in_specs=(clients, PartitionSpec(), clients, clients, PartitionSpec()),
+        out_specs=clients,
+        check_vma=False,
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def stacked_functions(spec: RoundSpec) -> StackedFns:
+    """The jitted pieces of a stacked round for `spec` (cached per spec)."""
+    if spec.mesh is not None and CLIENT_AXIS not in spec.mesh.axis_names:
+        raise UserError(f"the mesh has axes {spec.mesh.axis_names}; name its axis '{CLIENT_AXIS}'")
+    if spec.chunk_size is not None and spec.chunk_size < 1:
+        raise UserError(f"chunk size must be >= 1, got {spec.chunk_size}; use a positive integer")
+    wire = wire_dtype(spec.wire_dtype)
+    fns = make_client_fns(spec.client)
+    train = _train_stacked(spec, fns)
+    num_devices = spec.mesh.devices.size if spec.mesh is not None else 1
+
+    def shard(tree: Any) -> Any:
+        if spec.mesh is None:
+            return tree
+        sharding = NamedSharding(spec.mesh, PartitionSpec(CLIENT_AXIS))
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
+
+    def start(state: ServerState, local_params: Any, client_ids: jax.Array, rng: jax.Array):
+        pad = -client_ids.shape[0] % num_devices
+        padded_keys = _pad_clients(client_keys(state.round, rng, client_ids), pad)
+        received = download(state.global_params, spec.trained)[0]
+        client_states = jax.vmap(fns.init, in_axes=(None, 0), axis_size=padded_keys.shape[0])(
+            received, _pad_clients(local_params, pad)
         )
+        return shard(client_states), shard(padded_keys)
 
     def segment(
         client_states: ClientState, global_wire: Any, seg: Batch, keys: jax.Array, frozen=None
@@ -255,43 +243,55 @@ def round_functions(spec: RoundSpec) -> RoundFns:
         data = _pad_clients(seg.replace(step_mask=None), pad).replace(
             step_mask=_pad_clients(seg.step_mask, pad, False)
         )
-        received, constants = download(global_wire, frozen)
+        received, constants = download(global_wire, spec.trained, frozen)
         return train(client_states, received, data, keys, constants)
-
-    def server_step(state: ServerState, mean: Any) -> ServerState:
-        return server_update(state, mean, spec.server_optimizer, wire, spec.trained)
 
     def finish(state: ServerState, client_states: ClientState, num_examples: jax.Array):
         num_sampled = num_examples.shape[0]
         pad = client_states.steps.shape[0] - num_sampled
         weights = _pad_clients(jnp.asarray(num_examples, jnp.float32), pad, 0.0)
         new_globals, new_locals, metrics = jax.vmap(fns.finish)(client_states)
-        new_state = server_step(state, weighted_mean(upload(new_globals, wire), weights))
+        new_state = _server_step(spec, state, weighted_mean(upload(new_globals, wire), weights))
         unpad = lambda x: x[:num_sampled]  # noqa: E731
         return new_state, jax.tree.map(unpad, new_locals), jax.tree.map(unpad, metrics)
 
-    def finish_one(client_state: ClientState) -> tuple[Any, Any, ClientMetrics]:
-        new_global, new_local, metrics = fns.finish(client_state)
-        return upload(new_global, wire), new_local, metrics
+    return StackedFns(
+        jax.jit(start, donate_argnums=(1,) if spec.donate else ()),
+        jax.jit(segment, donate_argnums=(0,)),
+        # finish's outputs are smaller than the client states: donating those would not help.
+        jax.jit(finish, donate_argnums=(0,) if spec.donate else ()),
+    )
+
+
+class OneAtATimeFns(NamedTuple):
+    """A one-at-a-time round's jitted pieces: the client program (`fed.client_program`:
+    start_one, segment_one, finish_one, each client's state in its own buffers), then
+    combine(server_state, tuple of finish_one outputs, num_examples) -> (server_state,
+    new_local [K], metrics [K]) on the first device; keys(round, rng, client_ids) -> [K] keys."""
+
+    start_one: Callable[..., Any]
+    segment_one: Callable[..., Any]
+    finish_one: Callable[..., Any]
+    combine: Callable[..., Any]
+    keys: Callable[..., Any]
+
+
+@functools.lru_cache(maxsize=32)
+def one_at_a_time_functions(spec: RoundSpec) -> OneAtATimeFns:
+    """The jitted pieces of a one-at-a-time round for `spec` (cached per spec): the very programs
+    `fed.client_program.client_round` runs, and the aggregation."""
 
     def combine(state: ServerState, finished: tuple, num_examples: jax.Array):
         # No stacked copy of the clients' global parts: they are summed where they lie.
         new_globals, new_locals, metrics = zip(*finished, strict=True)
         mean = weighted_mean_each(list(new_globals), num_examples)
         stack = lambda trees: jax.tree.map(lambda *x: jnp.stack(x), *trees)  # noqa: E731
-        return server_step(state, mean), stack(new_locals), stack(metrics)
+        return _server_step(spec, state, mean), stack(new_locals), stack(metrics)
 
-    donate = spec.donate
-    return RoundFns(
-        jax.jit(start, donate_argnums=(1,) if donate else ()),
-        jax.jit(segment, donate_argnums=(0,)),
-        # finish's outputs are smaller than the client states: donating those would not help.
-        jax.jit(finish, donate_argnums=(0,) if donate else ()),
-        jax.jit(start_one),  # a client's local part is the caller's (a row of [K], a node's own)
-        jax.jit(segment_one, donate_argnums=(0,)),
-        jax.jit(finish_one, donate_argnums=(0,)),
-        jax.jit(combine, donate_argnums=(0,) if donate else ()),
-        jax.jit(keys),
+    return OneAtATimeFns(
+        *client_functions(spec),
+        jax.jit(combine, donate_argnums=(0,) if spec.donate else ()),
+        jax.jit(client_keys),
     )
 
 
@@ -311,37 +311,8 @@ def round_devices(spec: RoundSpec) -> tuple[Any, ...]:
     return tuple(jax.local_devices()) if spec.devices is None else tuple(spec.devices)
 
 
-def client_key(run_rng: jax.Array, round_index: int, client_id: int) -> jax.Array:
-    """A client's key for a round: fold_in(fold_in(run key, rounds completed), client id)."""
-    return jax.random.fold_in(round_rng(run_rng, round_index), client_id)
-
-
-def client_round(
-    spec: RoundSpec,
-    global_wire: Any,
-    local: Any,
-    segments: Sequence[Batch],
-    key: jax.Array,
-    frozen: Any = None,
-) -> tuple[Any, Any, ClientMetrics]:
-    """One client's part of a round: train from the received global part (in the wire dtype) and
-    its own local part on its own steps (`batching.client_batches`); returns (its upload as the
-    server receives it, in fp32; its new local part; its metrics).
-
-    The very programs the simulation runs for each client when clients run one at a time, so a
-    client of a real federation computes what the simulation computes for it, bit for bit. `key`:
-    `client_key(run key, round, client id)`; `frozen`: the frozen parameters (default none).
-    """
-    fns = round_functions(spec)
-    frozen = {} if frozen is None else frozen
-    state = fns.start_one(global_wire, local, key)
-    for seg in segments:
-        state = fns.segment_one(state, global_wire, seg.for_training(), key, frozen)
-    return fns.finish_one(state)
-
-
 def _run_one_at_a_time(
-    fns: RoundFns,
+    fns: OneAtATimeFns,
     devices: tuple[Any, ...],
     server_state: ServerState,
     local_params: Any,
@@ -352,8 +323,8 @@ def _run_one_at_a_time(
     frozen: Any,
 ) -> tuple[ServerState, Any, ClientMetrics]:
     """One-at-a-time round with client i on devices[i % D]: each device runs its clients one
-    after another while the other devices run theirs. Each client runs `client_round`'s programs
-    on its own steps; the uploads are summed on devices[0] in client order.
+    after another while the other devices run theirs. Each client runs the client program
+    (`fed.client_program`) on its own steps; the uploads are summed on devices[0] in client order.
 
     Why several devices: on a CPU, two streams of small client steps keep both cores busier than
     one stream whose every op is split across them (docs/benchmarks.md measures it).
@@ -386,6 +357,24 @@ def _run_one_at_a_time(
                                                 frozen_there)  # fmt: skip
     finished = tuple(jax.device_put(fns.finish_one(s), devices[0]) for s in states)
     return fns.combine(jax.device_put(server_state, devices[0]), finished, weights)
+
+
+def _run_stacked(
+    fns: StackedFns,
+    server_state: ServerState,
+    local_params: Any,
+    ids: jax.Array,
+    rng: jax.Array,
+    segments: Sequence[Sequence[Batch]],
+    weights: np.ndarray,
+    frozen: Any,
+) -> tuple[ServerState, Any, ClientMetrics]:
+    """Stacked round: the clients' steps stacked step by step, all clients in each call."""
+    client_states, keys = fns.start(server_state, local_params, ids, rng)
+    for seg in stack_clients(segments):
+        seg = seg.for_training()
+        client_states = fns.segment(client_states, server_state.global_params, seg, keys, frozen)
+    return fns.finish(server_state, client_states, weights)
 
 
 def client_bytes(spec: RoundSpec, global_params: Any) -> tuple[int, int]:
@@ -430,20 +419,17 @@ def run_round(
         client_ids = np.arange(num_sampled, dtype=np.int32)
     frozen = {} if frozen is None else frozen
     per_client_down, per_client_up = client_bytes(spec, server_state.global_params)
-    fns = round_functions(spec)
     ids = jnp.asarray(client_ids, jnp.int32)
     if one_at_a_time(spec):
         state, new_local, metrics = _run_one_at_a_time(
-            fns, round_devices(spec), server_state, local_params, ids, rng, segments, weights,
-            frozen,
+            one_at_a_time_functions(spec), round_devices(spec), server_state, local_params, ids,
+            rng, segments, weights, frozen,
         )  # fmt: skip
     else:
-        client_states, keys = fns.start(server_state, local_params, ids, rng)
-        for seg in stack_clients(segments):
-            seg = seg.for_training()
-            client_states = fns.segment(client_states, server_state.global_params, seg, keys,
-                                        frozen)  # fmt: skip
-        state, new_local, metrics = fns.finish(server_state, client_states, weights)
+        state, new_local, metrics = _run_stacked(
+            stacked_functions(spec), server_state, local_params, ids, rng, segments, weights,
+            frozen,
+        )  # fmt: skip
     train_loss = metrics.loss_sum / jnp.maximum(metrics.num_examples, 1.0)
     result = RoundResult(
         train_loss, per_client_down * num_sampled, per_client_up * num_sampled, metrics
