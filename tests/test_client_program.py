@@ -14,7 +14,6 @@ import numpy as np
 import optax
 import pytest
 from fedcore_helpers import LAYERS, make_segments, per_client, tiny_model
-from fedjax_split.data.objectives import CLASSIFICATION
 
 import fedjax_split
 from fedjax_split.fed import server_optimizers
@@ -35,6 +34,7 @@ from fedjax_split.sim.rounds import (
     one_at_a_time_functions,
     run_round,
 )
+from fedjax_split.tasks.objectives import CLASSIFICATION
 
 K = 3
 WEIGHTS = np.array([5, 20, 75])
