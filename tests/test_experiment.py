@@ -373,31 +373,3 @@ def test_ner_run_reports_entity_f1_per_client_and_learns(ner_run: Path) -> None:
     summary = json.loads((ner_run / "summary.json").read_text())
     assert summary["primary_metric"] == "f1"
 
-
-def test_exported_ner_client_predicts_the_same_in_pytorch(ner_run: Path, files) -> None:
-    """Client 1's personalised model, exported, loads in transformers as a
-    BertForTokenClassification with the tag names and gives the same predictions as ours."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from fedjax_split.models.hf_checkpoint import load_pretrained
-
-    out = export.export_client(ner_run, 1, files["base"] / "ner_export")
-    model = transformers.AutoModelForTokenClassification.from_pretrained(out).eval()
-    assert type(model).__name__ == "BertForTokenClassification"
-    assert model.config.id2label[1] == "B-neg" and len(model.config.id2label) == 5
-    tok = transformers.AutoTokenizer.from_pretrained(out)
-    enc = tok(
-        [["good", "film", "awful", "plot"], ["the", "fine", "lovely", "story"]],
-        is_split_into_words=True,
-        padding=True,
-        return_tensors="np",
-    )
-    with torch.no_grad():
-        theirs = model(**{k: torch.tensor(v) for k, v in enc.items()}).logits.numpy()
-    apply, params, _ = load_pretrained(out, num_labels=5, head="token")
-    ours = np.asarray(
-        apply(params, enc["input_ids"], enc["attention_mask"], enc["token_type_ids"], train=False)
-    )
-    np.testing.assert_allclose(ours, theirs, atol=1e-4)
-    real = enc["attention_mask"] > 0
-    np.testing.assert_array_equal(ours.argmax(-1)[real], theirs.argmax(-1)[real])

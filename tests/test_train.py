@@ -272,27 +272,6 @@ def test_config_file_with_flag_override(env: dict, tmp_path: Path) -> None:
     assert (config.rounds, config.seed, config.task) == (2, 5, "sst2")
 
 
-def test_export_writes_a_loadable_personalised_model(env: dict, straight: Path) -> None:
-    import jax
-
-    from fedjax_split import export
-    from fedjax_split.models.hf_checkpoint import load_pretrained
-
-    out = export.export_client(straight, 1, env["base"] / "export1")
-    params, config, _ = export.personalised_params(straight, 1)
-    loaded = load_pretrained(out, num_labels=2)
-    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # clients differ in their local part (layer_1, pooler, head), share the global part
-    p0, _, _ = export.personalised_params(straight, 0)
-    assert not np.array_equal(p0["classifier"]["kernel"], params["classifier"]["kernel"])
-    np.testing.assert_array_equal(
-        p0["encoder"]["layer_0"]["output"]["kernel"],
-        params["encoder"]["layer_0"]["output"]["kernel"],
-    )
-    assert export.main(["--run-dir", str(straight), "--client", "7", "--out", "x"]) == 2
-
-
 def test_resume_without_any_checkpoint_is_refused(
     env: dict, straight: Path, capsys: pytest.CaptureFixture
 ) -> None:
