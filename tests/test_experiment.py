@@ -1,5 +1,8 @@
-"""run_experiment as a library: personalised metrics against transformers' PyTorch BERT, partial
-participation, 16-bit wire bytes counted by hand, the c = 0 and c = L edge cases."""
+"""fedjax_split.run.experiment (run_experiment as a library, in this process): what a run writes
+and its accounting, personalised metrics against transformers' PyTorch BERT, partial
+participation, 16-bit wire bytes counted by hand, the c = 0 and c = L edge cases, --freeze,
+--packing, token tasks. The command line around it is tests/test_train.py's; the export,
+tests/test_export.py's."""
 
 from __future__ import annotations
 
@@ -49,6 +52,43 @@ def _global_count_by_hand(model_dir: Path, c: int) -> int:
     emb = (cfg["vocab_size"] + cfg["max_position_embeddings"] + cfg["type_vocab_size"]) * h + 2 * h
     layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
     return emb + c * layer
+
+
+@pytest.fixture(scope="module")
+def straight(files: dict[str, Path]) -> Path:
+    """Four rounds of every client, two epochs of one batch each (test_train's command line
+    runs the same settings)."""
+    cfg = _config(files, "straight", rounds=4, local_epochs=2, critical_layer=1, seed=0)
+    experiment.run_experiment(cfg, progress=False)
+    return files["base"] / "straight"
+
+
+def test_a_run_writes_every_output_and_its_accounting(straight: Path) -> None:
+    for name in ("metrics.jsonl", "summary.json", "config.json", "partition.json"):
+        assert (straight / name).is_file(), name
+    records = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in records] == [1, 2, 3, 4]
+    per_round = records[0]["bytes_up"]
+    # tiny BERT, c=1 of 2: global = embeddings + layer_0 in fp32 for 3 clients
+    assert per_round == records[0]["bytes_down"] > 0
+    for i, r in enumerate(records, 1):
+        assert r["cum_bytes_up"] == i * per_round and r["cum_bytes"] == 2 * i * per_round
+        assert np.isfinite(r["train_loss"]) and r["seconds"] >= 0
+        assert r["train_seconds"] > 0 and r["eval_seconds"] > 0  # tiny runs evaluate every round
+        assert r["seconds"] == pytest.approx(r["train_seconds"] + r["eval_seconds"], abs=1e-9)
+        assert len(r["clients"]) == 3 and len(r["train_loss_clients"]) == 3
+        mean = np.mean([c["accuracy"] for c in r["clients"]])
+        assert r["accuracy"] == pytest.approx(mean, abs=1e-12)
+    summary = json.loads((straight / "summary.json").read_text())
+    assert summary["rounds"] == 4 and summary["primary_metric"] == "accuracy"
+    assert summary["final"]["accuracy"] == records[-1]["accuracy"]
+    for key in ("seconds", "train_seconds", "eval_seconds"):
+        assert summary[key] == pytest.approx(sum(r[key] for r in records))
+    config = json.loads((straight / "config.json").read_text())
+    assert config["critical_layer"] == 1 and config["clients"] == 3
+    part = json.loads((straight / "partition.json").read_text())
+    assert "clients" in part or "train" in json.dumps(part)
+    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["3", "4"]
 
 
 @pytest.fixture(scope="module")
@@ -374,31 +414,3 @@ def test_ner_run_reports_entity_f1_per_client_and_learns(ner_run: Path) -> None:
     summary = json.loads((ner_run / "summary.json").read_text())
     assert summary["primary_metric"] == "f1"
 
-
-def test_exported_ner_client_predicts_the_same_in_pytorch(ner_run: Path, files) -> None:
-    """Client 1's personalised model, exported, loads in transformers as a
-    BertForTokenClassification with the tag names and gives the same predictions as ours."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from fedjax_split.models.hf_checkpoint import load_pretrained
-
-    out = export.export_client(ner_run, 1, files["base"] / "ner_export")
-    model = transformers.AutoModelForTokenClassification.from_pretrained(out).eval()
-    assert type(model).__name__ == "BertForTokenClassification"
-    assert model.config.id2label[1] == "B-neg" and len(model.config.id2label) == 5
-    tok = transformers.AutoTokenizer.from_pretrained(out)
-    enc = tok(
-        [["good", "film", "awful", "plot"], ["the", "fine", "lovely", "story"]],
-        is_split_into_words=True,
-        padding=True,
-        return_tensors="np",
-    )
-    with torch.no_grad():
-        theirs = model(**{k: torch.tensor(v) for k, v in enc.items()}).logits.numpy()
-    apply, params, _ = load_pretrained(out, num_labels=5, head="token")
-    ours = np.asarray(
-        apply(params, enc["input_ids"], enc["attention_mask"], enc["token_type_ids"], train=False)
-    )
-    np.testing.assert_allclose(ours, theirs, atol=1e-4)
-    real = enc["attention_mask"] > 0
-    np.testing.assert_array_equal(ours.argmax(-1)[real], theirs.argmax(-1)[real])

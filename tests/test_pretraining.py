@@ -1,7 +1,9 @@
-"""run_pretraining's baselines on a tiny BERT (FedBFPT itself: tests/test_pretrain.py): no
-further pre-training exports the starting model; the truncated baseline trains and sends its k
-layers with the embeddings and head and exports a k-layer model; centralised training is one
-client with all the clients' text and sends nothing."""
+"""fedjax_split.run.pretraining (run_pretraining as a library, in this process) on a tiny BERT:
+FedBFPT's outputs and cost accounting and the BertForMaskedLM it exports; the baselines: no
+further pre-training exports the starting model, the truncated baseline trains and sends its k
+layers with the embeddings and head and exports a k-layer model, centralised training is one
+client with all the clients' text and sends nothing; --freeze. The command line around it
+(flags, exit codes, kill -9 and --resume) is tests/test_pretrain.py's."""
 
 from __future__ import annotations
 
@@ -44,6 +46,68 @@ def _run(base: dict, method: str, **extra: object) -> tuple[dict, Path]:
     with pytest.warns(UserWarning, match="freshly initialised"):
         summary = run_pretraining(settings, progress=False)
     return summary, out
+
+
+SENT = 4 * (TINY_LAYER + TINY_MLM_HEAD)  # fp32: one layer and the MLM head, per client
+
+
+@pytest.fixture(scope="module")
+def fedbfpt(base: dict) -> Path:
+    """Three rounds of FedBFPT (test_pretrain's command line runs the same settings)."""
+    _, out = _run(base, "fedbfpt", split="source", rounds=3, small_layers=2)
+    return out
+
+
+def test_outputs_and_their_cost_accounting(fedbfpt: Path) -> None:
+    for name in ("config.json", "split.json", "metrics.jsonl", "summary.json"):
+        assert (fedbfpt / name).is_file(), name
+    assert sorted(p.name for p in (fedbfpt / "checkpoints").iterdir()) == ["2", "3"]
+    rows = [json.loads(x) for x in (fedbfpt / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3] and [r["layer"] for r in rows] == [0, 0, 1]
+    sent = SENT
+    for r in rows:
+        assert [c["bytes_up"] for c in r["clients"]] == [sent, sent]
+        assert [c["layers"][0] for c in r["clients"]] == [0, 0]
+        assert all(len(c["layers"]) == 2 for c in r["clients"])
+        assert np.isfinite(r["mlm_loss"]) and 0 <= r["mlm_accuracy"] <= 1
+        assert r["flops"] == sum(c["flops"] for c in r["clients"]) < r["bert_fl_flops"]
+    # down: nothing in round 1 (clients hold the public checkpoint), then last round's update
+    assert [r["bytes_down"] for r in rows] == [0, 2 * sent, 2 * sent]
+    layers_used = {c["layers"][1] for r in rows for c in r["clients"] if r["layer"] == 0}
+    assert layers_used <= {1, 2, 3} and len(layers_used) > 1  # sampled per client and round
+    summary = json.loads((fedbfpt / "summary.json").read_text())
+    assert summary["cum_bytes_up"] == 6 * sent and summary["schedule"] == [0, 0, 1]
+    assert summary["bytes_up_share_of_bert_fl"] == pytest.approx(
+        6 * sent / summary["cum_bert_fl_bytes_up"]
+    )
+    assert summary["final"]["mlm_loss"] == rows[-1]["mlm_loss"]
+    assert summary["layers"] == 4 and summary["small_layers"] == 2
+    split = json.loads((fedbfpt / "split.json").read_text())
+    assert split["scheme"] == "source" and len(split["clients"]) == 2
+    config = json.loads((fedbfpt / "config.json").read_text())
+    assert config["method"] == "fedbfpt" and config["small_layers"] == 2
+
+
+def test_the_model_loads_in_pytorch_and_as_trains_token_classifier(fedbfpt: Path) -> None:
+    """DIR/model is a BertForMaskedLM for transformers, and what `python -m fedjax_split.train
+    --model DIR/model` loads for a token task: the encoder as trained, a fresh classifier (the
+    study fine-tunes it for real on nero: docs/fedbfpt.md)."""
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForMaskedLM.from_pretrained(fedbfpt / "model")
+    assert type(model).__name__ == "BertForMaskedLM" and model.config.num_hidden_layers == 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        token = load_pretrained(fedbfpt / "model", num_labels=5, head="token")
+    assert "cls.predictions" in " ".join(str(w.message) for w in caught)  # reported, unused
+    mlm = load_pretrained(fedbfpt / "model", num_labels=2, head="mlm")
+    np.testing.assert_array_equal(
+        np.asarray(token.params["encoder"]["layer_1"]["output"]["kernel"]),
+        np.asarray(mlm.params["encoder"]["layer_1"]["output"]["kernel"]),
+    )
+    assert set(token.params) == {"embeddings", "encoder", "classifier"}
+    assert (fedbfpt / "model" / "vocab.txt").is_file()  # the tokenizer travels with it
 
 
 def test_none_exports_the_starting_model(base: dict) -> None:

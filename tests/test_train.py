@@ -1,7 +1,10 @@
-"""The CLI end to end on a tiny random BERT: outputs, interrupt + resume, bad input, export.
+"""fedjax_split.train, the command line, end to end on a tiny random BERT: its flags and --config
+file, what a run writes, Ctrl-C (exit 130) and a SIGKILL then --resume equal to the straight run,
+one-line exit-2 errors that leave a run's files alone, the malloc check before anything starts.
 
 Runs go through real subprocesses (`python -m fedjax_split.train`) sharing a persistent JAX
-compilation cache, so only the first run pays for compilation.
+compilation cache, so only the first run pays for compilation. What a run computes and records
+(run.experiment.run_experiment) is tests/test_experiment.py's; the export, tests/test_export.py's.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
     cli_env,
@@ -80,37 +82,22 @@ def straight(env: dict) -> Path:
     out = env["base"] / "straight"
     res = _cli(env, _args(env, out))
     assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("done: 4 rounds, final accuracy ")
+    assert f"results in {out}" in res.stdout
     return out
 
 
 def test_straight_run_writes_every_output(straight: Path) -> None:
+    """The command's run directory; the rounds' accounting in it is test_experiment's."""
     for name in ("metrics.jsonl", "summary.json", "config.json", "partition.json"):
         assert (straight / name).is_file(), name
-    records = _metrics(straight)
-    assert [r["round"] for r in records] == [1, 2, 3, 4]
-    per_round = records[0]["bytes_up"]
-    # tiny BERT, c=1 of 2: global = embeddings + layer_0 in fp32 for 3 clients
-    assert per_round == records[0]["bytes_down"] > 0
-    for i, r in enumerate(records, 1):
-        assert r["cum_bytes_up"] == i * per_round and r["cum_bytes"] == 2 * i * per_round
-        assert np.isfinite(r["train_loss"]) and r["seconds"] >= 0
-        assert r["train_seconds"] > 0 and r["eval_seconds"] > 0  # tiny runs evaluate every round
-        assert r["seconds"] == pytest.approx(r["train_seconds"] + r["eval_seconds"], abs=1e-9)
-        assert len(r["clients"]) == 3 and len(r["train_loss_clients"]) == 3
-        mean = np.mean([c["accuracy"] for c in r["clients"]])
-        assert r["accuracy"] == pytest.approx(mean, abs=1e-12)
+    assert [r["round"] for r in _metrics(straight)] == [1, 2, 3, 4]
     summary = json.loads((straight / "summary.json").read_text())
-    assert summary["rounds"] == 4 and summary["primary_metric"] == "accuracy"
-    assert summary["final"]["accuracy"] == records[-1]["accuracy"]
-    for key in ("seconds", "train_seconds", "eval_seconds"):
-        assert summary[key] == pytest.approx(sum(r[key] for r in records))
+    assert summary["rounds"] == 4
     # the CLI ran on glibc's malloc, tuned before anything else (fedjax_split.runtime)
     assert summary["allocator"] == "glibc-tuned"
-    config = json.loads((straight / "config.json").read_text())
+    config = json.loads((straight / "config.json").read_text())  # the flags reached the run
     assert config["critical_layer"] == 1 and config["clients"] == 3
-    part = json.loads((straight / "partition.json").read_text())
-    assert "clients" in part or "train" in json.dumps(part)
-    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["3", "4"]
 
 
 def test_interrupted_then_resumed_run_matches_straight_run(
@@ -294,27 +281,6 @@ def test_config_file_with_flag_override(env: dict, tmp_path: Path) -> None:
     cfg.write_text('def get_config():\n    return {"task": "sst2", "rounds": 9, "seed": 5}\n')
     config = train.config_from_args(["--config", str(cfg), "--rounds", "2"])
     assert (config.rounds, config.seed, config.task) == (2, 5, "sst2")
-
-
-def test_export_writes_a_loadable_personalised_model(env: dict, straight: Path) -> None:
-    import jax
-
-    from fedjax_split import export
-    from fedjax_split.models.hf_checkpoint import load_pretrained
-
-    out = export.export_client(straight, 1, env["base"] / "export1")
-    params, config, _ = export.personalised_params(straight, 1)
-    loaded = load_pretrained(out, num_labels=2)
-    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # clients differ in their local part (layer_1, pooler, head), share the global part
-    p0, _, _ = export.personalised_params(straight, 0)
-    assert not np.array_equal(p0["classifier"]["kernel"], params["classifier"]["kernel"])
-    np.testing.assert_array_equal(
-        p0["encoder"]["layer_0"]["output"]["kernel"],
-        params["encoder"]["layer_0"]["output"]["kernel"],
-    )
-    assert export.main(["--run-dir", str(straight), "--client", "7", "--out", "x"]) == 2
 
 
 def test_resume_without_any_checkpoint_is_refused(

@@ -1,0 +1,241 @@
+"""deploy.client_app's handlers, called in this process through the ClientApp (which routes by
+message type) with Flower Message and Context objects, on a tiny BERT: what a query, a train and an
+evaluate reply carry, and which messages a node refuses before touching its disk.
+
+Messages are built with explicit metadata, as the SuperLink would deliver them; no Flower
+process is started. The bitwise equality of a node's rounds with the simulation's is
+tests/test_flower.py's (real processes)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Context, Message, Metadata, RecordDict
+from run_fixtures import private_cache, write_tiny_model, write_tiny_sst2  # noqa: F401 (autouse)
+
+from fedjax_split.deploy import client_app, codec, protocol
+from fedjax_split.errors import UserError
+
+RUN = "0123456789abcdef"
+CLIENT = 1
+NODE_ID = 11
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """A resolved 3-client config (critical layer 1 of 2, fp16 wire) and the global part the
+    server sends in round 1, as it sends it."""
+    from fedjax_split.data import tasks
+    from fedjax_split.run import pieces
+    from fedjax_split.run.config import resolve_config
+
+    base = tmp_path_factory.mktemp("client_app")
+    config = resolve_config(overrides={
+        "task": "sst2", "model": str(write_tiny_model(base / "model")),
+        "data_dir": str(write_tiny_sst2(base / "data")), "output_dir": str(base / "run"),
+        "clients": 3, "critical_layer": 1, "quantize": "fp16", "rounds": 2, "local_epochs": 1,
+        "batch_size": 32, "lr": 1e-3, "max_length": 16, "seed": 0,
+    })  # fmt: skip
+    task = tasks.get_task("sst2")
+    model = pieces.build_model(config, task)
+    wire = model.round_spec.wire_dtype
+    pool = pieces.load_pool(config, task)
+    partition = pieces.make_partition(config, task, np.asarray(pool.labels))
+    return SimpleNamespace(config=config, wire=wire, sent=codec.encode(model.global0, wire),
+                           local0=model.local0, partition=partition, pool_size=len(pool.labels))
+
+
+def _context(fed: SimpleNamespace, state_dir: Path, client: int = CLIENT) -> Context:
+    return Context(
+        run_id=1, node_id=NODE_ID, state=RecordDict(),
+        node_config={protocol.PARTITION_ID: client, protocol.STATE_DIR: str(state_dir)},
+        run_config={protocol.EXPERIMENT: json.dumps(fed.config.to_dict())},
+    )  # fmt: skip
+
+
+def _message(kind: str, content: dict) -> Message:
+    metadata = Metadata(
+        run_id=1, message_id=f"{kind}-1", src_node_id=1, dst_node_id=NODE_ID,
+        reply_to_message_id="", group_id="", created_at=time.time(), ttl=3600.0,
+        message_type=kind,
+    )  # fmt: skip
+    return Message(RecordDict(content), metadata=metadata)
+
+
+def _round_message(fed: SimpleNamespace, kind: str, *, client: int = CLIENT, round_: int = 1,
+                   arrays: dict | None = None, **extra: object) -> Message:  # fmt: skip
+    """A train or evaluate message as deploy.server builds it."""
+    cfg = {protocol.ROUND: round_, protocol.WIRE: fed.wire, protocol.RUN: RUN,
+           protocol.CLIENT: client}  # fmt: skip
+    if kind == protocol.TRAIN:
+        cfg.update({protocol.STATE_ROUND: round_ - 1, protocol.KEEP_FROM: 0})
+    cfg.update(extra)
+    arrays = fed.sent if arrays is None else arrays
+    return _message(kind, {protocol.CONFIG: ConfigRecord(cfg),
+                           protocol.GLOBAL: codec.to_record(arrays)})  # fmt: skip
+
+
+def _files(state_dir: Path) -> list[str]:
+    """What the node keeps of its clients (not its tokenised-pool cache)."""
+    run = state_dir / RUN
+    return sorted(str(p.relative_to(run)) for p in run.rglob("*.npz")) if run.is_dir() else []
+
+
+def test_the_three_kinds_are_registered() -> None:
+    kinds = (protocol.QUERY, protocol.TRAIN, protocol.EVALUATE)
+    assert set(client_app.app._registered_funcs) == {f"{kind}.default" for kind in kinds}
+
+
+def test_a_query_reply_carries_the_client_id_and_its_split(
+    fed: SimpleNamespace, tmp_path: Path
+) -> None:
+    msg = _message(protocol.QUERY, {})
+    reply = client_app.app(msg, _context(fed, tmp_path))
+    assert reply.metadata.reply_to_message_id == msg.metadata.message_id
+    assert reply.metadata.message_type == protocol.QUERY
+    assert not reply.content.array_records  # indices and sizes only
+    cfg = reply.content[protocol.CONFIG]
+    split = fed.partition.clients[CLIENT]
+    assert cfg[protocol.CLIENT] == CLIENT
+    assert cfg[protocol.SPLIT_TRAIN] == [int(i) for i in split.train]
+    assert cfg[protocol.SPLIT_TEST] == [int(i) for i in split.test]
+    assert len(split.train) > 0 and len(split.test) > 0
+    assert cfg[protocol.POOL_SIZE] == fed.pool_size
+    shares = json.loads(str(cfg[protocol.SHARES]))
+    assert shares is None or sum(shares) == pytest.approx(1.0)
+    partition = json.loads(str(cfg[protocol.PARTITION]))
+    assert partition["scheme"] == fed.config.partition and "clients" not in partition
+    assert protocol.TAG_NAMES not in cfg  # sst2 has no tags
+    other = client_app.app(msg, _context(fed, tmp_path, client=0)).content[protocol.CONFIG]
+    assert other[protocol.CLIENT] == 0
+    assert other[protocol.SPLIT_TRAIN] == [int(i) for i in fed.partition.clients[0].train]
+
+
+def test_a_partition_id_outside_the_clients_is_a_user_error(
+    fed: SimpleNamespace, tmp_path: Path
+) -> None:
+    with pytest.raises(UserError, match="partition-id 3 is outside 0..2"):
+        client_app.app(_message(protocol.QUERY, {}), _context(fed, tmp_path, client=3))
+
+
+def test_a_train_reply_carries_only_the_trained_global_part_in_the_wire_dtype(
+    fed: SimpleNamespace, tmp_path: Path
+) -> None:
+    """The upload's bits are what deploy.node computes for this client; the new local part goes
+    to the node's disk and nowhere else."""
+    from fedjax_split.deploy import node as node_mod
+    from fedjax_split.fed.roles import flatten_paths, select
+
+    msg = _round_message(fed, protocol.TRAIN)
+    reply = client_app.app(msg, _context(fed, tmp_path))
+    assert reply.metadata.reply_to_message_id == msg.metadata.message_id
+    assert dict(reply.content[protocol.CONFIG]) == {protocol.CLIENT: CLIENT,
+                                                    protocol.WIRE: "float16"}  # fmt: skip
+    upload = codec.from_record(reply.content[protocol.UPLOAD])
+    assert set(reply.content.array_records) == {protocol.UPLOAD}
+    assert {p: a.shape for p, a in upload.items()} == {p: a.shape for p, a in fed.sent.items()}
+    assert all(a.dtype == np.uint16 for a in upload.values())  # fp16 as its bits
+    local_paths = set(flatten_paths(fed.local0))
+    assert local_paths and not local_paths & set(upload)
+    assert any(not np.array_equal(upload[p], fed.sent[p]) for p in upload)  # it trained
+    m = reply.content[protocol.METRICS]
+    assert m[protocol.NUM_TRAIN] == len(fed.partition.clients[CLIENT].train)
+    assert m[protocol.STEPS] >= 1 and np.isfinite(m[protocol.LOSS_SUM])
+    assert m[protocol.LOSS_UNITS] == m[protocol.NUM_TRAIN]  # one epoch over its examples
+    assert _files(tmp_path) == [f"client_{CLIENT}/round_1.npz"]
+
+    node = node_mod.prepare(fed.config, CLIENT)
+    want, new_local, _ = node_mod.train(node, codec.decode(fed.sent, fed.wire), 1, 0, node.local0)
+    want_sent = codec.encode(select(want, None)[0], fed.wire)
+    assert set(want_sent) == set(upload)
+    for path, bits in want_sent.items():
+        assert upload[path].tobytes() == bits.tobytes(), path
+    stored = node_mod.local_part(node, node_mod.store(tmp_path, RUN, node), 1)
+    for path, x in flatten_paths(new_local).items():
+        np.testing.assert_array_equal(np.asarray(flatten_paths(stored)[path]), np.asarray(x))
+
+
+def test_a_schedules_subset_is_all_that_goes_up(fed: SimpleNamespace, tmp_path: Path) -> None:
+    trained = sorted(p for p in fed.sent if p.startswith("encoder/layer_0/"))
+    assert trained and len(trained) < len(fed.sent)
+    reply = client_app.app(_round_message(fed, protocol.TRAIN, **{protocol.TRAINED: trained}),
+                           _context(fed, tmp_path))  # fmt: skip
+    assert sorted(codec.from_record(reply.content[protocol.UPLOAD])) == trained
+
+
+def test_an_evaluate_reply_carries_the_clients_metrics_as_json(
+    fed: SimpleNamespace, tmp_path: Path
+) -> None:
+    """With the local part the node stored in round 1 (a node that never trained has the
+    pretrained one)."""
+    from fedjax_split.deploy import node as node_mod
+
+    ctx = _context(fed, tmp_path)
+    fresh = client_app.app(_round_message(fed, protocol.EVALUATE), ctx).content[protocol.CONFIG]
+    client_app.app(_round_message(fed, protocol.TRAIN), ctx)
+    reply = client_app.app(_round_message(fed, protocol.EVALUATE), ctx)
+    assert not reply.content.array_records
+    cfg = reply.content[protocol.CONFIG]
+    assert cfg[protocol.CLIENT] == CLIENT
+    metrics = json.loads(str(cfg[protocol.EVAL_JSON]))
+    assert 0.0 <= metrics["accuracy"] <= 1.0
+    node = node_mod.prepare(fed.config, CLIENT)
+    local = node_mod.local_part(node, node_mod.store(tmp_path, RUN, node), 1)
+    assert metrics == node_mod.evaluate(node, codec.decode(fed.sent, fed.wire), local)
+    before = json.loads(str(fresh[protocol.EVAL_JSON]))
+    assert before == node_mod.evaluate(node, codec.decode(fed.sent, fed.wire), node.local0)
+
+
+def _bad_globals(fed: SimpleNamespace) -> dict[str, tuple[dict, str]]:
+    first = sorted(fed.sent)[0]
+    missing = {p: a for p, a in fed.sent.items() if p != first}
+    extra = {**fed.sent, "classifier/kernel": np.zeros((32, 2), np.uint16)}
+    reshaped = {**fed.sent, first: fed.sent[first].reshape(-1)[:-1]}
+    as_floats = {**fed.sent, first: fed.sent[first].view(np.float16)}
+    return {
+        "a missing path": (missing, "missing paths"),
+        "a local path": (extra, "unexpected paths \\['classifier/kernel'\\]"),
+        "a wrong shape": (reshaped, "has shape"),
+        "fp16 not as bits": (as_floats, "not as the bits of float16"),
+    }
+
+
+@pytest.mark.parametrize("kind", [protocol.TRAIN, protocol.EVALUATE])
+def test_a_message_for_another_client_or_a_malformed_global_part_is_refused(
+    fed: SimpleNamespace, tmp_path: Path, kind: str
+) -> None:
+    ctx = _context(fed, tmp_path)
+    with pytest.raises(ValueError, match=f"message for client 2 reached {CLIENT}"):
+        client_app.app(_round_message(fed, kind, client=2), ctx)
+    for name, (arrays, why) in _bad_globals(fed).items():
+        with pytest.raises(ValueError, match=why):
+            client_app.app(_round_message(fed, kind, arrays=arrays), ctx)
+        assert _files(tmp_path) == [], name  # refused before anything was stored
+    no_global = _round_message(fed, kind)
+    del no_global.content[protocol.GLOBAL]
+    with pytest.raises(KeyError):
+        client_app.app(no_global, ctx)
+    assert _files(tmp_path) == []
+
+
+@pytest.mark.xfail(
+    strict=True, raises=pytest.fail.Exception,
+    reason="the node checks paths and shapes only: a NaN/inf global part is trained on today",
+)  # fmt: skip
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+def test_a_non_finite_global_part_is_refused(
+    fed: SimpleNamespace, tmp_path: Path, value: float
+) -> None:
+    first = sorted(fed.sent)[0]
+    poisoned = fed.sent[first].view(np.float16).copy()
+    poisoned.reshape(-1)[0] = value
+    arrays = {**fed.sent, first: poisoned.view(np.uint16)}
+    with pytest.raises(ValueError):
+        client_app.app(_round_message(fed, protocol.TRAIN, arrays=arrays), _context(fed, tmp_path))
+    assert _files(tmp_path) == []
+

@@ -1,0 +1,210 @@
+"""fedjax_split.export: one client's personalised model (the global part as it was sent, cast to
+fp32, merged with that client's local part from the run's client store) as a Hugging Face
+directory that transformers' PyTorch BERT runs to the same logits as the run's own model, and
+one-line errors for what a user can get wrong (client id, run directory, checkpoint, round).
+
+Runs are tiny in-process `run_experiment`s (3 clients, critical layer 1 of 2, fp16 wire). That the
+run's reported per-client accuracy is what the exported model scores is test_experiment's."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from run_fixtures import private_cache, write_tiny_model, write_tiny_sst2  # noqa: F401 (autouse)
+
+from fedjax_split import export
+from fedjax_split.errors import UserError
+from fedjax_split.run import experiment
+from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("export")
+    return {"base": base, "model": write_tiny_model(base / "model"),
+            "data": write_tiny_sst2(base / "data")}  # fmt: skip
+
+
+def _config(files: dict[str, Path], name: str, **kw: object) -> dict:
+    return {
+        "task": "sst2", "model": str(files["model"]), "data_dir": str(files["data"]),
+        "output_dir": str(files["base"] / name), "clients": 3, "rounds": 2, "local_epochs": 1,
+        "batch_size": 32, "lr": 1e-3, "max_length": 16, "critical_layer": 1, "quantize": "fp16",
+        **kw,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run(files: dict[str, Path]) -> Path:
+    """Every client trains in both rounds; checkpoints of rounds 1 and 2 are kept."""
+    experiment.run_experiment(_config(files, "run"), progress=False)
+    return files["base"] / "run"
+
+
+def _own_model(run: Path, client: int, round_: int) -> dict:
+    """The model the run evaluates for `client` after `round_`, from its files: the checkpoint's
+    fp16 global part in fp32, and the client's local part as of that round."""
+    from fedjax_split.fed.roles import merge_params
+    from fedjax_split.sim.client_store import ClientStore
+
+    state, _ = RunCheckpointer(checkpoint_dir(run)).restore_untyped(round_)
+    sent = state["server_state"]["global_params"]
+    assert {np.asarray(x).dtype for x in jax.tree.leaves(sent)} == {np.dtype("float16")}
+    received = jax.tree.map(lambda x: np.asarray(x).astype(np.float32), sent)
+    local = ClientStore(run / experiment.CLIENTS_DIR).load(client, at_most=round_)
+    return merge_params(received, local)
+
+
+def test_the_exported_model_runs_in_pytorch_to_the_runs_own_logits(
+    files: dict[str, Path], run: Path
+) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from fedjax_split.models.bert import BertConfig, make_apply
+
+    out = export.export_client(run, 2, files["base"] / "client2")
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["id2label"] == {"0": "LABEL_0", "1": "LABEL_1"}
+    assert hf["architectures"] == ["BertForSequenceClassification"]
+    model = transformers.BertForSequenceClassification.from_pretrained(out).eval()
+    assert model.config.id2label == {0: "LABEL_0", 1: "LABEL_1"}
+    tok = transformers.BertTokenizerFast.from_pretrained(out)
+    texts = ["the film was good", "a dull and boring plot", "lovely", "the story was quite weak"]
+    enc = tok(texts, padding=True, truncation=True, max_length=16, return_tensors="np")
+    with torch.no_grad():
+        theirs = model(**{k: torch.tensor(v) for k, v in enc.items()}).logits.numpy()
+    _, meta = RunCheckpointer(checkpoint_dir(run)).restore_untyped()
+    apply = make_apply(BertConfig.from_hf_dict(meta["model_config"]))
+    ours = np.asarray(apply(_own_model(run, 2, 2), enc["input_ids"], enc["attention_mask"],
+                            enc["token_type_ids"], train=False))  # fmt: skip
+    np.testing.assert_allclose(theirs, ours, atol=1e-5)
+    other = export.export_client(run, 0, files["base"] / "client0")
+    with torch.no_grad():
+        zeros = transformers.BertForSequenceClassification.from_pretrained(other).eval()(
+            **{k: torch.tensor(v) for k, v in enc.items()}).logits.numpy()  # fmt: skip
+    assert not np.allclose(zeros, theirs, atol=1e-5)  # another client, another head
+
+
+def test_export_writes_a_loadable_personalised_model(files: dict[str, Path], run: Path) -> None:
+    from fedjax_split.models.hf_checkpoint import load_pretrained
+
+    out = export.export_client(run, 1, files["base"] / "export1")
+    params, config, _ = export.personalised_params(run, 1)
+    loaded = load_pretrained(out, num_labels=2)
+    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # clients differ in their local part (layer_1, pooler, head), share the global part
+    p0, _, _ = export.personalised_params(run, 0)
+    assert not np.array_equal(p0["classifier"]["kernel"], params["classifier"]["kernel"])
+    np.testing.assert_array_equal(
+        p0["encoder"]["layer_0"]["output"]["kernel"],
+        params["encoder"]["layer_0"]["output"]["kernel"],
+    )
+    assert export.main(["--run-dir", str(run), "--client", "7", "--out", "x"]) == 2
+    assert (out / "vocab.txt").is_file()  # the tokenizer travels with it
+
+
+def test_an_earlier_round_exports_that_rounds_model(files: dict[str, Path], run: Path) -> None:
+    for round_ in (1, 2):
+        params, _, _ = export.personalised_params(run, 1, round_)
+        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(_own_model(run, 1, round_)),
+                        strict=True):  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    first, latest = (jax.tree.leaves(export.personalised_params(run, 1, r)[0]) for r in (1, None))
+    assert any(not np.array_equal(a, b) for a, b in zip(first, latest, strict=True))
+    out = files["base"] / "round1"
+    assert export.main(["--run-dir", str(run), "--client", "1", "--out", str(out),
+                        "--round", "1"]) == 0  # fmt: skip
+    assert (out / "model.safetensors").is_file()
+
+
+def _one_line_error(capsys: pytest.CaptureFixture, args: list[str], needle: str) -> None:
+    assert export.main(args) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_user_errors_are_one_line_and_write_nothing(
+    files: dict[str, Path], run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    out = tmp_path / "out"
+    base = ["--out", str(out)]
+    for client in ("3", "-1"):
+        _one_line_error(capsys, ["--run-dir", str(run), "--client", client, *base],
+                        f"--client {client} is outside 0..2")  # fmt: skip
+    with pytest.raises(UserError, match="outside 0..2"):
+        export.export_client(run, 3, out)
+    _one_line_error(capsys, ["--run-dir", str(tmp_path / "nowhere"), "--client", "0", *base],
+                    "no complete checkpoint")  # fmt: skip
+    _one_line_error(capsys, ["--run-dir", str(run), "--client", "0", "--round", "9", *base],
+                    "no checkpoint of round 9")  # fmt: skip
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(run, corrupt)
+    for f in (corrupt / "checkpoints" / "2").rglob("*"):
+        if f.is_file() and "state" in f.parts:
+            f.write_bytes(b"\x00garbage")
+    _one_line_error(capsys, ["--run-dir", str(corrupt), "--client", "0", *base], "unreadable")
+
+    no_store = tmp_path / "no_store"
+    shutil.copytree(run, no_store)
+    shutil.rmtree(no_store / experiment.CLIENTS_DIR)
+    _one_line_error(capsys, ["--run-dir", str(no_store), "--client", "0", *base],
+                    f"has no client store ({experiment.CLIENTS_DIR}/)")  # fmt: skip
+
+    not_a_model = tmp_path / "taken"
+    not_a_model.mkdir()
+    (not_a_model / "notes.txt").write_text("mine")
+    _one_line_error(capsys, ["--run-dir", str(run), "--client", "0", "--out", str(not_a_model)],
+                    "is not a model directory")  # fmt: skip
+    assert [p.name for p in not_a_model.iterdir()] == ["notes.txt"]
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def ner_run(files: dict[str, Path]) -> Path:
+    from run_fixtures import write_tiny_conll
+
+    data = write_tiny_conll(files["base"] / "conll")
+    cfg = _config(
+        files, "ner", task="ner", data_dir=str(data), partition="dirichlet", alpha=1.0,
+        critical_layer=1, rounds=3, local_epochs=2, batch_size=8, lr=3e-3, quantize="none",
+    )  # fmt: skip
+    experiment.run_experiment(cfg, progress=False)
+    return files["base"] / "ner"
+
+
+def test_exported_ner_client_predicts_the_same_in_pytorch(ner_run: Path, files) -> None:
+    """Client 1's personalised model, exported, loads in transformers as a
+    BertForTokenClassification with the tag names and gives the same predictions as ours."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from fedjax_split.models.hf_checkpoint import load_pretrained
+
+    out = export.export_client(ner_run, 1, files["base"] / "ner_export")
+    model = transformers.AutoModelForTokenClassification.from_pretrained(out).eval()
+    assert type(model).__name__ == "BertForTokenClassification"
+    assert model.config.id2label[1] == "B-neg" and len(model.config.id2label) == 5
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    enc = tok(
+        [["good", "film", "awful", "plot"], ["the", "fine", "lovely", "story"]],
+        is_split_into_words=True,
+        padding=True,
+        return_tensors="np",
+    )
+    with torch.no_grad():
+        theirs = model(**{k: torch.tensor(v) for k, v in enc.items()}).logits.numpy()
+    apply, params, _ = load_pretrained(out, num_labels=5, head="token")
+    ours = np.asarray(
+        apply(params, enc["input_ids"], enc["attention_mask"], enc["token_type_ids"], train=False)
+    )
+    np.testing.assert_allclose(ours, theirs, atol=1e-4)
+    real = enc["attention_mask"] > 0
+    np.testing.assert_array_equal(ours.argmax(-1)[real], theirs.argmax(-1)[real])

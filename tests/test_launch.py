@@ -1,0 +1,145 @@
+"""deploy.launch's pieces without Flower's processes: the Flower App it writes (parsed back with
+tomllib and checked by Flower's own validator), free loopback ports, the processes' environment,
+the wait for the SuperLink to listen, and kill_tree over a process tree that spans sessions.
+Everything stays on 127.0.0.1 and every process started here is bounded in time."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fedjax_split.deploy import launch, protocol
+from fedjax_split.errors import UserError
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
+
+def test_free_port_is_a_bindable_loopback_port() -> None:
+    ports = {launch.free_port() for _ in range(3)}
+    for port in ports:
+        assert 1024 <= port <= 65535
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((launch.HOST, port))
+            s.listen()
+
+
+def test_write_app_names_our_apps_and_carries_the_run_config(tmp_path: Path) -> None:
+    from flwr.common.config import validate_config
+
+    experiment = {"task": "sst2", "output_dir": "/runs/a \"quoted\" \\ dir", "note": "line\nbreak"}
+    run_config = {
+        protocol.EXPERIMENT: json.dumps(experiment),
+        protocol.ROUND_TIMEOUT: 30.5,
+        protocol.CONNECT_TIMEOUT: 60,
+        protocol.STATUS_FILE: str(tmp_path / "status.json"),
+        protocol.STOP_AFTER_ROUND: 0,
+        "flag": True,
+    }
+    app = launch.write_app(tmp_path / "app" / "nested", run_config)
+    assert app == tmp_path / "app" / "nested"
+    parsed = tomllib.loads((app / "pyproject.toml").read_text())
+    flwr_app = parsed["tool"]["flwr"]["app"]
+    assert flwr_app["components"] == {"serverapp": launch.SERVER_APP,
+                                      "clientapp": launch.CLIENT_APP}  # fmt: skip
+    assert flwr_app["publisher"] == launch.APP_PUBLISHER
+    assert flwr_app["config"] == run_config  # types too: float, int, bool, str
+    assert json.loads(flwr_app["config"][protocol.EXPERIMENT]) == experiment
+    ok, errors, _ = validate_config(parsed, check_module=True, project_dir=app)
+    assert ok, errors
+    # the components name the apps this package defines
+    from fedjax_split.deploy import client_app, server_app
+
+    assert launch.SERVER_APP == f"{server_app.__name__}:app"
+    assert launch.CLIENT_APP == f"{client_app.__name__}:app"
+
+
+def test_process_env_puts_this_interpreter_first_and_keeps_flower_off_the_network(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PATH", "/somewhere/else")
+    monkeypatch.delenv("FLWR_TELEMETRY_ENABLED", raising=False)
+    monkeypatch.setenv("FLWR_DISABLE_UPDATE_CHECK", "0")  # the user's choice is kept
+    env = launch.process_env({"FEDJAX_SPLIT_X": "1", "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "2"})
+    assert env["PATH"].split(os.pathsep) == [str(Path(sys.executable).parent), "/somewhere/else"]
+    assert env["FLWR_TELEMETRY_ENABLED"] == "0"
+    assert env["FLWR_DISABLE_UPDATE_CHECK"] == "0"
+    assert env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "2" and env["FEDJAX_SPLIT_X"] == "1"
+    assert launch.process_env()["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.1"
+    assert "FEDJAX_SPLIT_X" not in os.environ  # the caller's environment is not touched
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_kill_tree_kills_children_and_grandchildren_in_other_sessions() -> None:
+    """A shell (in its own session, as the launcher starts every process) with two sleeping
+    children, one of them detached into a session of its own (as Flower's SuperExec does)."""
+    script = "sleep 120 & setsid sleep 120 & wait"
+    proc = subprocess.Popen(["sh", "-c", script], start_new_session=True,
+                            stdin=subprocess.DEVNULL)  # fmt: skip
+    tree: list[int] = []
+    try:
+        deadline = time.monotonic() + 20
+        while len(psutil.Process(proc.pid).children(recursive=True)) < 2:
+            assert time.monotonic() < deadline, "the sleeps did not start"
+            time.sleep(0.05)
+        tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        sessions = {os.getsid(pid) for pid in tree}
+        assert len(sessions) == 2  # one sleep left the shell's session
+        launch.kill_tree(proc)
+        assert proc.returncode == -9
+        deadline = time.monotonic() + 20
+        while not all(_gone(pid) for pid in tree):
+            assert time.monotonic() < deadline, [p for p in tree if not _gone(p)]
+            time.sleep(0.05)
+        launch.kill_tree(proc)  # again, on a tree that is gone: nothing to do, no error
+    finally:  # whatever survived a failure
+        for pid in tree:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_the_wait_for_the_superlink_ends_in_a_one_line_error(tmp_path: Path) -> None:
+    fed = launch.Federation([], tmp_path / "logs", start_timeout=1.0)
+    try:
+        assert fed.address == f"127.0.0.1:{fed.port}"
+        assert fed.env["FLWR_HOME"] == str(fed.home) and fed.home.is_dir()
+        exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        exited.wait(timeout=60)
+        with pytest.raises(UserError, match="exited at start \\(status 3\\)") as err:
+            fed._wait_listening(launch.free_port(), exited, "superlink.log")
+        assert "\n" not in str(err.value) and str(tmp_path / "logs") in str(err.value)
+        alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            with pytest.raises(UserError, match="did not listen within 1 s"):
+                fed._wait_listening(launch.free_port(), alive, "superlink.log")
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((launch.HOST, 0))
+                s.listen()
+                fed._wait_listening(s.getsockname()[1], alive, "superlink.log")  # returns
+        finally:
+            alive.kill()
+            alive.wait()
+    finally:
+        fed.close()
+    assert not fed.home.exists()  # close removes its Flower home
