@@ -30,9 +30,9 @@ NODE_ID = 11
 def fed(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """A resolved 3-client config (critical layer 1 of 2, fp16 wire) and the global part the
     server sends in round 1, as it sends it."""
-    from fedjax_split.data import tasks
     from fedjax_split.run import pieces
     from fedjax_split.run.config import resolve_config
+    from fedjax_split.tasks import registry as tasks
 
     base = tmp_path_factory.mktemp("client_app")
     config = resolve_config(overrides={
