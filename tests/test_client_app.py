@@ -223,10 +223,6 @@ def test_a_message_for_another_client_or_a_malformed_global_part_is_refused(
     assert _files(tmp_path) == []
 
 
-@pytest.mark.xfail(
-    strict=True, raises=pytest.fail.Exception,
-    reason="the node checks paths and shapes only: a NaN/inf global part is trained on today",
-)  # fmt: skip
 @pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
 def test_a_non_finite_global_part_is_refused(
     fed: SimpleNamespace, tmp_path: Path, value: float

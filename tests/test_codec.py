@@ -14,9 +14,10 @@ from fedjax_split.fed.wire import cast_to_wire, tree_bytes
 
 
 def _tree(rng: np.random.Generator) -> dict:
-    # values that 16 bits cannot hold (subnormals, large, tiny), so a rounding would show
+    # values that 16 bits cannot hold exactly (subnormals, large, tiny), so a rounding would show;
+    # all within float16's range (past 65504 it is infinite, which decode refuses)
     x = rng.standard_normal((5, 7)).astype(np.float32) * np.float32(1e3)
-    x[0, :3] = [1e-8, -6e-8, 7e4]
+    x[0, :3] = [1e-8, -6e-8, 6.1e4]
     return {"enc": {"w": jnp.asarray(x), "b": jnp.asarray(rng.standard_normal(7), jnp.float32)},
             "count": jnp.asarray([3, 4], jnp.int32)}  # fmt: skip
 
@@ -56,3 +57,18 @@ def test_check_like_names_the_difference() -> None:
         codec.check_like(arrays, {"a": (2, 3)}, "upload")
     with pytest.raises(ValueError, match="'a' has shape"):
         codec.check_like(arrays, {"a": (3, 2), "b": (4,)}, "upload")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_a_non_finite_value_is_refused_in_every_wire_dtype(dtype: str, bad: float) -> None:
+    """One NaN or infinity in a received part (a node's upload, the server's global part) is a
+    ValueError, whichever wire it came over; integer leaves are not checked as floats."""
+    tree = _tree(np.random.default_rng(1))
+    sent = codec.encode(tree, dtype)
+    codec.decode(sent, dtype)  # the clean message passes
+    poisoned = np.asarray(cast_to_wire(tree, dtype)["enc"]["b"]).copy()
+    poisoned[3] = bad
+    carrier = poisoned.view(np.uint16) if dtype != "float32" else poisoned
+    with pytest.raises(ValueError, match="'enc/b' holds non-finite values"):
+        codec.decode({**sent, "enc/b": carrier}, dtype)

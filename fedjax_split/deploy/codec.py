@@ -48,7 +48,9 @@ def decode(arrays: Mapping[str, np.ndarray], dtype: Any) -> dict[str, Any]:
 
     uint16 arrays are read as the 16-bit wire dtype's bits; a uint16 array on a 32-bit wire is
     an integer leaf and stays one. Raises ValueError for a 16-bit float sent as such (it should
-    have travelled as bits) or a V2 array (bfloat16 mangled by np.save)."""
+    have travelled as bits), a V2 array (bfloat16 mangled by np.save), or a floating leaf with a
+    NaN or an infinity: what crosses the wire is parameters, and one non-finite value would
+    spread through every model that takes it in."""
     wire = wire_dtype(dtype)
     bits = _carrier(wire)
     flat = {}
@@ -58,6 +60,9 @@ def decode(arrays: Mapping[str, np.ndarray], dtype: Any) -> dict[str, Any]:
             raise ValueError(f"{path!r} arrived as {arr.dtype}, not as the bits of {wire.name}")
         if bits is not None and arr.dtype == bits:
             arr = arr.view(wire)
+        if np.issubdtype(arr.dtype, np.inexact) or arr.dtype == wire:
+            if not np.all(np.isfinite(arr.astype(np.float32))):
+                raise ValueError(f"{path!r} holds non-finite values (NaN or infinity)")
         flat[path] = jnp.asarray(arr)
     return unflatten_paths(flat)
 
