@@ -31,6 +31,7 @@ _EXPORTS = {
     "load_tokenizer": "fedjax_split.data.tokenization",
     "Batch": "fedjax_split.data.batch",
     "PackedBatch": "fedjax_split.data.batch",
+    "Batching": "fedjax_split.data.batching",
     "client_batches": "fedjax_split.data.batching",
     "client_eval_batches": "fedjax_split.data.batching",
     "stack_clients": "fedjax_split.data.batching",

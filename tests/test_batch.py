@@ -12,7 +12,7 @@ import pytest
 from fedcore_helpers import make_segments, tiny_model
 
 from fedjax_split.data.batch import Batch, PackedBatch, apply_batch
-from fedjax_split.data.batching import make_client_batches
+from fedjax_split.data.batching import Batching, make_client_batches
 from fedjax_split.data.tokenization import Tokenized
 
 
@@ -24,9 +24,10 @@ def _packed_and_padded() -> tuple[PackedBatch, Batch]:
     ids = [rng.integers(1, 50, n).astype(np.int32) for n in lengths]
     types = [np.zeros(n, np.int32) for n in lengths]
     tok = Tokenized(ids, types, np.asarray(lengths, np.int32))
-    common = dict(batch_size=5, epochs=1, seed=0, shuffle=False)
-    (packed,) = make_client_batches(tok, [range(5)], [0, 1, 2, 0, 1], packing=True, **common)
-    (padded,) = make_client_batches(tok, [range(5)], [0, 1, 2, 0, 1], packing=False, **common)
+    common = dict(epochs=1, seed=0)
+    packing, padding = Batching(5, shuffle=False), Batching(5, shuffle=False, packing=False)
+    (packed,) = make_client_batches(tok, [range(5)], [0, 1, 2, 0, 1], packing, **common)
+    (padded,) = make_client_batches(tok, [range(5)], [0, 1, 2, 0, 1], padding, **common)
     one = lambda seg: jax.tree.map(lambda v: v[0, 0], seg)  # noqa: E731
     return one(packed), one(padded)
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from fedjax_split.data.batching import (
+    Batching,
     client_batches,
     client_eval_batches,
     default_row_width,
@@ -73,9 +74,8 @@ def test_every_example_once_per_epoch_and_contents(bucketing):
     tok, clients, labels, lengths = _setup()
     epochs, batch = 3, 4
     for cid, ix in enumerate(clients):
-        steps = client_batches(tok, ix, labels, batch_size=batch, epochs=epochs, seed=5,
-                               client_id=cid, packing=False, bucketing=bucketing,
-                               window=2)  # fmt: skip
+        how = Batching(batch, packing=False, bucketing=bucketing, window=2)
+        steps = client_batches(tok, ix, labels, how, epochs=epochs, seed=5, client_id=cid)
         _check_padded(steps, tok, labels, lengths)
         per_epoch = math.ceil(ix.size / batch)
         assert len(steps) == epochs * per_epoch
@@ -87,23 +87,23 @@ def test_every_example_once_per_epoch_and_contents(bucketing):
         assert partial == (epochs if ix.size % batch else 0)
         if bucketing and ix.size > 8:  # batches of similar length: sorted windows of 2
             spread = [np.ptp(lengths[s.example_index[s.example_index >= 0]]) for s in steps]
-            plain = client_batches(tok, ix, labels, batch_size=batch, epochs=epochs, seed=5,
-                                   client_id=cid, packing=False)  # fmt: skip
+            plain = client_batches(tok, ix, labels, Batching(batch, packing=False),
+                                   epochs=epochs, seed=5, client_id=cid)  # fmt: skip
             plain_spread = [np.ptp(lengths[s.example_index[s.example_index >= 0]]) for s in plain]
             assert np.mean(spread) < np.mean(plain_spread)
 
 
 def test_a_clients_steps_depend_on_its_own_examples_seed_and_id_only():
     tok, clients, labels, _ = _setup(sizes=(30, 30, 12))
-    kw = dict(batch_size=4, epochs=2, seed=[3, 1], packing=True)
-    alone = client_batches(tok, clients[1], labels, client_id=9, **kw)
+    how, kw = Batching(4, packing=True), dict(epochs=2, seed=[3, 1])
+    alone = client_batches(tok, clients[1], labels, how, client_id=9, **kw)
     # stacked with other companions, in another position, client 9 gets the very same steps
     for companions, pos in (([clients[0]], 1), ([clients[2], clients[0]], 0)):
         ix = list(companions)
         ix.insert(pos, clients[1])
         ids = [7, 8][: len(companions)]
         ids.insert(pos, 9)
-        stacked = make_client_batches(tok, ix, labels, client_ids=ids, **kw)
+        stacked = make_client_batches(tok, ix, labels, how, client_ids=ids, **kw)
         assert len(stacked) >= len(alone)
         for j, step in enumerate(alone):
             mine = jax.tree.map(lambda v, pos=pos, j=j: v[pos], stacked[j])
@@ -120,11 +120,11 @@ def test_a_clients_steps_depend_on_its_own_examples_seed_and_id_only():
             assert not mine.attention_mask[..., r:, :].any()
             assert not mine.input_ids[..., n:].any()
     # another id or another seed reorders; the same id and seed repeat exactly
-    again = client_batches(tok, clients[1], labels, client_id=9, **kw)
+    again = client_batches(tok, clients[1], labels, how, client_id=9, **kw)
     assert all(np.array_equal(a.example_index, b.example_index)
                for a, b in zip(alone, again, strict=True))  # fmt: skip
-    other_id = client_batches(tok, clients[1], labels, client_id=8, **kw)
-    other_seed = client_batches(tok, clients[1], labels, client_id=9, **{**kw, "seed": [3, 2]})
+    other_id = client_batches(tok, clients[1], labels, how, client_id=8, **kw)
+    other_seed = client_batches(tok, clients[1], labels, how, client_id=9, **{**kw, "seed": [3, 2]})
     for other in (other_id, other_seed):
         assert not np.array_equal(_rows(alone), _rows(other))
 
@@ -132,17 +132,61 @@ def test_a_clients_steps_depend_on_its_own_examples_seed_and_id_only():
 def test_the_global_numpy_generator_is_never_touched():
     tok, clients, labels, _ = _setup()
     before = np.random.get_state()  # noqa: NPY002 - checking it is untouched
-    client_batches(tok, clients[0], labels, batch_size=4, epochs=2, seed=1)
+    client_batches(tok, clients[0], labels, Batching(4), epochs=2, seed=1)
     after = np.random.get_state()  # noqa: NPY002
     assert before[0] == after[0] and np.array_equal(before[1], after[1]) and before[2:] == after[2:]
 
 
 def test_no_shuffle_is_seed_independent():
     tok, clients, labels, _ = _setup()
-    a = client_batches(tok, clients[0], labels, batch_size=4, epochs=1, seed=1, shuffle=False)
-    b = client_batches(tok, clients[0], labels, batch_size=4, epochs=1, seed=2, shuffle=False)
+    a = client_batches(tok, clients[0], labels, Batching(4, shuffle=False), epochs=1, seed=1)
+    b = client_batches(tok, clients[0], labels, Batching(4, shuffle=False), epochs=1, seed=2)
     np.testing.assert_array_equal(_rows(a), _rows(b))
     np.testing.assert_array_equal(_rows(a), clients[0])
+
+
+def test_the_settings_are_a_frozen_hashable_value():
+    """One `Batching` serves every client and round of a run: a value (equal settings, equal
+    specs, one hash), which nothing can change under the clients' feet."""
+    import dataclasses
+
+    how = Batching(16)
+    assert how == Batching(16, packing=True, shuffle=True, window=200, row_width=None)
+    assert hash(how) == hash(Batching(16)) and {how: 1}[Batching(16)] == 1
+    assert how != Batching(16, packing=False) and how != Batching(8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        how.batch_size = 8  # type: ignore[misc]
+    with pytest.raises(ValueError, match="batch_size"):
+        client_batches(_tokenized([3]), np.array([0]), np.zeros(1, int), Batching(0), epochs=1,
+                       seed=0)  # fmt: skip
+
+
+def test_default_settings_pack_one_step_as_by_hand():
+    """Two examples of 3 and 5 tokens in one packed step under the default settings: W is the
+    64 floor, N the ladder size of a quarter of B full rows (2 * 64 / 4 = 32), R = N / W + 1;
+    first-fit decreasing puts the longer example first in row 0."""
+    tok = _tokenized([3, 5])  # ids [1, 2, 3] and [8, 9, 10, 11, 12]
+    labels = np.array([2, 1])
+    zeros = [0] * 24
+    for how in (Batching(2, shuffle=False), Batching(2)):
+        (step,) = client_batches(tok, np.array([0, 1]), labels, how, epochs=1, seed=0)
+        assert step.packed and step.input_ids.shape == (1, 32)
+        assert step.attention_mask.shape == (1, 2, 64) and step.row_tokens.shape == (1, 2, 64)
+        assert step.input_ids[0].tolist() == [8, 9, 10, 11, 12, 1, 2, 3] + zeros
+        assert step.token_type_ids[0].tolist() == [0, 0, 1, 1, 1, 0, 1, 1] + zeros
+        assert step.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2] + zeros
+        assert step.token_slots[0].tolist() == list(range(8)) + zeros
+        assert step.row_tokens[0].tolist() == [list(range(8)) + [0] * 56, [0] * 64]
+        (index,) = step.example_index.tolist()
+        if not how.shuffle:
+            assert index == [0, 1]  # the client's order
+        assert sorted(index) == [0, 1]
+        s0, s1 = index.index(0), index.index(1)  # batch slots of the two examples
+        row = [s1 + 1] * 5 + [s0 + 1] * 3 + [0] * 56
+        assert step.attention_mask[0].tolist() == [row, [0] * 64]
+        assert step.cls_index[0, s1] == 0 and step.cls_index[0, s0] == 5
+        assert step.labels.dtype == np.int32 and step.labels[0].tolist() == labels[index].tolist()
+        assert step.example_mask.tolist() == [[1.0, 1.0]] and step.step_mask.tolist() == [True]
 
 
 def _pair_repeats(steps_by_epoch: list[list]) -> float:
@@ -168,7 +212,7 @@ def test_plain_shuffling_by_default_pairs_rarely_meet_again():
     per_epoch = math.ceil(400 / batch)
 
     def by_epoch(**kw):
-        steps = client_batches(tok, ix, labels, batch_size=batch, epochs=epochs, seed=0, **kw)
+        steps = client_batches(tok, ix, labels, Batching(batch, **kw), epochs=epochs, seed=0)
         return [steps[e * per_epoch : (e + 1) * per_epoch] for e in range(epochs)]
 
     plain = _pair_repeats(by_epoch())
@@ -191,7 +235,7 @@ def test_step_shapes_come_from_a_ladder_and_recur():
     shapes = set()
     for r in range(3):
         for cid, ix in enumerate(np.array_split(rng.permutation(1000), 10)):
-            steps = client_batches(tok, ix, labels, batch_size=16, epochs=1, seed=[0, r],
+            steps = client_batches(tok, ix, labels, Batching(16), epochs=1, seed=[0, r],
                                    client_id=cid)  # fmt: skip
             for s in steps:
                 n, (rows, width) = s.input_ids.shape[-1], s.attention_mask.shape[-2:]
@@ -211,8 +255,8 @@ def test_regression_labels_and_max_length_cap():
     lengths = [3, 9, 10, 5]
     tok = _tokenized(lengths)
     scores = np.array([0.5, 4.75, 2.0, 3.25], np.float32)
-    steps = client_batches(tok, np.array([0, 1, 2, 3]), scores, batch_size=4, epochs=1, seed=0,
-                           objective=REGRESSION, packing=False, max_length=12)  # fmt: skip
+    how = Batching(4, objective=REGRESSION, packing=False, max_length=12)
+    steps = client_batches(tok, np.array([0, 1, 2, 3]), scores, how, epochs=1, seed=0)
     (step,) = steps
     assert step.input_ids.shape == (1, 4, 12)  # 16 capped at 12
     assert step.labels.dtype == np.float32
@@ -223,12 +267,12 @@ def test_regression_labels_and_max_length_cap():
 
 def test_client_without_examples_has_no_steps_and_gets_masked_ones_when_stacked():
     tok = _tokenized([3, 5, 7])
-    kw = dict(batch_size=2, epochs=2, seed=0)
+    kw = dict(epochs=2, seed=0)
     for packing in (False, True):
-        empty = client_batches(tok, np.array([], np.int64), np.zeros(3, int), packing=packing,
-                               **kw)  # fmt: skip
+        how = Batching(2, packing=packing)
+        empty = client_batches(tok, np.array([], np.int64), np.zeros(3, int), how, **kw)
         assert empty == []
-        full = client_batches(tok, np.array([0, 1, 2]), np.zeros(3, int), packing=packing, **kw)
+        full = client_batches(tok, np.array([0, 1, 2]), np.zeros(3, int), how, **kw)
         stacked = stack_clients([full, empty])
         assert len(stacked) == 4 and sum(int(s.step_mask[0].sum()) for s in stacked) == 4
         assert not any(s.step_mask[1].any() or s.example_mask[1].any() for s in stacked)
@@ -240,23 +284,23 @@ def test_client_without_examples_has_no_steps_and_gets_masked_ones_when_stacked(
 def test_bad_labels_and_mixed_kinds_are_refused():
     tok = _tokenized([3, 4])
     with pytest.raises(ValueError, match="objective=REGRESSION"):
-        client_batches(tok, np.array([0, 1]), np.array([0.5, 1.0]), batch_size=2, epochs=1,
+        client_batches(tok, np.array([0, 1]), np.array([0.5, 1.0]), Batching(2), epochs=1,
                        seed=0)  # fmt: skip
-    padded = client_batches(tok, np.array([0]), np.zeros(2, int), batch_size=2, epochs=1, seed=0,
-                            packing=False)  # fmt: skip
-    packed = client_batches(tok, np.array([1]), np.zeros(2, int), batch_size=2, epochs=1, seed=0)
+    padded = client_batches(tok, np.array([0]), np.zeros(2, int), Batching(2, packing=False),
+                            epochs=1, seed=0)  # fmt: skip
+    packed = client_batches(tok, np.array([1]), np.zeros(2, int), Batching(2), epochs=1, seed=0)
     with pytest.raises(ValueError, match="mix padded and packed"):
         stack_clients([padded, packed])
     with pytest.raises(ValueError, match="does not fit attention rows"):
-        client_batches(tok, np.array([1]), np.zeros(2, int), batch_size=2, epochs=1, seed=0,
-                       row_width=2)  # fmt: skip
+        client_batches(tok, np.array([1]), np.zeros(2, int), Batching(2, row_width=2), epochs=1,
+                       seed=0)  # fmt: skip
 
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_eval_batches_once_each_padded_sorted_by_length_packed_in_order(packing):
     tok, clients, labels, lengths = _setup()
     for ix in clients:
-        steps = client_eval_batches(tok, ix, labels, batch_size=4, packing=packing)
+        steps = client_eval_batches(tok, ix, labels, Batching(4, packing=packing))
         rows = _rows(steps)
         assert np.array_equal(np.sort(rows), np.sort(ix))
         if packing:  # in the client's order: full packed batches all about B mean lengths
@@ -266,12 +310,24 @@ def test_eval_batches_once_each_padded_sorted_by_length_packed_in_order(packing)
             assert np.all(np.diff(lengths[rows]) >= 0)
 
 
+def test_eval_batches_ignore_the_training_only_settings():
+    tok, clients, labels, _ = _setup()
+    for packing in (False, True):
+        base = client_eval_batches(tok, clients[0], labels, Batching(4, packing=packing))
+        other = client_eval_batches(tok, clients[0], labels, Batching(
+            4, packing=packing, bucketing=True, window=2, shuffle=False))  # fmt: skip
+        assert len(base) == len(other)
+        for a, b in zip(base, other, strict=True):
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+                np.testing.assert_array_equal(x, y)
+
+
 @pytest.mark.parametrize("batch_size", [8, 32, 64])
 def test_clients_smaller_than_one_batch(batch_size):
     tok, clients, labels, lengths = _setup(sizes=(7, 3, 1))
     for ix in clients:
-        steps = client_batches(tok, ix, labels, batch_size=batch_size, epochs=2, seed=0,
-                               packing=False)  # fmt: skip
+        steps = client_batches(tok, ix, labels, Batching(batch_size, packing=False), epochs=2,
+                               seed=0)  # fmt: skip
         _check_padded(steps, tok, labels, lengths)
         assert len(steps) == 2
         assert np.array_equal(np.sort(_rows(steps)), np.sort(np.tile(ix, 2)))
@@ -279,13 +335,13 @@ def test_clients_smaller_than_one_batch(batch_size):
 
 def test_padding_waste_by_hand():
     tok = _tokenized([3, 8, 5])
-    steps = client_batches(tok, np.array([0, 1, 2]), np.zeros(3, int), batch_size=2, epochs=1,
-                           seed=0, shuffle=False, packing=False)  # fmt: skip
+    steps = client_batches(tok, np.array([0, 1, 2]), np.zeros(3, int),
+                           Batching(2, shuffle=False, packing=False), epochs=1, seed=0)
     # step 1: B=2 x T=8 = 16 positions, 3 + 8 real; step 2: 2 x 8 = 16 positions, 5 real
     assert padding_waste(steps) == pytest.approx(1 - 16 / 32, abs=0)
     # stacked with a masked step for a second client that has one example of 4 tokens
-    one = client_batches(tok, np.array([2]), np.zeros(3, int), batch_size=2, epochs=1, seed=0,
-                         packing=False)  # fmt: skip
+    one = client_batches(tok, np.array([2]), np.zeros(3, int), Batching(2, packing=False),
+                         epochs=1, seed=0)  # fmt: skip
     stacked = stack_clients([steps, one])
     # 2 steps x 2 clients x 2 rows x 8 = 64 computed; real 3 + 8 + 5 + 5 = 21
     assert padding_waste(stacked) == pytest.approx(1 - 21 / 64, abs=0)
@@ -305,10 +361,10 @@ def test_packed_padding_waste_under_10_percent_on_real_rotten_tomatoes():
     part = partition_clients(ex.labels, scheme="iid", num_clients=10, seed=0)
     for batch in (8, 16, 32):
         steps = [s for i, c in enumerate(part.clients) for s in client_batches(
-            tok, c.train, ex.labels, batch_size=batch, epochs=1, seed=0, client_id=i)]  # fmt: skip
+            tok, c.train, ex.labels, Batching(batch), epochs=1, seed=0, client_id=i)]  # fmt: skip
         assert padding_waste(steps) < 0.10, (batch, padding_waste(steps))
         padded = [s for c in part.clients[:2] for s in client_batches(tok, c.train, ex.labels,
-                  batch_size=batch, epochs=1, seed=0, packing=False)]  # fmt: skip
+                  Batching(batch, packing=False), epochs=1, seed=0)]  # fmt: skip
         assert padding_waste(padded) > 0.3
 
 
@@ -334,7 +390,7 @@ def test_packed_steps_hold_every_example_once_intact() -> None:
     assert width == 96  # the pool's longest example (90) rounded up to 8, over the 64 floor
     seen = []  # (client, pool index) of every real example
     for cid, ix in enumerate(clients):
-        steps = client_batches(tok, ix, labels, batch_size=8, epochs=2, seed=5, client_id=cid)
+        steps = client_batches(tok, ix, labels, Batching(8), epochs=2, seed=5, client_id=cid)
         assert len(steps) == 2 * math.ceil(ix.size / 8)
         for step in steps:
             assert step.packed and step.attention_mask.shape[-1] == width
@@ -384,9 +440,8 @@ def test_token_labels_follow_their_tokens(packing: bool) -> None:
     # example j's token t has label 100 * j + t: distinct, so any misplacement shows
     tok.labels = [100 * j + np.arange(n, dtype=np.int32) for j, n in enumerate(lengths)]
     clients = [np.array([0, 1, 2]), np.array([3, 4])]
-    kw = dict(batch_size=2, epochs=1, seed=3, objective=TOKEN_CLASSIFICATION, packing=packing,
-              row_width=16)  # fmt: skip
-    per_client = [client_batches(tok, ix, np.zeros(5, int), client_id=c, **kw)
+    how = Batching(2, objective=TOKEN_CLASSIFICATION, packing=packing, row_width=16)
+    per_client = [client_batches(tok, ix, np.zeros(5, int), how, epochs=1, seed=3, client_id=c)
                   for c, ix in enumerate(clients)]  # fmt: skip
     seen = {}
     for step in stack_clients(per_client):
@@ -400,4 +455,4 @@ def test_token_labels_follow_their_tokens(packing: bool) -> None:
             seen[int(value)] = seen.get(int(value), 0) + 1
     assert seen == {100 * j + t: 1 for j, n in enumerate(lengths) for t in range(n)}
     with pytest.raises(ValueError, match="per-token labels"):
-        client_batches(tok, clients[0], np.zeros(5, int), batch_size=2, epochs=1, seed=0)
+        client_batches(tok, clients[0], np.zeros(5, int), Batching(2), epochs=1, seed=0)

@@ -367,17 +367,17 @@ def test_config_rejects_bad_dtype():
 
 def _packed(ids: np.ndarray, mask: np.ndarray, types: np.ndarray, width: int) -> tuple:
     """The batch as one packed step (batching's packing=True), client and step axes dropped."""
-    from fedjax_split.data.batching import make_client_batches
+    from fedjax_split.data.batching import Batching, make_client_batches
     from fedjax_split.data.tokenization import Tokenized
 
     n = mask.sum(1)
     tok = Tokenized(
         [ids[i, :k] for i, k in enumerate(n)], [types[i, :k] for i, k in enumerate(n)], n
     )
+    how = Batching(len(n), shuffle=False, packing=True, row_width=width)
     (seg,) = make_client_batches(
-        tok, [np.arange(len(n))], np.zeros(len(n), np.int64), batch_size=len(n), epochs=1,
-        seed=0, shuffle=False, packing=True, row_width=width,
-    )  # fmt: skip
+        tok, [np.arange(len(n))], np.zeros(len(n), np.int64), how, epochs=1, seed=0
+    )
     step = jax.tree.map(lambda v: v[0, 0], seg)
     assert step.example_index.tolist() == list(range(len(n)))
     return step, step.layout()

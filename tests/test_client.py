@@ -163,7 +163,7 @@ def test_adamw_decays_matrices_only() -> None:
 
 def test_packed_segments_train_like_padded_ones() -> None:
     """The same batches, packed or padded, give the same update (no dropout to differ)."""
-    from fedjax_split.data.batching import client_batches
+    from fedjax_split.data.batching import Batching, client_batches
     from fedjax_split.data.tokenization import Tokenized
 
     apply, params = tiny_model(dropout=0.0)
@@ -175,10 +175,11 @@ def test_packed_segments_train_like_padded_ones() -> None:
         lengths.astype(np.int32),
     )
     labels = rng.integers(0, 3, 22)
-    kw = dict(batch_size=4, epochs=2, seed=1)
-    padded = client_batches(tok, np.arange(22), labels, packing=False, **kw)
+    kw = dict(epochs=2, seed=1)
+    padded = client_batches(tok, np.arange(22), labels, Batching(4, packing=False), **kw)
     # rows of 16 slots: the default (at least 64) would floor N at B W / 4 = 64 tokens a step
-    packed = client_batches(tok, np.arange(22), labels, packing=True, row_width=16, **kw)
+    packing = Batching(4, packing=True, row_width=16)
+    packed = client_batches(tok, np.arange(22), labels, packing, **kw)
     for x, y in zip(padded, packed, strict=True):
         np.testing.assert_array_equal(x.example_index, y.example_index)
     assert sum(s.input_ids.size for s in packed) < sum(s.input_ids.size for s in padded)

@@ -147,7 +147,7 @@ def test_token_predictions_of_segments_of_different_lengths() -> None:
 def test_packed_token_predictions_come_back_per_example_like_padded_ones() -> None:
     """A packed batch's per-token predictions lie on its token stream; evaluation hands them back
     as per-example rows, equal to the padded batch's (no dropout in evaluation)."""
-    from fedjax_split.data.batching import client_eval_batches
+    from fedjax_split.data.batching import Batching, client_eval_batches
     from fedjax_split.data.tokenization import Tokenized
     from fedjax_split.sim.evaluation import evaluate_client
 
@@ -162,9 +162,11 @@ def test_packed_token_predictions_come_back_per_example_like_padded_ones() -> No
         [np.where(np.arange(n) % 3 == 0, IGNORE, rng.integers(0, 4, n)).astype(np.int32)
          for n in lengths],
     )  # fmt: skip
-    kw = dict(batch_size=4, objective=TOKEN_CLASSIFICATION, row_width=16)
-    padded = client_eval_batches(tok, np.arange(9), np.zeros(9, int), packing=False, **kw)
-    packed = client_eval_batches(tok, np.arange(9), np.zeros(9, int), packing=True, **kw)
+    kw = dict(objective=TOKEN_CLASSIFICATION, row_width=16)
+    padded = client_eval_batches(tok, np.arange(9), np.zeros(9, int),
+                                 Batching(4, packing=False, **kw))  # fmt: skip
+    packed = client_eval_batches(tok, np.arange(9), np.zeros(9, int),
+                                 Batching(4, packing=True, **kw))  # fmt: skip
     assert all(b.packed for b in packed) and not any(b.packed for b in padded)
     a = evaluate_client(apply, params, padded, TOKEN_CLASSIFICATION)
     b = evaluate_client(apply, params, packed, TOKEN_CLASSIFICATION)

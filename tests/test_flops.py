@@ -57,7 +57,7 @@ def test_training_is_three_forward_passes():
 
 def test_packed_forward_flops_match_the_models_matmuls():
     """A packed batch (token stream + attention rows): the formula vs the jaxpr's dot_generals."""
-    from fedjax_split.data.batching import make_client_batches
+    from fedjax_split.data.batching import Batching, make_client_batches
     from fedjax_split.data.tokenization import Tokenized
     from fedjax_split.models.flops import packed_forward_flops, segment_train_flops
 
@@ -66,8 +66,8 @@ def test_packed_forward_flops_match_the_models_matmuls():
     params = init_params(config, jax.random.key(0))
     lengths = [7, 3, 12, 5, 9]
     tok = Tokenized([jnp.ones(n, jnp.int32) for n in lengths], None, lengths)
-    (seg,) = make_client_batches(tok, [range(5)], [0] * 5, batch_size=5, epochs=1, seed=0,
-                                 packing=True, row_width=16)  # fmt: skip
+    how = Batching(5, packing=True, row_width=16)
+    (seg,) = make_client_batches(tok, [range(5)], [0] * 5, how, epochs=1, seed=0)
     step = jax.tree.map(lambda v: v[0, 0], seg)
     n, (r, w) = step.input_ids.shape[0], step.attention_mask.shape
     assert n == 40 and w == 16  # 36 tokens rounded up to a multiple of 8

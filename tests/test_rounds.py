@@ -287,7 +287,7 @@ def test_bad_weights_are_user_errors() -> None:
 
 def _packed_segments() -> list[list]:
     """Each client's packed steps (different sizes: stacked, some steps are masked)."""
-    from fedjax_split.data.batching import client_batches
+    from fedjax_split.data.batching import Batching, client_batches
     from fedjax_split.data.tokenization import Tokenized
 
     rng = np.random.default_rng(9)
@@ -301,8 +301,8 @@ def _packed_segments() -> list[list]:
     labels = rng.integers(0, 3, 40)
     return [
         # a coarse ladder (powers of two) keeps the shapes, hence compilations, few
-        client_batches(tok, ix, labels, batch_size=4, epochs=2, seed=3, client_id=c,
-                       row_width=16, steps_per_octave=1)  # fmt: skip
+        client_batches(tok, ix, labels, Batching(4, row_width=16, steps_per_octave=1), epochs=2,
+                       seed=3, client_id=c)  # fmt: skip
         for c, ix in enumerate(clients)
     ]
 

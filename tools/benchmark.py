@@ -159,12 +159,13 @@ def run(args: argparse.Namespace) -> dict:
     clients_ix = [np.arange(offsets[i], offsets[i + 1]) for i in range(args.clients)]
     labels = np.random.default_rng([0, 13]).integers(0, 2, offsets[-1])
     row_width = batching.default_row_width(tokens) if args.packing else None
+    how = batching.Batching(
+        batch_size=args.batch_size, bucketing=args.bucketing, max_length=args.max_length,
+        packing=args.packing, row_width=row_width,
+    )  # fmt: skip
     parts = [  # [client][step]: each client's own steps, built from its examples alone
-        batching.client_batches(
-            tokens, ix, labels, batch_size=args.batch_size, epochs=args.local_epochs, seed=0,
-            client_id=i, bucketing=args.bucketing, max_length=args.max_length,
-            packing=args.packing, row_width=row_width,
-        )  # fmt: skip
+        batching.client_batches(tokens, ix, labels, how, epochs=args.local_epochs, seed=0,
+                                client_id=i)  # fmt: skip
         for i, ix in enumerate(clients_ix)
     ]
     segments = batching.stack_clients(parts)  # what the vmapped round computes

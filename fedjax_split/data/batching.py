@@ -1,9 +1,10 @@
 """Each client's mini-batches, built from its own examples alone, and their stacking for vmap.
 
 A client's batches for a round are a pure function of its examples, the seed (e.g. [seed, round]),
-its client id and run-wide constants (batch size, epochs, max length, row width): never of the
-other clients' data. So a client in a real federation (`fedjax_split.deploy`) builds exactly the
-batches the simulation builds for it, and the simulation can hold only the sampled clients'.
+its client id, the epochs and the run-wide settings (`Batching`: batch size, packing, max length,
+row width, ...): never of the other clients' data. So a client in a real federation
+(`fedjax_split.deploy`) builds exactly the batches the simulation builds for it, and the
+simulation can hold only the sampled clients'.
 
 `client_batches` gives one client's steps in order: E epochs of mini-batches, each step a typed
 batch (`data.batch.Batch`, or `PackedBatch` with packing) with a leading step axis of 1:
@@ -48,6 +49,7 @@ distribution, other draws).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -125,8 +127,8 @@ def _width(longest: int, multiple: int, steps_per_octave: int, max_length: int |
 def default_row_width(tokenized: Any, pack_width: int = PACK_WIDTH, multiple: int = 8) -> int:
     """W of packed attention rows for a pool: `pack_width`, or its longest example rounded up.
 
-    A run-wide constant (every client of the pool gets the same W, so shapes recur): pass it to
-    `client_batches` as `row_width` when a client holds only part of the pool."""
+    A run-wide constant (every client of the pool gets the same W, so shapes recur): pass it as
+    `Batching.row_width` when a client holds only part of the pool."""
     longest = int(pack(tokenized).lengths.max(initial=1))
     return max(pack_width, _round_up(longest, multiple))
 
@@ -288,64 +290,66 @@ def _check_labels(packed: Packed, labels: np.ndarray, objective: Classification)
             raise ValueError("class labels must be integers; pass objective=REGRESSION for scores")
 
 
-class _Shapes(NamedTuple):
-    """Run-wide constants that, with a step's own examples, fix the step's shape."""
+@dataclasses.dataclass(frozen=True)
+class Batching:
+    """How a client cuts its examples into steps; the same for every client of a run.
+
+    Run-wide and static, so that every client (simulated or federated) builds its steps alike and
+    their shapes recur. `batch_size` B; `objective` (label dtype, per-token labels); `packing`
+    (token streams, else padded rows); `bucketing` with `window` (length-sorted windows, training
+    only); `shuffle` (training only); `pad_to_multiple` and `steps_per_octave` (the shape
+    ladder); `max_length` (cap of padded T); `row_width` (packed W, None: the longest example of
+    the `tokenized` passed, so pass the pool's when a client holds only part of it); `pad_id`.
+    """
 
     batch_size: int
-    pad_to_multiple: int
-    steps_per_octave: int
-    max_length: int | None
-    row_width: int | None  # None: padded batches
-    pad_id: int
+    objective: Classification = CLASSIFICATION
+    packing: bool = True
+    bucketing: bool = False
+    window: int = 200
+    shuffle: bool = True
+    pad_to_multiple: int = 8
+    steps_per_octave: int = 4
+    max_length: int | None = None
+    row_width: int | None = None
+    pad_id: int = 0
 
 
-def _shapes(
-    packed: Packed,
-    batch_size: int,
-    pad_to_multiple: int,
-    steps_per_octave: int,
-    max_length: int | None,
-    packing: bool,
-    row_width: int | None,
-    pad_id: int,
-) -> _Shapes:
-    if batch_size < 1 or pad_to_multiple < 1 or steps_per_octave < 1:
+def _resolve(packed: Packed, how: Batching) -> Batching:
+    """`how` checked, with a packed run's `row_width` filled in from `packed` when unset."""
+    if how.batch_size < 1 or how.pad_to_multiple < 1 or how.steps_per_octave < 1:
         raise ValueError("batch_size, pad_to_multiple and steps_per_octave must be >= 1")
-    if packing and row_width is None:
-        row_width = default_row_width(packed, multiple=pad_to_multiple)
-    width = row_width if packing else None
-    return _Shapes(batch_size, pad_to_multiple, steps_per_octave, max_length, width, pad_id)
+    if how.packing and how.row_width is None:
+        return dataclasses.replace(
+            how, row_width=default_row_width(packed, multiple=how.pad_to_multiple)
+        )
+    return how
 
 
 def _prepare(
-    tokenized: Any,
-    indices: np.ndarray,
-    labels: np.ndarray,
-    objective: Classification,
-    *shape_args: Any,
-) -> tuple[Packed, np.ndarray, np.ndarray, _Shapes]:
+    tokenized: Any, indices: np.ndarray, labels: np.ndarray, how: Batching
+) -> tuple[Packed, np.ndarray, np.ndarray, Batching]:
     """What client_batches and client_eval_batches start from: the flat tokens, the labels
-    (checked against the objective), the client's pool indices and the run-wide shapes
-    (`shape_args`: `_shapes`' arguments after `packed`)."""
+    (checked against the objective), the client's pool indices and the resolved settings."""
     packed = pack(tokenized)
     labels = np.asarray(labels)
-    _check_labels(packed, labels, objective)
+    _check_labels(packed, labels, how.objective)
     ix = np.asarray(indices, dtype=np.int64).reshape(-1)
-    return packed, labels, ix, _shapes(packed, *shape_args)
+    return packed, labels, ix, _resolve(packed, how)
 
 
-def _step(
-    packed: Packed, batch: np.ndarray, labels: np.ndarray, objective: Classification, sh: _Shapes
-) -> Batch:
-    """One step [1, B, ...] of the pool indices `batch` (at most B; the rest are padding rows)."""
+def _step(packed: Packed, batch: np.ndarray, labels: np.ndarray, sh: Batching) -> Batch:
+    """One step [1, B, ...] of the pool indices `batch` (at most B; the rest are padding rows);
+    `sh` is resolved (`_resolve`: a packed run's row_width set)."""
     rows = np.full((1, 1, sh.batch_size), -1, np.int64)
     rows[0, 0, : batch.size] = batch
     real_step = np.array([[batch.size > 0]])
     lengths = packed.lengths[batch]
-    if sh.row_width is None:
+    dtype = sh.objective.label_dtype
+    if not sh.packing:
         longest = int(lengths.max(initial=1))
         t = _width(longest, sh.pad_to_multiple, sh.steps_per_octave, sh.max_length)
-        out = _assemble(packed, rows, real_step, labels, t, objective.label_dtype, sh.pad_id)
+        out = _assemble(packed, rows, real_step, labels, t, dtype, sh.pad_id)
     else:
         if lengths.size and lengths.max() > sh.row_width:
             raise ValueError(f"an example of {int(lengths.max())} tokens does not fit attention "
@@ -360,8 +364,8 @@ def _step(
         while -(-n // sh.row_width) + 1 < needed:
             n = _ladder(n + 1, sh.pad_to_multiple, sh.steps_per_octave)
         r = -(-n // sh.row_width) + 1
-        out = _assemble_packed(packed, rows, real_step, labels, n, r, sh.row_width,
-                               objective.label_dtype, sh.pad_id)  # fmt: skip
+        out = _assemble_packed(packed, rows, real_step, labels, n, r, sh.row_width, dtype,
+                               sh.pad_id)  # fmt: skip
     return jax.tree.map(lambda x: x[0], out)  # drop the client axis of 1
 
 
@@ -369,73 +373,52 @@ def client_batches(
     tokenized: Any,
     indices: np.ndarray,
     labels: np.ndarray,
+    how: Batching,
     *,
-    batch_size: int,
     epochs: int,
     seed: int | Sequence[int],
     client_id: int = 0,
-    objective: Classification = CLASSIFICATION,
-    packing: bool = True,
-    bucketing: bool = False,
-    window: int = 200,
-    shuffle: bool = True,
-    pad_to_multiple: int = 8,
-    steps_per_octave: int = 4,
-    max_length: int | None = None,
-    row_width: int | None = None,
-    pad_id: int = 0,
 ) -> list[Batch]:
     """One client's training steps for a round, in order, each a batch [1, B, ...].
 
     `indices` are the client's examples (pool indices into `tokenized` / `labels`); `seed` (an int
     or a sequence such as [seed, round]) and `client_id` fix every random choice, so the result
-    depends on nothing but this client's examples and the run-wide settings. E epochs of
-    ceil(n / B) steps; each epoch shuffles the examples afresh (`bucketing`: sorted in windows,
-    see the module docstring). Pass `pack(tokenized)` to avoid re-flattening the ragged tokens
-    every round, and `row_width` (`default_row_width` of the whole pool) when `tokenized` is not
-    the pool every client shares.
+    depends on nothing but this client's examples and the run-wide `how`. E epochs of
+    ceil(n / B) steps; each epoch shuffles the examples afresh (`how.bucketing`: sorted in
+    windows, see the module docstring). Pass `pack(tokenized)` to avoid re-flattening the ragged
+    tokens every round, and `how.row_width` (`default_row_width` of the whole pool) when
+    `tokenized` is not the pool every client shares.
     """
     if epochs < 1:
         raise ValueError("epochs must be >= 1")
-    packed, labels, ix, sh = _prepare(tokenized, indices, labels, objective, batch_size,
-                                      pad_to_multiple, steps_per_octave, max_length, packing,
-                                      row_width, pad_id)  # fmt: skip
+    packed, labels, ix, sh = _prepare(tokenized, indices, labels, how)
     seeds = _seed_list(seed)
+    window = sh.window if sh.bucketing else None
     steps = []
     for e in range(epochs):
-        rng = np.random.default_rng([*seeds, _TAG_CLIENT, int(client_id), e]) if shuffle else None
-        batches = _epoch_batches(packed.lengths[ix], batch_size, rng, window if bucketing else None)
-        if bucketing and rng is not None:  # similar lengths in a batch, the batches in any order
+        key = [*seeds, _TAG_CLIENT, int(client_id), e]
+        rng = np.random.default_rng(key) if sh.shuffle else None
+        batches = _epoch_batches(packed.lengths[ix], sh.batch_size, rng, window)
+        if sh.bucketing and rng is not None:  # similar lengths in a batch, the batches in any order
             batches = [batches[j] for j in rng.permutation(len(batches))]
-        steps.extend(_step(packed, ix[b], labels, objective, sh) for b in batches)
+        steps.extend(_step(packed, ix[b], labels, sh) for b in batches)
     return steps
 
 
 def client_eval_batches(
-    tokenized: Any,
-    indices: np.ndarray,
-    labels: np.ndarray,
-    *,
-    batch_size: int,
-    objective: Classification = CLASSIFICATION,
-    packing: bool = True,
-    pad_to_multiple: int = 8,
-    steps_per_octave: int = 4,
-    max_length: int | None = None,
-    row_width: int | None = None,
-    pad_id: int = 0,
+    tokenized: Any, indices: np.ndarray, labels: np.ndarray, how: Batching
 ) -> list[Batch]:
     """One client's test examples once each, as batches [1, B, ...]; padded batches take them
     sorted by length (similar lengths share a batch and a shape), packed ones in order (a full
     packed batch's stream then holds about B times the mean length: one or two shapes, where
-    sorted batches would climb the ladder). Map predictions back with `example_index`."""
-    packed, labels, ix, sh = _prepare(tokenized, indices, labels, objective, batch_size,
-                                      pad_to_multiple, steps_per_octave, max_length, packing,
-                                      row_width, pad_id)  # fmt: skip
-    if not packing:
+    sorted batches would climb the ladder). Map predictions back with `example_index`.
+    Each example is seen once, in this fixed order: `how`'s bucketing, window and shuffle are
+    not used."""
+    packed, labels, ix, sh = _prepare(tokenized, indices, labels, how)
+    if not sh.packing:
         ix = ix[np.argsort(packed.lengths[ix], kind="stable")]
-    return [_step(packed, ix[i : i + batch_size], labels, objective, sh)
-            for i in range(0, ix.size, batch_size)]  # fmt: skip
+    b = sh.batch_size
+    return [_step(packed, ix[i : i + b], labels, sh) for i in range(0, ix.size, b)]
 
 
 def _size(batch: Batch) -> tuple[int, int]:
@@ -510,26 +493,27 @@ def make_client_batches(
     tokenized: Any,
     client_indices: Sequence[np.ndarray],
     labels: np.ndarray,
+    how: Batching,
     *,
+    epochs: int,
+    seed: int | Sequence[int],
     client_ids: Sequence[int] | None = None,
-    pad_id: int = 0,
-    **kwargs: Any,
 ) -> list[Batch]:
     """`client_batches` of several clients (client i keyed by `client_ids[i]`, default i),
-    stacked (`stack_clients`): one batch [K, 1, ...] per step. kwargs: as `client_batches`."""
+    stacked (`stack_clients`): one batch [K, 1, ...] per step. A packed run's unset row_width
+    comes from the whole `tokenized`, so every client gets the same W."""
     if len(client_indices) == 0:
         raise ValueError("no clients")
     ids = list(range(len(client_indices))) if client_ids is None else [int(c) for c in client_ids]
     if len(ids) != len(client_indices):
         raise ValueError("client_ids and client_indices differ in length")
     packed = pack(tokenized)
-    if kwargs.get("packing", True) and kwargs.get("row_width") is None:
-        kwargs["row_width"] = default_row_width(packed, multiple=kwargs.get("pad_to_multiple", 8))
+    how = _resolve(packed, how)  # W of the whole pool, once
     per_client = [
-        client_batches(packed, ix, labels, client_id=cid, pad_id=pad_id, **kwargs)
+        client_batches(packed, ix, labels, how, epochs=epochs, seed=seed, client_id=cid)
         for ix, cid in zip(client_indices, ids, strict=True)
     ]
-    return stack_clients(per_client, pad_id)
+    return stack_clients(per_client, how.pad_id)
 
 
 def padding_waste(segments: Sequence[Batch], skip_masked_steps: bool = False) -> float:

@@ -444,7 +444,7 @@ class _MaskedLMHead(nn.Module):
 
 
 class Layout(NamedTuple):
-    """Where a packed batch's tokens sit (built by `batching.make_client_batches(packing=True)`).
+    """Where a packed batch's tokens sit (built by `batching.client_batches`, packing).
 
     The token stream [N] (input ids, types, positions) holds the batch's examples end to end, so
     embeddings, projections, feed-forward and LayerNorm compute no padding. Attention runs on R rows
@@ -614,7 +614,7 @@ def make_apply(config: BertConfig) -> Callable[..., jax.Array]:
     vocabulary logits [B, T, vocab], or with `positions` [B, P] (token indices) only those rows,
     [B, P, vocab]: the decoder's vocabulary matmul then runs on the P predicted tokens only.
 
-    Dropout only when `train=True`. Packed input (`batching.make_client_batches(packing=True)`,
+    Dropout only when `train=True`. Packed input (`batching.Batching(packing=True)`,
     see `Layout`): input_ids, token_type_ids and `position_ids` are one stream [N],
     `attention_mask` [R, W] holds each attention slot's example number (0 = empty), and
     `row_tokens`, `token_slots`, `cls_index` place the tokens; logits are still [B, num_labels].

@@ -267,6 +267,22 @@ def eval_batch_size(config: ExperimentConfig) -> int:
     return max(config.batch_size, 32)
 
 
+def batching_of(
+    config: ExperimentConfig, task: Any, width: int | None, *, evaluation: bool = False
+) -> Any:
+    """The run's `batching.Batching` (every client's, every round's), from the config alone;
+    `evaluation`: with the evaluation batch size (`eval_batch_size`)."""
+    from fedjax_split.data import batching
+
+    return batching.Batching(
+        batch_size=eval_batch_size(config) if evaluation else config.batch_size,
+        objective=task.objective,
+        packing=config.packing,
+        bucketing=config.bucketing,
+        row_width=width,
+    )
+
+
 def client_steps(
     config: ExperimentConfig,
     task: Any,
@@ -281,18 +297,15 @@ def client_steps(
     id and its own examples (what a federated client builds alone)."""
     from fedjax_split.data import batching
 
+    how = batching_of(config, task, width)
     return batching.client_batches(
         tokenized,
         indices,
         labels,
-        batch_size=config.batch_size,
+        how,
         epochs=config.local_epochs,
         seed=[config.seed, r],
         client_id=int(client_id),
-        objective=task.objective,
-        packing=config.packing,
-        bucketing=config.bucketing,
-        row_width=width,
     )
 
 
@@ -307,15 +320,8 @@ def client_eval_steps(
     """One client's test batches (its own examples, once each, sorted by length)."""
     from fedjax_split.data import batching
 
-    return batching.client_eval_batches(
-        tokenized,
-        indices,
-        labels,
-        batch_size=eval_batch_size(config),
-        objective=task.objective,
-        packing=config.packing,
-        row_width=width,
-    )
+    how = batching_of(config, task, width, evaluation=True)
+    return batching.client_eval_batches(tokenized, indices, labels, how)
 
 
 def score(task: Any, examples: Any, res: Any) -> dict[str, float]:
