@@ -82,3 +82,17 @@ def test_round_costs_accumulate_bytes_and_split_seconds() -> None:
     second = pieces.round_costs([first], 1, 2, t0=0.0, t_train=1.0, t_eval=1.0)
     assert (second["cum_bytes_up"], second["cum_bytes_down"], second["cum_bytes"]) == (11, 32, 43)
     assert second["bytes_up"] == 1 and second["eval_seconds"] == 0.0
+
+
+def test_train_record_is_the_example_weighted_mean_of_the_clients_losses() -> None:
+    record = pieces.train_record(3, [np.int32(4), 1], np.array([1.0, 4.0]), np.array([3.0, 1.0]))
+    assert record == {"round": 3, "clients_sampled": [4, 1], "train_loss": 1.75,
+                      "train_loss_clients": [1.0, 4.0]}  # fmt: skip
+    assert all(type(c) is int for c in record["clients_sampled"])  # JSON-ready
+
+
+def test_evaluation_is_due_every_eval_every_rounds_and_after_the_last() -> None:
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(eval_every=4, rounds=10)
+    assert [r for r in range(1, 11) if pieces.evaluation_due(config, r)] == [4, 8, 10]

@@ -40,7 +40,7 @@ def _flops(setup: Any, sampled: list[int]) -> tuple[int, int]:
     """(training, evaluation) model FLOPs of one round: each example at its own length."""
     from fedjax_split.models import flops
 
-    config, lengths = setup.model.config, setup.tokenized.lengths
+    config, lengths = setup.model.config, setup.pool.tokenized.lengths
     epochs = setup.config.local_epochs
     train = sum(
         epochs * flops.train_step_flops(config, 1, int(n))
@@ -88,7 +88,7 @@ def torch_rounds(setup: Any, rounds: int) -> list[float]:
     global_sd = {k: v for k, v in state.items() if k.startswith(prefixes)}
     local_sd = [{k: v.clone() for k, v in state.items() if not k.startswith(prefixes)}
                 for _ in range(config.clients)]  # fmt: skip
-    packed, labels = setup.tokenized, np.asarray(setup.examples.labels)
+    packed, labels = setup.pool.tokenized, setup.pool.labels
 
     def batch(rows: np.ndarray) -> dict[str, torch.Tensor]:
         rows = rows[rows >= 0]

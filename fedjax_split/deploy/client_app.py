@@ -78,7 +78,7 @@ def _received(msg: Message, node: NodeSetup) -> tuple[Any, Any]:
 def query(msg: Message, context: Context) -> Message:
     """Who this node is: its client id and its share of the pool (indices and sizes only)."""
     node = _node(context)
-    tags = list(getattr(node.examples, "tag_names", ()) or ())
+    tags = list(getattr(node.pool.examples, "tag_names", ()) or ())
     content = {
         protocol.CLIENT: node.client_id,
         protocol.SPLIT_TRAIN: [int(i) for i in node.split.train],

@@ -36,10 +36,7 @@ class NodeSetup:
     config: ExperimentConfig
     task: Any
     client_id: int
-    examples: Any  # the pool (for MNLI's groups and a token task's tag names)
-    labels: np.ndarray
-    tokenized: Any  # the pool, packed once
-    row_width: int | None
+    pool: Any  # run.pieces.Pool: the whole pool (its steps use its own rows only)
     split: Any  # partition.ClientSplit: this client's train / test pool indices
     shares: list[float] | None  # its realised label shares (partition.json), None without target
     partition_meta: dict[str, Any]  # the partition's settings (what partition.json records)
@@ -109,17 +106,16 @@ def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None)
     task = tasks.get_task(config.task)
     examples = pieces.load_pool(config, task)
     model = pieces.build_model(config, task, getattr(examples, "tag_names", ()))
-    labels = np.asarray(examples.labels)
+    pool = pieces.make_pool(
+        config, examples, _tokenized(config, task, examples, model.model_dir, cache)
+    )
+    labels = pool.labels
     part = pieces.make_partition(config, task, labels)
-    tokenized = _tokenized(config, task, examples, model.model_dir, cache)
     return NodeSetup(
         config=config,
         task=task,
         client_id=client_id,
-        examples=examples,
-        labels=labels,
-        tokenized=tokenized,
-        row_width=pieces.row_width(config, tokenized),
+        pool=pool,
         split=part.clients[client_id],
         shares=None if part.target_shares is None else partition.client_shares(
             part.clients[client_id], labels, part.target_shares.shape[1]).tolist(),
@@ -154,9 +150,8 @@ def train(
     from fedjax_split.run import pieces
 
     steps = pieces.client_steps(
-        node.config, node.task, node.tokenized, node.labels, node.row_width,
-        node.split.train, node.client_id, round_index,
-    )  # fmt: skip
+        node.config, node.task, node.pool, node.split.train, node.client_id, round_index
+    )
     key = client_key(jax.random.key(node.config.seed), state_round, node.client_id)
     return client_round(node.round_spec, global_wire, local, steps, key, node.frozen)
 
@@ -170,15 +165,13 @@ def evaluate(node: NodeSetup, global_wire: Any, local: Any) -> dict[str, Any]:
     from fedjax_split.run import pieces
     from fedjax_split.sim import evaluation
 
-    batches = pieces.client_eval_steps(
-        node.config, node.task, node.tokenized, node.labels, node.row_width, node.split.test
-    )
+    batches = pieces.client_eval_steps(node.config, node.task, node.pool, node.split.test)
     received = wire.cast_from_wire(global_wire, jnp.float32)
     params = roles.merge_params(received, node.frozen, local)
     res = evaluation.evaluate_client(node.apply, params, batches, node.task.objective)
     if len(res.labels) == 0:
         return {}
-    return pieces.score(node.task, node.examples, res)
+    return pieces.score(node.task, node.pool.examples, res)
 
 
 def store(state_dir: str | Path, run_id: str, node: NodeSetup) -> Any:

@@ -319,18 +319,12 @@ def run_round(
         )
     weights_np = np.asarray(weights, np.float32)
     run.server_state = run.step(run.server_state, tuple(uploads), weights_np)
-    losses_np = np.asarray(losses, np.float64)
     jax.block_until_ready(run.server_state)
     t_train = time.perf_counter()
-    record: dict[str, Any] = {
-        "round": r,
-        "clients_sampled": sampled.tolist(),
-        "train_loss": float(np.sum(losses_np * weights_np) / np.sum(weights_np)),
-        "train_loss_clients": losses_np.tolist(),
-    }
+    record = pieces.train_record(r, sampled.tolist(), np.asarray(losses, np.float64), weights_np)
     eval_failed: dict[int, str] = {}
     eval_bytes = 0
-    if r % config.eval_every == 0 or r == config.rounds:
+    if pieces.evaluation_due(config, r):
         trained = pieces.trained_clients(history, [c for c in sampled if int(c) not in failed])
         evaluated, eval_failed, eval_bytes = evaluate(run, exchange, r, options, failed, trained)
         record.update(evaluated)

@@ -236,9 +236,7 @@ def resolve_config(
     file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
 ) -> ExperimentConfig:
     """Defaults <- config-file values <- explicit overrides, then `validate`."""
-    config = SCHEMA.resolve(file_values, overrides)
-    validate(config)
-    return config
+    return SCHEMA.resolve(file_values, overrides, validate)
 
 
 def validate(config: ExperimentConfig) -> None:

@@ -33,10 +33,7 @@ class Setup:
 
     config: ExperimentConfig
     model: pieces.Model
-    examples: Any
-    labels: np.ndarray
-    tokenized: Any  # the pool, flattened once (batching.pack)
-    row_width: int | None  # packed attention rows: run-wide, from the pool's longest example
+    pool: pieces.Pool
     partition: Any
     eval_batches: list[list[Any]]  # each client's test batches
 
@@ -49,15 +46,12 @@ def build(config: ExperimentConfig) -> Setup:
     # the data first: a token task's tag vocabulary (from the whole pool) sizes the model's head
     examples = pieces.load_pool(config, task)
     model = pieces.build_model(config, task, getattr(examples, "tag_names", ()))
-    labels = np.asarray(examples.labels)
-    part = pieces.make_partition(config, task, labels)
-    tokenized = pieces.load_tokenized(config, task, examples, model.model_dir)
-    width = pieces.row_width(config, tokenized)
-    eval_batches = [
-        pieces.client_eval_steps(config, task, tokenized, labels, width, cs.test)
-        for cs in part.clients
-    ]
-    return Setup(config, model, examples, labels, tokenized, width, part, eval_batches)
+    pool = pieces.make_pool(
+        config, examples, pieces.load_tokenized(config, task, examples, model.model_dir)
+    )
+    part = pieces.make_partition(config, task, pool.labels)
+    eval_batches = [pieces.client_eval_steps(config, task, pool, cs.test) for cs in part.clients]
+    return Setup(config, model, pool, part, eval_batches)
 
 
 def round_batches(setup: Setup, r: int) -> list[list[Any]]:
@@ -68,8 +62,8 @@ def round_batches(setup: Setup, r: int) -> list[list[Any]]:
     config = setup.config
     sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
     return [
-        pieces.client_steps(config, setup.model.task, setup.tokenized, setup.labels,
-                            setup.row_width, setup.partition.clients[i].train, int(i), r)
+        pieces.client_steps(config, setup.model.task, setup.pool,
+                            setup.partition.clients[i].train, int(i), r)
         for i in sampled
     ]  # fmt: skip
 
@@ -98,14 +92,14 @@ def evaluate(
         if len(res.labels) == 0:
             continue  # a client without test examples has no metric
         results.append(res)
-        per_client.append({"client": i, **pieces.score(model.task, setup.examples, res)})
+        per_client.append({"client": i, **pieces.score(model.task, setup.pool.examples, res)})
     record = pieces.personalised_record(per_client, trained)
     if model.num_local == 0 and results:  # every client's model is the global model
         pooled = evaluation.ClientPredictions(
             *(evaluation.concat_rows([getattr(r, f) for r in results])
               for f in ("predictions", "labels", "example_index"))
         )  # fmt: skip
-        record["pooled"] = pieces.score(model.task, setup.examples, pooled)
+        record["pooled"] = pieces.score(model.task, setup.pool.examples, pooled)
     return record
 
 
@@ -166,10 +160,10 @@ class Simulation:
             self.store.rewind(start_round)
         else:  # a fresh run (or one that finished no round): no checkpoint needs what is there
             self.store = ClientStore.create(self.run_dir / CLIENTS_DIR, model.local0)
-        partition_mod.save_partition(setup.partition, self.run_dir / "partition.json",
-                                     setup.labels)  # fmt: skip
+        labels = setup.pool.labels
+        partition_mod.save_partition(setup.partition, self.run_dir / "partition.json", labels)
         note(
-            f"{config.task}: {len(setup.labels)} examples, {config.clients} clients, "
+            f"{config.task}: {len(labels)} examples, {config.clients} clients, "
             f"{config.algorithm}, critical layer {model.critical_layer}/"
             f"{model.config.num_hidden_layers}, {model.num_global:,} global / "
             f"{model.num_local:,} local parameters per client"
@@ -177,8 +171,8 @@ class Simulation:
             + (f"; resuming after round {start_round}" if start_round else "")
         )
         if not start_round:
-            names = sources.label_names_or_none(model.task, setup.examples)
-            note(partition_mod.partition_report(setup.partition, setup.labels, names))
+            names = sources.label_names_or_none(model.task, setup.pool.examples)
+            note(partition_mod.partition_report(setup.partition, labels, names))
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """Sample clients, batch their data, run the round, evaluate when due; the record."""
@@ -209,13 +203,8 @@ class Simulation:
         self.store.save(r, sampled, new_local)
         # the store wrote the new local parts (waiting for them): t_train is the whole round's
         t_train = time.perf_counter()
-        record: dict[str, Any] = {
-            "round": r,
-            "clients_sampled": sampled.tolist(),
-            "train_loss": float(np.sum(losses * num_examples) / np.sum(num_examples)),
-            "train_loss_clients": losses.tolist(),
-        }
-        if r % config.eval_every == 0 or r == config.rounds:
+        record = pieces.train_record(r, sampled.tolist(), losses, num_examples)
+        if pieces.evaluation_due(config, r):
             trained = pieces.trained_clients(history, sampled.tolist())
             record.update(evaluate(setup, self.server_state, self.frozen, self.store, trained))
         t_eval = time.perf_counter()

@@ -53,6 +53,19 @@ class Model:
         return _count(self.frozen)
 
 
+@dataclasses.dataclass(frozen=True)
+class Pool:
+    """A labelled task's pool as every client of a run sees it: the examples (their labels, MNLI's
+    groups, a token task's tag names), tokenised and packed once, and the packed batches'
+    attention-row width (run-wide, from the pool's longest example). A client's steps are cut
+    from its own rows of it."""
+
+    examples: Any
+    labels: np.ndarray
+    tokenized: Any
+    row_width: int | None
+
+
 def _count(tree: Any) -> int:
     import jax
 
@@ -283,26 +296,23 @@ def batching_of(
     )
 
 
+def make_pool(config: ExperimentConfig, examples: Any, tokenized: Any) -> Pool:
+    """The pool with its labels as an array and the run's row width."""
+    return Pool(examples, np.asarray(examples.labels), tokenized, row_width(config, tokenized))
+
+
 def client_steps(
-    config: ExperimentConfig,
-    task: Any,
-    tokenized: Any,
-    labels: np.ndarray,
-    width: int | None,
-    indices: np.ndarray,
-    client_id: int,
-    r: int,
+    config: ExperimentConfig, task: Any, pool: Pool, indices: np.ndarray, client_id: int, r: int
 ) -> list[Any]:
     """Round r's training steps of one client: a pure function of the config, r, the client's
-    id and its own examples (what a federated client builds alone)."""
+    id and its own examples (`indices` into the pool: what a federated client builds alone)."""
     from fedjax_split.data import batching
 
-    how = batching_of(config, task, width)
     return batching.client_batches(
-        tokenized,
+        pool.tokenized,
         indices,
-        labels,
-        how,
+        pool.labels,
+        batching_of(config, task, pool.row_width),
         epochs=config.local_epochs,
         seed=[config.seed, r],
         client_id=int(client_id),
@@ -310,18 +320,13 @@ def client_steps(
 
 
 def client_eval_steps(
-    config: ExperimentConfig,
-    task: Any,
-    tokenized: Any,
-    labels: np.ndarray,
-    width: int | None,
-    indices: np.ndarray,
+    config: ExperimentConfig, task: Any, pool: Pool, indices: np.ndarray
 ) -> list[Any]:
     """One client's test batches (its own examples, once each, sorted by length)."""
     from fedjax_split.data import batching
 
-    how = batching_of(config, task, width, evaluation=True)
-    return batching.client_eval_batches(tokenized, indices, labels, how)
+    how = batching_of(config, task, pool.row_width, evaluation=True)
+    return batching.client_eval_batches(pool.tokenized, indices, pool.labels, how)
 
 
 def score(task: Any, examples: Any, res: Any) -> dict[str, float]:
@@ -392,6 +397,25 @@ def round_costs(
         train_seconds=t_train - t0,
         eval_seconds=t_eval - t_train,
     )
+
+
+def train_record(
+    r: int, sampled: Sequence[int], losses: np.ndarray, weights: np.ndarray
+) -> dict[str, Any]:
+    """A round record's training part: the sampled clients, each one's mean loss, and their
+    example-weighted mean (the simulation's and the Flower server's rounds write the same)."""
+    losses = np.asarray(losses, np.float64)
+    return {
+        "round": r,
+        "clients_sampled": [int(c) for c in sampled],
+        "train_loss": float(np.sum(losses * weights) / np.sum(weights)),
+        "train_loss_clients": losses.tolist(),
+    }
+
+
+def evaluation_due(config: ExperimentConfig, r: int) -> bool:
+    """Whether round r ends with an evaluation: every --eval-every rounds and after the last."""
+    return r % config.eval_every == 0 or r == config.rounds
 
 
 def trained_clients(history: Sequence[dict[str, Any]], now: Sequence[int] = ()) -> set[int]:

@@ -152,9 +152,7 @@ def resolve(
     file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
 ) -> PretrainConfig:
     """Defaults <- config-file values <- explicit overrides, then `validate`."""
-    config = SCHEMA.resolve(file_values, overrides)
-    validate(config)
-    return config
+    return SCHEMA.resolve(file_values, overrides, validate)
 
 
 def validate(config: PretrainConfig) -> None:

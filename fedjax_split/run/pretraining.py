@@ -76,26 +76,12 @@ def check(config: PretrainConfig) -> tuple[int, int]:
     return check_depth(config, model_config.num_hidden_layers)
 
 
-def build(config: PretrainConfig) -> Setup:
-    """Load the text and the model, split, tokenise, initialise. Writes nothing but caches."""
-    from fedjax_split.data import tokenization
-    from fedjax_split.data.text import corpus_split, masking, mlm_batching, text_corpora
-    from fedjax_split.fed import algorithms, client, layerwise
-    from fedjax_split.fed.server import init_server_state
-    from fedjax_split.models import hf_checkpoint
-    from fedjax_split.sim.pretrain_rounds import Trainer
+def _client_text(config: PretrainConfig, tokenizer: Any, spec: Any) -> tuple[Any, ...]:
+    """(the split, the training clients, their sequences, the held-out masked batches): the
+    corpus tokenised and cut into sequences, documents over the clients (all of it on one client
+    for centralised training), the held-out documents on none."""
+    from fedjax_split.data.text import corpus_split, mlm_batching, text_corpora
 
-    small, k = check(config)
-    pre = hf_checkpoint.load_pretrained(
-        config.model, num_labels=2, seed=config.seed, dtype=config.dtype, head="mlm"
-    )
-    tokenizer = tokenization.load_tokenizer(pre.model_dir)
-    spec = masking.spec_from_tokenizer(tokenizer, config.mlm_probability)
-    if spec.vocab_size > pre.config.vocab_size:
-        raise UserError(
-            f"the tokenizer has {spec.vocab_size} tokens, the model's vocabulary "
-            f"{pre.config.vocab_size}; use the model's own tokenizer"
-        )
     corpus = text_corpora.load_corpus(config.corpus, data_dir=config.data_dir)
     units = text_corpora.tokenize_corpus(corpus, tokenizer, config.text_mode)
     split = corpus_split.split_corpus(
@@ -123,7 +109,38 @@ def build(config: PretrainConfig) -> Setup:
         make(split.heldout), batch_size=min(config.batch_size, 64), masking=spec,
         seed=[config.seed, 0, HELDOUT], pad_id=ids["pad_id"],
     )  # fmt: skip
-    frozen = frozen_paths(config, pre.config, pre.params)
+    return split, clients, seqs, heldout
+
+
+def build(config: PretrainConfig) -> Setup:
+    """Load the text and the model, split, tokenise, initialise. Writes nothing but caches."""
+    from fedjax_split.data import tokenization
+    from fedjax_split.data.text import masking
+    from fedjax_split.fed import algorithms, client, layerwise, roles
+    from fedjax_split.fed.server import init_server_state
+    from fedjax_split.models import hf_checkpoint
+    from fedjax_split.sim.pretrain_rounds import Trainer
+
+    small, k = check(config)
+    pre = hf_checkpoint.load_pretrained(
+        config.model, num_labels=2, seed=config.seed, dtype=config.dtype, head="mlm"
+    )
+    tokenizer = tokenization.load_tokenizer(pre.model_dir)
+    spec = masking.spec_from_tokenizer(tokenizer, config.mlm_probability)
+    if spec.vocab_size > pre.config.vocab_size:
+        raise UserError(
+            f"the tokenizer has {spec.vocab_size} tokens, the model's vocabulary "
+            f"{pre.config.vocab_size}; use the model's own tokenizer"
+        )
+    split, clients, seqs, heldout = _client_text(config, tokenizer, spec)
+    # --freeze chooses parameters by their Hugging Face names, as fine-tuning's does
+    frozen = (
+        roles.paths_where(
+            pre.params, roles.name_filter(config.freeze, hf_checkpoint.tensor_names(pre.config))
+        )
+        if config.freeze
+        else frozenset()
+    )
     if config.method != "none":  # round 1 trains layer 0 (FedBFPT) or everything
         first = [0] if config.method == "fedbfpt" else None
         if not layerwise.trained_paths(pre.params, first) - frozen:
@@ -146,7 +163,7 @@ def build(config: PretrainConfig) -> Setup:
         sequences=seqs,
         heldout=heldout,
         masking=spec,
-        pad_id=int(ids["pad_id"]),
+        pad_id=int(tokenizer.pad_token_id),
         trainer=Trainer(pre.config, optimizer, server_optimizer),
         server_optimizer=server_optimizer,
         server_state=init_server_state(pre.params, server_optimizer, "float32"),
@@ -178,17 +195,6 @@ def evaluate(setup: Setup) -> dict[str, float]:
 
     params, config = final_params(setup)
     return eval_mlm(config, params, setup.heldout)
-
-
-def frozen_paths(config: PretrainConfig, model_config: Any, params: Any) -> frozenset[str]:
-    """The paths --freeze freezes: `fed.roles.freeze_rule` over the Hugging Face tensor names, as
-    fine-tuning chooses them (none without --freeze)."""
-    from fedjax_split.fed import roles
-    from fedjax_split.models.hf_checkpoint import tensor_names
-
-    if config.freeze is None:
-        return frozenset()
-    return roles.paths_where(params, roles.name_filter(config.freeze, tensor_names(model_config)))
 
 
 def plan(setup: Setup, r: int) -> Any:

@@ -174,9 +174,12 @@ class Schema:
         return value
 
     def resolve(
-        self, file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
+        self,
+        file_values: dict[str, Any] | None = None,
+        overrides: dict[str, Any] | None = None,
+        validate: Callable[[Any], None] | None = None,
     ) -> Any:
-        """Defaults <- config-file values <- explicit overrides (typed; not yet validated)."""
+        """Defaults <- config-file values <- explicit overrides (typed), then `validate`."""
         merged: dict[str, Any] = {}
         for source in (file_values or {}, overrides or {}):
             for name, value in source.items():
@@ -184,7 +187,10 @@ class Schema:
                     known = ", ".join(self.fields)
                     raise UserError(f"unknown setting {name!r}; known settings: {known}")
                 merged[name] = self.coerce(name, value)
-        return self.cls(**merged)
+        config = self.cls(**merged)
+        if validate is not None:
+            validate(config)
+        return config
 
     def check_choices(self, config: Any) -> None:
         """UserError for a setting outside its choices."""
