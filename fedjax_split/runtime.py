@@ -152,14 +152,17 @@ class Applied:
 
     allocator: str
     xla_cache: Path | None
-    cpu_devices: int
+    cpu_devices: int | None  # None: JAX's own count, left unasked (its backends not started)
 
 
 def apply(cpu_devices: int | None = None) -> Applied:
     """Every process setting at once, in the order that matters: the malloc before JAX starts
     its threads, then the compilation cache and the CPU device count before its first
-    computation. Idempotent; a bad FEDJAX_SPLIT_MALLOC or FEDJAX_SPLIT_XLA_CACHE is a UserError."""
+    computation. Idempotent; a bad FEDJAX_SPLIT_MALLOC or FEDJAX_SPLIT_XLA_CACHE is a UserError.
+    Without `cpu_devices` JAX's backends are not started here (a process that needs no device,
+    such as a Flower node answering a query, does not pay for them)."""
     check_malloc_setting()
     tune_malloc()
     cache = enable_xla_cache()
-    return Applied(allocator(), cache, use_cpu_devices(cpu_devices))
+    devices = None if cpu_devices is None else use_cpu_devices(cpu_devices)
+    return Applied(allocator(), cache, devices)

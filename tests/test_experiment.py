@@ -291,7 +291,7 @@ def test_evaluate_maps_groups_by_example_index_and_means_over_clients(
     setup = SimpleNamespace(
         model=SimpleNamespace(apply=None, num_local=0, task=tasks.get_task("mnli")),
         eval_batches=[["client 0's batches"], ["client 1's batches"]],
-        examples=SimpleNamespace(groups=groups),
+        pool=SimpleNamespace(examples=SimpleNamespace(groups=groups)),
     )
     store = SimpleNamespace(load=lambda client: {})
     state = SimpleNamespace(global_params={})

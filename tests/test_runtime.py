@@ -175,16 +175,18 @@ def test_importing_the_library_changes_nothing_in_the_process() -> None:
         "print(runtime.allocator(), jax.config.jax_compilation_cache_dir or None)\n"
         "applied = runtime.apply(None)\n"
         "print(applied.allocator, applied.xla_cache is not None, applied.cpu_devices)\n"
+        "print(jax._src.xla_bridge.backends_are_initialized())\n"
     )
     drop = ("LD_PRELOAD", runtime.MALLOC_ENV, runtime.XLA_CACHE_ENV, "JAX_COMPILATION_CACHE_DIR")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert res.returncode == 0, res.stderr
-    before, after = res.stdout.splitlines()
+    before, after, started = res.stdout.splitlines()
     assert before == "system None"
     want = "glibc-tuned" if sys.platform.startswith("linux") else "system"
-    assert after.split() == [want, "True", after.split()[2]]
+    assert after.split() == [want, "True", "None"]
+    assert started == "False"  # no device count asked for: JAX's backends not started
 
 
 def test_apply_reports_a_bad_setting_as_a_user_error(monkeypatch) -> None:
