@@ -5,8 +5,8 @@ Nothing here imports Flower: the ClientApp (`client_app.py`) turns messages into
 A node derives its share exactly as the simulation does (`run.pieces`: the pool, the subsample,
 the partition, its client id = its partition id), trains with `fed.client_program.client_round`
 on its own examples' steps (the programs the one-at-a-time simulation runs for that client, with
-the same key), and evaluates with the simulation's per-client evaluation. So a node computes, bit for
-bit, what the simulation computes for its client.
+the same key), and evaluates with the simulation's per-client evaluation. So a node computes,
+bit for bit, what the simulation computes for its client.
 
 Its local (personal) part never leaves it: `store` keeps one file per round it trained in,
 under `<state-dir>/<run id>/client_<id>/`, so that a restarted server can resume from an older
