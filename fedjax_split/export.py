@@ -31,7 +31,14 @@ def personalised_params(run_dir: str | Path, client: int, round_: int | None = N
     from fedjax_split.run.experiment import CLIENTS_DIR
     from fedjax_split.sim.client_store import ClientStore
 
+    if not Path(run_dir).is_dir():
+        raise UserError(f"{str(run_dir)!r} is not a directory; pass --run-dir of a train run")
     ck = RunCheckpointer(checkpoint_dir(run_dir))
+    if round_ is None and ck.latest_round() is None:
+        raise UserError(
+            f"{str(run_dir)!r} has no checkpoint to export from; export a run that finished a "
+            "checkpointed round (see --checkpoint-every)"
+        )
     state, meta = ck.restore_untyped(round_)
     num_clients = len(meta["partition"])
     if not 0 <= client < num_clients:

@@ -142,7 +142,11 @@ def test_user_errors_are_one_line_and_write_nothing(
     with pytest.raises(UserError, match="outside 0..2"):
         export.export_client(run, 3, out)
     _one_line_error(capsys, ["--run-dir", str(tmp_path / "nowhere"), "--client", "0", *base],
-                    "no complete checkpoint")  # fmt: skip
+                    "is not a directory; pass --run-dir of a train run")  # fmt: skip
+    no_checkpoint = tmp_path / "no_checkpoint"
+    no_checkpoint.mkdir()
+    _one_line_error(capsys, ["--run-dir", str(no_checkpoint), "--client", "0", *base],
+                    "has no checkpoint to export from")  # fmt: skip
     _one_line_error(capsys, ["--run-dir", str(run), "--client", "0", "--round", "9", *base],
                     "no checkpoint of round 9")  # fmt: skip
 
