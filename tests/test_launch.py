@@ -95,12 +95,13 @@ def test_kill_tree_kills_children_and_grandchildren_in_other_sessions() -> None:
     tree: list[int] = []
     try:
         deadline = time.monotonic() + 20
-        while len(psutil.Process(proc.pid).children(recursive=True)) < 2:
-            assert time.monotonic() < deadline, "the sleeps did not start"
+        while True:  # both sleeps started, and `setsid` has moved one into a session of its own
+            tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+            sessions = {os.getsid(pid) for pid in tree}
+            if len(tree) == 2 and len(sessions) == 2:
+                break
+            assert time.monotonic() < deadline, f"the sleeps did not start apart: {sessions}"
             time.sleep(0.05)
-        tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-        sessions = {os.getsid(pid) for pid in tree}
-        assert len(sessions) == 2  # one sleep left the shell's session
         launch.kill_tree(proc)
         assert proc.returncode == -9
         deadline = time.monotonic() + 20
