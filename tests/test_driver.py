@@ -161,3 +161,9 @@ def test_the_stop_hook_and_the_interrupted_line(
                    f"--resume --output-dir {run.run_dir})\n")  # fmt: skip
     assert driver.interrupted(None) == 130
     assert capsys.readouterr().err == "interrupted (no checkpoint yet)\n"
+
+
+def test_due_every_n_rounds_and_after_the_last_never_for_0() -> None:
+    assert [r for r in range(1, 11) if driver.due(r, 4, 10)] == [4, 8, 10]
+    assert [r for r in range(1, 4) if driver.due(r, 1, 3)] == [1, 2, 3]
+    assert not any(driver.due(r, 0, 3) for r in range(1, 4))

@@ -90,9 +90,3 @@ def test_train_record_is_the_example_weighted_mean_of_the_clients_losses() -> No
                       "train_loss_clients": [1.0, 4.0]}  # fmt: skip
     assert all(type(c) is int for c in record["clients_sampled"])  # JSON-ready
 
-
-def test_evaluation_is_due_every_eval_every_rounds_and_after_the_last() -> None:
-    from types import SimpleNamespace
-
-    config = SimpleNamespace(eval_every=4, rounds=10)
-    assert [r for r in range(1, 11) if pieces.evaluation_due(config, r)] == [4, 8, 10]

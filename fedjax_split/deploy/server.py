@@ -300,7 +300,7 @@ def run_round(
     """Round r over the federation; the round's record (metrics.jsonl's row)."""
     import jax
 
-    from fedjax_split.run import pieces
+    from fedjax_split.run import driver, pieces
     from fedjax_split.sim import rounds
 
     config = run.config
@@ -324,7 +324,7 @@ def run_round(
     record = pieces.train_record(r, sampled.tolist(), np.asarray(losses, np.float64), weights_np)
     eval_failed: dict[int, str] = {}
     eval_bytes = 0
-    if pieces.evaluation_due(config, r):
+    if driver.due(r, config.eval_every, config.rounds):
         trained = pieces.trained_clients(history, [c for c in sampled if int(c) not in failed])
         evaluated, eval_failed, eval_bytes = evaluate(run, exchange, r, options, failed, trained)
         record.update(evaluated)

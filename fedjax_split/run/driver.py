@@ -143,7 +143,7 @@ def drive(
                 record = run.step(r, history)
                 history.append(record)
                 outputs.append_jsonl(run_dir / "metrics.jsonl", record)
-                if checkpoint_every and (r % checkpoint_every == 0 or r == run.rounds):
+                if due(r, checkpoint_every, run.rounds):
                     t0 = time.perf_counter()
                     checkpointer.save(r, run.arrays(), {**run.meta(), "history": history})
                     run.checkpointed(r, checkpointer.all_rounds())
@@ -158,6 +158,12 @@ def drive(
     summary = run.summary(history, stats)
     outputs.write_json(run_dir / "summary.json", summary)
     return summary
+
+
+def due(r: int, every: int, rounds: int) -> bool:
+    """Whether round r ends with work done every `every` rounds and after the last one
+    (evaluation, checkpoints); `every` 0: never."""
+    return bool(every) and (r % every == 0 or r == rounds)
 
 
 def stop_hook_from_env() -> RoundHook | None:

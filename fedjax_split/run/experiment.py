@@ -204,7 +204,7 @@ class Simulation:
         # the store wrote the new local parts (waiting for them): t_train is the whole round's
         t_train = time.perf_counter()
         record = pieces.train_record(r, sampled.tolist(), losses, num_examples)
-        if pieces.evaluation_due(config, r):
+        if driver.due(r, config.eval_every, config.rounds):
             trained = pieces.trained_clients(history, sampled.tolist())
             record.update(evaluate(setup, self.server_state, self.frozen, self.store, trained))
         t_eval = time.perf_counter()

@@ -413,11 +413,6 @@ def train_record(
     }
 
 
-def evaluation_due(config: ExperimentConfig, r: int) -> bool:
-    """Whether round r ends with an evaluation: every --eval-every rounds and after the last."""
-    return r % config.eval_every == 0 or r == config.rounds
-
-
 def trained_clients(history: Sequence[dict[str, Any]], now: Sequence[int] = ()) -> set[int]:
     """The clients whose updates the server has taken so far: every round's sampled clients but
     those that failed (a deployed round's `clients_failed`), and `now`."""

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from fedjax_split.errors import UserError
-from fedjax_split.run import outputs
+from fedjax_split.run import driver, outputs
 from fedjax_split.run.pretrain_config import PretrainConfig, check_depth, resolve, validate
 
 STEPS_PER_SEGMENT = 8  # optimiser steps per compiled scan call (a client's last call is padded)
@@ -310,7 +310,7 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
         "layer": setup.schedule[r - 1] if setup.schedule else None,
         "train_loss": float(np.sum(losses * tokens) / max(tokens.sum(), 1.0)),
     }
-    if r % config.eval_every == 0 or r == config.rounds:
+    if driver.due(r, config.eval_every, config.rounds):
         record.update(evaluate(setup))
     t_eval = time.perf_counter()
     full_bytes = _bytes_of(params, layerwise.trained_paths(params, None))  # BERT-FL's upload
@@ -465,7 +465,6 @@ def run_pretraining(
     """Run (or with config.resume, continue) one further pre-training run; returns the summary.
     Everything a user can get wrong is checked before the first byte is written."""
     from fedjax_split import runtime
-    from fedjax_split.run import driver
     from fedjax_split.run.pretrain_config import SCHEMA
 
     started = time.perf_counter()
