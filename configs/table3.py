@@ -1,7 +1,7 @@
 # ruff: noqa: E501  (the run commands in the docstring are kept on one line each)
 """Paper Table III: the nine GLUE tasks, K=3, Table I partition, bert-base-uncased; `:TASK` picks
 the task. Every other setting is the default, which is the table's FedSplitBERT row (critical
-layer 6). Metrics: CoLA Matthews correlation, SST-2 accuracy and F1, MRPC F1 and accuracy, QQP,
+layer L/2 = 6). Metrics: CoLA Matthews correlation, SST-2 accuracy and F1, MRPC F1 and accuracy, QQP,
 QNLI and WNLI accuracy, MNLI matched / mismatched accuracy, RTE accuracy and F1, STS-B Pearson
 (its partition sorts the scores). The rows of the table, per task:
 

@@ -16,7 +16,7 @@ DESCRIPTION = (
     "Federated fine-tuning of a BERT encoder on non-IID clients: FedSplitBERT (split at "
     "--critical-layer; layers above it stay on each client) with any server algorithm. "
     "Defaults are the paper's setting (bert-base-uncased, 3 clients, Table I partition, "
-    "critical layer 6)."
+    "critical layer L/2: 6 of bert-base's 12)."
 )
 
 

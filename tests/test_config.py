@@ -30,8 +30,9 @@ def test_defaults_are_the_paper_setting() -> None:
         "bert-base-uncased",
         3,
         "paper",
-        6,
+        "half",
     )
+    assert validate_critical_layer(c, 12) == 6  # the paper's c = 6 of bert-base's 12
     assert c.algorithm == "fedavg" and c.quantize == "none" and c.max_length == 128
     assert c.sampled_clients == 3 and c.prox_mu == 0.0 and c.effective_server_lr == 1.0
 
@@ -87,6 +88,32 @@ def test_bad_config_files(tmp_path: Path) -> None:
     (tmp_path / "c.yaml").write_text("a: 1")
     with pytest.raises(UserError, match=r"\.py or \.json"):
         load_config_file(tmp_path / "c.yaml")
+
+
+@pytest.mark.parametrize(("num_layers", "want"), [(12, 6), (6, 3), (24, 12), (2, 1), (1, 0)])
+def test_default_critical_layer_is_half_of_any_models_layers(num_layers: int, want: int) -> None:
+    """bert-base (12), MiniLM-L6 (6), bert-large (24): the default stays FedSplitBERT, never
+    silently every layer (plain FedAvg) on a shallower model."""
+    assert validate_critical_layer(resolve_config(), num_layers) == want
+
+
+@pytest.mark.parametrize(
+    ("text", "want"), [("half", "half"), ("HALF", "half"), ("L", None), ("all", None), ("3", 3)]
+)
+def test_critical_layer_words_in_flags_and_files(tmp_path: Path, text: str, want: object) -> None:
+    from fedjax_split import train
+
+    assert train.config_from_args(["--critical-layer", text]).critical_layer == want
+    js = tmp_path / "c.json"
+    js.write_text(json.dumps({"critical_layer": text}))
+    assert resolve_config(load_config_file(js)).critical_layer == want
+
+
+def test_a_bad_critical_layer_word_is_one_line(tmp_path: Path) -> None:
+    js = tmp_path / "c.json"
+    js.write_text(json.dumps({"critical_layer": "third"}))
+    with pytest.raises(UserError, match="critical_layer.*'half' or 'L'"):
+        resolve_config(load_config_file(js))
 
 
 def test_critical_layer_against_model_depth() -> None:

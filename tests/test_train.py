@@ -82,6 +82,10 @@ def straight(env: dict) -> Path:
     out = env["base"] / "straight"
     res = _cli(env, _args(env, out))
     assert res.returncode == 0, res.stderr
+    # the first line says the method the flags make, as a person would (tiny model: 2 layers)
+    assert res.stderr.splitlines()[0] == (
+        "FedSplitBERT, c = 1 of 2: embeddings + layer 1 shared, layer 2 + head personal"
+    )
     assert res.stdout.startswith("done: 4 rounds, final accuracy ")
     assert f"results in {out}" in res.stdout
     return out

@@ -169,11 +169,14 @@ def load(runs_dir: Path, name: str) -> dict[str, Any] | None:
     d = runs_dir / name
     if not (d / "summary.json").is_file():
         return None
+    config, summary = read_json(d / "config.json"), read_json(d / "summary.json")
+    if config.get("critical_layer") == "half":  # the default, resolved for the run's model
+        config["critical_layer"] = summary["critical_layer"]
     return {
         "name": name,
         "dir": d,
-        "config": read_json(d / "config.json"),
-        "summary": read_json(d / "summary.json"),
+        "config": config,
+        "summary": summary,
         "records": read_jsonl(d / "metrics.jsonl"),
         "commits": commits_of(runs_dir, name),
     }

@@ -416,14 +416,15 @@ class FlowerServer:
 
     def start(self, start_round: int, note: Callable[[str], None]) -> None:
         from fedjax_split.data import partition as partition_mod
+        from fedjax_split.run import pieces
 
         run, config, model = self.run, self.run.config, self.run.model
         self.saved_round = start_round
         partition_mod.save_partition(run.partition, self.run_dir / "partition.json",
                                      realised=run.shares)  # fmt: skip
+        note(pieces.method_line(config, model))
         note(
-            f"{config.task} on Flower: {config.clients} SuperNodes, {config.algorithm}, critical "
-            f"layer {model.critical_layer}/{model.config.num_hidden_layers}, "
+            f"{config.task} on Flower: {config.clients} SuperNodes, "
             f"{model.num_global:,} global / {model.num_local:,} local parameters per client"
             + (f"; resuming after round {start_round}" if start_round else "")
         )

@@ -24,6 +24,7 @@ class Algorithm:
     server_lr: float  # its default learning rate
     prox: bool = False  # clients add (mu/2) ||w_g - w_g_received||^2 (FedProx)
     summary: str = ""
+    title: str = ""  # the name as papers write it, for the lines a person reads
 
 
 # FedAvg/FedProx/FedAvgM: eta_s = 1 makes the server step the weighted average of the clients'
@@ -33,14 +34,18 @@ class Algorithm:
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        Algorithm("fedavg", "fedavg", 1.0, summary="weighted average of the clients' models"),
-        Algorithm("fedavgm", "fedavgm", 1.0, summary="server SGD with momentum 0.9"),
-        Algorithm("fedprox", "fedavg", 1.0, prox=True, summary="FedAvg + proximal client term"),
-        Algorithm("fedadam", "fedadam", 1e-3, summary="Reddi et al.'s FedAdam"),
-        Algorithm("fedyogi", "fedyogi", 1e-3, summary="Reddi et al.'s FedYogi"),
-        Algorithm("fedadagrad", "fedadagrad", 1e-3, summary="Reddi et al.'s FedAdagrad"),
+        Algorithm("fedavg", "fedavg", 1.0, summary="weighted average of the clients' models",
+                  title="FedAvg"),
+        Algorithm("fedavgm", "fedavgm", 1.0, summary="server SGD with momentum 0.9",
+                  title="FedAvgM"),
+        Algorithm("fedprox", "fedavg", 1.0, prox=True, summary="FedAvg + proximal client term",
+                  title="FedProx"),
+        Algorithm("fedadam", "fedadam", 1e-3, summary="Reddi et al.'s FedAdam", title="FedAdam"),
+        Algorithm("fedyogi", "fedyogi", 1e-3, summary="Reddi et al.'s FedYogi", title="FedYogi"),
+        Algorithm("fedadagrad", "fedadagrad", 1e-3, summary="Reddi et al.'s FedAdagrad",
+                  title="FedAdagrad"),
     )
-}
+}  # fmt: skip
 
 
 def get(name: str) -> Algorithm:

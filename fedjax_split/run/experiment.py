@@ -162,10 +162,10 @@ class Simulation:
             self.store = ClientStore.create(self.run_dir / CLIENTS_DIR, model.local0)
         labels = setup.pool.labels
         partition_mod.save_partition(setup.partition, self.run_dir / "partition.json", labels)
+        note(pieces.method_line(config, model))
         note(
             f"{config.task}: {len(labels)} examples, {config.clients} clients, "
-            f"{config.algorithm}, critical layer {model.critical_layer}/"
-            f"{model.config.num_hidden_layers}, {model.num_global:,} global / "
+            f"{model.num_global:,} global / "
             f"{model.num_local:,} local parameters per client"
             + (f" / {model.num_frozen:,} frozen" if model.num_frozen else "")
             + (f"; resuming after round {start_round}" if start_round else "")

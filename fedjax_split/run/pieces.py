@@ -249,6 +249,17 @@ def checkpoint_meta(config: ExperimentConfig, model: Model, part: Any) -> dict[s
     }
 
 
+def method_line(config: ExperimentConfig, model: Model) -> str:
+    """The run's method as a person says it (`run.method.describe`), for its first line."""
+    from fedjax_split.run.method import describe
+
+    return describe(
+        config.algorithm, model.critical_layer, model.config.num_hidden_layers,
+        quantize=config.quantize, num_frozen=model.num_frozen, freeze=config.freeze,
+        mu=config.prox_mu,
+    )  # fmt: skip
+
+
 def check_partition(meta: dict[str, Any], part: Any, what: str) -> None:
     """UserError unless the checkpoint's partition (`meta`) is `part`; `what`: where the data
     come from, for the message."""
@@ -437,6 +448,7 @@ def summary(
     best = max(evaluated, key=lambda h: h[metric]) if evaluated else {}
     return {
         "task": config.task,
+        "method": method_line(config, model),
         "algorithm": config.algorithm,
         "critical_layer": model.critical_layer,
         "num_layers": model.config.num_hidden_layers,

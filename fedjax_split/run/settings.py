@@ -32,14 +32,16 @@ def setting(
     *,
     choices: tuple[str, ...] | None = None,
     metavar: str | None = None,
+    parse: Callable[[str], Any] | None = None,
 ) -> Any:
     """A setting and what its flag needs (help text, allowed values, metavar): the one place
     each is written; `Schema` generates flags, typing and choice checks from it. A callable help
     is called when the flags are built, for text generated from a registry that is costly to
-    import."""
-    return dataclasses.field(
-        default=default, metadata={"help": help, "choices": choices, "metavar": metavar}
-    )
+    import. `parse` reads a value written as text (a flag, or a string in a config file) where
+    the annotation's type alone cannot, e.g. an integer or a word such as 'half'; it raises
+    argparse.ArgumentTypeError for a bad value."""
+    metadata = {"help": help, "choices": choices, "metavar": metavar, "parse": parse}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def optional_int(text: str) -> int | None:
@@ -164,6 +166,12 @@ class Schema:
             if self.nullable(name):
                 return None
             raise UserError(f"setting {name!r} cannot be null; give a value or leave it out")
+        parse = self.fields[name].metadata.get("parse")
+        if parse is not None and isinstance(value, str):
+            try:
+                return parse(value)
+            except argparse.ArgumentTypeError as e:
+                raise UserError(f"setting {name!r}: {e}; fix the config") from None
         expected = self.value_type(name)
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
@@ -221,6 +229,8 @@ class Schema:
                 kw["metavar"] = "{" + ",".join(meta["choices"]) + "}"
             if kind is bool:
                 kw = {"action": argparse.BooleanOptionalAction}
+            elif meta.get("parse") is not None:
+                kw["type"] = meta["parse"]
             elif kind is int and self.nullable(name):
                 kw["type"] = optional_int
             elif kind is not str:

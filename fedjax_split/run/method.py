@@ -1,0 +1,52 @@
+"""The method a run's settings make, said as a person would, on the run's first line.
+
+Why: the same flags make FedAvg, FedSplitBERT or isolated training depending on the model's
+depth, and a run that silently became another method wastes its hours; the first line says which.
+"""
+
+from __future__ import annotations
+
+from fedjax_split.fed.algorithms import get as get_algorithm
+
+_WIRE = {"fp16": "float16", "bf16": "bfloat16"}
+
+
+def _layers(first: int, last: int) -> str:
+    """'layer 3' or 'layers 1-3' (1-based, as the paper counts)."""
+    return f"layer {first}" if first == last else f"layers {first}-{last}"
+
+
+def describe(
+    algorithm: str,
+    critical_layer: int,
+    num_layers: int,
+    *,
+    quantize: str = "none",
+    num_frozen: int = 0,
+    freeze: str | None = None,
+    mu: float = 0.0,
+) -> str:
+    """E.g. "FedSplitBERT, c = 3 of 6: embeddings + layers 1-3 shared, layers 4-6 + head
+    personal". The server algorithm is named when it is not FedAvg; the wire dtype and frozen
+    parameters are added when set."""
+    algo = get_algorithm(algorithm)
+    title = algo.title or algo.name
+    if algo.prox:
+        title = f"{title} (mu = {mu:g})"
+    c, big_l = critical_layer, num_layers
+    if c == 0:
+        line = "isolated training (c = 0): nothing shared, each client trains its own model"
+    elif c == big_l:
+        line = f"{title}: the whole model shared (c = L = {big_l})"
+    else:
+        name = "FedSplitBERT" if algo.name == "fedavg" else f"FedSplitBERT with {title}"
+        line = (
+            f"{name}, c = {c} of {big_l}: embeddings + {_layers(1, c)} shared, "
+            f"{_layers(c + 1, big_l)} + head personal"
+        )
+    if c > 0 and quantize in _WIRE:
+        line += f"; sent as {_WIRE[quantize]}"
+    if num_frozen:
+        regex = f" (--freeze {freeze!r})" if freeze else ""
+        line += f"; {num_frozen:,} parameters frozen{regex}"
+    return line
