@@ -83,6 +83,11 @@ def straight(env: dict) -> Path:
     out = env["base"] / "straight"
     res = _cli(env, _args(env, out))
     assert res.returncode == 0, res.stderr
+    said = [line for line in res.stderr.splitlines() if not line.startswith("warning:")]
+    assert said[0] == (  # the method first, as a person says it (after any loading warning)
+        "FedBFPT: each client trains a 2-layer model, one encoder layer of 4 + the MLM head a "
+        "round; the server averages what was trained"
+    )
     assert "done: fedbfpt, 3 rounds" in res.stdout
     return out
 

@@ -390,6 +390,21 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]], initial: dict[
     }
 
 
+def method_line(setup: Setup) -> str:
+    """The further pre-training method as a person says it, for the run's first line."""
+    method, big_l = setup.config.method, setup.model_config.num_hidden_layers
+    layers = "layer" if setup.truncated_layers == 1 else "layers"
+    return {
+        "fedbfpt": f"FedBFPT: each client trains a {setup.small_layers}-layer model, one encoder "
+        f"layer of {big_l} + the MLM head a round; the server averages what was trained",
+        "bert-fl": f"BERT-FL: FedAvg of the whole {big_l}-layer model and its MLM head",
+        "centralised": f"centralised: one client holds all the text and trains all {big_l} layers",
+        "truncated": f"truncated: FedAvg of the first {setup.truncated_layers} {layers} of "
+        f"{big_l}, trained whole",
+        "none": "no further pre-training: the start model, evaluated",
+    }.get(method, method)
+
+
 class Pretraining:
     """Further pre-training's `driver.Run`: the server state and the held-out evaluation before
     round 1; the model is written to `model/` at the end."""
@@ -427,6 +442,7 @@ class Pretraining:
     def start(self, start_round: int, note: Callable[[str], None]) -> None:
         setup, config = self.setup, self.setup.config
         outputs.write_json(self.run_dir / "split.json", setup.split.to_dict())
+        note(method_line(setup))
         sizes = [int(s.input_ids.shape[0]) for s in setup.sequences]
         note(
             f"{config.corpus}: {config.method}, {len(setup.clients)} client(s) with {sizes} "
