@@ -68,6 +68,7 @@ def test_file_then_flags_later_wins(tmp_path: Path) -> None:
         ({"cpu_devices": 0}, "--cpu-devices must be at least 1"),
         ({"cpu_devices": 1.5}, "must be int"),
         ({"attention": "flash"}, "unknown attention"),
+        ({"keep_checkpoints": 0}, "--keep-checkpoints must be at least 1"),
     ],
 )
 def test_bad_values_are_one_line_user_errors(values: dict, needle: str) -> None:

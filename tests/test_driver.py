@@ -79,6 +79,18 @@ def test_a_run_writes_its_files_records_and_checkpoints_on_cadence(tmp_path: Pat
     assert run.kept == [[2], [2, 4], [4, 5]]
 
 
+def test_keep_checkpoints_keeps_only_the_latest_and_says_so(tmp_path: Path) -> None:
+    run = Counter(tmp_path / "run", rounds=5)
+    driver.drive(run, {"setting": 1}, resume=False, checkpoint_every=2, keep_checkpoints=1,
+                 progress=False)  # fmt: skip
+    assert RunCheckpointer(checkpoint_dir(run.run_dir)).all_rounds() == [5]
+    assert run.kept == [[2], [4], [5]]  # the run may drop what older checkpoints needed
+    again = Counter(run.run_dir, rounds=6)
+    driver.drive(again, {"setting": 1}, resume=True, checkpoint_every=2, keep_checkpoints=1,
+                 progress=False)  # fmt: skip
+    assert again.calls[0] == "resume 5" and again.total == 21.0
+
+
 def test_resume_continues_from_the_checkpoint_to_the_same_records(tmp_path: Path) -> None:
     straight = Counter(tmp_path / "straight", rounds=5)
     _drive(straight, every=1)

@@ -91,6 +91,26 @@ def test_a_run_writes_every_output_and_its_accounting(straight: Path) -> None:
     assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["3", "4"]
 
 
+def test_keep_checkpoints_1_leaves_the_latest_checkpoint_and_the_versions_it_needs(
+    files: dict[str, Path], straight: Path
+) -> None:
+    cfg = _config(files, "keep1", rounds=4, local_epochs=2, critical_layer=1, seed=0,
+                  keep_checkpoints=1)  # fmt: skip
+    experiment.run_experiment(cfg, progress=False)
+    run = files["base"] / "keep1"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4"]
+    versions = sorted(p.name for p in (run / "clients").rglob("round_*.npz"))
+    assert versions == ["round_4.npz"] * 3  # every client trained in round 4
+    # the same trajectory as the run that keeps two, and its client 0 still exports
+    def accuracies(d: Path) -> list[float]:
+        return [json.loads(x)["accuracy"] for x in (d / "metrics.jsonl").read_text().splitlines()]
+
+    assert accuracies(run) == accuracies(straight)
+    leaves = jax.tree.leaves(export.personalised_params(run, 0)[0])
+    want = jax.tree.leaves(export.personalised_params(straight, 0)[0])
+    assert all(np.array_equal(a, b) for a, b in zip(leaves, want, strict=True))
+
+
 @pytest.fixture(scope="module")
 def partial_fp16(files: dict[str, Path]) -> Path:
     """2 of 3 clients per round, 16-bit wire, critical layer 1 of 2."""

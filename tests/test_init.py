@@ -1,5 +1,5 @@
-"""The public API: every exported name resolves, lazily, and the README's example imports from the
-top-level package only."""
+"""The public API: every exported name resolves, lazily, and the documented example (docs/usage.md,
+linked from the README) imports from the top-level package only."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import fedjax_split
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+USAGE = Path(__file__).resolve().parents[1] / "docs" / "usage.md"
 
 
 def test_every_exported_name_resolves() -> None:
@@ -25,14 +25,14 @@ def test_import_stays_cheap() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_readme_python_example_imports_from_the_public_api_only() -> None:
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert blocks, "README has no Python example"
+def test_usage_python_example_imports_from_the_public_api_only() -> None:
+    blocks = re.findall(r"```python\n(.*?)```", USAGE.read_text(), flags=re.S)
+    assert blocks, "docs/usage.md has no Python example"
     tree = ast.parse(blocks[0])
     imports = [n for n in tree.body if isinstance(n, ast.ImportFrom)]
     assert imports and all(n.module == "fedjax_split" for n in imports), "import from the API"
     names = {a.name for n in imports for a in n.names}
     assert names <= set(fedjax_split.__all__), names - set(fedjax_split.__all__)
     namespace: dict = {}
-    exec(compile(ast.Module(body=imports, type_ignores=[]), "README", "exec"), namespace)
+    exec(compile(ast.Module(body=imports, type_ignores=[]), "usage.md", "exec"), namespace)
     assert all(namespace[n] is getattr(fedjax_split, n) for n in names)

@@ -1,5 +1,6 @@
-"""The README's round as a new user runs it, against a plain PyTorch loop over the same clients, in
-one process, with utilisation against this machine's measured fp32 matmul peak.
+"""The rotten-tomatoes round of docs/performance.md as a new user runs it, against a plain
+PyTorch loop over the same clients, in one process, with utilisation against this machine's
+measured fp32 matmul peak.
 
     python tools/yardstick.py --config configs/offline_rotten_tomatoes.py --clients 10 \
         --local-epochs 1 --max-examples 2000 --rounds 3 --out runs/yardstick.json

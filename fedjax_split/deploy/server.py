@@ -477,6 +477,7 @@ def run_server(
         config.to_dict(),
         resume=config.resume,
         checkpoint_every=config.checkpoint_every,
+        keep_checkpoints=config.keep_checkpoints,
         progress=progress,
         on_round_end=stop,
     )

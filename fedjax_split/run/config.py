@@ -174,6 +174,12 @@ class ExperimentConfig:
     checkpoint_every: int = _setting(
         1, "Save a checkpoint every N rounds (and after the last); 0 = never."
     )
+    keep_checkpoints: int = _setting(
+        2,
+        "How many of the latest checkpoints stay on disk, with the client-store versions they "
+        "need (at least 1); --resume and export read the latest.",
+        metavar="N",
+    )
     chunk_size: int | None = _setting(
         None,
         "Train at most this many clients at once (bounds memory); default: one at a time on a "
@@ -242,6 +248,7 @@ _NON_TRAJECTORY = {
     "rounds",
     "eval_every",
     "checkpoint_every",
+    "keep_checkpoints",
     "chunk_size",
     "cpu_devices",
     "attention",  # the same attention by another kernel: rounding moves, as on another machine
@@ -271,7 +278,8 @@ def validate(config: ExperimentConfig) -> None:
             f"--clients-per-round must be in 1..{config.clients} (--clients), "
             f"got {config.clients_per_round}"
         )
-    positive_ints = ("rounds", "local_epochs", "batch_size", "max_length", "eval_every")
+    positive_ints = ("rounds", "local_epochs", "batch_size", "max_length", "eval_every",
+                     "keep_checkpoints")  # fmt: skip
     for name in positive_ints:
         if getattr(config, name) < 1:
             flag = "--" + name.replace("_", "-")

@@ -115,18 +115,20 @@ def drive(
     *,
     resume: bool,
     checkpoint_every: int,
+    keep_checkpoints: int = 2,
     progress: bool = True,
     on_round_end: RoundHook | None = None,
 ) -> dict[str, Any]:
     """Runs (or with `resume`, continues) `run` to its last round; returns its summary.
 
-    `config`: the resolved settings, saved as config.json. `on_round_end(round, record)` is
-    called after each round's record and checkpoint are on disk (a KeyboardInterrupt raised there
-    stops the run as Ctrl-C does)."""
+    `config`: the resolved settings, saved as config.json. `keep_checkpoints`: how many of the
+    latest checkpoints stay on disk (the run's `checkpointed` hears which). `on_round_end(round,
+    record)` is called after each round's record and checkpoint are on disk (a KeyboardInterrupt
+    raised there stops the run as Ctrl-C does)."""
     from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 
     run_dir = run.run_dir
-    checkpointer = RunCheckpointer(checkpoint_dir(run_dir))
+    checkpointer = RunCheckpointer(checkpoint_dir(run_dir), max_to_keep=keep_checkpoints)
     stats = Stats()
     try:
         start_round, history = _restore(run, checkpointer, resume)

@@ -260,6 +260,7 @@ def run_experiment(
         config.to_dict(),
         resume=config.resume,
         checkpoint_every=config.checkpoint_every,
+        keep_checkpoints=config.keep_checkpoints,
         progress=progress,
         on_round_end=on_round_end,
     )
