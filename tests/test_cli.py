@@ -74,3 +74,37 @@ def test_cli_checks_the_malloc_setting_before_main_and_prints_warnings_on_one_li
         "warning: model: freshly initialised from seed 0: classifier.weight",
         "warning: RuntimeWarning: overflow (lib.py:7)",
     ]
+
+
+ENTRY_MODULES = ("train", "pretrain", "flower", "export", "assets")
+TOOLS = sorted(p.name for p in (ROOT / "tools").glob("*.py"))
+
+
+def test_every_entry_point_prints_warnings_on_one_line() -> None:
+    """Each command (`python -m fedjax_split.X`) and each tools/ script, run as `__main__` with
+    --help, leaves its process printing warnings in the one-line form (Python's default is
+    `file:line: UserWarning: ...` with the source line under it)."""
+    probe = (
+        "import contextlib, io, runpy, sys, warnings\n"
+        "warnings.simplefilter('always')\n"
+        "default = warnings.formatwarning\n"
+        "for target in sys.argv[1:]:\n"
+        "    warnings.formatwarning = default\n"
+        "    sys.argv = [target, '--help']\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        try:\n"
+        "            if target.endswith('.py'):\n"
+        "                runpy.run_path('tools/' + target, run_name='__main__')\n"
+        "            else:\n"
+        "                runpy.run_module('fedjax_split.' + target, run_name='__main__')\n"
+        "        except SystemExit:\n"
+        "            pass\n"
+        "    warnings.warn('from ' + target)\n"
+    )
+    targets = [*ENTRY_MODULES, *TOOLS]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", probe, *targets], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    ours = [line for line in res.stderr.splitlines() if "from " in line]
+    assert ours == [f"warning: from {t}" for t in targets], res.stderr
