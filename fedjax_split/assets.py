@@ -331,5 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> None:
+    """`python -m fedjax_split.assets`: the commands' entry point (`cli.run_command`)."""
+    from fedjax_split.cli import run_command
+
+    run_command(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

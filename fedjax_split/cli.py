@@ -1,6 +1,6 @@
-"""What every command (train, pretrain, flower) does around its run: process settings first,
-warnings and errors on one line, Ctrl-C's line, exit statuses (0 done, 2 a user error, 130
-interrupted)."""
+"""What every command (train, pretrain, flower, export, assets) does around its run: process
+settings first, warnings and errors on one line, Ctrl-C's line, exit statuses (0 done, 2 a user
+error, 130 interrupted)."""
 
 from __future__ import annotations
 
@@ -42,12 +42,19 @@ def one_line_warning(
     return f"warning: {category.__name__}: {message} ({filename}:{lineno})\n"
 
 
+def one_line_warnings() -> None:
+    """This process's warnings through `one_line_warning`: every process entry point (the
+    commands, the Flower apps, export, assets, tools/) calls it first; the library alone leaves
+    Python's format to the notebook or program that imports it."""
+    import warnings
+
+    warnings.formatwarning = one_line_warning
+
+
 def run_command(command_main: Callable[[], int]) -> NoReturn:
     """A command's entry point: the malloc checked and tuned before anything starts threads (a bad
     setting is the one-line exit-2 error; `fedjax_split.runtime`), warnings on one line, then
     `command_main`'s exit status."""
-    import warnings
-
     from fedjax_split import runtime
     from fedjax_split.errors import UserError, report
 
@@ -56,6 +63,6 @@ def run_command(command_main: Callable[[], int]) -> NoReturn:
         runtime.tune_malloc()
     except UserError as e:
         sys.exit(report(e))
-    warnings.formatwarning = one_line_warning
+    one_line_warnings()
     sys.exit(command_main())
 

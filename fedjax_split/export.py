@@ -12,7 +12,6 @@ in fedjax_split via `load_pretrained`.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -79,5 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def cli() -> None:
+    """`python -m fedjax_split.export`: the commands' entry point (`cli.run_command`)."""
+    from fedjax_split.cli import run_command
+
+    run_command(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -3,7 +3,9 @@ and errors on one line, Ctrl-C's line, exit statuses)."""
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +76,90 @@ def test_cli_checks_the_malloc_setting_before_main_and_prints_warnings_on_one_li
         "warning: model: freshly initialised from seed 0: classifier.weight",
         "warning: RuntimeWarning: overflow (lib.py:7)",
     ]
+
+
+ENTRY_MODULES = ("train", "pretrain", "flower", "export", "assets")
+TOOLS = sorted(p.name for p in (ROOT / "tools").glob("*.py"))
+
+
+def test_every_entry_point_prints_warnings_on_one_line() -> None:
+    """Each command (`python -m fedjax_split.X`) and each tools/ script, run as `__main__` with
+    --help, leaves its process printing warnings in the one-line form (Python's default is
+    `file:line: UserWarning: ...` with the source line under it)."""
+    probe = (
+        "import contextlib, io, runpy, sys, warnings\n"
+        "warnings.simplefilter('always')\n"
+        "default = warnings.formatwarning\n"
+        "for target in sys.argv[1:]:\n"
+        "    warnings.formatwarning = default\n"
+        "    sys.argv = [target, '--help']\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        try:\n"
+        "            if target.endswith('.py'):\n"
+        "                runpy.run_path('tools/' + target, run_name='__main__')\n"
+        "            else:\n"
+        "                runpy.run_module('fedjax_split.' + target, run_name='__main__')\n"
+        "        except SystemExit:\n"
+        "            pass\n"
+        "    warnings.warn('from ' + target)\n"
+    )
+    targets = [*ENTRY_MODULES, *TOOLS]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", probe, *targets], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    ours = [line for line in res.stderr.splitlines() if "from " in line]
+    assert ours == [f"warning: from {t}" for t in targets], res.stderr
+
+
+MEASURED = re.compile(
+    r"\d\s*(%|×|x\b|ms\b|s\b|sec|seconds?\b|min(utes?)?\b|h(ours?)?\b|\w*/s\b)"
+    r"|\b(faster|slower|speed-?ups?)\b",
+    re.IGNORECASE,
+)
+HISTORY = re.compile(r"\b(former(ly)?|previous(ly)?|used to|no longer|issues?)\b", re.IGNORECASE)
+
+
+def _help(capsys: pytest.CaptureFixture, command: str, *args: str) -> str:
+    module = importlib.import_module(f"fedjax_split.{command}")
+    with pytest.raises(SystemExit) as e:
+        module.main([*args, "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_patterns_catch_measurements_and_history() -> None:
+    for text in ("3.2x faster", "1.4 x", "takes 48.4s", "12 % less", "343 s", "2 min", "5 it/s",
+                 "(the former behaviour)", "previously 6", "see issue 6"):  # fmt: skip
+        assert MEASURED.search(text) or HISTORY.search(text), text
+    for text in ("(default 600)", "fp16, bf16", "1e-3 for", "16-bit", "200 batches", "<K>_s<seed>",
+                 "Seconds the server waits", "minilm-l6"):  # fmt: skip
+        assert not (MEASURED.search(text) or HISTORY.search(text)), text
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("train",), ("pretrain",), ("flower",), ("export",), ("assets",), ("assets", "fetch"),
+     ("assets", "list")],  # fmt: skip
+    ids=" ".join,
+)
+def test_help_carries_no_measurements_or_history(
+    capsys: pytest.CaptureFixture, command: tuple[str, ...]
+) -> None:
+    """Numbers measured on some machine belong in docs/benchmarks.md and history in git: --help
+    says what a flag does now."""
+    text = " ".join(_help(capsys, *command).split())  # wrapped lines joined
+    assert not MEASURED.search(text), MEASURED.search(text)
+    assert not HISTORY.search(text), HISTORY.search(text)
+
+
+@pytest.mark.parametrize("command", ["train", "flower"])
+def test_task_help_names_every_registered_task(
+    capsys: pytest.CaptureFixture, command: str
+) -> None:
+    from fedjax_split.tasks.registry import TASKS
+
+    text = " ".join(_help(capsys, command).split())
+    task_help = text[text.index("--task TASK ") : text.index("--model MODEL ")]
+    missing = [name for name in TASKS if not re.search(rf"\b{re.escape(name)}\b", task_help)]
+    assert not missing, task_help

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -120,6 +121,24 @@ def _no_processes_left(marker: str) -> None:
     assert not left, left
 
 
+def _clean_logs(run: Path) -> None:
+    """Every log of the federation has one clean line per event: no colour codes, no Flower
+    record printed a second time in Python's default format (`INFO:flwr:...`), no raw
+    `file.py:N: UserWarning` lines, and (in the run's and the nodes' logs) no line twice in a
+    row. (The SuperLink may log two like events alike: two nodes' pushes.)"""
+    logs = sorted((run / "flower" / "logs").glob("*.log"))
+    assert {p.name for p in logs} >= {"superlink.log", "supernode-0.log", "run-1.log"}
+    for path in logs:
+        text = path.read_text()
+        assert "\x1b" not in text, path
+        assert not re.search(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL):flwr:", text, re.M), path
+        assert not re.search(r"\.py:\d+: \w*Warning:", text), path
+        if path.name != "superlink.log":
+            lines = text.splitlines()
+            twice = [a for a, b in zip(lines, lines[1:], strict=False) if a == b]
+            assert not twice, (path, twice)
+
+
 def _local_paths_and_digests(run: Path) -> tuple[set[str], set[str]]:
     """Every local-part path, and the sha256 of every local array the nodes ever held."""
     paths, digests = set(), set()
@@ -165,6 +184,7 @@ def test_fp16_split_run_equals_simulation_and_a_restarted_server_resumes(env: di
     summary = json.loads((out / "summary.json").read_text())
     assert summary["deploy"] == "flower" and summary["rounds"] == 2
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["1", "2"]
+    _clean_logs(out)
 
     # What crossed the wire: the global part (fp16 as uint16 bits) down and up, never a local one.
     sent = [json.loads(x) for f in record_dir.glob("*.jsonl") for x in f.read_text().splitlines()]

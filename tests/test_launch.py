@@ -144,3 +144,19 @@ def test_the_wait_for_the_superlink_ends_in_a_one_line_error(tmp_path: Path) -> 
     finally:
         fed.close()
     assert not fed.home.exists()  # close removes its Flower home
+
+
+def test_a_process_log_has_one_clean_line_per_event_its_childrens_too(tmp_path: Path) -> None:
+    """The launcher's copy of a process's output: colour codes and Flower's empty records gone,
+    and what a child writes after its parent has ended still reaches the log (`close` waits)."""
+    script = (
+        r"printf '\033[92mINFO \033[0m:      a\n\033[92mINFO \033[0m:      \n';"
+        r" (sleep 0.5; echo from the child) &"
+    )
+    fed = launch.Federation([], tmp_path / "logs")
+    try:
+        proc = fed._start(["sh", "-c", script], tmp_path / "logs" / "p.log")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        fed.close()
+    assert (tmp_path / "logs" / "p.log").read_text() == "INFO :      a\nfrom the child\n"

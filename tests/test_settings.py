@@ -37,7 +37,8 @@ def test_flags_from_the_fields(tmp_path) -> None:
     parser = SCHEMA.build_parser("toy", "A toy.")
     assert {a.dest for a in parser._actions} - {"help"} == set(SCHEMA.fields)
     text = parser.format_help()
-    assert "How many; unset means all. (default: None)" in text and "--no-flag" in text
+    assert "How many; unset means all." in text and "--no-flag" in text
+    assert "(default: 0.5)" in text and "(default: None)" not in text  # unset: said in words
     assert SCHEMA.help("colour") == "Colour, from a registry read when the flags are built."
     assert "from a registry" in text
     assert SCHEMA.from_args(parser, ["--count", "all", "--flag"]) == Toy(count=None, flag=True)

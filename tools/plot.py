@@ -130,6 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from fedjax_split.cli import one_line_warnings
+
+    one_line_warnings()
     try:
         sys.exit(main())
     except UserError as e:  # a one-line error, exit status 2, as the CLI

@@ -587,4 +587,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from fedjax_split.cli import one_line_warnings
+
+    one_line_warnings()
     main()

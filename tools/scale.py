@@ -89,4 +89,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
+    from fedjax_split.cli import one_line_warnings
+
+    one_line_warnings()
     main()

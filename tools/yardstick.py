@@ -209,6 +209,9 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    from fedjax_split.cli import one_line_warnings
+
+    one_line_warnings()
     out = run()
     print(json.dumps({k: out[k] for k in ("ours", "torch", "speedup_vs_torch", "mfu", "torch_mfu",
                                           "peak")}, indent=1))  # fmt: skip

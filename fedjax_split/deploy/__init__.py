@@ -6,6 +6,7 @@
 - `client_app`: the Flower ClientApp (one client per SuperNode).
 - `server`: rounds over a Flower Grid with the simulation's aggregation and server step.
 - `server_app`: the Flower ServerApp.
+- `logs`: one clean line per event, in the apps' processes and the launcher's log files.
 - `launch`: a SuperLink and SuperNodes as processes on loopback (`python -m fedjax_split.flower`).
 
 docs/deployment.md has the architecture and the commands for real machines.

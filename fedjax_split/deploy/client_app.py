@@ -28,12 +28,13 @@ app = ClientApp()
 
 
 def _node(context: Context) -> NodeSetup:
-    """This node's client, in a process whose settings are applied first (`runtime.apply`: every
-    handler runs in a fresh process)."""
+    """This node's client, in a process whose settings are applied first (`logs.app_process`,
+    `runtime.apply`: every handler runs in a fresh process)."""
     from fedjax_split import runtime
-    from fedjax_split.deploy import node
+    from fedjax_split.deploy import logs, node
     from fedjax_split.run.config import resolve_config
 
+    logs.app_process()
     runtime.apply()
     values = json.loads(str(context.run_config[protocol.EXPERIMENT]))
     data_dir = context.node_config.get(protocol.DATA_DIR)

@@ -120,7 +120,8 @@ class Federation:
     """SuperLink + SuperNodes on loopback; `submit` runs a Flower App on them with `flwr run`.
 
     node_configs: one mapping per SuperNode (e.g. {"partition-id": 0, "state-dir": "..."}).
-    log_dir: where each process's output goes (superlink.log, supernode-<i>.log, run-<k>.log).
+    log_dir: where each process's output goes (superlink.log, supernode-<i>.log, run-<k>.log),
+    without colour codes or Flower's empty records (`logs.clean`).
     """
 
     def __init__(
@@ -139,26 +140,34 @@ class Federation:
         self.port = free_port()
         self.superlink: subprocess.Popen | None = None
         self.nodes: list[subprocess.Popen | None] = []
+        self._copiers: list[threading.Thread] = []
         self._runs = 0
 
     @property
     def address(self) -> str:
         return f"{HOST}:{self.port}"
 
-    def _start(self, args: list[str], log_name: str) -> subprocess.Popen:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / log_name, "ab")  # noqa: SIM115 - owned by the child
-        try:
-            return subprocess.Popen(
-                args,
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        finally:
-            log.close()
+    def _start(self, args: list[str], log: Path, echo: TextIO | None = None) -> subprocess.Popen:
+        """`args` started in its own session; a thread copies its output, one clean line per
+        event (`logs.copy_lines`), to `log` (and `echo`) until the last process holding the
+        pipe ends (its children inherit it)."""
+        from fedjax_split.deploy import logs
+
+        log.parent.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.Popen(
+            args,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        copier = threading.Thread(
+            target=logs.copy_lines, args=(proc.stdout, log, echo), daemon=True
+        )
+        copier.start()
+        self._copiers.append(copier)
+        return proc
 
     def start(self) -> Federation:
         """Starts the SuperLink, waits until it listens, then starts the SuperNodes."""
@@ -181,7 +190,7 @@ class Federation:
                 f"{HOST}:{free_port()}",
                 "--disable-runtime-dependency-installation",
             ],
-            "superlink.log",
+            self.log_dir / "superlink.log",
         )
         self._wait_listening(self.port, self.superlink, "superlink.log")
         for i, cfg in enumerate(self.node_configs):
@@ -200,7 +209,7 @@ class Federation:
                         "--node-config",
                         node_config,
                     ],
-                    f"supernode-{i}.log",
+                    self.log_dir / f"supernode-{i}.log",
                 )
             )
         return self
@@ -226,27 +235,9 @@ class Federation:
         Its output (the ServerApp's log, streamed) goes to run-<k>.log and, line by line, to
         `echo` when given."""
         self._runs += 1
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.Popen(
-            ["flwr", "run", str(app_dir), "local", "--stream"],
-            env=self.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-        def copy() -> None:
-            with open(self.run_log(), "ab") as log:
-                for line in iter(proc.stdout.readline, b""):
-                    log.write(line)
-                    log.flush()
-                    if echo is not None:
-                        echo.write(line.decode("utf-8", "replace"))
-                        echo.flush()
-
-        copier = threading.Thread(target=copy, daemon=True)
-        copier.start()
+        args = ["flwr", "run", str(app_dir), "local", "--stream"]
+        proc = self._start(args, self.run_log(), echo)
+        copier = self._copiers[-1]
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -275,6 +266,10 @@ class Federation:
         if self.superlink is not None:
             kill_tree(self.superlink)
             self.superlink = None
+        deadline = time.monotonic() + 10  # the pipes close with the processes just killed
+        for copier in self._copiers:
+            copier.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._copiers = []
         shutil.rmtree(self.home, ignore_errors=True)
 
     def __enter__(self) -> Federation:

@@ -32,10 +32,12 @@ def _write_status(path: str, status: dict[str, Any]) -> None:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     from fedjax_split import runtime
+    from fedjax_split.deploy import logs
     from fedjax_split.deploy.server import DeployOptions, Stopped, run_server
     from fedjax_split.errors import UserError
     from fedjax_split.run.config import resolve_config
 
+    logs.app_process()
     rc = context.run_config
     status_file = str(rc.get(protocol.STATUS_FILE, ""))
     try:

@@ -235,11 +235,9 @@ class Schema:
                 kw["type"] = optional_int
             elif kind is not str:
                 kw["type"] = kind
-            p.add_argument(
-                "--" + name.replace("_", "-"),
-                help=f"{self.help(name)} (default: {field.default})",
-                **kw,
-            )
+            # an unset default is said in the help's own words ("unset: ...", "default: L/2")
+            default = "" if field.default is None else f" (default: {field.default})"
+            p.add_argument("--" + name.replace("_", "-"), help=self.help(name) + default, **kw)
         return p
 
     def from_args(self, parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Any:
