@@ -88,6 +88,7 @@ def test_a_run_writes_every_output_and_its_accounting(straight: Path) -> None:
     assert config["critical_layer"] == 1 and config["clients"] == 3
     part = json.loads((straight / "partition.json").read_text())
     assert "clients" in part or "train" in json.dumps(part)
+    assert part["label_names"] == ["negative", "positive"]  # sst2's, the shares' columns
     assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["3", "4"]
 
 

@@ -161,7 +161,9 @@ class Simulation:
         else:  # a fresh run (or one that finished no round): no checkpoint needs what is there
             self.store = ClientStore.create(self.run_dir / CLIENTS_DIR, model.local0)
         labels = setup.pool.labels
-        partition_mod.save_partition(setup.partition, self.run_dir / "partition.json", labels)
+        names = sources.label_names_or_none(model.task, setup.pool.examples)
+        partition_mod.save_partition(setup.partition, self.run_dir / "partition.json", labels,
+                                     label_names=names)  # fmt: skip
         note(
             f"{config.task}: {len(labels)} examples, {config.clients} clients, "
             f"{config.algorithm}, critical layer {model.critical_layer}/"
@@ -171,7 +173,6 @@ class Simulation:
             + (f"; resuming after round {start_round}" if start_round else "")
         )
         if not start_round:
-            names = sources.label_names_or_none(model.task, setup.pool.examples)
             note(partition_mod.partition_report(setup.partition, labels, names))
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
