@@ -162,7 +162,7 @@ def drive(
     finally:
         checkpointer.close()
     summary = run.summary(history, stats)
-    outputs.write_json(run_dir / "summary.json", summary)
+    outputs.write_summary(run_dir / "summary.json", summary)
     return summary
 
 
