@@ -207,6 +207,7 @@ def test_a_whole_round_over_an_in_process_federation_is_done(
     assert summary["deploy"] == "flower" and summary["rounds"] == 1 and summary["supernodes"] == 3
     written = json.loads((out / "summary.json").read_text())
     assert written["final"] == outputs.readable(summary)["final"]  # rounded for reading
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (record,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert record["clients_failed"] == [] and record["eval_failed"] == []
     assert sorted(record["clients_sampled"]) == [0, 1, 2] and len(record["clients"]) == 3
