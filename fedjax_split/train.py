@@ -44,14 +44,37 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_experiment(config, progress=True, on_round_end=driver.stop_hook_from_env())
 
-    def done(summary: dict) -> str:
-        metric = summary["primary_metric"]
-        return (
-            f"done: {summary['rounds']} rounds, final {metric} {summary['final'].get(metric)}, "
-            f"{summary['cum_bytes'] / 1e6:.1f} MB sent; results in {summary['run_dir']}"
-        )
+    return run_main(lambda: config_from_args(argv), run, done_line)
 
-    return run_main(lambda: config_from_args(argv), run, done)
+
+def duration(seconds: float) -> str:
+    """Seconds as a person says them: "42.1 s", "10 min 3 s", "2 h 5 min"."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s"
+    return f"{minutes // 60} h {minutes % 60} min"
+
+
+def done_line(summary: dict) -> str:
+    """The run's last line: its figure beside what the label priors alone score, what it sent,
+    how long its rounds took, and where its plot and results are and how to export a model."""
+    metric, run_dir = summary["primary_metric"], summary["run_dir"]
+    value = summary["final"].get(metric)
+    if value is None:
+        figure = f"{metric} not evaluated (--eval-every 0)"
+    else:
+        figure = f"{metric} {value:.4f} (mean over clients)"
+        if summary.get("majority_label") is not None:
+            figure += f", majority label {summary['majority_label']:.4f}"
+    plot = f"plot {summary['plot']}, " if summary.get("plot") else ""
+    return (
+        f"done: {summary['rounds']} rounds, {figure}; {summary['cum_bytes'] / 1e6:.1f} MB sent, "
+        f"{duration(summary['seconds'])}\n"
+        f"  results in {run_dir} ({plot}summary.json, metrics.jsonl); a client's model: "
+        f"python -m fedjax_split.export --run-dir {run_dir} --client 0 --out {run_dir}/client0"
+    )
 
 
 def cli() -> None:

@@ -20,11 +20,14 @@ from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 class Counter:
     """A run whose state is one array; round r adds r to it and records the sum."""
 
-    def __init__(self, run_dir: Path, rounds: int = 4, model: str = "m1") -> None:
+    def __init__(
+        self, run_dir: Path, rounds: int = 4, model: str = "m1", labels: str = "LABEL_0"
+    ) -> None:
         self.run_dir = run_dir
         self.rounds = rounds
         self.metric = "total"
         self.model = model
+        self.labels = labels
         self.total = np.zeros((), np.float32)
         self.calls: list[str] = []
         self.kept: list[list[int]] = []
@@ -33,7 +36,8 @@ class Counter:
         return {"total": self.total}
 
     def meta(self) -> dict[str, Any]:
-        return {"model_config": {"name": self.model}, "seed": 0}
+        return {"model_config": {"name": self.model, "id2label": {"0": self.labels},
+                                 "label2id": {self.labels: 0}}, "seed": 0}  # fmt: skip
 
     def resume(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
         self.calls.append(f"resume {int(meta['round'])}")
@@ -126,6 +130,15 @@ def test_resume_refuses_another_model_and_a_run_without_a_checkpoint(tmp_path: P
     with pytest.raises(UserError, match="no readable checkpoint"):
         _drive(Counter(lost.run_dir, rounds=3), resume=True)
     assert sorted(p.name for p in run.run_dir.iterdir()) == before
+
+
+def test_resume_takes_a_checkpoint_whose_head_names_its_labels_otherwise(tmp_path: Path) -> None:
+    """Label names change nothing the model computes: LABEL_0 in the checkpoint, a name now."""
+    run = Counter(tmp_path / "run", rounds=2)
+    _drive(run, every=1)
+    again = Counter(run.run_dir, rounds=3, labels="fresh")
+    assert _drive(again, resume=True)["total"] == 6.0
+    assert again.calls[0] == "resume 2"
 
 
 def test_resume_without_a_checkpoint_restarts_a_run_that_finished_no_round(tmp_path: Path) -> None:

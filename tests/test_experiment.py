@@ -15,8 +15,10 @@ import pytest
 from run_fixtures import private_cache, write_tiny_model, write_tiny_sst2  # noqa: F401 (autouse)
 
 from fedjax_split import export
+from fedjax_split.data import sources
 from fedjax_split.run import experiment
 from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+from fedjax_split.tasks import registry as tasks
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,9 @@ def straight(files: dict[str, Path]) -> Path:
     return files["base"] / "straight"
 
 
-def test_a_run_writes_every_output_and_its_accounting(straight: Path) -> None:
+def test_a_run_writes_every_output_and_its_accounting(
+    files: dict[str, Path], straight: Path
+) -> None:
     for name in ("metrics.jsonl", "summary.json", "config.json", "partition.json"):
         assert (straight / name).is_file(), name
     records = [json.loads(x) for x in (straight / "metrics.jsonl").read_text().splitlines()]
@@ -81,13 +85,27 @@ def test_a_run_writes_every_output_and_its_accounting(straight: Path) -> None:
         assert r["accuracy"] == pytest.approx(mean, abs=1e-12)
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["rounds"] == 4 and summary["primary_metric"] == "accuracy"
-    assert summary["final"]["accuracy"] == records[-1]["accuracy"]
+    # rounded for reading (metrics.jsonl keeps the exact figures); bytes exact beside their MB
+    assert summary["final"]["accuracy"] == round(records[-1]["accuracy"], 4)
     for key in ("seconds", "train_seconds", "eval_seconds"):
-        assert summary[key] == pytest.approx(sum(r[key] for r in records))
+        assert summary[key] == pytest.approx(sum(r[key] for r in records), abs=0.051)
+    assert summary["cum_bytes"] == records[-1]["cum_bytes"]
+    assert summary["cum_mb"] == round(records[-1]["cum_bytes"] / 1e6, 1)
+    # the label priors alone, by hand: each client's majority training label on its own test
+    part = json.loads((straight / "partition.json").read_text())
+    pool = sources.load_examples(tasks.get_task("sst2"), data_dir=files["data"])
+    labels = np.asarray(pool.labels)
+    own = [np.mean(labels[c["test"]] == np.bincount(labels[c["train"]]).argmax())
+           for c in part["clients"]]  # fmt: skip
+    assert summary["majority_label"] == pytest.approx(np.mean(own), abs=5e-5)
+    # plot.png: accuracy against rounds and against MB, the priors' figure dashed
+    assert summary["plot"] == str(straight / "plot.png")
+    assert (straight / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     config = json.loads((straight / "config.json").read_text())
     assert config["critical_layer"] == 1 and config["clients"] == 3
     part = json.loads((straight / "partition.json").read_text())
     assert "clients" in part or "train" in json.dumps(part)
+    assert part["label_names"] == ["negative", "positive"]  # sst2's, the shares' columns
     assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["3", "4"]
 
 
@@ -214,9 +232,6 @@ def test_personalised_metrics_match_transformers(
     examples (from partition.json), gives the accuracy the run reported for that client."""
     torch = pytest.importorskip("torch")
     from transformers import BertForSequenceClassification, BertTokenizerFast
-
-    from fedjax_split.data import sources
-    from fedjax_split.tasks import registry as tasks
 
     last = json.loads((partial_fp16 / "metrics.jsonl").read_text().splitlines()[-1])
     part = json.loads((partial_fp16 / "partition.json").read_text())

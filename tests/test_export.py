@@ -69,10 +69,12 @@ def test_the_exported_model_runs_in_pytorch_to_the_runs_own_logits(
 
     out = export.export_client(run, 2, files["base"] / "client2")
     hf = json.loads((out / "config.json").read_text())
-    assert hf["id2label"] == {"0": "LABEL_0", "1": "LABEL_1"}
+    # the task's label names, not LABEL_0/LABEL_1
+    assert hf["id2label"] == {"0": "negative", "1": "positive"}
+    assert hf["label2id"] == {"negative": 0, "positive": 1}
     assert hf["architectures"] == ["BertForSequenceClassification"]
     model = transformers.BertForSequenceClassification.from_pretrained(out).eval()
-    assert model.config.id2label == {0: "LABEL_0", 1: "LABEL_1"}
+    assert model.config.id2label == {0: "negative", 1: "positive"}
     tok = transformers.BertTokenizerFast.from_pretrained(out)
     texts = ["the film was good", "a dull and boring plot", "lovely", "the story was quite weak"]
     enc = tok(texts, padding=True, truncation=True, max_length=16, return_tensors="np")

@@ -70,6 +70,15 @@ def test_finetune_table_averages_seeds(runs) -> None:
     assert cells[5:] == ["0.2", "360"]  # 6 x 40 GFLOP; 12 x 30 MB
 
 
+def test_finetune_scores_are_the_exact_records_not_the_rounded_summary(runs, tmp_path) -> None:
+    """summary.json's final is rounded for reading; the mean over seeds takes metrics.jsonl's."""
+    exact = {"round": 2, "f1": 0.55555555, "precision": 0.5, "recall": 0.6}
+    (tmp_path / "nero_fedbfpt_s0" / "metrics.jsonl").write_text(
+        json.dumps({"round": 1, "f1": 0.1}) + "\n" + json.dumps(exact) + "\n"
+    )
+    assert study.finetune_scores("fedbfpt")[0] == exact
+
+
 def test_the_papers_communication_share_from_bert_base_shapes() -> None:
     lines = study.bert_base_accounting()
     assert "109,514,298" in lines[0] and "7,710,522" in lines[0] and "**7.04%**" in lines[0]

@@ -97,3 +97,20 @@ def test_check_run_dir_rules(tmp_path) -> None:
     with pytest.raises(UserError, match="differ from the saved run \\(lr\\)") as e:
         check_run_dir(tmp_path, True, [], lambda saved: ["lr"])
     assert "\n" not in str(e.value)
+
+
+def test_summary_is_rounded_for_reading_with_exact_bytes_beside_megabytes(tmp_path) -> None:
+    summary = {
+        "final": {"accuracy": 0.834733893557423, "seconds": 12.345678, "cum_bytes": 1241422848,
+                  "clients": [{"client": 0, "accuracy": 2 / 3}]},
+        "best": 0.8, "share": 0.000123456789, "loss": 12.3456789, "rounds": 3, "resume": False,
+        "cum_bytes": 1241422848, "checkpoint_seconds": 0.04, "missing": None, "zero": 0.0,
+    }  # fmt: skip
+    got = outputs.read_json(outputs.write_summary(tmp_path / "summary.json", summary))
+    assert got["final"] == {"accuracy": 0.8347, "seconds": 12.3, "cum_bytes": 1241422848,
+                            "cum_mb": 1241.4, "clients": [{"client": 0, "accuracy": 0.6667}]}
+    assert (got["best"], got["share"], got["loss"]) == (0.8, 0.0001235, 12.3457)
+    assert (got["cum_bytes"], got["cum_mb"], got["checkpoint_seconds"]) == (1241422848, 1241.4, 0.0)
+    assert (got["rounds"], got["resume"], got["missing"], got["zero"]) == (3, False, None, 0.0)
+    assert list(got)[list(got).index("cum_bytes") + 1] == "cum_mb"  # read side by side
+    assert summary["final"]["accuracy"] == 0.834733893557423  # the caller's dict is untouched

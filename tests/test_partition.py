@@ -296,8 +296,10 @@ def test_partition_file_and_report_show_target_and_realised_shares(tmp_path):
     y = _pool([300, 500], seed=2)
     p = partition_clients(y, scheme="paper", num_clients=3, seed=0, task="rte")
     assert p.dropped > 0
-    doc = json.loads(save_partition(p, tmp_path / "p.json", y).read_text())
+    names = ["entailment", "not_entailment"]
+    doc = json.loads(save_partition(p, tmp_path / "p.json", y, label_names=names).read_text())
     assert doc["fill"] == "exact" and doc["dropped"] == p.dropped
+    assert doc["label_names"] == names  # the shares' columns
     np.testing.assert_allclose(doc["target_shares"], [[0.2, 0.8], [0.5, 0.5], [0.8, 0.2]])
     counts = _counts(p, y, 2)
     np.testing.assert_allclose(doc["realised_shares"], counts / counts.sum(1, keepdims=True),
@@ -305,7 +307,7 @@ def test_partition_file_and_report_show_target_and_realised_shares(tmp_path):
     q = load_partition(tmp_path / "p.json")
     assert (q.fill, q.dropped) == ("exact", p.dropped)
     np.testing.assert_allclose(q.target_shares, p.target_shares)
-    text = partition_report(p, y, ["entailment", "not_entailment"])
+    text = partition_report(p, y, names)
     assert f"({p.dropped} left out" in text.splitlines()[0] and "fill=exact" in text
     assert "target 80%)" in text.splitlines()[2]  # client 0: 80% of class 1
 

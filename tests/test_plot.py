@@ -75,3 +75,43 @@ def test_dotted_metric_reaches_into_nested_records() -> None:
     ]
     assert plot.series(records, "pooled.accuracy") == ([1, 3], [1.0, 3.0], [0.4, 0.5])
     assert plot.series(records, "accuracy") == ([3], [3.0], [0.9])
+
+
+def test_the_round_axis_ticks_on_whole_rounds_only() -> None:
+    """Three rounds: matplotlib's own ticks would fall on 1.25, 1.5, ...; ours are whole rounds."""
+    from matplotlib.figure import Figure
+
+    from fedjax_split.run import plots
+
+    records = [{"round": i, "cum_bytes": i * 10**6, "accuracy": 0.5 + i / 10} for i in (1, 2, 3)]
+    ours, theirs = Figure().subplots(1, 2)
+    plots.draw(ours, [("run", records)], "accuracy", "rounds")
+    theirs.plot([1, 2, 3], [0.6, 0.7, 0.8])
+    fractional = [t for t in theirs.get_xticks() if t != int(t)]
+    assert fractional  # what the default would show
+    assert [t for t in ours.get_xticks() if t != int(t)] == []
+
+
+def test_method_labels_read_as_a_person_names_the_run() -> None:
+    from fedjax_split.run.plots import method_label
+
+    assert method_label("fedavg", 3, 6, "fp16") == "FedSplitBERT c=3 + fp16 wire"
+    assert method_label("fedprox", 3, 6) == "FedSplitBERT c=3 (FedProx)"
+    assert method_label("fedadam", 6, 6) == method_label("fedadam", None, 6) == "FedAdam"
+    assert method_label("fedavg", 0, 6, "bf16") == "local only (c=0) + bf16 wire"
+
+
+def test_majority_score_is_each_clients_majority_training_label_on_its_test_split() -> None:
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from fedjax_split.run.plots import majority_score
+    from fedjax_split.tasks.registry import get_task
+
+    labels = np.array([1, 1, 0, 1, 0, 0, 0, 1, 1, 0])
+    clients = [SimpleNamespace(train=[0, 1, 2], test=[3, 4]),  # predicts 1: 1/2
+               SimpleNamespace(train=[5, 6, 7], test=[8, 9, 2]),  # predicts 0: 2/3
+               SimpleNamespace(train=[0], test=[])]  # no test split: not in the mean
+    assert majority_score(get_task("sst2"), labels, clients, "accuracy") == (1 / 2 + 2 / 3) / 2
+    assert majority_score(get_task("stsb"), labels.astype(float), clients, "pearson") is None

@@ -77,10 +77,11 @@ def test_outputs_and_their_cost_accounting(fedbfpt: Path) -> None:
     assert layers_used <= {1, 2, 3} and len(layers_used) > 1  # sampled per client and round
     summary = json.loads((fedbfpt / "summary.json").read_text())
     assert summary["cum_bytes_up"] == 6 * sent and summary["schedule"] == [0, 0, 1]
+    # summary.json is rounded for reading (4 significant digits); metrics.jsonl is exact
     assert summary["bytes_up_share_of_bert_fl"] == pytest.approx(
-        6 * sent / summary["cum_bert_fl_bytes_up"]
+        6 * sent / summary["cum_bert_fl_bytes_up"], rel=1e-3
     )
-    assert summary["final"]["mlm_loss"] == rows[-1]["mlm_loss"]
+    assert summary["final"]["mlm_loss"] == pytest.approx(rows[-1]["mlm_loss"], abs=5e-5)
     assert summary["layers"] == 4 and summary["small_layers"] == 2
     split = json.loads((fedbfpt / "split.json").read_text())
     assert split["scheme"] == "source" and len(split["clients"]) == 2

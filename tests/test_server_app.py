@@ -19,6 +19,7 @@ from flwr.app import Context, Message, Metadata, RecordDict
 from run_fixtures import private_cache, write_tiny_model, write_tiny_sst2  # noqa: F401 (autouse)
 
 from fedjax_split.deploy import protocol, server, server_app
+from fedjax_split.run import outputs
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +205,9 @@ def test_a_whole_round_over_an_in_process_federation_is_done(
     assert got["status"] == "done", got
     summary = got["summary"]
     assert summary["deploy"] == "flower" and summary["rounds"] == 1 and summary["supernodes"] == 3
-    assert json.loads((out / "summary.json").read_text())["final"] == summary["final"]
+    written = json.loads((out / "summary.json").read_text())
+    assert written["final"] == outputs.readable(summary)["final"]  # rounded for reading
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (record,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert record["clients_failed"] == [] and record["eval_failed"] == []
     assert sorted(record["clients_sampled"]) == [0, 1, 2] and len(record["clients"]) == 3

@@ -86,8 +86,11 @@ def straight(env: dict) -> Path:
     assert res.stderr.splitlines()[0] == (
         "FedSplitBERT, c = 1 of 2: embeddings + layer 1 shared, layer 2 + head personal"
     )
-    assert res.stdout.startswith("done: 4 rounds, final accuracy ")
-    assert f"results in {out}" in res.stdout
+    # the last lines a person reads: the figure beside the label priors', MB, time, files
+    assert res.stdout.startswith("done: 4 rounds, accuracy 0."), res.stdout
+    assert ", majority label 0." in res.stdout and " MB sent, " in res.stdout
+    assert f"results in {out} (plot {out / 'plot.png'}, summary.json" in res.stdout
+    assert f"python -m fedjax_split.export --run-dir {out} --client 0" in res.stdout
     return out
 
 
@@ -96,6 +99,7 @@ def test_straight_run_writes_every_output(straight: Path) -> None:
     for name in ("metrics.jsonl", "summary.json", "config.json", "partition.json"):
         assert (straight / name).is_file(), name
     assert [r["round"] for r in _metrics(straight)] == [1, 2, 3, 4]
+    assert (straight / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["rounds"] == 4
     # the CLI ran on glibc's malloc, tuned before anything else (fedjax_split.runtime)

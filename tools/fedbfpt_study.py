@@ -176,11 +176,15 @@ def pretrain_table(runs: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def finetune_scores(m: str) -> list[dict[str, Any]]:
+    """Each seed's final scores: its last evaluated record, exact (summary.json's `final` is the
+    same record rounded for reading; a mean over seeds is taken of the exact figures)."""
     out = []
     for seed in SEEDS:
         run = load(f"nero_{m}_s{seed}")
         if run is not None:
-            out.append(run["summary"]["final"])
+            evaluated = [r for r in run["records"]
+                         if r.get("f1") is not None and math.isfinite(r["f1"])]  # fmt: skip
+            out.append(evaluated[-1] if evaluated else run["summary"]["final"])
     return out
 
 

@@ -12,12 +12,12 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from itertools import cycle
 from pathlib import Path
 from typing import Any
 
 from fedjax_split.errors import UserError, report
 from fedjax_split.run.outputs import read_json, read_jsonl
+from fedjax_split.run.plots import draw, series, value  # noqa: F401 (tools/reproduce's value)
 
 _LABEL_KEYS = ("task", "algorithm", "critical_layer", "quantize", "clients", "partition", "alpha",
                "lr", "local_epochs", "seed", "model")  # fmt: skip
@@ -49,29 +49,6 @@ def labels_for(configs: Sequence[dict[str, Any]], names: Sequence[str]) -> list[
     return out
 
 
-def value(record: dict[str, Any], metric: str) -> Any:
-    """A record's metric; a dotted name reaches into a nested one (`pooled.accuracy`: the global
-    model on the pooled test set, `trained_mean.accuracy`)."""
-    for key in metric.split("."):
-        record = record.get(key) if isinstance(record, dict) else None
-    return record
-
-
-def series(records: Sequence[dict[str, Any]], metric: str) -> tuple[list, list, list]:
-    """(rounds, cumulative MB, values) of the rounds where `metric` was evaluated."""
-    rows = [r for r in records if value(r, metric) is not None]
-    return (
-        [r["round"] for r in rows],
-        [r["cum_bytes"] / 1e6 for r in rows],
-        [value(r, metric) for r in rows],
-    )
-
-
-# reference lines (a no-model baseline, a published figure) told apart by dash and shade of grey,
-# so that they never take a run's colour
-REFERENCE_STYLES = (("0.45", "--"), ("0.0", ":"), ("0.25", "-."), ("0.6", (0, (8, 3))))
-
-
 def plot_runs(
     run_dirs: Sequence[str | Path],
     metric: str,
@@ -83,32 +60,21 @@ def plot_runs(
     """Write the two PNGs; returns their paths. `labels` name the runs in the legend (default:
     the settings that differ between them); `references` are named horizontal grey lines, each
     dashed its own way (a baseline without a model, a published figure)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     loaded = [load_run(d) for d in run_dirs]
     if labels is None:
         labels = labels_for([c for c, _ in loaded], [Path(d).name for d in run_dirs])
+    runs = [(label, records) for (_, records), label in zip(loaded, labels, strict=True)]
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     paths = []
-    for kind, xlabel in (("rounds", "round"), ("mb", "cumulative MB sent (up + down)")):
-        fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-        for (_, records), label in zip(loaded, labels, strict=True):
-            rounds, mb, values = series(records, metric)
-            ax.plot(rounds if kind == "rounds" else mb, values, marker="o", ms=3, label=label)
-        for (name, y), (color, ls) in zip((references or {}).items(), cycle(REFERENCE_STYLES)):
-            ax.axhline(y, color=color, ls=ls, lw=1.2, label=name)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel or f"{metric} (mean over clients)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    for kind in ("rounds", "mb"):
+        fig = Figure(figsize=(6, 4), dpi=120)
+        draw(fig.subplots(), runs, metric, kind, ylabel, references)
         fig.tight_layout()
         path = out.with_name(f"{out.name}_{kind}.png")
         fig.savefig(path)
-        plt.close(fig)
         paths.append(path)
     return paths
 

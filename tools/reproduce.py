@@ -220,15 +220,11 @@ def fmt(x: float | None, digits: int = 2) -> str:
 
 
 def method_label(config: dict[str, Any]) -> str:
-    """How a person names the run: "FedSplitBERT c=3 + fp16 wire", "FedAvg"."""
-    c = config["critical_layer"]
-    q = {"none": "", "fp16": " + fp16 wire", "bf16": " + bf16 wire"}[config["quantize"]]
-    if c is None or c == L:
-        return {"fedavg": "FedAvg", "fedprox": "FedProx", "fedadam": "FedAdam",
-                "fedavgm": "FedAvgM"}.get(config["algorithm"], config["algorithm"]) + q  # fmt: skip
-    if c == 0:
-        return "local only (c=0)" + q
-    return f"FedSplitBERT c={c}" + q
+    """How a person names the run: "FedSplitBERT c=3 + fp16 wire", "FedAvg" (the run's own
+    plot.png names it the same way)."""
+    from fedjax_split.run.plots import method_label as label
+
+    return label(config["algorithm"], config["critical_layer"], L, config["quantize"])
 
 
 @functools.cache

@@ -399,10 +399,12 @@ def save_partition(
     path: str | os.PathLike,
     labels: np.ndarray | None = None,
     realised: Sequence[Sequence[float]] | None = None,
+    label_names: Sequence[str] | None = None,
 ) -> Path:
     """Write the partition as JSON (exact indices + parameters), atomically. With the pool's
     class `labels` (or each client's `client_shares`, `realised`, where the labels are
-    elsewhere), each client's realised label shares go beside the target shares."""
+    elsewhere), each client's realised label shares go beside the target shares; `label_names`
+    name the shares' columns, so that a person reads "fresh", not column 1."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     target = partition.target_shares
@@ -426,6 +428,7 @@ def save_partition(
         "dropped": partition.dropped,
         "target_shares": None if target is None else np.round(target, 6).tolist(),
         "realised_shares": realised,
+        "label_names": None if label_names is None else [str(n) for n in label_names],
         "clients": [
             {"train": c.train.tolist(), "test": c.test.tolist()} for c in partition.clients
         ],

@@ -420,8 +420,9 @@ class FlowerServer:
 
         run, config, model = self.run, self.run.config, self.run.model
         self.saved_round = start_round
+        names = model.task.label_names or None  # a token task's partition names: the nodes'
         partition_mod.save_partition(run.partition, self.run_dir / "partition.json",
-                                     realised=run.shares)  # fmt: skip
+                                     realised=run.shares, label_names=names)  # fmt: skip
         note(pieces.method_line(config, model))
         note(
             f"{config.task} on Flower: {config.clients} SuperNodes, "
@@ -437,10 +438,13 @@ class FlowerServer:
 
     def summary(self, history: Sequence[dict[str, Any]], stats: Any) -> dict[str, Any]:
         from fedjax_split import runtime
-        from fedjax_split.run import pieces
+        from fedjax_split.run import pieces, plots
 
+        # the labels are on the nodes: the plot has no majority-label line
+        plot = plots.write_fine_tuning_plot(self.run_dir, history, self.run.config, self.run.model)
         return {
             **pieces.summary(self.run.config, self.run.model, history),
+            "plot": None if plot is None else str(plot),
             "allocator": runtime.allocator(),
             "checkpoint_seconds": stats.checkpoint_seconds,
             "deploy": "flower",

@@ -100,13 +100,19 @@ def _restore(run: Run, checkpointer: Any, resume: bool) -> tuple[int, list[dict[
             )
         return 0, []
     arrays, meta = checkpointer.restore(run.arrays())
-    if meta["model_config"] != run.meta()["model_config"]:
+    if _computing(meta["model_config"]) != _computing(run.meta()["model_config"]):
         raise UserError(
             "--resume: the model's config differs from the checkpoint's; use the saved "
             "--model or another --output-dir"
         )
     run.resume(arrays, meta)
     return int(meta["round"]), list(meta["history"])
+
+
+def _computing(model_config: dict[str, Any]) -> dict[str, Any]:
+    """A model config without its label names: they name the head's outputs and change nothing
+    the model computes, so a checkpoint whose head says LABEL_0 resumes as one that says a name."""
+    return {k: v for k, v in model_config.items() if k not in ("id2label", "label2id")}
 
 
 def drive(
@@ -158,7 +164,7 @@ def drive(
     finally:
         checkpointer.close()
     summary = run.summary(history, stats)
-    outputs.write_json(run_dir / "summary.json", summary)
+    outputs.write_summary(run_dir / "summary.json", summary)
     return summary
 
 

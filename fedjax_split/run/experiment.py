@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from fedjax_split.errors import UserError
-from fedjax_split.run import driver, pieces
+from fedjax_split.run import driver, pieces, plots
 from fedjax_split.run.config import ExperimentConfig, resolve_config, trajectory_mismatch
 
 CLIENTS_DIR = "clients"  # the run's client store (sim/client_store.py)
@@ -124,6 +124,16 @@ class Simulation:
         self.frozen = model.frozen  # one copy for every client, never trained or sent
         self.store = store  # sim.client_store.ClientStore: each client's local part
         self.prefetched: tuple[int, list[Any]] | None = None  # (round, its clients' steps)
+        # what the label priors alone score: the plot's dashed line and the summary's figure
+        self.majority = plots.majority_score(
+            model.task, setup.pool.labels, setup.partition.clients, self.metric
+        )
+
+    def plot(self, records: Sequence[dict[str, Any]]) -> Path | None:
+        """plot.png from the records so far (None before the first evaluation)."""
+        return plots.write_fine_tuning_plot(
+            self.run_dir, records, self.setup.config, self.setup.model, self.majority
+        )
 
     def arrays(self) -> dict[str, Any]:
         """The server's state and the frozen part (when there is one), so that an export needs
@@ -161,7 +171,9 @@ class Simulation:
         else:  # a fresh run (or one that finished no round): no checkpoint needs what is there
             self.store = ClientStore.create(self.run_dir / CLIENTS_DIR, model.local0)
         labels = setup.pool.labels
-        partition_mod.save_partition(setup.partition, self.run_dir / "partition.json", labels)
+        names = sources.label_names_or_none(model.task, setup.pool.examples)
+        partition_mod.save_partition(setup.partition, self.run_dir / "partition.json", labels,
+                                     label_names=names)  # fmt: skip
         note(pieces.method_line(config, model))
         note(
             f"{config.task}: {len(labels)} examples, {config.clients} clients, "
@@ -171,7 +183,6 @@ class Simulation:
             + (f"; resuming after round {start_round}" if start_round else "")
         )
         if not start_round:
-            names = sources.label_names_or_none(model.task, setup.pool.examples)
             note(partition_mod.partition_report(setup.partition, labels, names))
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -210,6 +221,8 @@ class Simulation:
         t_eval = time.perf_counter()
         record.update(pieces.round_costs(history, int(result.bytes_up), int(result.bytes_down),
                                          t0, t_train, t_eval))  # fmt: skip
+        if record.get(self.metric) is not None and r < config.rounds:  # the last: by summary()
+            self.plot([*history, record])
         return record
 
     def checkpointed(self, r: int, kept: Sequence[int]) -> None:
@@ -220,8 +233,11 @@ class Simulation:
         from fedjax_split.sim import rounds
 
         run_dir = self.run_dir
+        plot = self.plot(history)
         return {
             **pieces.summary(self.setup.config, self.setup.model, history),
+            "majority_label": self.majority,  # the primary metric of the label priors, no model
+            "plot": None if plot is None else str(plot),
             "round_devices": len(rounds.round_devices(self.setup.model.round_spec)),
             "allocator": runtime.allocator(),  # the seconds depend on it
             # what a checkpoint costs: its files (the server state, the frozen part), the client

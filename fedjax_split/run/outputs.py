@@ -1,7 +1,8 @@
 """Run outputs: atomic JSON files, the per-round metrics log, and progress over rounds.
 
 Files in a run directory: `config.json` (resolved config), `partition.json`, `metrics.jsonl` (one
-JSON object per round), `summary.json` (at the end), `checkpoints/`. JSON files are written to a
+JSON object per round, exact), `summary.json` (at the end, rounded for reading), `checkpoints/`;
+a fine-tuning run's `plot.png` (run.plots). JSON files are written to a
 temporary name and renamed, so a killed run never leaves half a file.
 """
 
@@ -34,6 +35,39 @@ def _clean(value: Any) -> Any:
 def write_json(path: str | Path, obj: Any) -> Path:
     """Write `obj` as indented JSON atomically (temp file + rename)."""
     return atomic.write_text(path, json.dumps(_clean(obj), indent=2, sort_keys=False) + "\n")
+
+
+def _figure(value: float) -> float:
+    """A float to 4 decimals (0.8347), or to 4 significant digits where that keeps more."""
+    if value == 0 or not math.isfinite(value):
+        return value
+    return round(value, max(4, 3 - math.floor(math.log10(abs(value)))))
+
+
+def readable(summary: Any, key: str = "") -> Any:
+    """`summary` as a person reads it: figures to 4 decimals (4 significant digits when small),
+    seconds to 0.1 s, and beside every byte count (kept exact) its megabytes to 0.1 MB
+    (`cum_bytes` -> `cum_mb`). Bit-exact figures are metrics.jsonl's (the last evaluated record
+    is summary's `final`) and the in-process summary's; nothing reads the rounded ones back."""
+    if isinstance(summary, bool) or not isinstance(summary, (float, dict, list, tuple)):
+        return summary
+    if isinstance(summary, float):
+        return round(summary, 1) if "seconds" in key else _figure(summary)
+    if isinstance(summary, (list, tuple)):
+        return [readable(v, key) for v in summary]
+    out: dict[str, Any] = {}
+    for k, v in summary.items():
+        out[k] = readable(v, str(k))
+        if "bytes" in str(k) and isinstance(v, int) and not isinstance(v, bool):
+            out[str(k).replace("bytes", "mb")] = round(v / 1e6, 1)
+    return out
+
+
+def write_summary(path: str | Path, summary: dict[str, Any]) -> Path:
+    """summary.json, `readable`: the file a person opens first after a run. Figures are rounded
+    there only (metrics.jsonl, the machine-readable record, stays exact), and byte counts stay
+    exact beside their megabytes, so that every sum and ratio can still be recomputed."""
+    return write_json(path, readable(summary))
 
 
 def read_json(path: str | Path) -> Any:

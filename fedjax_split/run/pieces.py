@@ -135,7 +135,8 @@ def load_pool(config: ExperimentConfig, task: Any) -> Any:
 
 def load_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = ()) -> Any:
     """The pretrained model with the task's head (seeded by the run's seed); a token task's head
-    has one output per tag of the pool."""
+    has one output per tag of the pool. The head's outputs carry the task's label names (a token
+    task's: its tags), so that an exported model's id2label reads "rotten"/"fresh", not LABEL_0."""
     from fedjax_split.models import hf_checkpoint
 
     tag_names = tuple(tag_names)
@@ -147,7 +148,7 @@ def load_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = (
         dtype=config.dtype,
         attention=config.attention,
         head=task.objective.head,
-        label_names=tag_names,
+        label_names=tag_names or task.label_names,
     )
 
 

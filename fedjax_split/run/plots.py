@@ -1,0 +1,153 @@
+"""A run's figure: the task metric against rounds and against cumulative megabytes sent, with what
+the label prior alone scores as a dashed line; shared with tools/plot.py, which draws many runs.
+
+Drawn on a bare `matplotlib.figure.Figure` (no pyplot), so writing a run's plot.png from a
+notebook neither switches the notebook's backend nor leaves figures open in it.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from itertools import cycle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ALGORITHM_NAMES = {"fedavg": "FedAvg", "fedprox": "FedProx", "fedadam": "FedAdam",
+                   "fedavgm": "FedAvgM", "fedyogi": "FedYogi",
+                   "fedadagrad": "FedAdagrad"}  # fmt: skip
+WIRE_NAMES = {"none": "", "fp16": " + fp16 wire", "bf16": " + bf16 wire"}
+# reference lines (a no-model baseline, a published figure) told apart by dash and shade of grey,
+# so that they never take a run's colour
+REFERENCE_STYLES = (("0.45", "--"), ("0.0", ":"), ("0.25", "-."), ("0.6", (0, (8, 3))))
+MAJORITY = "majority label of each client (no model)"
+X_LABELS = {"rounds": "round", "mb": "cumulative MB sent (up + down)"}
+
+
+def method_label(
+    algorithm: str, critical_layer: int | None, num_layers: int, quantize: str = "none"
+) -> str:
+    """How a person names a run: "FedSplitBERT c=3 + fp16 wire", "FedAvg", "local only (c=0)".
+    A critical layer of None or the model's depth shares every layer: the server algorithm."""
+    wire = WIRE_NAMES.get(quantize, f" + {quantize} wire")
+    server = ALGORITHM_NAMES.get(algorithm, algorithm)
+    if critical_layer is None or critical_layer >= num_layers:
+        return server + wire
+    if critical_layer == 0:
+        return "local only (c=0)" + wire
+    how = "" if algorithm == "fedavg" else f" ({server})"
+    return f"FedSplitBERT c={critical_layer}{how}{wire}"
+
+
+def value(record: Mapping[str, Any], metric: str) -> Any:
+    """A record's metric; a dotted name reaches into a nested one (`pooled.accuracy`: the global
+    model on the pooled test set, `trained_mean.accuracy`)."""
+    found: Any = record
+    for key in metric.split("."):
+        found = found.get(key) if isinstance(found, Mapping) else None
+    return found
+
+
+def series(records: Sequence[Mapping[str, Any]], metric: str) -> tuple[list, list, list]:
+    """(rounds, cumulative MB, values) of the rounds where `metric` was evaluated."""
+    rows = [r for r in records if value(r, metric) is not None]
+    return (
+        [r["round"] for r in rows],
+        [r["cum_bytes"] / 1e6 for r in rows],
+        [value(r, metric) for r in rows],
+    )
+
+
+def draw(
+    ax: Any,
+    runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]],
+    metric: str,
+    x: str,
+    ylabel: str | None = None,
+    references: Mapping[str, float] | None = None,
+) -> None:
+    """One panel: each (label, records) run's `metric` against `x` ("rounds": ticks on whole
+    rounds only, or "mb"), and `references` as named grey horizontal lines, each dashed its way."""
+    from matplotlib.ticker import MaxNLocator
+
+    for label, records in runs:
+        rounds, mb, values = series(records, metric)
+        ax.plot(rounds if x == "rounds" else mb, values, marker="o", ms=3, label=label)
+    for (name, y), (color, ls) in zip((references or {}).items(), cycle(REFERENCE_STYLES)):
+        ax.axhline(y, color=color, ls=ls, lw=1.2, label=name)
+    if x == "rounds":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(X_LABELS[x])
+    ax.set_ylabel(ylabel or f"{metric} (mean over clients)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def majority_score(
+    task: Any, labels: np.ndarray, clients: Sequence[Any], metric: str
+) -> float | None:
+    """What the label priors alone score, no model: each client predicts its majority training
+    label for its whole test split; `metric`'s mean over the clients with test examples (the
+    evaluation's mean). None for a task without classes to count (regression, tagging)."""
+    from fedjax_split.tasks import registry as tasks
+
+    if task.is_regression or task.objective.per_token:
+        return None
+    labels = np.asarray(labels).astype(np.int64)
+    scores = []
+    for c in clients:
+        train = labels[np.asarray(c.train, np.int64)]
+        test = labels[np.asarray(c.test, np.int64)]
+        if train.size and test.size:
+            guess = np.full_like(test, np.bincount(train).argmax())
+            scores.append(tasks.compute_metrics(task, guess, test)[metric])
+    finite = [s for s in scores if np.isfinite(s)]
+    return float(np.mean(finite)) if finite else None
+
+
+def write_run_plot(
+    path: str | Path,
+    records: Sequence[Mapping[str, Any]],
+    metric: str,
+    label: str,
+    title: str,
+    baseline: float | None = None,
+) -> Path | None:
+    """plot.png of one run: `metric` against rounds and against MB sent, side by side, with the
+    majority-label `baseline` dashed. None (nothing written) before any round was evaluated.
+    Written whole or not at all (a reader never sees half a PNG)."""
+    from matplotlib.figure import Figure
+
+    from fedjax_split import atomic
+
+    if not series(records, metric)[0]:
+        return None
+    fig = Figure(figsize=(10, 4), dpi=110)
+    references = {MAJORITY: baseline} if baseline is not None else None
+    for ax, x in zip(fig.subplots(1, 2), X_LABELS, strict=True):
+        draw(ax, [(label, records)], metric, x, references=references)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return atomic.write_bytes(path, buffer.getvalue())
+
+
+PLOT_FILE = "plot.png"
+
+
+def write_fine_tuning_plot(
+    run_dir: str | Path,
+    records: Sequence[Mapping[str, Any]],
+    config: Any,
+    model: Any,
+    baseline: float | None = None,
+) -> Path | None:
+    """A fine-tuning run's plot.png (simulated or on Flower), named by its method and setting."""
+    label = method_label(config.algorithm, model.critical_layer, model.config.num_hidden_layers,
+                         config.quantize)  # fmt: skip
+    title = f"{config.task}: {config.clients} clients, {Path(str(config.model)).name}"
+    return write_run_plot(Path(run_dir) / PLOT_FILE, records, model.task.primary_metric, label,
+                          title, baseline)  # fmt: skip
