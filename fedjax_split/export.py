@@ -61,6 +61,39 @@ def export_client(
     return save_pretrained(params, config, out_dir, tokenizer_dir=tok)
 
 
+def skew_note(run_dir: str | Path, client: int) -> str | None:
+    """What a person must know before using a client's model: it carries its client's label skew.
+    Its score on its own test split beside the mean over clients and beside what the client's
+    majority label alone scores; None where the run holds no such figures (e.g. token tasks)."""
+    from fedjax_split.run import outputs
+
+    run_dir = Path(run_dir)
+    try:
+        part = outputs.read_json(run_dir / "partition.json")
+        records = outputs.read_jsonl(run_dir / "metrics.jsonl")
+        shares = part["realised_shares"][client]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    names = part.get("label_names") or [str(i) for i in range(len(shares))]
+    evaluated = [r for r in records if r.get("clients")]
+    if not evaluated or len(names) != len(shares):
+        return None
+    last = evaluated[-1]
+    own = {c.get("client"): c for c in last["clients"]}.get(client, {})
+    metric = next((k for k in ("accuracy", "f1", "matthews") if k in own), None)
+    if metric is None or last.get(metric) is None:
+        return None
+    top = sorted(range(len(shares)), key=lambda i: -shares[i])[:3]
+    mix = " / ".join(f"{100 * shares[i]:.0f}% {names[i]}" for i in top)
+    skewed = max(shares) > 1 / len(shares) + 0.1
+    lean = ", and its model leans the same way" if skewed else ""
+    return (
+        f"client {client}'s data are {mix}{lean}: {metric} {own[metric]:.4f} on its own test "
+        f"split after round {last['round']} (its majority label alone: about {max(shares):.2f}; "
+        f"mean over clients {last[metric]:.4f}). Judge it on data like client {client}'s."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m fedjax_split.export", description=__doc__.split("\n")[0]
@@ -75,6 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         return report(e)
     print(f"wrote client {args.client}'s personalised model to {out}")
+    note = skew_note(args.run_dir, args.client)
+    if note is not None:
+        print(note)
     return 0
 
 

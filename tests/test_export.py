@@ -214,3 +214,28 @@ def test_exported_ner_client_predicts_the_same_in_pytorch(ner_run: Path, files) 
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
     real = enc["attention_mask"] > 0
     np.testing.assert_array_equal(ours.argmax(-1)[real], theirs.argmax(-1)[real])
+
+
+def test_the_skew_note_states_the_clients_labels_and_figures(tmp_path: Path) -> None:
+    """The line after an export: client 0's label mix from partition.json, its own-split figure
+    and the mean over clients from metrics.jsonl's last evaluated round."""
+    from fedjax_split.export import skew_note
+
+    (tmp_path / "partition.json").write_text(json.dumps({
+        "realised_shares": [[0.2, 0.8], [0.5, 0.5]], "label_names": ["rotten", "fresh"],
+    }))  # fmt: skip
+    records = [
+        {"round": 1, "accuracy": 0.7, "clients": [{"client": 0, "accuracy": 0.6},
+                                                  {"client": 1, "accuracy": 0.8}]},
+        {"round": 2},  # not evaluated
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert skew_note(tmp_path, 0) == (
+        "client 0's data are 80% fresh / 20% rotten, and its model leans the same way: accuracy "
+        "0.6000 on its own test split after round 1 (its majority label alone: about 0.80; mean "
+        "over clients 0.7000). Judge it on data like client 0's."
+    )
+    assert skew_note(tmp_path, 1).startswith("client 1's data are 50% rotten / 50% fresh: ")
+    assert skew_note(tmp_path, 2) is None  # no such client: nothing to say
+    (tmp_path / "metrics.jsonl").unlink()
+    assert skew_note(tmp_path, 0) is None
