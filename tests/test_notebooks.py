@@ -13,10 +13,10 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
-from run_fixtures import write_tiny_conll, write_tiny_model, write_tiny_sst2
+from run_fixtures import write_tiny_conll, write_tiny_model, write_tiny_sst2, write_tiny_text
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = ["quickstart", "critical_layer_sweep", "ner"]
+NOTEBOOKS = ["quickstart", "critical_layer_sweep", "ner", "fedbfpt"]
 
 
 @pytest.fixture(scope="module")
@@ -44,22 +44,33 @@ def tiny_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def _overrides(name: str, base: Path) -> dict[str, str]:
     """Each notebook's own tiny settings over tiny_env's."""
+    ner = {
+        "FEDJAX_SPLIT_NB_TASK": "ner",
+        "FEDJAX_SPLIT_NB_DATA_DIR": str(write_tiny_conll(base / "conll")),
+        "FEDJAX_SPLIT_NB_BATCH_SIZE": "8",
+        "FEDJAX_SPLIT_NB_LR": "3e-3",
+    }
     if name == "ner":
+        return {**ner, "FEDJAX_SPLIT_NB_SENTENCE": "the good film was awful"}
+    if name == "fedbfpt":  # one pre-training round: layer 0 only, so a 1-layer small model
         return {
-            "FEDJAX_SPLIT_NB_TASK": "ner",
-            "FEDJAX_SPLIT_NB_DATA_DIR": str(write_tiny_conll(base / "conll")),
-            "FEDJAX_SPLIT_NB_BATCH_SIZE": "8",
-            "FEDJAX_SPLIT_NB_LR": "3e-3",
-            "FEDJAX_SPLIT_NB_SENTENCE": "the good film was awful",
+            **ner,
+            "FEDJAX_SPLIT_NB_CORPUS": "local",
+            "FEDJAX_SPLIT_NB_TEXT_DIR": str(write_tiny_text(base / "text")),
+            "FEDJAX_SPLIT_NB_CLIENTS": "2",
+            "FEDJAX_SPLIT_NB_PT_ROUNDS": "1",
+            "FEDJAX_SPLIT_NB_MAX_DOCUMENTS": "0",
         }
     return {}
 
 
-# each notebook's run directories (under FEDJAX_SPLIT_NB_OUT) with a summary.json, and its rounds
+# each notebook's run directories (under FEDJAX_SPLIT_NB_OUT) with a summary.json: their rounds
 EXPECTED = {
-    "quickstart": ({"fedsplit", "fedavg"}, 2),
-    "critical_layer_sweep": ({"sweep_c0", "sweep_c1", "sweep_c2"}, 2),
-    "ner": ({"ner"}, 2),
+    "quickstart": {"fedsplit": 2, "fedavg": 2},
+    "critical_layer_sweep": {"sweep_c0": 2, "sweep_c1": 2, "sweep_c2": 2},
+    "ner": {"ner": 2},
+    "fedbfpt": {"pretrain_fedbfpt": 1, "pretrain_bert-fl": 1, "finetune_none": 2,
+                "finetune_fedbfpt": 2, "finetune_bert-fl": 2},  # fmt: skip
 }
 
 
@@ -83,9 +94,7 @@ def test_notebook_runs(
               if o.get("output_type") == "error"]  # fmt: skip
     assert not errors
     summaries = {p.parent.name: json.loads(p.read_text()) for p in runs.glob("*/summary.json")}
-    expected, rounds = EXPECTED[name]
-    assert expected <= set(summaries)
-    assert all(s["rounds"] == rounds for s in summaries.values())
+    assert {k: s["rounds"] for k, s in summaries.items()} == EXPECTED[name]
     if name == "ner":  # the sentence was tagged with the exported model's tag names
         text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
         assert "tags: ['O', 'B-neg', 'I-neg', 'B-pos', 'I-pos']" in text
