@@ -16,7 +16,7 @@ from nbclient import NotebookClient
 from run_fixtures import write_tiny_conll, write_tiny_model, write_tiny_sst2, write_tiny_text
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = ["quickstart", "critical_layer_sweep", "ner", "fedbfpt"]
+NOTEBOOKS = ["quickstart", "critical_layer_sweep", "ner", "fedbfpt", "deployment"]
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +61,8 @@ def _overrides(name: str, base: Path) -> dict[str, str]:
             "FEDJAX_SPLIT_NB_PT_ROUNDS": "1",
             "FEDJAX_SPLIT_NB_MAX_DOCUMENTS": "0",
         }
+    if name == "deployment":  # one round: each is two Flower message exchanges
+        return {"FEDJAX_SPLIT_NB_ROUNDS": "1"}
     return {}
 
 
@@ -71,6 +73,7 @@ EXPECTED = {
     "ner": {"ner": 2},
     "fedbfpt": {"pretrain_fedbfpt": 1, "pretrain_bert-fl": 1, "finetune_none": 2,
                 "finetune_fedbfpt": 2, "finetune_bert-fl": 2},  # fmt: skip
+    "deployment": {"flower": 1, "simulation": 1},
 }
 
 
