@@ -124,6 +124,11 @@ class Simulation:
         self.frozen = model.frozen  # one copy for every client, never trained or sent
         self.store = store  # sim.client_store.ClientStore: each client's local part
         self.prefetched: tuple[int, list[Any]] | None = None  # (round, its clients' steps)
+        self.progress: Any = None  # run.outputs.Progress, from the driver (`watch`)
+        self.compiled = False  # whether a round ran in this process (compiling its programs)
+
+    def watch(self, progress: Any) -> None:
+        self.progress = progress
 
     def arrays(self) -> dict[str, Any]:
         """The server's state and the frozen part (when there is one), so that an export needs
@@ -192,10 +197,17 @@ class Simulation:
             [len(setup.partition.clients[i].train) for i in sampled], np.float32
         )
         local_sampled = jax.tree.map(jax.numpy.asarray, self.store.load_stacked(sampled))
+        hook = None
+        if self.progress is not None:
+            if not self.compiled:
+                self.progress.compiling(r)
+            hook = self.progress.round_hook()
+        self.compiled = True
         # the run's key; run_round folds in the round counter and the clients' global ids
         self.server_state, new_local, result = rounds.run_round(
             setup.model.round_spec, self.server_state, local_sampled, num_examples, segments,
             jax.random.key(config.seed), client_ids=sampled, frozen=self.frozen,
+            on_progress=hook,
         )  # fmt: skip
         if r < config.rounds:  # the round runs asynchronously: batch the next one meanwhile
             self.prefetched = (r + 1, round_batches(setup, r + 1))
