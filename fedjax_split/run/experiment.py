@@ -180,7 +180,9 @@ class Simulation:
             note(partition_mod.partition_report(setup.partition, labels, names))
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        """Sample clients, batch their data, run the round, evaluate when due; the record."""
+        """Sample clients, batch their data, run the round, evaluate when due; the record. With
+        progress the round reports inside (`outputs.Progress.round_hook`): the next round's
+        batches are then built while its last programs run, not the whole round."""
         import jax
 
         from fedjax_split.sim import rounds
