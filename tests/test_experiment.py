@@ -7,6 +7,7 @@ tests/test_export.py's."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -127,6 +128,39 @@ def test_keep_checkpoints_1_leaves_the_latest_checkpoint_and_the_versions_it_nee
     leaves = jax.tree.leaves(export.personalised_params(run, 0)[0])
     want = jax.tree.leaves(export.personalised_params(straight, 0)[0])
     assert all(np.array_equal(a, b) for a, b in zip(leaves, want, strict=True))
+
+
+def test_progress_inside_rounds_and_the_time_left_change_no_result(
+    files: dict[str, Path], straight: Path, capsys, monkeypatch
+) -> None:
+    """The run of `straight` with progress on (lines unthrottled): stderr has the compile line
+    before round 1, lines inside each round (clients, steps), the time left after round 1; the
+    records are the same as without progress, bit for bit."""
+    from fedjax_split.run import outputs
+
+    monkeypatch.setattr(outputs, "LINE_SECONDS", 0.0)
+    capsys.readouterr()
+    cfg = _config(files, "straight_progress", rounds=4, local_epochs=2, critical_layer=1, seed=0)
+    experiment.run_experiment(cfg, progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    compiling = [i for i, x in enumerate(lines) if "compiling" in x]
+    assert [lines[i] for i in compiling] == [
+        "round 1: compiling the client program (the first round only) ..."
+    ]
+    ends = [next(i for i, x in enumerate(lines) if x.startswith(f"round {r} |")) for r in (1, 2)]
+    inside = [x for x in lines[compiling[0] + 1 : ends[0]] if x.startswith("round 1: ")]
+    line = r"round 1: \d/3 clients done, \d+/\d+ steps(, [\d,]+ examples/s)?"
+    assert inside and all(re.fullmatch(line, x) for x in inside)
+    assert any(x.startswith("round 2: ") for x in lines[ends[0]:ends[1]])
+    assert lines[ends[0]].endswith(" left")  # the time left, after the first round
+    assert not lines[-1].endswith(" left")  # none after the last
+
+    def results(run_dir: Path) -> list:
+        drop = ("seconds", "train_seconds", "eval_seconds", "cum_seconds")
+        return [{k: v for k, v in json.loads(x).items() if k not in drop}
+                for x in (run_dir / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
+
+    assert results(files["base"] / "straight_progress") == results(straight)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedjax_split.run import outputs
+from fedjax_split.sim.rounds import RoundProgress
 
 
 def test_write_json_is_strict_json_and_leaves_no_temp(tmp_path: Path) -> None:
@@ -74,6 +75,80 @@ def test_tqdm_bar_on_a_terminal_and_silence_when_disabled() -> None:
     off.note("x")
     off.round_done(_RECORD, "accuracy")
     assert quiet.getvalue() == ""
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _inside(done: int, steps: int = 100, clients: int = 4) -> RoundProgress:
+    return RoundProgress(done * clients // steps, clients, done, steps, 10 * done)
+
+
+def test_lines_inside_a_round_are_rate_limited_and_the_time_left_ignores_compiling() -> None:
+    """Off a terminal: the compile line, the first progress report at once, then at most one line
+    every LINE_SECONDS (fake clock), the round's line; after the first round the time left comes
+    from the steady part of the round (from its first report on), not from its compiling."""
+    stream, clock = io.StringIO(), _Clock()
+    bar = outputs.Progress(5, enabled=True, stream=stream, clock=clock)
+    hook = bar.round_hook()
+    assert hook is not None
+    bar.round_start(1)
+    bar.compiling(1)
+    clock.now = 600.0  # compiling: ten minutes
+    hook(_inside(10))
+    for t in range(1, 31):  # 90 more steps in 30 s: 3 s a step, 10 steps (100 examples) in 30 s
+        clock.now = 600.0 + t
+        hook(_inside(10 + 3 * t))
+    clock.now = 633.0  # the round's end: 90 steps in 33 s since the first report
+    bar.round_done({**_RECORD, "round": 1}, "accuracy")
+    lines = stream.getvalue().splitlines()
+    gap = int(outputs.LINE_SECONDS)
+    assert lines[0] == "round 1: compiling the client program (the first round only) ..."
+    assert lines[1] == "round 1: 0/4 clients done, 10/100 steps"
+    assert lines[2] == f"round 1: {(10 + 3 * gap) * 4 // 100}/4 clients done, {10 + 3 * gap}/100 "\
+        "steps, 30 examples/s"  # fmt: skip
+    assert len(lines) == 3 + 30 // gap  # a line every LINE_SECONDS, then the round's
+    # four rounds left of 100 steps at 33 s / 90 steps: 147 s (the round's 633 s: 42 min)
+    assert lines[-1].startswith("round 1 | loss") and lines[-1].endswith("| about 2 min left")
+    stream.truncate(0)
+    stream.seek(0)
+    bar2 = outputs.Progress(41, enabled=True, stream=stream, clock=clock)
+    bar2.round_start(1)
+    clock.now = 1000.0
+    bar2.round_hook()(_inside(10))
+    clock.now = 1090.0  # 90 steps in 90 s: the round's steady time is 100 s
+    bar2.round_done({**_RECORD, "round": 1}, None)
+    assert stream.getvalue().splitlines()[-1].endswith("| about 67 min left")  # 40 x 100 s
+    bar2.round_start(2)
+    clock.now = 1090.0 + 30.0  # later rounds: their own (mean) time
+    bar2.round_done({**_RECORD, "round": 2}, None)
+    assert stream.getvalue().splitlines()[-1].endswith("| about 20 min left")  # 39 x 30 s
+    bar2.round_start(3)
+    clock.now += 330.0
+    bar2.round_done({**_RECORD, "round": 3}, None)
+    assert stream.getvalue().splitlines()[-1].endswith("| about 1.9 h left")  # 38 x 180 s
+
+
+def test_inside_a_round_on_a_terminal_the_bar_says_it_and_disabled_hooks_nothing() -> None:
+    stream, clock = _Tty(), _Clock()
+    bar = outputs.Progress(2, enabled=True, stream=stream, clock=clock)
+    bar.round_start(1)
+    bar.round_hook()(_inside(10))
+    clock.now = 5.0
+    bar.round_hook()(_inside(60))
+    text = stream.getvalue()
+    assert "round 1: 0/4 clients done, 10/100 steps" in text
+    assert "round 1: 2/4 clients done, 60/100 steps, 100 examples/s" in text
+    assert "0/2" in text and "remaining" not in text and "<" not in text  # no tqdm time left
+    bar.close()
+    assert outputs.Progress(2, enabled=False).round_hook() is None  # the round waits for nothing
+    assert outputs.time_left(59) == "under a minute left"
+    assert outputs.time_left(89 * 60) == "about 89 min left"
 
 
 def test_check_run_dir_rules(tmp_path) -> None:

@@ -65,9 +65,15 @@ def test_one_round_moves_and_sends_only_layer_l_and_the_head(setup) -> None:
         up, *_ = pretrain_rounds.train_client(trainer, received, layers, plan.trained, segs, key)
         assert set(flatten_paths(up)) == plan.trained  # only layer 1 and the head are sent
         uploads.append({p: np.asarray(x) for p, x in flatten_paths(up).items()})
+    seen: list = []  # each client's end: clients, steps and sequences so far
     outcome = pretrain_rounds.run_round(
-        trainer, state, plan, [0, 1, 2], segments, weights, seed=0, round_=1
-    )
+        trainer, state, plan, [0, 1, 2], segments, weights, seed=0, round_=1,
+        on_progress=seen.append,
+    )  # fmt: skip
+    sequences = [int(sum(np.asarray(s.example_mask).sum() for s in segs)) for segs in segments]
+    assert [tuple(p) for p in seen] == [
+        (k, 3, [2, 5, 6][k - 1], 6, sum(sequences[:k])) for k in (1, 2, 3)
+    ]
     after = {p: np.asarray(x) for p, x in flatten_paths(outcome.state.master).items()}
     trained = {
         p for p in before if p.startswith(("encoder/layer_1/", "mlm/transform/", "mlm/bias"))

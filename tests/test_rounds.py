@@ -489,3 +489,49 @@ def test_a_scheduled_round_trains_only_its_layer_and_leaves_the_rest_exact(chunk
     )
     assert result.bytes_up == 4 * (_LAYER + HIDDEN * 3 + 3) * K  # the trained part only
     assert result.bytes_down == 4 * _global_param_count(LAYERS) * K  # the whole global part
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SPEC_FEDAVG,  # stacked: one program per stacked step, all clients
+        RoundSpec(CLIENT, FEDAVG, "float32", chunk_size=1, donate=True,
+                  devices=tuple(jax.devices()[:1])),  # one at a time, one device
+        RoundSpec(CLIENT, FEDAVG, "float32", chunk_size=1, donate=True,
+                  devices=tuple(jax.devices()[:2])),  # one at a time, two devices at once
+    ],
+    ids=["stacked", "one-at-a-time", "two-devices"],
+)  # fmt: skip
+def test_progress_counts_grow_and_leave_the_round_bit_identical(spec: RoundSpec) -> None:
+    """With a progress hook the round waits for each program a device's worth behind the latest
+    and reports what finished: counts only grow, never pass the round's real steps and examples,
+    and the round's outputs are bit-identical to the round without a hook."""
+    from fedjax_split.sim.rounds import RoundProgress, real_counts
+
+    # STEPS' shapes (the module's other rounds compiled them), more of them
+    segs = per_client(make_segments(np.random.default_rng(1), [3, 1, 2], 3, num_segments=4))
+    ids = np.array([0, 2, 5], np.int32)
+    state, local = _setup(1)
+    a = run_round(spec, state, local, WEIGHTS, segs, SEED_KEY, client_ids=ids)
+    seen: list[RoundProgress] = []
+    state, local = _setup(1)
+    b = run_round(spec, state, local, WEIGHTS, segs, SEED_KEY, client_ids=ids,
+                  on_progress=seen.append)  # fmt: skip
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    steps = sum(real_counts(s)[0] for c in segs for s in c)
+    examples = sum(real_counts(s)[1] for c in segs for s in c)
+    assert steps == int(np.sum(b[2].metrics.num_steps))  # the counts are the client update's
+    # every program but the last `lag` is reported (the last ones the round's results tell)
+    programs = (max(len(c) for c in segs) if spec.chunk_size is None
+                else sum(len(c) for c in segs))  # fmt: skip
+    lag = 1 if spec.chunk_size is None else len(spec.devices)
+    assert len(seen) == programs - lag >= 2
+    assert all(p.clients == K and p.steps == steps for p in seen)
+    for field in ("clients_done", "steps_done", "examples_done"):
+        got = [getattr(p, field) for p in seen]
+        assert got == sorted(got) and got[-1] <= {"clients_done": K, "steps_done": steps,
+                                                  "examples_done": examples}[field]  # fmt: skip
+    assert seen[0].steps_done > 0 and seen[-1].steps_done > seen[0].steps_done
+    assert seen[-1].steps_done < steps  # the last program was not waited for

@@ -31,7 +31,9 @@ STOP_ENV = "FEDJAX_SPLIT_STOP_AFTER_ROUND"  # tests: act like Ctrl-C after this 
 class Run(Protocol):
     """What a kind of run supplies to `drive`. The driver calls, in order: `arrays` and `resume`
     (only when continuing from a checkpoint), `start`, then `step` per round with `checkpointed`
-    after each checkpoint, and `summary` at the end."""
+    after each checkpoint, and `summary` at the end. A run whose rounds can tell their progress
+    has a `watch(progress)` method too (`outputs.Progress`), called before `start`: its steps say
+    when they compile and pass `progress.round_hook()` to their rounds."""
 
     run_dir: Path
     rounds: int  # the round the run ends after
@@ -146,8 +148,12 @@ def drive(
             (run_dir / "summary.json").unlink(missing_ok=True)  # stale until this run ends
         bar = outputs.Progress(run.rounds, start_round, enabled=progress)
         try:
+            watch = getattr(run, "watch", None)  # optional: see Run
+            if watch is not None:
+                watch(bar)
             run.start(start_round, bar.note)
             for r in range(start_round + 1, run.rounds + 1):
+                bar.round_start(r)
                 record = run.step(r, history)
                 history.append(record)
                 outputs.append_jsonl(run_dir / "metrics.jsonl", record)

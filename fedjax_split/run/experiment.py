@@ -128,12 +128,17 @@ class Simulation:
         self.majority = plots.majority_score(
             model.task, setup.pool.labels, setup.partition.clients, self.metric
         )
+        self.progress: Any = None  # run.outputs.Progress, from the driver (`watch`)
+        self.compiled = False  # whether a round ran in this process (compiling its programs)
 
     def plot(self, records: Sequence[dict[str, Any]]) -> Path | None:
         """plot.png from the records so far (None before the first evaluation)."""
         return plots.write_fine_tuning_plot(
             self.run_dir, records, self.setup.config, self.setup.model, self.majority
         )
+
+    def watch(self, progress: Any) -> None:
+        self.progress = progress
 
     def arrays(self) -> dict[str, Any]:
         """The server's state and the frozen part (when there is one), so that an export needs
@@ -186,7 +191,9 @@ class Simulation:
             note(partition_mod.partition_report(setup.partition, labels, names))
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        """Sample clients, batch their data, run the round, evaluate when due; the record."""
+        """Sample clients, batch their data, run the round, evaluate when due; the record. With
+        progress the round reports inside (`outputs.Progress.round_hook`): the next round's
+        batches are then built while its last programs run, not the whole round."""
         import jax
 
         from fedjax_split.sim import rounds
@@ -203,10 +210,17 @@ class Simulation:
             [len(setup.partition.clients[i].train) for i in sampled], np.float32
         )
         local_sampled = jax.tree.map(jax.numpy.asarray, self.store.load_stacked(sampled))
+        hook = None
+        if self.progress is not None:
+            if not self.compiled:
+                self.progress.compiling(r)
+            hook = self.progress.round_hook()
+        self.compiled = True
         # the run's key; run_round folds in the round counter and the clients' global ids
         self.server_state, new_local, result = rounds.run_round(
             setup.model.round_spec, self.server_state, local_sampled, num_examples, segments,
             jax.random.key(config.seed), client_ids=sampled, frozen=self.frozen,
+            on_progress=hook,
         )  # fmt: skip
         if r < config.rounds:  # the round runs asynchronously: batch the next one meanwhile
             self.prefetched = (r + 1, round_batches(setup, r + 1))

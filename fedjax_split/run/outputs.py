@@ -1,4 +1,4 @@
-"""Run outputs: atomic JSON files, the per-round metrics log, and progress over rounds.
+"""Run outputs: atomic JSON files, the per-round metrics log, and progress (`Progress`).
 
 Files in a run directory: `config.json` (resolved config), `partition.json`, `metrics.jsonl` (one
 JSON object per round, exact), `summary.json` (at the end, rounded for reading), `checkpoints/`;
@@ -12,6 +12,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TextIO
@@ -161,19 +162,56 @@ def format_round(record: dict[str, Any], metric: str | None) -> str:
     return " | ".join(parts)
 
 
+LINE_SECONDS = 10.0  # not a terminal: at most one line inside a round this often
+BAR_SECONDS = 0.5  # a terminal: the bar's text inside a round changes at most this often
+
+
 class Progress:
-    """A tqdm bar over rounds on a terminal; plain lines (one per round) otherwise."""
+    """What a run says while it runs, on `stream` (stderr): a tqdm bar over rounds on a terminal,
+    plain lines otherwise (a log, a pipe, a notebook), so that a log stays short.
+
+    - `note`: a line (the run's set-up, the compile line of `compiling`);
+    - inside a round (`round_hook`, fed by `sim.rounds.run_round`'s progress): clients done,
+      local steps done of the round's, examples per second since the first program finished (so
+      that compiling does not count); on a terminal in the bar's text, else a line at most every
+      LINE_SECONDS;
+    - after each round (`round_done`): its line, and the time left: rounds left times a round's
+      steady time (the first round in this process is timed from its first finished program on,
+      scaled to all its steps, so its compiling does not inflate the estimate; later rounds
+      by their mean).
+    `clock`: the time source (tests pass a fake one).
+    """
 
     def __init__(
-        self, total: int, initial: int = 0, *, enabled: bool = True, stream: TextIO | None = None
+        self,
+        total: int,
+        initial: int = 0,
+        *,
+        enabled: bool = True,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stream = stream or sys.stderr
         self.enabled = enabled
+        self.total, self.done = total, initial
+        self.clock = clock
         self._bar = None
+        self._round: int | None = None
+        self._started = 0.0  # the round's start
+        self._first: tuple[float, int, int] | None = None  # its first report: time, steps, examples
+        self._steps = 0  # the round's steps (its reports')
+        self._rounds_here = 0  # rounds done in this process
+        self._last_line = -math.inf  # when the last line (or bar text) was written
+        self._first_estimate: float | None = None  # the first round's steady seconds
+        self._later: list[float] = []  # seconds of the later rounds in this process
         if enabled and hasattr(self.stream, "isatty") and self.stream.isatty():
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, unit="round", file=self.stream)
+            self._bar = tqdm(
+                total=total, initial=initial, unit="round", file=self.stream,
+                # tqdm's own time left would count the first round's compiling: ours is shown
+                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]",
+            )  # fmt: skip
 
     def note(self, message: str) -> None:
         if not self.enabled:
@@ -182,16 +220,94 @@ class Progress:
             self._bar.write(message, file=self.stream)
         else:
             print(message, file=self.stream, flush=True)
+        self._last_line = self.clock()
+
+    def compiling(self, round_: int, what: str = "the client program (the first round only)"
+                  ) -> None:  # fmt: skip
+        """Says that the round about to run compiles first (a silent wait otherwise)."""
+        self.note(f"round {round_}: compiling {what} ...")
+
+    def round_start(self, round_: int) -> None:
+        self._round, self._started, self._first, self._steps = round_, self.clock(), None, 0
+
+    def round_hook(self) -> Callable[[Any], None] | None:
+        """The callback for a round's progress (`sim.rounds.RoundProgress`); None when disabled,
+        so that the round waits for nothing."""
+        return self.inside if self.enabled else None
+
+    def inside(self, progress: Any) -> None:
+        """A round's progress: clients_done, clients, steps_done, steps, examples_done."""
+        now = self.clock()
+        self._steps = progress.steps
+        if self._first is None:
+            self._first = (now, progress.steps_done, progress.examples_done)
+        elif now - self._last_line < (LINE_SECONDS if self._bar is None else BAR_SECONDS):
+            return
+        text = (
+            f"round {self._round}: {progress.clients_done}/{progress.clients} clients done, "
+            f"{progress.steps_done}/{progress.steps} steps"
+        )
+        t_first, _, examples_first = self._first
+        if now > t_first and progress.examples_done > examples_first:
+            rate = (progress.examples_done - examples_first) / (now - t_first)
+            text += f", {rate:,.0f} examples/s"
+        if self._bar is not None:
+            self._bar.set_postfix_str(text)
+            self._last_line = now
+        elif now - self._last_line >= LINE_SECONDS:
+            self.note(text)
+
+    def _time_left(self, record: dict[str, Any]) -> str | None:
+        """Records this round's steady seconds; the time left, when there is an estimate."""
+        now = self.clock()
+        if self._round is None:  # no round_start: the record's seconds
+            seconds: float | None = record.get("seconds")
+        else:
+            seconds = now - self._started
+        self._rounds_here += 1
+        if self._rounds_here == 1:  # it compiled
+            self._first_estimate = self._steady_first(now)
+        elif seconds is not None:
+            self._later.append(seconds)
+        per_round = sum(self._later) / len(self._later) if self._later else self._first_estimate
+        left = self.total - self.done
+        if per_round is None or left <= 0:
+            return None
+        return time_left(per_round * left)
+
+    def _steady_first(self, now: float) -> float | None:
+        """The first round's seconds had it not compiled: from its first report on, scaled to all
+        of its steps (None without a report, or when it came at the end)."""
+        if self._first is None or self._round is None:
+            return None
+        (t_first, steps_first, _), steps = self._first, self._steps
+        if steps <= steps_first or now <= t_first:
+            return None
+        return (now - t_first) * steps / (steps - steps_first)
 
     def round_done(self, record: dict[str, Any], metric: str | None) -> None:
         if not self.enabled:
             return
+        self.done += 1
+        left = self._time_left(record)
+        line = format_round(record, metric) + (f" | {left}" if left else "")
         if self._bar is not None:
-            self._bar.set_postfix_str(format_round(record, metric).split(" | ", 1)[-1])
+            self._bar.set_postfix_str(line.split(" | ", 1)[-1])
             self._bar.update(1)
         else:
-            print(format_round(record, metric), file=self.stream, flush=True)
+            print(line, file=self.stream, flush=True)
+        self._last_line = self.clock()
+        self._round = None
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def time_left(seconds: float) -> str:
+    """A person's reading of a time left: "about 12 min left"."""
+    if seconds < 60:
+        return "under a minute left"
+    if seconds < 90 * 60:
+        return f"about {round(seconds / 60)} min left"
+    return f"about {seconds / 3600:.1f} h left"

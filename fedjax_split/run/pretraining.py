@@ -260,8 +260,10 @@ def _client_costs(
     }
 
 
-def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict[str, Any]:
-    """Batches, trains and aggregates round r; evaluates when due; the round's record."""
+def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None,
+                  on_progress: Callable[[Any], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Batches, trains and aggregates round r; evaluates when due; the round's record.
+    `on_progress`: `sim.pretrain_rounds.run_round`'s (each client's end)."""
     import jax
 
     from fedjax_split.data.text import mlm_batching
@@ -291,7 +293,7 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None) -> dict
     params = setup.server_state.global_params
     outcome = run_round(
         setup.trainer, setup.server_state, the_plan, setup.clients, segments, weights,
-        seed=config.seed, round_=r,
+        seed=config.seed, round_=r, on_progress=on_progress,
     )  # fmt: skip
     setup.server_state = outcome.state
     jax.block_until_ready(setup.server_state.global_params)
@@ -416,6 +418,11 @@ class Pretraining:
         self.metric = "mlm_accuracy"
         self.initial: dict[str, Any] | None = None  # held-out MLM before round 1
         self.started = started
+        self.progress: Any = None  # run.outputs.Progress, from the driver (`watch`)
+        self.compiled = False  # whether a round ran in this process
+
+    def watch(self, progress: Any) -> None:
+        self.progress = progress
 
     def arrays(self) -> dict[str, Any]:
         return {"server_state": self.setup.server_state}
@@ -457,7 +464,15 @@ class Pretraining:
                  f"accuracy {self.initial['mlm_accuracy']:.4f}")  # fmt: skip
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        return run_one_round(self.setup, r, history[-1] if history else None)
+        hook = None
+        if self.progress is not None:
+            if not self.compiled:  # a round training other layers compiles its own again
+                self.progress.compiling(
+                    r, "the clients' programs (and again for each new set of trained layers)"
+                )
+            hook = self.progress.round_hook()
+        self.compiled = True
+        return run_one_round(self.setup, r, history[-1] if history else None, hook)
 
     def checkpointed(self, r: int, kept: Sequence[int]) -> None:
         pass  # clients keep nothing between rounds: the checkpoint is the whole state

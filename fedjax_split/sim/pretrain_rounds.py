@@ -42,7 +42,7 @@ from fedjax_split.fed.server import ServerState, server_update
 from fedjax_split.fed.wire import cast_to_wire, tree_bytes
 from fedjax_split.models.bert import BertConfig, make_apply
 from fedjax_split.models.flops import mlm_train_flops
-from fedjax_split.sim.rounds import RoundSpec
+from fedjax_split.sim.rounds import ProgressHook, RoundProgress, RoundSpec, real_counts
 from fedjax_split.tasks.objectives import MASKED_LM
 
 
@@ -152,11 +152,17 @@ def run_round(
     *,
     seed: int,
     round_: int,
+    on_progress: ProgressHook | None = None,
 ) -> RoundOutcome:
     """Trains every client of `plan` in turn, averages their uploads with `weights` and steps
-    the server with the trainer's server optimizer (only the plan's trained paths move)."""
+    the server with the trainer's server optimizer (only the plan's trained paths move).
+    `on_progress` hears each client's end (`sim.rounds.RoundProgress`; clients are waited for
+    anyway, to time them)."""
     round_key = jax.random.fold_in(jax.random.key(seed), round_)
     uploads, reports = [], []
+    # (real steps, sequences) per client, then done so far
+    counts = np.cumsum([np.sum([real_counts(s) for s in segs] or [(0, 0)], axis=0)
+                        for segs in segments], axis=0)  # fmt: skip
     for c, layers, segs in zip(clients, plan.layers, segments, strict=True):
         t0, c0 = time.perf_counter(), time.process_time()
         key = jax.random.fold_in(round_key, c)
@@ -186,6 +192,10 @@ def run_round(
                 bytes_up=tree_bytes(sent),
             )
         )
+        if on_progress is not None:
+            done, examples = counts[len(reports) - 1]
+            on_progress(RoundProgress(len(reports), len(clients), int(done),
+                                      int(counts[-1][0]), int(examples)))  # fmt: skip
     mean = weighted_mean_each(uploads, jnp.asarray(weights, jnp.float32))
     state = _server_step(trainer.server_optimizer, trainer.wire_dtype, plan.trained)(state, mean)
     return RoundOutcome(state, reports, sum(r.bytes_up for r in reports))

@@ -32,12 +32,20 @@ alone). The two strategies, one factory each:
   client i runs on device i % D, all devices at once.
 Steps of equal shape share one compiled program (batching's shape ladder keeps them few).
 
+Progress (`run_round(on_progress=...)`, off by default): the host learns when a client program
+has finished only by waiting for it, so with a hook the loop waits, after enqueueing each program,
+for the one enqueued a device's worth earlier (a scalar read from its output before the next
+program takes that output over): every device keeps one program queued behind the one running, and
+the hook hears the clients, steps and examples finished so far. Without a hook the host waits for
+nothing and the round is unchanged; with one the models are the same bit for bit.
+
 Keys: `fed.client_program`'s (round key, then client key from the client's global id, then step
 key).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -102,6 +110,60 @@ class RoundSpec:
     devices: tuple[Any, ...] | None = None
     # The paths of the global parameters trained this round (a schedule's choice); None: all.
     trained: frozenset[str] | None = None
+
+
+class RoundProgress(NamedTuple):
+    """How far a round's training has come, as far as the host has seen it finish."""
+
+    clients_done: int  # sampled clients whose every step has finished
+    clients: int  # sampled clients
+    steps_done: int  # real local steps finished, all clients together (padded steps not counted)
+    steps: int  # real local steps of the round
+    examples_done: int  # training examples those steps consumed (an example once per epoch)
+
+
+ProgressHook = Callable[[RoundProgress], None]
+
+
+def real_counts(seg: Any) -> tuple[int, int]:
+    """(real steps, examples) of one client's segment [S, ...] (a `Batch`, or anything with its
+    example and step masks): the steps with examples, padding not counted."""
+    rows = np.asarray(seg.example_mask).reshape(np.shape(seg.example_mask)[0], -1).sum(-1)
+    real = rows > 0
+    if seg.step_mask is not None:
+        real &= np.asarray(seg.step_mask).reshape(-1)
+    return int(real.sum()), int(np.rint(rows[real].sum()))
+
+
+class _Watcher:
+    """Waits for a round's programs `lag` behind the latest enqueued and tells the hook what has
+    finished (see the module's Progress)."""
+
+    def __init__(self, hook: ProgressHook, segments: Sequence[Sequence[Batch]], lag: int) -> None:
+        self.hook, self.lag = hook, lag
+        self.counts = [[real_counts(s) for s in client] for client in segments]
+        self.left = [len(client) for client in segments]
+        self.steps = sum(n for client in self.counts for n, _ in client)
+        self.done = [0, 0, 0]  # clients, steps, examples
+        self.queue: collections.deque[tuple[jax.Array, list[tuple[int, int]]]] = (
+            collections.deque()
+        )
+
+    def enqueued(self, state: ClientState, items: list[tuple[int, int]]) -> None:
+        """`state`: the output of the program that ran segment j of client i for each (i, j) of
+        `items`; read (a scalar) before another program takes it over."""
+        self.queue.append((jnp.sum(state.steps), items))
+        while len(self.queue) > self.lag:
+            marker, finished = self.queue.popleft()
+            jax.block_until_ready(marker)
+            for i, j in finished:
+                steps, examples = self.counts[i][j]
+                self.left[i] -= 1
+                self.done[0] += self.left[i] == 0
+                self.done[1] += steps
+                self.done[2] += examples
+            clients, steps, examples = self.done
+            self.hook(RoundProgress(clients, len(self.left), steps, self.steps, examples))
 
 
 def sample_clients(
@@ -321,6 +383,7 @@ def _run_one_at_a_time(
     segments: Sequence[Sequence[Batch]],
     weights: np.ndarray,
     frozen: Any,
+    on_progress: ProgressHook | None = None,
 ) -> tuple[ServerState, Any, ClientMetrics]:
     """One-at-a-time round with client i on devices[i % D]: each device runs its clients one
     after another while the other devices run theirs. Each client runs the client program
@@ -330,6 +393,8 @@ def _run_one_at_a_time(
     one stream whose every op is split across them (docs/benchmarks.md measures it).
     """
     num, num_devices = len(weights), len(devices)
+    watcher = None if on_progress is None else _Watcher(on_progress, segments,
+                                                        min(num, num_devices))  # fmt: skip
     keys = fns.keys(server_state.round, rng, ids)
     # the received global part and the frozen one, put once on each device that has clients
     here = [
@@ -355,6 +420,8 @@ def _run_one_at_a_time(
                     seg = jax.device_put(segments[i][j].for_training(), devices[i % num_devices])
                     states[i] = fns.segment_one(states[i], global_wire, seg, own_keys[i],
                                                 frozen_there)  # fmt: skip
+                    if watcher is not None:
+                        watcher.enqueued(states[i], [(i, j)])
     finished = tuple(jax.device_put(fns.finish_one(s), devices[0]) for s in states)
     return fns.combine(jax.device_put(server_state, devices[0]), finished, weights)
 
@@ -368,12 +435,16 @@ def _run_stacked(
     segments: Sequence[Sequence[Batch]],
     weights: np.ndarray,
     frozen: Any,
+    on_progress: ProgressHook | None = None,
 ) -> tuple[ServerState, Any, ClientMetrics]:
     """Stacked round: the clients' steps stacked step by step, all clients in each call."""
+    watcher = None if on_progress is None else _Watcher(on_progress, segments, 1)
     client_states, keys = fns.start(server_state, local_params, ids, rng)
-    for seg in stack_clients(segments):
+    for j, seg in enumerate(stack_clients(segments)):
         seg = seg.for_training()
         client_states = fns.segment(client_states, server_state.global_params, seg, keys, frozen)
+        if watcher is not None:
+            watcher.enqueued(client_states, [(i, j) for i, c in enumerate(segments) if j < len(c)])
     return fns.finish(server_state, client_states, weights)
 
 
@@ -394,6 +465,7 @@ def run_round(
     rng: jax.Array,
     client_ids: Any = None,
     frozen: Any = None,
+    on_progress: ProgressHook | None = None,
 ) -> tuple[ServerState, Any, RoundResult]:
     """Runs one round for the sampled clients.
 
@@ -405,6 +477,8 @@ def run_round(
       rng: the run's key; the round counter is folded in here.
       client_ids: [K] global ids of the sampled clients (default 0..K-1), for their keys.
       frozen: the frozen parameters, one copy for every client (default none).
+      on_progress: called with a `RoundProgress` as the clients' programs finish (the module's
+        Progress); None: the host waits for nothing.
     Returns: new server state, new local parts [K], and the round's RoundResult.
     """
     weights = np.asarray(num_examples)
@@ -423,12 +497,12 @@ def run_round(
     if one_at_a_time(spec):
         state, new_local, metrics = _run_one_at_a_time(
             one_at_a_time_functions(spec), round_devices(spec), server_state, local_params, ids,
-            rng, segments, weights, frozen,
+            rng, segments, weights, frozen, on_progress,
         )  # fmt: skip
     else:
         state, new_local, metrics = _run_stacked(
             stacked_functions(spec), server_state, local_params, ids, rng, segments, weights,
-            frozen,
+            frozen, on_progress,
         )  # fmt: skip
     train_loss = metrics.loss_sum / jnp.maximum(metrics.num_examples, 1.0)
     result = RoundResult(
