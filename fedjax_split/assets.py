@@ -363,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli() -> None:
-    """`python -m fedjax_split.assets`: the commands' entry point (`cli.run_command`)."""
-    from fedjax_split.cli import run_command
+    """`python -m fedjax_split.assets`: the commands' entry point (`runtime.run_command`)."""
+    from fedjax_split.runtime import run_command
 
     run_command(main)
 

@@ -24,8 +24,9 @@ import ctypes
 import dataclasses
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any, NoReturn
 
 from fedjax_split.errors import UserError
 
@@ -157,12 +158,47 @@ class Applied:
 
 def apply(cpu_devices: int | None = None) -> Applied:
     """Every process setting at once, in the order that matters: the malloc before JAX starts
-    its threads, then the compilation cache and the CPU device count before its first
-    computation. Idempotent; a bad FEDJAX_SPLIT_MALLOC or FEDJAX_SPLIT_XLA_CACHE is a UserError.
-    Without `cpu_devices` JAX's backends are not started here (a process that needs no device,
-    such as a Flower node answering a query, does not pay for them)."""
+    its threads, warnings on one line, then the compilation cache and the CPU device count before
+    its first computation. Idempotent; a bad FEDJAX_SPLIT_MALLOC or FEDJAX_SPLIT_XLA_CACHE is a
+    UserError. Without `cpu_devices` JAX's backends are not started here (a process that needs no
+    device, such as a Flower node answering a query, does not pay for them)."""
     check_malloc_setting()
     tune_malloc()
+    one_line_warnings()
     cache = enable_xla_cache()
     devices = None if cpu_devices is None else use_cpu_devices(cpu_devices)
     return Applied(allocator(), cache, devices)
+
+
+def one_line_warning(
+    message: Any, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
+    """Warnings as the CLI's other messages, on one line: a source line under them reads like a
+    crash. Ours are plain UserWarnings; others keep their category and origin."""
+    if category is UserWarning:
+        return f"warning: {message}\n"
+    return f"warning: {category.__name__}: {message} ({filename}:{lineno})\n"
+
+
+def one_line_warnings() -> None:
+    """This process's warnings through `one_line_warning`: every process entry point (the
+    commands, the Flower apps, export, assets, tools/) calls it first, and `apply` (so a notebook's
+    `run_experiment` too); importing the library alone leaves Python's format as it is."""
+    import warnings
+
+    warnings.formatwarning = one_line_warning
+
+
+def run_command(command_main: Callable[[], int]) -> NoReturn:
+    """A command's entry point: the malloc checked and tuned before anything starts threads (a bad
+    FEDJAX_SPLIT_MALLOC is the one-line exit-2 error), warnings on one line, then
+    `command_main`'s exit status."""
+    from fedjax_split.errors import report
+
+    try:
+        check_malloc_setting()
+        tune_malloc()
+    except UserError as e:
+        sys.exit(report(e))
+    one_line_warnings()
+    sys.exit(command_main())

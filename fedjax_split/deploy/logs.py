@@ -47,7 +47,7 @@ def app_process() -> None:
 
     from flwr.common.logger import LOGGER_NAME, update_console_handler
 
-    from fedjax_split.cli import one_line_warnings
+    from fedjax_split.runtime import one_line_warnings
 
     one_line_warnings()
     logging.getLogger(LOGGER_NAME).propagate = False
