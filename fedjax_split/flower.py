@@ -177,10 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     summary = status["summary"]
     metric = summary["primary_metric"]
+    value = summary["final"].get(metric)
+    figure = f"{metric} not evaluated" if value is None else f"{metric} {value:.4f}"
     print(
-        f"done: {summary['rounds']} rounds on {supernodes} SuperNodes, final {metric} "
-        f"{summary['final'].get(metric)}, {summary['cum_bytes'] / 1e6:.1f} MB sent; results in "
-        f"{summary['run_dir']}"
+        f"done: {summary['rounds']} rounds on {supernodes} SuperNodes, {figure} (mean over "
+        f"clients); {summary['cum_bytes'] / 1e6:.1f} MB sent; results in {summary['run_dir']}"
     )
     return 0
 

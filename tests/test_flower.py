@@ -168,6 +168,8 @@ def test_fp16_split_run_equals_simulation_and_a_restarted_server_resumes(env: di
 
     res = _run(env, "fedjax_split.flower", [*_args(env, out, **flags), "--resume"], **record)
     assert res.returncode == 0, res.stderr
+    done = r"^done: \d+ rounds on \d+ SuperNodes, accuracy \d\.\d{4} \(mean over clients\); "
+    assert re.search(done + r"[\d.]+ MB sent; results in ", res.stdout, re.M), res.stdout
     _no_processes_left(str(out))
     sim = _simulate(env, "fp16_sim", **flags)
 
