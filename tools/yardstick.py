@@ -54,14 +54,18 @@ def _flops(setup: Any, sampled: list[int]) -> tuple[int, int]:
 
 
 def ours(config: Any, rounds: int) -> tuple[Any, list[dict[str, Any]]]:
-    """The experiment's own rounds, as run_experiment runs them (no files written)."""
+    """The experiment's own rounds, as run_experiment runs them (what a round writes, its client
+    store and plot, goes to a temporary directory)."""
+    import dataclasses
+
     from fedjax_split import runtime
     from fedjax_split.run import experiment
     from fedjax_split.sim.client_store import ClientStore
 
     runtime.apply(config.cpu_devices)
-    setup = experiment.build(config)
-    store = ClientStore.create(tempfile.mkdtemp(prefix="yardstick-"), setup.model.local0)
+    scratch = Path(tempfile.mkdtemp(prefix="yardstick-"))
+    setup = experiment.build(dataclasses.replace(config, output_dir=str(scratch)))
+    store = ClientStore.create(scratch / "clients", setup.model.local0)
     simulation = experiment.Simulation(setup, store)
     history: list[dict[str, Any]] = []
     for r in range(1, rounds + 1):
