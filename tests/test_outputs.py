@@ -189,3 +189,20 @@ def test_summary_is_rounded_for_reading_with_exact_bytes_beside_megabytes(tmp_pa
     assert (got["rounds"], got["resume"], got["missing"], got["zero"]) == (3, False, None, 0.0)
     assert list(got)[list(got).index("cum_bytes") + 1] == "cum_mb"  # read side by side
     assert summary["final"]["accuracy"] == 0.834733893557423  # the caller's dict is untouched
+
+
+def test_the_first_rounds_time_left_follows_its_second_half() -> None:
+    """Programs of new shapes compile all through a first round: its first half is slow, its
+    second half is what later rounds cost. 50 steps in 100 s, then 50 in 10 s (0.2 s a step) and
+    2 s after the last report: 22 s a round, four left: 88 s (the first-report rule would say
+    8 min)."""
+    stream, clock = io.StringIO(), _Clock()
+    bar = outputs.Progress(5, enabled=True, stream=stream, clock=clock)
+    bar.round_start(1)
+    hook = bar.round_hook()
+    for t, done in [(0.0, 1), (50.0, 25), (100.0, 50), (105.0, 75), (110.0, 100)]:
+        clock.now = t
+        hook(_inside(done))
+    clock.now = 112.0
+    bar.round_done({**_RECORD, "round": 1}, None)
+    assert stream.getvalue().splitlines()[-1].endswith("| about 1 min left")

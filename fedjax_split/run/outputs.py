@@ -176,9 +176,9 @@ class Progress:
       that compiling does not count); on a terminal in the bar's text, else a line at most every
       LINE_SECONDS;
     - after each round (`round_done`): its line, and the time left: rounds left times a round's
-      steady time (the first round in this process is timed from its first finished program on,
-      scaled to all its steps, so its compiling does not inflate the estimate; later rounds
-      by their mean).
+      steady time (the first round in this process by the rate of its second half, when programs
+      of new shapes have mostly compiled, so its compiling does not inflate the estimate; later
+      rounds by their mean).
     `clock`: the time source (tests pass a fake one).
     """
 
@@ -199,6 +199,8 @@ class Progress:
         self._round: int | None = None
         self._started = 0.0  # the round's start
         self._first: tuple[float, int, int] | None = None  # its first report: time, steps, examples
+        self._mid: tuple[float, int] | None = None  # first report half-way or later: time, steps
+        self._last: tuple[float, int] | None = None  # its latest report: time, steps
         self._steps = 0  # the round's steps (its reports')
         self._rounds_here = 0  # rounds done in this process
         self._last_line = -math.inf  # when the last line (or bar text) was written
@@ -229,6 +231,7 @@ class Progress:
 
     def round_start(self, round_: int) -> None:
         self._round, self._started, self._first, self._steps = round_, self.clock(), None, 0
+        self._mid = self._last = None
 
     def round_hook(self) -> Callable[[Any], None] | None:
         """The callback for a round's progress (`sim.rounds.RoundProgress`); None when disabled,
@@ -239,6 +242,9 @@ class Progress:
         """A round's progress: clients_done, clients, steps_done, steps, examples_done."""
         now = self.clock()
         self._steps = progress.steps
+        self._last = (now, progress.steps_done)
+        if self._mid is None and 2 * progress.steps_done >= progress.steps:
+            self._mid = self._last
         if self._first is None:
             self._first = (now, progress.steps_done, progress.examples_done)
         elif now - self._last_line < (LINE_SECONDS if self._bar is None else BAR_SECONDS):
@@ -276,11 +282,21 @@ class Progress:
         return time_left(per_round * left)
 
     def _steady_first(self, now: float) -> float | None:
-        """The first round's seconds had it not compiled: from its first report on, scaled to all
-        of its steps (None without a report, or when it came at the end)."""
+        """The first round's seconds had it not compiled. Programs of new shapes compile all
+        through it, so the rate of its second half (from the first report half-way on to the
+        last) times its steps, plus what came after the last report beyond that rate (the last
+        programs and the evaluation); without two such reports, from its first report on, scaled
+        to all of its steps (None without a report, or when it came at the end)."""
         if self._first is None or self._round is None:
             return None
-        (t_first, steps_first, _), steps = self._first, self._steps
+        steps = self._steps
+        if self._mid is not None and self._last is not None:
+            (t_mid, steps_mid), (t_last, steps_last) = self._mid, self._last
+            if steps_last > steps_mid and t_last > t_mid:
+                per_step = (t_last - t_mid) / (steps_last - steps_mid)
+                tail = (now - t_last) - (steps - steps_last) * per_step
+                return steps * per_step + max(0.0, tail)
+        t_first, steps_first, _ = self._first
         if steps <= steps_first or now <= t_first:
             return None
         return (now - t_first) * steps / (steps - steps_first)
