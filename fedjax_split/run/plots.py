@@ -15,9 +15,8 @@ from typing import Any
 
 import numpy as np
 
-ALGORITHM_NAMES = {"fedavg": "FedAvg", "fedprox": "FedProx", "fedadam": "FedAdam",
-                   "fedavgm": "FedAvgM", "fedyogi": "FedYogi",
-                   "fedadagrad": "FedAdagrad"}  # fmt: skip
+from fedjax_split.fed.algorithms import ALGORITHMS
+
 WIRE_NAMES = {"none": "", "fp16": " + fp16 wire", "bf16": " + bf16 wire"}
 # reference lines (a no-model baseline, a published figure) told apart by dash and shade of grey,
 # so that they never take a run's colour
@@ -32,7 +31,7 @@ def method_label(
     """How a person names a run: "FedSplitBERT c=3 + fp16 wire", "FedAvg", "local only (c=0)".
     A critical layer of None or the model's depth shares every layer: the server algorithm."""
     wire = WIRE_NAMES.get(quantize, f" + {quantize} wire")
-    server = ALGORITHM_NAMES.get(algorithm, algorithm)
+    server = ALGORITHMS[algorithm].title if algorithm in ALGORITHMS else algorithm
     if critical_layer is None or critical_layer >= num_layers:
         return server + wire
     if critical_layer == 0:
