@@ -17,7 +17,7 @@ from typing import Any
 
 from fedjax_split.errors import UserError
 from fedjax_split.fed.algorithms import ALGORITHMS
-from fedjax_split.run.settings import Schema, load_config_file
+from fedjax_split.run.settings import Schema, load_config_file, optional_int
 from fedjax_split.run.settings import setting as _setting
 
 __all__ = [
@@ -52,15 +52,13 @@ HALF = "half"  # --critical-layer's default: half the model's layers, whatever t
 
 
 def critical_layer_value(text: str) -> int | str | None:
-    """--critical-layer's values: an integer, 'half' (L/2), or 'L'/'all' (None: every layer)."""
-    word = text.strip().lower()
-    if word == HALF:
+    """--critical-layer's values: 'half' (L/2), or what `optional_int` reads: an integer, or
+    'L'/'all' (None: every layer)."""
+    if text.strip().lower() == HALF:
         return HALF
-    if word in ("l", "all"):
-        return None
     try:
-        return int(word)
-    except ValueError:
+        return optional_int(text.strip())
+    except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(
             f"expected an integer, 'half' or 'L' for the critical layer, got {text!r}"
         ) from None
