@@ -206,3 +206,15 @@ def test_the_first_rounds_time_left_follows_its_second_half() -> None:
     clock.now = 112.0
     bar.round_done({**_RECORD, "round": 1}, None)
     assert stream.getvalue().splitlines()[-1].endswith("| about 1 min left")
+
+
+def test_training_says_only_the_first_round_compiles() -> None:
+    stream = io.StringIO()
+    bar = outputs.Progress(3, enabled=True, stream=stream, clock=_Clock())
+    for r in (1, 2):
+        bar.round_start(r)
+        assert bar.training("X") is not None
+        bar.round_done({**_RECORD, "round": r}, None)
+    lines = stream.getvalue().splitlines()
+    assert [x for x in lines if "compiling" in x] == ["round 1: compiling X ..."]
+    assert outputs.Progress(3, enabled=False).training() is None

@@ -33,7 +33,7 @@ class Run(Protocol):
     (only when continuing from a checkpoint), `start`, then `step` per round with `checkpointed`
     after each checkpoint, and `summary` at the end. A run whose rounds can tell their progress
     has a `watch(progress)` method too (`outputs.Progress`), called before `start`: its steps say
-    when they compile and pass `progress.round_hook()` to their rounds."""
+    when they compile and pass `progress.training()`'s hook to their rounds."""
 
     run_dir: Path
     rounds: int  # the round the run ends after

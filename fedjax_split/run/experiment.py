@@ -129,7 +129,6 @@ class Simulation:
             model.task, setup.pool.labels, setup.partition.clients, self.metric
         )
         self.progress: Any = None  # run.outputs.Progress, from the driver (`watch`)
-        self.compiled = False  # whether a round ran in this process (compiling its programs)
 
     def plot(self, records: Sequence[dict[str, Any]]) -> Path | None:
         """plot.png from the records so far (None before the first evaluation)."""
@@ -192,7 +191,7 @@ class Simulation:
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """Sample clients, batch their data, run the round, evaluate when due; the record. With
-        progress the round reports inside (`outputs.Progress.round_hook`): the next round's
+        progress the round reports inside (`outputs.Progress.training`): the next round's
         batches are then built while its last programs run, not the whole round."""
         import jax
 
@@ -210,12 +209,7 @@ class Simulation:
             [len(setup.partition.clients[i].train) for i in sampled], np.float32
         )
         local_sampled = jax.tree.map(jax.numpy.asarray, self.store.load_stacked(sampled))
-        hook = None
-        if self.progress is not None:
-            if not self.compiled:
-                self.progress.compiling(r)
-            hook = self.progress.round_hook()
-        self.compiled = True
+        hook = None if self.progress is None else self.progress.training()
         # the run's key; run_round folds in the round counter and the clients' global ids
         self.server_state, new_local, result = rounds.run_round(
             setup.model.round_spec, self.server_state, local_sampled, num_examples, segments,

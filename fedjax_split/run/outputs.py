@@ -233,6 +233,14 @@ class Progress:
         self._round, self._started, self._first, self._steps = round_, self.clock(), None, 0
         self._mid = self._last = None
 
+    def training(self, what: str = "the client program (the first round only)"
+                 ) -> Callable[[Any], None] | None:  # fmt: skip
+        """For the round `round_start` began, about to train: the first round of this progress
+        says that it compiles `what` first; the round's `round_hook`."""
+        if self._rounds_here == 0 and self._round is not None:
+            self.compiling(self._round, what)
+        return self.round_hook()
+
     def round_hook(self) -> Callable[[Any], None] | None:
         """The callback for a round's progress (`sim.rounds.RoundProgress`); None when disabled,
         so that the round waits for nothing."""

@@ -419,7 +419,6 @@ class Pretraining:
         self.initial: dict[str, Any] | None = None  # held-out MLM before round 1
         self.started = started
         self.progress: Any = None  # run.outputs.Progress, from the driver (`watch`)
-        self.compiled = False  # whether a round ran in this process
 
     def watch(self, progress: Any) -> None:
         self.progress = progress
@@ -464,14 +463,9 @@ class Pretraining:
                  f"accuracy {self.initial['mlm_accuracy']:.4f}")  # fmt: skip
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        hook = None
-        if self.progress is not None:
-            if not self.compiled:  # a round training other layers compiles its own again
-                self.progress.compiling(
-                    r, "the clients' programs (and again for each new set of trained layers)"
-                )
-            hook = self.progress.round_hook()
-        self.compiled = True
+        # a round training other layers compiles its own programs again
+        what = "the clients' programs (and again for each new set of trained layers)"
+        hook = None if self.progress is None else self.progress.training(what)
         return run_one_round(self.setup, r, history[-1] if history else None, hook)
 
     def checkpointed(self, r: int, kept: Sequence[int]) -> None:

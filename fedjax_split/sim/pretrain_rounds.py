@@ -160,9 +160,10 @@ def run_round(
     anyway, to time them)."""
     round_key = jax.random.fold_in(jax.random.key(seed), round_)
     uploads, reports = [], []
-    # (real steps, sequences) per client, then done so far
-    counts = np.cumsum([np.sum([real_counts(s) for s in segs] or [(0, 0)], axis=0)
-                        for segs in segments], axis=0)  # fmt: skip
+    # (real steps, sequences) done after each client, for the hook only
+    counts = None if on_progress is None else np.cumsum(
+        [np.sum([real_counts(s) for s in segs] or [(0, 0)], axis=0) for segs in segments], axis=0
+    )  # fmt: skip
     for c, layers, segs in zip(clients, plan.layers, segments, strict=True):
         t0, c0 = time.perf_counter(), time.process_time()
         key = jax.random.fold_in(round_key, c)
@@ -192,7 +193,7 @@ def run_round(
                 bytes_up=tree_bytes(sent),
             )
         )
-        if on_progress is not None:
+        if counts is not None:
             done, examples = counts[len(reports) - 1]
             on_progress(RoundProgress(len(reports), len(clients), int(done),
                                       int(counts[-1][0]), int(examples)))  # fmt: skip
