@@ -108,7 +108,8 @@ def test_one_at_a_time_round_is_client_round_per_client_bit_for_bit(
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         finished.append((up, new_local, metrics))
     # ... and the round's server step is the aggregation of exactly those uploads
-    combined = one_at_a_time_functions(spec).combine(state, tuple(finished), WEIGHTS)[0]
+    combine = one_at_a_time_functions(spec).combine
+    combined = combine(state, tuple(finished), WEIGHTS, SEED_KEY)[0]
     for x, y in zip(jax.tree.leaves(combined), jax.tree.leaves(got_state), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     before, after = flatten_paths(state.master), flatten_paths(got_state.master)
@@ -150,7 +151,7 @@ def test_masked_steps_leave_the_client_state_bitwise_unchanged() -> None:
 def test_one_program_whatever_executes_the_client() -> None:
     spec, *_ = _setup(False, "float32")
     program = client_functions(spec)
-    assert tuple(one_at_a_time_functions(spec))[:3] == tuple(program)
+    assert tuple(one_at_a_time_functions(spec))[:4] == tuple(program)
     vmapped = dataclasses.replace(spec, chunk_size=None, devices=None, donate=True)
     assert client_functions(vmapped) is program  # the program does not depend on the executor
     assert client_functions(dataclasses.replace(spec, wire_dtype="bfloat16")) is not program

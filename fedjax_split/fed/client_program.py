@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from fedjax_split.data.batch import Batch
 from fedjax_split.fed.client import ClientMetrics, ClientSpec, ClientState, make_client_fns
+from fedjax_split.fed.privacy import clip_upload
 from fedjax_split.fed.roles import merge_params, select
 from fedjax_split.fed.server import upload
 from fedjax_split.fed.wire import cast_from_wire, wire_dtype
@@ -77,12 +78,15 @@ class ClientProgram(NamedTuple):
     start_one(global_wire, local, key) -> client_state
     segment_one(client_state, global_wire, segment [S, ...], key, frozen) -> client_state
     finish_one(client_state) -> (upload in fp32, new local part, metrics)
+    clip_one(upload, global_wire, bound) -> (upload with its update clipped to norm `bound`, the
+      update's norm before clipping): client-level DP's clipping (`fed.privacy.clip_upload`)
     The client state passed to `segment_one` and `finish_one` is donated (not to be reused).
     """
 
     start_one: Callable[..., ClientState]
     segment_one: Callable[..., ClientState]
     finish_one: Callable[..., tuple[Any, Any, ClientMetrics]]
+    clip_one: Callable[..., tuple[Any, jax.Array]]
 
 
 def client_functions(spec: ProgramSpec) -> ClientProgram:
@@ -112,10 +116,14 @@ def _client_functions(
         new_global, new_local, metrics = fns.finish(client_state)
         return upload(new_global, wire), new_local, metrics
 
+    def clip_one(upload: Any, global_wire: Any, bound: jax.Array) -> tuple[Any, jax.Array]:
+        return clip_upload(upload, download(global_wire, trained)[0], bound, wire)
+
     return ClientProgram(
         jax.jit(start_one),  # a client's local part is the caller's (a row of [K], a node's own)
         jax.jit(segment_one, donate_argnums=(0,)),
         jax.jit(finish_one, donate_argnums=(0,)),
+        jax.jit(clip_one),
     )
 
 
@@ -132,6 +140,7 @@ def client_round(
     server receives it, in fp32; its new local part; its metrics).
 
     `key`: `client_key(run key, round, client id)`; `frozen`: the frozen parameters (default none).
+    Client-level DP clips the upload afterwards (`ClientProgram.clip_one`).
     """
     program = client_functions(spec)
     frozen = {} if frozen is None else frozen

@@ -31,10 +31,14 @@ class ServerState(NamedTuple):
     master: Any  # fp32 master copy that the server optimiser steps (see init_server_state)
     opt_state: Any  # server optimiser state over the fp32 global part
     round: jax.Array  # int32, rounds completed
+    aggregator: Any = ()  # the aggregation's own state (DP's clip norm: fed.aggregation)
 
 
 def init_server_state(
-    global_params: Any, server_optimizer: optax.GradientTransformation, wire_dtype: Any
+    global_params: Any,
+    server_optimizer: optax.GradientTransformation,
+    wire_dtype: Any,
+    aggregator: Any = (),
 ) -> ServerState:
     """Server state for round 0: an fp32 master copy, its wire-dtype image, a fresh optimiser state.
 
@@ -48,7 +52,8 @@ def init_server_state(
     """
     master = jax.tree.map(lambda x: jnp.array(x, copy=True), cast_from_wire(global_params))
     held = jax.tree.map(lambda x: jnp.array(x, copy=True), cast_to_wire(master, wire_dtype))
-    return ServerState(held, master, server_optimizer.init(master), jnp.zeros([], jnp.int32))
+    opt_state = server_optimizer.init(master)
+    return ServerState(held, master, opt_state, jnp.zeros([], jnp.int32), aggregator)
 
 
 def upload(tree: Any, wire_dtype: Any) -> Any:
@@ -109,4 +114,5 @@ def server_update(
         floating = unflatten_paths({p: keep and p in trained for p, keep in flat.items()})
         opt_state = _keep_untrained(optimizer, opt_state, state.opt_state, floating)
     master = jax.tree.map(lambda k, new, old: new if k else old, floating, stepped, server_copy)
-    return ServerState(cast_to_wire(master, wire_dtype), master, opt_state, state.round + 1)
+    return ServerState(cast_to_wire(master, wire_dtype), master, opt_state, state.round + 1,
+                       state.aggregator)  # fmt: skip

@@ -30,6 +30,9 @@ PAPER_FILLS = ("exact", "sequential")  # data.partition.FILLS
 QUANTIZE = ("none", "fp16", "bf16")
 DTYPES = ("float32", "bfloat16")  # model compute dtypes; parameters stay fp32
 ATTENTIONS = ("xla", "cudnn")  # model.ATTENTION_IMPLEMENTATIONS
+AGGREGATORS = ("mean", "trimmed-mean", "median")  # fed.aggregation.RULES
+ACCOUNTANTS = ("rdp", "pld")  # fed.accounting
+ATTACKS = ("none", "scale", "sign-flip")
 
 
 _TASK_KINDS = {"glue": "a GLUE task", "offline": "an offline corpus", "ner": "a NER task"}
@@ -212,6 +215,64 @@ class ExperimentConfig:
         "with --dtype bfloat16; evaluation only, training keeps xla's).",
         choices=ATTENTIONS,
     )
+    aggregator: str = _setting(
+        "mean",
+        "How the server combines the clients' updates: mean (example-weighted, FedAvg's), or "
+        "coordinate-wise trimmed-mean or median over the clients (unweighted; robust to a few "
+        "bad clients).",
+        choices=AGGREGATORS,
+    )
+    trim_fraction: float = _setting(
+        0.1, "--aggregator trimmed-mean: the fraction of clients cut at each end, per coordinate."
+    )
+    max_update_norm: float | None = _setting(
+        None, "Clip each client's update of the global part to this L2 norm (no noise).",
+        metavar="NORM",
+    )  # fmt: skip
+    dp_noise_multiplier: float | None = _setting(
+        None,
+        "Client-level differential privacy: Gaussian noise of this many times --dp-clip on the "
+        "sum of the clients' clipped updates of the global part, then a uniform mean (the local "
+        "part gets none: it never leaves a client). docs/privacy.md.",
+        metavar="Z",
+    )
+    dp_clip: float | None = _setting(
+        None, "DP: each client's update of the global part is clipped to this L2 norm.",
+        metavar="C",
+    )  # fmt: skip
+    dp_clip_quantile: float | None = _setting(
+        None,
+        "DP: adaptive clipping (Andrew et al. 2021): the clip norm follows this quantile of the "
+        "clients' update norms, starting at --dp-clip.",
+        metavar="Q",
+    )
+    dp_delta: float = _setting(1e-5, "DP: the delta of the (epsilon, delta) reported.")
+    dp_accountant: str = _setting(
+        "rdp", "DP: the accountant (Google's dp_accounting): rdp or pld.", choices=ACCOUNTANTS
+    )
+    dp_max_epsilon: float | None = _setting(
+        None, "DP: stop before the round that would take epsilon past this budget.",
+        metavar="EPS",
+    )  # fmt: skip
+    attack: str = _setting(
+        "none",
+        "A study's attack (simulation only): --attack-fraction of the clients upload their "
+        "update scaled by --attack-scale, or sign-flipped.",
+        choices=ATTACKS,
+    )
+    attack_fraction: float = _setting(0.1, "--attack: the fraction of clients that attack.")
+    attack_scale: float = _setting(100.0, "--attack scale: the factor on the attackers' updates.")
+
+    @property
+    def dp(self) -> bool:
+        """Whether client-level DP is on."""
+        return self.dp_noise_multiplier is not None
+
+    @property
+    def poisson_sampling(self) -> bool:
+        """DP with fewer clients a round than K: each client takes part independently with
+        probability M/K (Poisson sampling, what the accountant's amplification assumes)."""
+        return self.dp and self.sampled_clients < self.clients
 
     @property
     def sampled_clients(self) -> int:
@@ -319,6 +380,45 @@ def validate(config: ExperimentConfig) -> None:
             ) from None
     if config.data_dir is not None and not Path(config.data_dir).is_dir():
         raise UserError(f"data dir {config.data_dir!r} does not exist; pass an existing --data-dir")
+    validate_aggregation(config)
+
+
+def _positive(config: ExperimentConfig, name: str, zero_ok: bool = False) -> None:
+    value = getattr(config, name)
+    if value is not None and not (math.isfinite(value) and (value > 0 or zero_ok and value == 0)):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise UserError(f"--{name.replace('_', '-')} must be a number {bound}, got {value}")
+
+
+def validate_aggregation(config: ExperimentConfig) -> None:
+    """The server's aggregation, client-level DP and the attack: settings that go together."""
+    for name in ("max_update_norm", "dp_clip", "dp_max_epsilon", "attack_scale"):
+        _positive(config, name)
+    _positive(config, "dp_noise_multiplier", zero_ok=True)
+    if not 0 <= config.trim_fraction < 0.5:
+        raise UserError(f"--trim-fraction must be in [0, 0.5), got {config.trim_fraction}")
+    if not 0 < config.dp_delta < 1:
+        raise UserError(f"--dp-delta must be in (0, 1), got {config.dp_delta}")
+    if not 0 < config.attack_fraction <= 1:
+        raise UserError(f"--attack-fraction must be in (0, 1], got {config.attack_fraction}")
+    dp_only = ("dp_clip", "dp_clip_quantile", "dp_max_epsilon")
+    if not config.dp:
+        given = [f"--{n.replace('_', '-')}" for n in dp_only if getattr(config, n) is not None]
+        if given:
+            raise UserError(
+                f"{given[0]} needs --dp-noise-multiplier (client-level DP); for clipping without "
+                "noise use --max-update-norm"
+            )
+        return
+    if config.dp_clip is None:
+        raise UserError("--dp-noise-multiplier needs --dp-clip C, the clip norm of the updates")
+    if config.aggregator != "mean":
+        raise UserError(
+            f"--aggregator {config.aggregator} with DP: the noise is calibrated to a sum of "
+            "clipped updates; use --aggregator mean"
+        )
+    if config.dp_max_epsilon is not None and config.dp_noise_multiplier == 0:
+        raise UserError("--dp-max-epsilon with --dp-noise-multiplier 0: no noise, no budget")
 
 
 def validate_critical_layer(config: ExperimentConfig, num_layers: int) -> int:

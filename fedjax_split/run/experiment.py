@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from fedjax_split.errors import UserError
-from fedjax_split.run import driver, pieces, plots
+from fedjax_split.run import driver, pieces, plots, safeguards
 from fedjax_split.run.config import ExperimentConfig, resolve_config, trajectory_mismatch
 
 CLIENTS_DIR = "clients"  # the run's client store (sim/client_store.py)
@@ -57,10 +57,8 @@ def build(config: ExperimentConfig) -> Setup:
 def round_batches(setup: Setup, r: int) -> list[list[Any]]:
     """Round r's training steps of each sampled client (a pure function of the config, r and the
     client's own examples)."""
-    from fedjax_split.sim import rounds
-
     config = setup.config
-    sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
+    sampled = safeguards.sample(config, r)
     return [
         pieces.client_steps(config, setup.model.task, setup.pool,
                             setup.partition.clients[i].train, int(i), r)
@@ -111,16 +109,19 @@ class Simulation:
     """The simulation's `driver.Run`: the server state, the client store, the prefetched batches."""
 
     def __init__(self, setup: Setup, store: Any = None) -> None:
+        from fedjax_split.fed import aggregation
         from fedjax_split.sim import rounds
 
         self.setup = setup
         config, model = setup.config, setup.model
         self.run_dir = config.run_dir
-        self.rounds = config.rounds
+        self.rounds = safeguards.rounds_allowed(config)  # --rounds, or fewer: DP's budget
         self.metric = model.task.primary_metric
+        spec = model.round_spec
         self.server_state = rounds.init_server_state(
-            model.global0, model.round_spec.server_optimizer, model.round_spec.wire_dtype
-        )
+            model.global0, spec.server_optimizer, spec.wire_dtype,
+            aggregation.init_state(spec.aggregator),
+        )  # fmt: skip
         self.frozen = model.frozen  # one copy for every client, never trained or sent
         self.store = store  # sim.client_store.ClientStore: each client's local part
         self.prefetched: tuple[int, list[Any]] | None = None  # (round, its clients' steps)
@@ -179,6 +180,12 @@ class Simulation:
         partition_mod.save_partition(setup.partition, self.run_dir / "partition.json", labels,
                                      label_names=names)  # fmt: skip
         note(pieces.method_line(config, model))
+        if safeguards.line(config):
+            note(safeguards.line(config))
+        if self.rounds < config.rounds:
+            note(f"--dp-max-epsilon {config.dp_max_epsilon:g} allows {self.rounds} of the "
+                 f"{config.rounds} rounds (epsilon {safeguards.epsilon(config, self.rounds):.3g} "
+                 "after them)")  # fmt: skip
         note(
             f"{config.task}: {len(labels)} examples, {config.clients} clients, "
             f"{model.num_global:,} global / "
@@ -199,7 +206,7 @@ class Simulation:
 
         setup, config = self.setup, self.setup.config
         t0 = time.perf_counter()
-        sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
+        sampled = safeguards.sample(config, r)
         if self.prefetched is not None and self.prefetched[0] == r:
             segments = self.prefetched[1]
         else:
@@ -208,28 +215,34 @@ class Simulation:
         num_examples = np.asarray(
             [len(setup.partition.clients[i].train) for i in sampled], np.float32
         )
-        local_sampled = jax.tree.map(jax.numpy.asarray, self.store.load_stacked(sampled))
+        local_sampled = (jax.tree.map(jax.numpy.asarray, self.store.load_stacked(sampled))
+                         if len(sampled) else None)  # fmt: skip
         hook = None if self.progress is None else self.progress.training()
+        # the clip norm of this round (read now: the round donates the server state's buffers)
+        clip = float(self.server_state.aggregator["clip"]) if config.dp else None
         # the run's key; run_round folds in the round counter and the clients' global ids
         self.server_state, new_local, result = rounds.run_round(
             setup.model.round_spec, self.server_state, local_sampled, num_examples, segments,
             jax.random.key(config.seed), client_ids=sampled, frozen=self.frozen,
-            on_progress=hook,
+            on_progress=hook, update_factors=safeguards.attack_factors(config, sampled),
         )  # fmt: skip
-        if r < config.rounds:  # the round runs asynchronously: batch the next one meanwhile
+        if r < self.rounds:  # the round runs asynchronously: batch the next one meanwhile
             self.prefetched = (r + 1, round_batches(setup, r + 1))
         losses = np.asarray(result.train_loss, np.float64)  # waits for the round's last program
-        self.store.save(r, sampled, new_local)
+        if len(sampled):
+            self.store.save(r, sampled, new_local)
         # the store wrote the new local parts (waiting for them): t_train is the whole round's
         t_train = time.perf_counter()
         record = pieces.train_record(r, sampled.tolist(), losses, num_examples)
-        if driver.due(r, config.eval_every, config.rounds):
+        record.update(safeguards.record(config, r, sampled, result.accepted, result.update_norms,
+                                        clip))  # fmt: skip
+        if driver.due(r, config.eval_every, self.rounds):
             trained = pieces.trained_clients(history, sampled.tolist())
             record.update(evaluate(setup, self.server_state, self.frozen, self.store, trained))
         t_eval = time.perf_counter()
         record.update(pieces.round_costs(history, int(result.bytes_up), int(result.bytes_down),
                                          t0, t_train, t_eval))  # fmt: skip
-        if record.get(self.metric) is not None and r < config.rounds:  # the last: by summary()
+        if record.get(self.metric) is not None and r < self.rounds:  # the last: by summary()
             self.plot([*history, record])
         return record
 

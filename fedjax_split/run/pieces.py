@@ -172,6 +172,7 @@ def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: A
     import jax
 
     from fedjax_split.fed import algorithms, client
+    from fedjax_split.run import safeguards
     from fedjax_split.sim import devices, rounds
 
     client_spec = client.ClientSpec(
@@ -186,6 +187,7 @@ def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: A
         wire_dtype=WIRE_DTYPE[config.quantize],
         chunk_size=round_chunk_size(config.chunk_size, jax.default_backend()),
         devices=devices.for_rounds(config.cpu_devices, jax.default_backend()),
+        aggregator=safeguards.aggregator(config),
     )
 
 
@@ -420,7 +422,8 @@ def train_record(
     return {
         "round": r,
         "clients_sampled": [int(c) for c in sampled],
-        "train_loss": float(np.sum(losses * weights) / np.sum(weights)),
+        # None in a round without clients (DP's Poisson sampling may draw none)
+        "train_loss": float(np.sum(losses * weights) / np.sum(weights)) if len(losses) else None,
         "train_loss_clients": losses.tolist(),
     }
 

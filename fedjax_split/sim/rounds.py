@@ -6,7 +6,9 @@ Steps (FedSplitBERT's Algorithm 1 with a FedOpt server):
 2. every sampled client runs its client update (`fed.client_program`: the program one client runs,
    whatever executes it);
 3. upload: each client's new global part is cast to the wire dtype;
-4. the server takes the example-weighted mean in fp32 and steps the global part
+4. the server aggregates the uploads (`fed.aggregation.aggregate`: by default the
+   example-weighted mean in fp32; robust rules and client-level DP as `RoundSpec.aggregator`
+   says, DP's clipping done by each client first) and steps the global part
    (`fed.server.server_update`, the seam every execution strategy shares).
 Frozen parameters are passed to the clients once, as one unstacked tree (not per client, not
 cast). With `RoundSpec.trained` (a schedule's choice for the round) clients train and upload only
@@ -60,7 +62,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from fedjax_split.data.batch import Batch
 from fedjax_split.data.batching import stack_clients
 from fedjax_split.errors import UserError
-from fedjax_split.fed.aggregation import weighted_mean, weighted_mean_each
+from fedjax_split.fed.aggregation import Aggregated, Aggregator, aggregate, aggregate_each
 from fedjax_split.fed.client import (
     ClientFns,
     ClientMetrics,
@@ -69,6 +71,7 @@ from fedjax_split.fed.client import (
     make_client_fns,
 )
 from fedjax_split.fed.client_program import client_functions, client_rngs, download, round_rng
+from fedjax_split.fed.privacy import clip_upload, server_key
 from fedjax_split.fed.roles import select
 from fedjax_split.fed.server import ServerState, init_server_state, server_update, upload
 from fedjax_split.fed.wire import cast_to_wire, tree_bytes, wire_dtype
@@ -86,6 +89,8 @@ class RoundResult(NamedTuple):
     bytes_down: int  # server -> clients, all sampled clients together
     bytes_up: int  # clients -> server
     metrics: ClientMetrics  # stacked [K]
+    accepted: jax.Array  # [K] bool: uploads the server took (a non-finite one is left out)
+    update_norms: jax.Array  # [K] each update's L2 norm before clipping (0 unless clipped/robust)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +115,8 @@ class RoundSpec:
     devices: tuple[Any, ...] | None = None
     # The paths of the global parameters trained this round (a schedule's choice); None: all.
     trained: frozenset[str] | None = None
+    # How the server combines the uploads (robust rules, client-level DP); default FedAvg's mean.
+    aggregator: Aggregator = Aggregator()
 
 
 class RoundProgress(NamedTuple):
@@ -178,6 +185,13 @@ def sample_clients(
     return np.sort(rng.choice(num_clients, size=clients_per_round, replace=False)).astype(np.int32)
 
 
+def poisson_sample(num_clients: int, rate: float, seed: int, round_index: int) -> np.ndarray:
+    """Sorted ids of a round's clients, each taking part independently with probability `rate`
+    (Poisson sampling: what DP's amplification by sampling assumes); possibly none."""
+    rng = np.random.default_rng([seed, round_index, SAMPLING_PURPOSE])
+    return np.flatnonzero(rng.random(num_clients) < rate).astype(np.int32)
+
+
 def replicate(tree: Any, num_clients: int) -> Any:
     """Stacks `num_clients` copies of `tree` on a new leading client axis."""
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients,) + jnp.shape(x)), tree)
@@ -215,10 +229,27 @@ def client_keys(round_index: jax.Array, rng: jax.Array, client_ids: jax.Array) -
     return client_rngs(round_rng(rng, round_index), client_ids)
 
 
-def _server_step(spec: RoundSpec, state: ServerState, mean: Any) -> ServerState:
-    """The server's step on the clients' weighted mean, the same for both strategies."""
-    return server_update(state, mean, spec.server_optimizer, wire_dtype(spec.wire_dtype),
-                         spec.trained)  # fmt: skip
+def _server_step(spec: RoundSpec, state: ServerState, agg: Aggregated) -> ServerState:
+    """The server's step on the clients' aggregate, the same for both strategies."""
+    return server_update(state._replace(aggregator=agg.state), agg.mean, spec.server_optimizer,
+                         wire_dtype(spec.wire_dtype), spec.trained)  # fmt: skip
+
+
+def _server_key(state: ServerState, rng: jax.Array) -> jax.Array:
+    return server_key(round_rng(rng, state.round))
+
+
+@functools.lru_cache(maxsize=32)
+def _nobody_functions(spec: RoundSpec) -> Callable[..., Any]:
+    """A round that sampled no client: the server's step on nothing (DP's noise still runs)."""
+
+    def nobody(state: ServerState, rng: jax.Array) -> ServerState:
+        received = download(state.global_params, spec.trained)[0]
+        agg = aggregate_each(spec.aggregator, [], received, jnp.zeros([0]), state.aggregator,
+                             _server_key(state, rng))  # fmt: skip
+        return _server_step(spec, state, agg)
+
+    return jax.jit(nobody)
 
 
 class StackedFns(NamedTuple):
@@ -226,7 +257,8 @@ class StackedFns(NamedTuple):
 
     start(server_state, local_params [K], client_ids, rng) -> (client_states, keys)
     segment(client_states, global_wire, segment [K, S, ...], keys, frozen) -> client_states
-    finish(server_state, client_states, num_examples) -> (server_state, new_local, metrics)
+    finish(server_state, client_states, num_examples, rng, factors) -> (server_state, new_local,
+      metrics, (accepted, update norms)); factors: `fed.aggregation.tampered`'s, or None
     Client states and keys are padded with weight-0 clients to a multiple of the device count.
     """
 
@@ -308,14 +340,24 @@ def stacked_functions(spec: RoundSpec) -> StackedFns:
         received, constants = download(global_wire, spec.trained, frozen)
         return train(client_states, received, data, keys, constants)
 
-    def finish(state: ServerState, client_states: ClientState, num_examples: jax.Array):
+    def finish(state: ServerState, client_states: ClientState, num_examples: jax.Array,
+               rng: jax.Array, factors: jax.Array | None = None):  # fmt: skip
         num_sampled = num_examples.shape[0]
         pad = client_states.steps.shape[0] - num_sampled
         weights = _pad_clients(jnp.asarray(num_examples, jnp.float32), pad, 0.0)
         new_globals, new_locals, metrics = jax.vmap(fns.finish)(client_states)
-        new_state = _server_step(spec, state, weighted_mean(upload(new_globals, wire), weights))
+        uploads, norms = upload(new_globals, wire), None
+        received = download(state.global_params, spec.trained)[0]
+        if spec.aggregator.dp is not None:  # each client clips its own update
+            clip = jax.vmap(clip_upload, in_axes=(0, None, None, None))
+            uploads, norms = clip(uploads, received, state.aggregator["clip"], wire)
+        if factors is not None:
+            factors = _pad_clients(factors, pad, 1.0)
+        agg = aggregate(spec.aggregator, uploads, received, weights, state.aggregator,
+                        _server_key(state, rng), norms, factors)  # fmt: skip
         unpad = lambda x: x[:num_sampled]  # noqa: E731
-        return new_state, jax.tree.map(unpad, new_locals), jax.tree.map(unpad, metrics)
+        return (_server_step(spec, state, agg), jax.tree.map(unpad, new_locals),
+                jax.tree.map(unpad, metrics), (unpad(agg.valid), unpad(agg.norms)))  # fmt: skip
 
     return StackedFns(
         jax.jit(start, donate_argnums=(1,) if spec.donate else ()),
@@ -327,13 +369,16 @@ def stacked_functions(spec: RoundSpec) -> StackedFns:
 
 class OneAtATimeFns(NamedTuple):
     """A one-at-a-time round's jitted pieces: the client program (`fed.client_program`:
-    start_one, segment_one, finish_one, each client's state in its own buffers), then
+    start_one, segment_one, finish_one, clip_one, each client's state in its own buffers), then
     combine(server_state, tuple of finish_one outputs, num_examples) -> (server_state,
-    new_local [K], metrics [K]) on the first device; keys(round, rng, client_ids) -> [K] keys."""
+    new_local [K], metrics [K], (accepted, update norms)) on the first device (also given the
+    run's key, the clients' norms before DP's clipping or None, and `tampered`'s factors or None);
+    keys(round, rng, client_ids) -> [K] keys."""
 
     start_one: Callable[..., Any]
     segment_one: Callable[..., Any]
     finish_one: Callable[..., Any]
+    clip_one: Callable[..., Any]
     combine: Callable[..., Any]
     keys: Callable[..., Any]
 
@@ -343,12 +388,17 @@ def one_at_a_time_functions(spec: RoundSpec) -> OneAtATimeFns:
     """The jitted pieces of a one-at-a-time round for `spec` (cached per spec): the very programs
     `fed.client_program.client_round` runs, and the aggregation."""
 
-    def combine(state: ServerState, finished: tuple, num_examples: jax.Array):
-        # No stacked copy of the clients' global parts: they are summed where they lie.
+    def combine(state: ServerState, finished: tuple, num_examples: jax.Array, rng: jax.Array,
+                norms: jax.Array | None = None, factors: jax.Array | None = None):  # fmt: skip
+        # The plain mean makes no stacked copy of the clients' global parts: it sums them where
+        # they lie.
         new_globals, new_locals, metrics = zip(*finished, strict=True)
-        mean = weighted_mean_each(list(new_globals), num_examples)
+        received = download(state.global_params, spec.trained)[0]
+        agg = aggregate_each(spec.aggregator, list(new_globals), received, num_examples,
+                             state.aggregator, _server_key(state, rng), norms, factors)  # fmt: skip
         stack = lambda trees: jax.tree.map(lambda *x: jnp.stack(x), *trees)  # noqa: E731
-        return _server_step(spec, state, mean), stack(new_locals), stack(metrics)
+        return (_server_step(spec, state, agg), stack(new_locals), stack(metrics),
+                (agg.valid, agg.norms))  # fmt: skip
 
     return OneAtATimeFns(
         *client_functions(spec),
@@ -384,7 +434,8 @@ def _run_one_at_a_time(
     weights: np.ndarray,
     frozen: Any,
     on_progress: ProgressHook | None = None,
-) -> tuple[ServerState, Any, ClientMetrics]:
+    factors: Any = None,
+) -> tuple[ServerState, Any, ClientMetrics, Any]:
     """One-at-a-time round with client i on devices[i % D]: each device runs its clients one
     after another while the other devices run theirs. Each client runs the client program
     (`fed.client_program`) on its own steps; the uploads are summed on devices[0] in client order.
@@ -422,8 +473,17 @@ def _run_one_at_a_time(
                                                 frozen_there)  # fmt: skip
                     if watcher is not None:
                         watcher.enqueued(states[i], [(i, j)])
-    finished = tuple(jax.device_put(fns.finish_one(s), devices[0]) for s in states)
-    return fns.combine(jax.device_put(server_state, devices[0]), finished, weights)
+    finished, norms = [], []
+    for i, state in enumerate(states):
+        upload_i, local_i, metrics_i = fns.finish_one(state)
+        if server_state.aggregator:  # client-level DP: the client clips its update itself
+            global_wire, _ = here[i % num_devices]
+            bound = jax.device_put(server_state.aggregator["clip"], devices[i % num_devices])
+            upload_i, norm = fns.clip_one(upload_i, global_wire, bound)
+            norms.append(jax.device_put(norm, devices[0]))
+        finished.append(jax.device_put((upload_i, local_i, metrics_i), devices[0]))
+    return fns.combine(jax.device_put(server_state, devices[0]), tuple(finished), weights, rng,
+                       jnp.stack(norms) if norms else None, factors)  # fmt: skip
 
 
 def _run_stacked(
@@ -436,7 +496,8 @@ def _run_stacked(
     weights: np.ndarray,
     frozen: Any,
     on_progress: ProgressHook | None = None,
-) -> tuple[ServerState, Any, ClientMetrics]:
+    factors: Any = None,
+) -> tuple[ServerState, Any, ClientMetrics, Any]:
     """Stacked round: the clients' steps stacked step by step, all clients in each call."""
     watcher = None if on_progress is None else _Watcher(on_progress, segments, 1)
     client_states, keys = fns.start(server_state, local_params, ids, rng)
@@ -445,7 +506,7 @@ def _run_stacked(
         client_states = fns.segment(client_states, server_state.global_params, seg, keys, frozen)
         if watcher is not None:
             watcher.enqueued(client_states, [(i, j) for i, c in enumerate(segments) if j < len(c)])
-    return fns.finish(server_state, client_states, weights)
+    return fns.finish(server_state, client_states, weights, rng, factors)
 
 
 def client_bytes(spec: RoundSpec, global_params: Any) -> tuple[int, int]:
@@ -466,6 +527,7 @@ def run_round(
     client_ids: Any = None,
     frozen: Any = None,
     on_progress: ProgressHook | None = None,
+    update_factors: Any = None,
 ) -> tuple[ServerState, Any, RoundResult]:
     """Runs one round for the sampled clients.
 
@@ -479,14 +541,18 @@ def run_round(
       frozen: the frozen parameters, one copy for every client (default none).
       on_progress: called with a `RoundProgress` as the clients' programs finish (the module's
         Progress); None: the host waits for nothing.
+      update_factors: [K] factors of `fed.aggregation.tampered` (a study's attackers), or None.
+    K = 0 (client-level DP's Poisson sampling drew nobody) runs the server's step alone.
     Returns: new server state, new local parts [K], and the round's RoundResult.
     """
     weights = np.asarray(num_examples)
-    if weights.ndim != 1 or not np.all(weights >= 0) or weights.sum() <= 0:
+    if weights.ndim != 1 or not np.all(weights >= 0) or (len(weights) and weights.sum() <= 0):
         raise UserError(
             f"num_examples must be K non-negative counts with a positive sum, got {weights}"
         )
     num_sampled = weights.shape[0]
+    if num_sampled == 0:
+        return _run_nobody(spec, server_state, local_params, rng)
     if len(segments) != num_sampled:
         raise ValueError(f"{len(segments)} clients' steps for {num_sampled} sampled clients")
     if client_ids is None:
@@ -494,18 +560,30 @@ def run_round(
     frozen = {} if frozen is None else frozen
     per_client_down, per_client_up = client_bytes(spec, server_state.global_params)
     ids = jnp.asarray(client_ids, jnp.int32)
+    factors = None if update_factors is None else jnp.asarray(update_factors, jnp.float32)
     if one_at_a_time(spec):
-        state, new_local, metrics = _run_one_at_a_time(
+        state, new_local, metrics, (accepted, norms) = _run_one_at_a_time(
             one_at_a_time_functions(spec), round_devices(spec), server_state, local_params, ids,
-            rng, segments, weights, frozen, on_progress,
+            rng, segments, weights, frozen, on_progress, factors,
         )  # fmt: skip
     else:
-        state, new_local, metrics = _run_stacked(
+        state, new_local, metrics, (accepted, norms) = _run_stacked(
             stacked_functions(spec), server_state, local_params, ids, rng, segments, weights,
-            frozen, on_progress,
+            frozen, on_progress, factors,
         )  # fmt: skip
     train_loss = metrics.loss_sum / jnp.maximum(metrics.num_examples, 1.0)
     result = RoundResult(
-        train_loss, per_client_down * num_sampled, per_client_up * num_sampled, metrics
-    )
+        train_loss, per_client_down * num_sampled, per_client_up * num_sampled, metrics,
+        accepted, norms,
+    )  # fmt: skip
     return state, new_local, result
+
+
+def _run_nobody(
+    spec: RoundSpec, server_state: ServerState, local_params: Any, rng: jax.Array
+) -> tuple[ServerState, Any, RoundResult]:
+    """A round without clients: the server's step alone, nothing sent, empty [0] figures."""
+    empty = jnp.zeros([0], jnp.float32)
+    metrics = ClientMetrics(empty, empty, jnp.zeros([0], jnp.int32))
+    result = RoundResult(empty, 0, 0, metrics, jnp.zeros([0], bool), empty)
+    return _nobody_functions(spec)(server_state, rng), local_params, result

@@ -1,0 +1,143 @@
+"""What a config says of the server's safeguards: robust aggregation, client-level DP and its
+accounting, and the attack a study simulates against them.
+
+The same for the simulation and the Flower server: which clients a round samples (Poisson with
+DP, so that the accountant's amplification holds), the `fed.aggregation.Aggregator`, the privacy
+spent after each round (`fed.accounting`) and the rounds a budget allows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fedjax_split.run.config import ExperimentConfig
+
+ATTACK_PURPOSE = 2  # np.random.default_rng([seed, ATTACK_PURPOSE]) draws the attackers
+
+
+def aggregator(config: ExperimentConfig) -> Any:
+    """The `fed.aggregation.Aggregator` the config asks for (DP's denominator: the expected
+    clients a round, M)."""
+    from fedjax_split.fed import aggregation, privacy
+
+    dp = None
+    if config.dp:
+        dp = privacy.DPSpec(
+            clip=float(config.dp_clip),
+            noise_multiplier=float(config.dp_noise_multiplier),
+            denominator=float(config.sampled_clients),
+            target_quantile=config.dp_clip_quantile,
+        )
+    return aggregation.Aggregator(
+        rule=config.aggregator,
+        trim_fraction=config.trim_fraction,
+        max_update_norm=config.max_update_norm,
+        dp=dp,
+    )
+
+
+def mechanism(config: ExperimentConfig) -> Any:
+    """The accountant's `fed.accounting.Mechanism`, or None (no DP, or no noise to account)."""
+    if not config.dp or config.dp_noise_multiplier == 0:
+        return None
+    from fedjax_split.fed import accounting
+
+    rate = config.sampled_clients / config.clients
+    return accounting.Mechanism(float(config.dp_noise_multiplier), rate, config.dp_accountant)
+
+
+def sample(config: ExperimentConfig, r: int) -> np.ndarray:
+    """Round r's clients: every client; M of K without replacement; or, with DP and M < K, each
+    client independently with probability M/K (Poisson: the sampling the accountant assumes;
+    a round may then have no client at all)."""
+    from fedjax_split.sim import rounds
+
+    if config.poisson_sampling:
+        return rounds.poisson_sample(config.clients, config.sampled_clients / config.clients,
+                                     config.seed, r)  # fmt: skip
+    return rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
+
+
+def attackers(config: ExperimentConfig) -> np.ndarray:
+    """The attacking clients' ids (sorted; the same every round): a fraction of K, at least one."""
+    if config.attack == "none":
+        return np.zeros([0], np.int64)
+    count = max(1, round(config.attack_fraction * config.clients))
+    rng = np.random.default_rng([config.seed, ATTACK_PURPOSE])
+    return np.sort(rng.choice(config.clients, size=count, replace=False))
+
+
+def attack_factors(config: ExperimentConfig, sampled: np.ndarray) -> np.ndarray | None:
+    """`fed.aggregation.tampered`'s factors [K] for a round's sampled clients, or None."""
+    if config.attack == "none":
+        return None
+    factor = -1.0 if config.attack == "sign-flip" else float(config.attack_scale)
+    return np.where(np.isin(sampled, attackers(config)), factor, 1.0).astype(np.float32)
+
+
+def epsilon(config: ExperimentConfig, rounds_done: int) -> float | None:
+    """The privacy spent after `rounds_done` rounds at --dp-delta (None without DP's noise)."""
+    mech = mechanism(config)
+    if mech is None:
+        return None
+    from fedjax_split.fed import accounting
+
+    return accounting.epsilon(mech, rounds_done, config.dp_delta)
+
+
+def rounds_allowed(config: ExperimentConfig) -> int:
+    """The rounds the run may do: --rounds, or fewer where --dp-max-epsilon stops it first."""
+    mech = mechanism(config)
+    if mech is None or config.dp_max_epsilon is None:
+        return config.rounds
+    from fedjax_split.fed import accounting
+
+    return accounting.rounds_within(mech, config.dp_delta, config.dp_max_epsilon, config.rounds)
+
+
+def line(config: ExperimentConfig) -> str | None:
+    """One line on what protects the global part, for the run's start (None: nothing beyond the
+    plain mean)."""
+    parts = []
+    if config.dp:
+        mech = mechanism(config)
+        adaptive = config.dp_clip_quantile is not None
+        clip = (f"adaptive clip norm from {config.dp_clip:g} (quantile {config.dp_clip_quantile:g})"
+                if adaptive else f"clip norm {config.dp_clip:g}")  # fmt: skip
+        if mech is None:
+            parts.append(f"DP clipping ({clip}) with no noise (z = 0): no privacy guarantee")
+        else:
+            from fedjax_split.fed import accounting
+
+            text = accounting.describe(mech, config.dp_delta, None if adaptive else config.dp_clip)
+            parts.append(text + ("; " + clip) * adaptive + "; uniform mean over the expected "
+                         "clients a round (not example-weighted)")
+    if config.aggregator != "mean":
+        trim = f" (cutting {config.trim_fraction:g} at each end)" * (config.aggregator
+                                                                     == "trimmed-mean")
+        parts.append(f"coordinate-wise {config.aggregator}{trim} over the clients, unweighted")
+    if config.max_update_norm is not None:
+        parts.append(f"updates clipped to norm {config.max_update_norm:g}")
+    if config.attack != "none":
+        what = "sign-flipped" if config.attack == "sign-flip" else f"x{config.attack_scale:g}"
+        ids = ", ".join(map(str, attackers(config)))
+        parts.append(f"simulated attack: client(s) {ids} upload {what} updates")
+    return "; ".join(parts) if parts else None
+
+
+def record(
+    config: ExperimentConfig, r: int, sampled: np.ndarray, accepted: Any, norms: Any,
+    clip: float | None,
+) -> dict[str, Any]:
+    """Round r's safeguard figures for metrics.jsonl: the rejected uploads (always), the update
+    norms when the server measured them, DP's clip norm and epsilon after the round."""
+    accepted = np.asarray(accepted, bool)
+    out: dict[str, Any] = {"clients_rejected": [int(c) for c in sampled[~accepted]]}
+    if not (config.aggregator == "mean" and config.max_update_norm is None and not config.dp):
+        out["update_norms"] = [float(n) for n in np.asarray(norms)]
+    if config.dp:
+        out["dp_clip"] = clip
+        out["epsilon"] = epsilon(config, r)
+    return out
