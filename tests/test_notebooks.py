@@ -68,7 +68,7 @@ def _overrides(name: str, base: Path) -> dict[str, str]:
 
 # each notebook's run directories (under FEDJAX_SPLIT_NB_OUT) with a summary.json: their rounds
 EXPECTED = {
-    "quickstart": {"fedsplit": 2, "fedavg": 2},
+    "quickstart": {"fedsplit": 2, "fedavg": 2, "dp": 2},
     "critical_layer_sweep": {"sweep_c0": 2, "sweep_c1": 2, "sweep_c2": 2},
     "ner": {"ner": 2},
     "fedbfpt": {"pretrain_fedbfpt": 1, "pretrain_bert-fl": 1, "finetune_none": 2,

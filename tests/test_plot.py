@@ -115,3 +115,13 @@ def test_majority_score_is_each_clients_majority_training_label_on_its_test_spli
                SimpleNamespace(train=[0], test=[])]  # no test split: not in the mean
     assert majority_score(get_task("sst2"), labels, clients, "accuracy") == (1 / 2 + 2 / 3) / 2
     assert majority_score(get_task("stsb"), labels.astype(float), clients, "pearson") is None
+
+
+def test_safeguard_labels_name_dp_and_the_robust_rule() -> None:
+    from fedjax_split.run.plots import safeguard_label
+
+    assert safeguard_label({"aggregator": "mean", "dp_noise_multiplier": None}) == ""
+    assert safeguard_label({"dp_noise_multiplier": 1.0, "aggregator": "mean"}) == " + DP z=1"
+    assert safeguard_label({"aggregator": "median", "max_update_norm": 0.5}) == (
+        " + median + norm <= 0.5"
+    )

@@ -257,6 +257,7 @@ class Simulation:
         plot = self.plot(history)
         return {
             **pieces.summary(self.setup.config, self.setup.model, history),
+            **safeguards.summary(self.setup.config, list(history)),
             "majority_label": self.majority,  # the primary metric of the label priors, no model
             "plot": None if plot is None else str(plot),
             "round_devices": len(rounds.round_devices(self.setup.model.round_spec)),

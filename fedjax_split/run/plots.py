@@ -40,6 +40,19 @@ def method_label(
     return f"FedSplitBERT c={critical_layer}{how}{wire}"
 
 
+def safeguard_label(settings: Mapping[str, Any]) -> str:
+    """The legend's suffix for DP and robust aggregation (a config as a dict): " + DP z=1",
+    " + median", " + norm <= 0.5"; "" for the plain mean."""
+    parts = []
+    if settings.get("dp_noise_multiplier") is not None:
+        parts.append(f"DP z={settings['dp_noise_multiplier']:g}")
+    if settings.get("aggregator", "mean") != "mean":
+        parts.append(str(settings["aggregator"]))
+    if settings.get("max_update_norm") is not None:
+        parts.append(f"norm <= {settings['max_update_norm']:g}")
+    return "".join(f" + {p}" for p in parts)
+
+
 def value(record: Mapping[str, Any], metric: str) -> Any:
     """A record's metric; a dotted name reaches into a nested one (`pooled.accuracy`: the global
     model on the pooled test set, `trained_mean.accuracy`)."""
@@ -146,7 +159,7 @@ def write_fine_tuning_plot(
 ) -> Path | None:
     """A fine-tuning run's plot.png (simulated or on Flower), named by its method and setting."""
     label = method_label(config.algorithm, model.critical_layer, model.config.num_hidden_layers,
-                         config.quantize)  # fmt: skip
+                         config.quantize) + safeguard_label(config.to_dict())  # fmt: skip
     title = f"{config.task}: {config.clients} clients, {Path(str(config.model)).name}"
     return write_run_plot(Path(run_dir) / PLOT_FILE, records, model.task.primary_metric, label,
                           title, baseline)  # fmt: skip

@@ -141,3 +141,28 @@ def record(
         out["dp_clip"] = clip
         out["epsilon"] = epsilon(config, r)
     return out
+
+
+def summary(config: ExperimentConfig, history: list[dict[str, Any]]) -> dict[str, Any]:
+    """summary.json's safeguard fields: the uploads rejected, and with DP the mechanism as the
+    accountant was told it and the epsilon spent."""
+    out: dict[str, Any] = {
+        "clients_rejected": sum(len(h.get("clients_rejected", ())) for h in history),
+        "aggregator": config.aggregator,
+    }
+    if config.dp:
+        mech = mechanism(config)
+        from fedjax_split.fed import accounting
+
+        event = {"noise_multiplier": 0.0} if mech is None else accounting.as_dict(
+            mech, config.dp_delta)  # fmt: skip
+        out["privacy"] = {
+            **event,
+            "clip": config.dp_clip,
+            "adaptive_clip_quantile": config.dp_clip_quantile,
+            "weighting": "uniform over the expected clients a round",
+            "epsilon": history[-1].get("epsilon") if history else 0.0,
+            "max_epsilon": config.dp_max_epsilon,
+            "rounds": len(history),
+        }
+    return out
