@@ -112,7 +112,7 @@ def _jax_cache_env() -> dict[str, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     from fedjax_split.deploy.launch import Federation, write_app
     from fedjax_split.deploy.protocol import PARTITION_ID, STATE_DIR
-    from fedjax_split.run import driver, outputs, pieces
+    from fedjax_split.run import driver, outputs, pieces, safeguards
     from fedjax_split.run.config import trajectory_mismatch
 
     try:
@@ -132,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if deploy.get(name) is not None and not deploy[name] > 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {deploy[name]}")
         pieces.check(config)
+        safeguards.check_deployable(config)
         driver.check_run_dir(config.run_dir, config.resume,  # before anything is written
                              lambda saved: trajectory_mismatch(saved, config))
     except UserError as err:

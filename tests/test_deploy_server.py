@@ -1,7 +1,8 @@
 """deploy.server (the Flower server; tests/test_server.py is fed/server.py's): what it takes from
-the nodes' replies. A reply whose upload is malformed or holds a NaN or an infinity is left out
-of the round and recorded as a failed client; the others are taken, example-weighted, in client
-order. The whole server over real Flower processes is tests/test_flower.py's."""
+the nodes' replies. A reply whose upload is malformed (paths, shapes, dtypes), holds a NaN or an
+infinity, or whose figures are not finite or not the node's own example count, is left out of the
+round and recorded as rejected; the others are taken, example-weighted, in client order. The
+whole server over real Flower processes is tests/test_flower.py's."""
 
 from __future__ import annotations
 
@@ -12,23 +13,36 @@ import numpy as np
 import pytest
 from flwr.app import MetricRecord, RecordDict
 
+from fedjax_split.data.partition import ClientSplit
 from fedjax_split.deploy import codec, protocol, server
+from fedjax_split.fed import privacy
+from fedjax_split.fed.aggregation import Aggregator
 from fedjax_split.fed.server import init_server_state
 from fedjax_split.fed.server_optimizers import fedavg
 
 GLOBAL = {"layer": {"kernel": jnp.ones((2, 3), jnp.float32), "bias": jnp.zeros(3, jnp.float32)}}
 
 
-def _run(wire: str) -> SimpleNamespace:
-    spec = SimpleNamespace(wire_dtype=wire, trained=None, server_optimizer=fedavg())
+# each client's training examples as its node reported them when it joined (the partition)
+SIZES = {0: 10, 1: 10, 2: 10, 3: 10, 4: 30, 5: 10, 6: 10, 7: 10, 8: 10, 9: 10}
+
+
+def _run(wire: str, dp: bool = False) -> SimpleNamespace:
+    dp_spec = privacy.DPSpec(clip=1.0, noise_multiplier=1.0, denominator=3.0) if dp else None
+    spec = SimpleNamespace(wire_dtype=wire, trained=None, server_optimizer=fedavg(),
+                           aggregator=Aggregator(dp=dp_spec))  # fmt: skip
     state = init_server_state(GLOBAL, spec.server_optimizer, wire)
-    return SimpleNamespace(model=SimpleNamespace(round_spec=spec), server_state=state)
+    clients = {c: ClientSplit(np.arange(n), np.arange(0)) for c, n in SIZES.items()}
+    return SimpleNamespace(model=SimpleNamespace(round_spec=spec), server_state=state,
+                           partition=SimpleNamespace(clients=clients))  # fmt: skip
 
 
-def _reply(upload: dict, wire: str, examples: float, loss_sum: float) -> SimpleNamespace:
-    """A TRAIN reply's content as a node's ClientApp writes it."""
+def _reply(
+    upload: dict, wire: str, examples: float, loss_sum: float, **extra: float
+) -> SimpleNamespace:
+    """A TRAIN reply's content as a node's ClientApp writes it (`extra`: more metrics)."""
     metrics = {protocol.NUM_TRAIN: examples, protocol.LOSS_SUM: loss_sum,
-               protocol.LOSS_UNITS: examples}  # fmt: skip
+               protocol.LOSS_UNITS: examples, **extra}  # fmt: skip
     content = RecordDict({
         protocol.UPLOAD: codec.to_record(codec.encode(upload, wire)),
         protocol.METRICS: MetricRecord(metrics),
@@ -37,7 +51,7 @@ def _reply(upload: dict, wire: str, examples: float, loss_sum: float) -> SimpleN
 
 
 @pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
-def test_bad_uploads_are_failed_clients_and_the_rest_is_taken_in_order(wire: str) -> None:
+def test_bad_uploads_are_rejected_and_the_rest_is_taken_in_order(wire: str) -> None:
     good = {"layer": {"kernel": jnp.full((2, 3), 2.0), "bias": jnp.full(3, 0.5)}}
     nan = {"layer": {"kernel": jnp.full((2, 3), jnp.nan), "bias": jnp.zeros(3)}}
     inf = {"layer": {"kernel": jnp.ones((2, 3)), "bias": jnp.full(3, jnp.inf)}}
@@ -49,14 +63,44 @@ def test_bad_uploads_are_failed_clients_and_the_rest_is_taken_in_order(wire: str
         1: _reply(nan, wire, 10.0, 1.0),
         2: _reply(inf, wire, 10.0, 1.0),
         3: _reply(wrong_shape, wire, 10.0, 1.0),
+        5: _reply(good, wire, 1e9, 1.0),  # claims far more examples than its node holds
+        6: _reply(good, wire, 10.0, float("nan")),
+        8: _reply(good, wire, -10.0, 1.0),
     }
-    failed: dict[int, str] = {7: "no reply within 5 s"}
-    uploads, weights, losses, nbytes = server._take_uploads(_run(wire), replies, failed)
-    assert sorted(failed) == [1, 2, 3, 7]
-    assert "non-finite" in failed[1] and "non-finite" in failed[2] and "shape" in failed[3]
-    assert weights == [10.0, 30.0]  # clients 0 and 4, in client order
-    assert losses == [0.5, float(np.float32(3.0) / np.float32(30.0))]  # fp32, as simulated
-    np.testing.assert_array_equal(np.asarray(uploads[0]["layer"]["kernel"]), np.full((2, 3), 2.0))
-    assert uploads[1]["layer"]["kernel"].dtype == jnp.float32  # decoded to fp32 for the mean
+    # a float32 array where the wire carries 16-bit bits (or bits where it carries float32)
+    wrong_dtype = {"layer/kernel": np.full((2, 3), 2, np.float32 if wire != "float32" else
+                                           np.uint16), "layer/bias": np.zeros(3, np.float32)}
+    replies[9] = SimpleNamespace(content=RecordDict({
+        protocol.UPLOAD: codec.to_record(wrong_dtype),
+        protocol.METRICS: MetricRecord({protocol.NUM_TRAIN: 10.0, protocol.LOSS_SUM: 1.0,
+                                        protocol.LOSS_UNITS: 10.0}),
+    }))  # fmt: skip
+    rejected: dict[int, str] = {}
+    taken = server._take_uploads(_run(wire), replies, rejected)
+    assert sorted(rejected) == [1, 2, 3, 5, 6, 8, 9]
+    assert "non-finite" in rejected[1] and "non-finite" in rejected[2] and "shape" in rejected[3]
+    assert "example count" in rejected[5] and "loss sum" in rejected[6]
+    assert "example count" in rejected[8] and "arrived as" in rejected[9]
+    assert taken.clients == [0, 4] and taken.weights == [10.0, 30.0]  # in client order
+    assert taken.losses == [0.5, float(np.float32(3.0) / np.float32(30.0))]  # fp32, as simulated
+    np.testing.assert_array_equal(np.asarray(taken.uploads[0]["layer"]["kernel"]),
+                                  np.full((2, 3), 2.0))  # fmt: skip
+    assert taken.uploads[1]["layer"]["kernel"].dtype == jnp.float32  # decoded to fp32 for the mean
+    assert taken.norms is None  # no DP: the server measures what it needs itself
     per_client = (6 + 3) * (4 if wire == "float32" else 2)
-    assert nbytes == 2 * per_client  # the two taken uploads' bytes as sent
+    assert taken.bytes_up == 2 * per_client  # the two taken uploads' bytes as sent
+
+
+def test_with_dp_a_reply_must_report_a_finite_update_norm() -> None:
+    good = {"layer": {"kernel": jnp.full((2, 3), 2.0), "bias": jnp.full(3, 0.5)}}
+    norm = protocol.UPDATE_NORM
+    replies = {
+        0: _reply(good, "float32", 10.0, 1.0, **{norm: 3.5}),
+        1: _reply(good, "float32", 10.0, 1.0),  # no norm
+        2: _reply(good, "float32", 10.0, 1.0, **{norm: float("inf")}),
+        4: _reply(good, "float32", 30.0, 1.0, **{norm: 0.25}),
+    }
+    rejected: dict[int, str] = {}
+    taken = server._take_uploads(_run("float32", dp=True), replies, rejected)
+    assert sorted(rejected) == [1, 2] and "update norm" in rejected[1]
+    assert taken.clients == [0, 4] and taken.norms == [3.5, 0.25]

@@ -254,6 +254,41 @@ def test_fedadam_run_equals_simulation_and_a_killed_node_is_left_out(env: dict) 
     assert last["bytes_down"] == got[1]["bytes_down"]  # three were sent
 
 
+def test_dp_run_equals_simulation_clipping_at_the_nodes_noise_at_the_server(env: dict) -> None:
+    """Client-level DP on Flower (Poisson sampling at 2/3, adaptive clipping, noise z = 0.1):
+    every round equals the simulation's, epsilon and the clip norm included. The server sends
+    each round's clip norm down, each node clips its own update and reports the update's norm
+    before clipping; the noise is the server's."""
+    flags = {"critical_layer": 1, "rounds": 2, "eval_every": 2, "clients_per_round": 2,
+             "dp_noise_multiplier": 0.1, "dp_clip": 0.05, "dp_clip_quantile": 0.5,
+             "dp_delta": 1e-3}  # fmt: skip
+    out = env["base"] / "dp"
+    record_dir = env["base"] / "dp_sent"
+    res = _run(env, "fedjax_split.flower", _args(env, out, **flags),
+               **{protocol.RECORD_ENV: str(record_dir)})  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    _no_processes_left(str(out))
+    sim = _simulate(env, "dp_sim", **flags)
+    got, want = _metrics(out), _metrics(sim)
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
+    assert all(r["clients_rejected"] == [] for r in got)
+    epsilons = [r["epsilon"] for r in got]
+    assert 0 < epsilons[0] < epsilons[1]
+    assert got[0]["dp_clip"] == float(np.float32(0.05))  # the server state holds it in fp32
+    assert got[1]["dp_clip"] != got[0]["dp_clip"]  # adaptive: a new clip norm each round
+    summary = json.loads((out / "summary.json").read_text())
+    sim_summary = json.loads((sim / "summary.json").read_text())
+    assert summary["privacy"] == sim_summary["privacy"]
+    assert summary["privacy"]["epsilon"] == pytest.approx(epsilons[-1], abs=1e-4)  # rounded
+    sent = [json.loads(x) for f in record_dir.glob("*.jsonl") for x in f.read_text().splitlines()]
+    trains = [e for e in sent if e["type"] == "train"]
+    server_cfg = {k for e in trains if e["sender"] == "server" for k in e["configs"]["config"]}
+    assert protocol.DP_CLIP in server_cfg
+    replies = [e for e in trains if e["sender"] == "client"]
+    assert replies and all(protocol.UPDATE_NORM in e["metrics"]["metrics"] for e in replies)
+    assert all(len(r["clients_sampled"]) == len(r["train_loss_clients"]) for r in got)
+
+
 def _kill_supernode(state_dir: str) -> None:
     """SIGKILL the SuperNode whose node config names `state_dir`, and all it started."""
     import psutil
@@ -272,6 +307,7 @@ BAD = [
     (["--supernodes", "2"], "--supernodes 2 but --clients 3"),
     (["--round-timeout", "0"], "--round-timeout must be positive"),
     (["--critical-layer", "5"], "outside 0..2"),
+    (["--attack", "scale"], "--attack simulates attacking clients in the simulation only"),
 ]
 
 

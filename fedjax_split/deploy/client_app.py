@@ -111,22 +111,25 @@ def train(msg: Message, context: Context) -> Message:
         )
     store = _store(context, run_id, node)
     local = local_part(node, store, r - 1)
-    upload, new_local, metrics = node_mod.train(node, global_wire, r, state_round, local)
+    clip = float(cfg[protocol.DP_CLIP]) if protocol.DP_CLIP in cfg else None
+    upload, new_local, metrics, norm = node_mod.train(node, global_wire, r, state_round, local,
+                                                      clip)  # fmt: skip
     store.save_one(r, node.client_id, new_local)
     store.prune(int(cfg[protocol.KEEP_FROM]))
     wire = str(cfg[protocol.WIRE])
     sent = codec.encode(select(upload, trained)[0], wire)
+    reported = {
+        protocol.LOSS_SUM: float(metrics.loss_sum),
+        protocol.LOSS_UNITS: float(metrics.num_examples),
+        protocol.STEPS: int(metrics.num_steps),
+        protocol.NUM_TRAIN: len(node.split.train),
+    }
+    if norm is not None:  # DP: the update's norm before clipping (adaptive clipping's count)
+        reported[protocol.UPDATE_NORM] = norm
     content = RecordDict(
         {
             protocol.CONFIG: ConfigRecord({protocol.CLIENT: node.client_id, protocol.WIRE: wire}),
-            protocol.METRICS: MetricRecord(
-                {
-                    protocol.LOSS_SUM: float(metrics.loss_sum),
-                    protocol.LOSS_UNITS: float(metrics.num_examples),
-                    protocol.STEPS: int(metrics.num_steps),
-                    protocol.NUM_TRAIN: len(node.split.train),
-                }
-            ),
+            protocol.METRICS: MetricRecord(reported),
         }
     )
     if sent:

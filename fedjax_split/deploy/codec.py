@@ -72,10 +72,25 @@ def nbytes(arrays: Mapping[str, np.ndarray]) -> int:
     return int(sum(np.asarray(a).nbytes for a in arrays.values()))
 
 
+def sent_dtypes(tree: Any) -> dict[str, np.dtype]:
+    """{path: the dtype `encode` sends} for a tree already in the wire dtype (16-bit floating
+    leaves travel as uint16 bits, every other leaf as it is)."""
+    out = {}
+    for path, leaf in flatten_paths(tree).items():
+        dtype = np.dtype(leaf.dtype)
+        bits = _carrier(dtype)
+        out[path] = np.dtype(bits) if bits is not None else dtype
+    return out
+
+
 def check_like(
-    arrays: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]], what: str
+    arrays: Mapping[str, np.ndarray],
+    expected: Mapping[str, tuple[int, ...]],
+    what: str,
+    dtypes: Mapping[str, np.dtype] | None = None,
 ) -> None:
-    """ValueError unless `arrays` has exactly the paths and shapes of `expected` ({path: shape})."""
+    """ValueError unless `arrays` has exactly the paths and shapes of `expected` ({path: shape})
+    and, when `dtypes` is given, exactly those dtypes ({path: dtype as sent})."""
     if set(arrays) != set(expected):
         extra = sorted(set(arrays) - set(expected))[:3]
         missing = sorted(set(expected) - set(arrays))[:3]
@@ -84,6 +99,10 @@ def check_like(
         if tuple(np.shape(arr)) != tuple(expected[path]):
             raise ValueError(
                 f"{what}: {path!r} has shape {np.shape(arr)}, expected {tuple(expected[path])}"
+            )
+        if dtypes is not None and np.asarray(arr).dtype != dtypes[path]:
+            raise ValueError(
+                f"{what}: {path!r} arrived as {np.asarray(arr).dtype}, expected {dtypes[path]}"
             )
 
 

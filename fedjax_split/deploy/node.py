@@ -139,21 +139,40 @@ def _plain(value: Any) -> Any:
 
 
 def train(
-    node: NodeSetup, global_wire: Any, round_index: int, state_round: int, local: Any
-) -> tuple[Any, Any, Any]:
+    node: NodeSetup,
+    global_wire: Any,
+    round_index: int,
+    state_round: int,
+    local: Any,
+    clip: float | None = None,
+) -> tuple[Any, Any, Any, float | None]:
     """Round `round_index` for this client: (upload in fp32 as the server receives it, new local
-    part, ClientMetrics). `global_wire`: the received global part in the wire dtype;
-    `state_round`: the rounds the server's state had completed (the key folds it in)."""
-    import jax
+    part, ClientMetrics, the update's norm before clipping or None). `global_wire`: the received
+    global part in the wire dtype; `state_round`: the rounds the server's state had completed
+    (the key folds it in); `clip`: client-level DP's clip norm for this round (the server's
+    state holds it), None without DP. With it the client clips its own update, as the
+    simulation's clients do (`ClientProgram.clip_one`), before anything leaves the node."""
+    import math
 
-    from fedjax_split.fed.client_program import client_key, client_round
+    import jax
+    import jax.numpy as jnp
+
+    from fedjax_split.fed.client_program import client_functions, client_key, client_round
     from fedjax_split.run import pieces
 
+    if clip is not None and not (math.isfinite(clip) and clip > 0):
+        raise ValueError(f"the server asked for a DP clip norm of {clip}; refusing to train")
     steps = pieces.client_steps(
         node.config, node.task, node.pool, node.split.train, node.client_id, round_index
     )
     key = client_key(jax.random.key(node.config.seed), state_round, node.client_id)
-    return client_round(node.round_spec, global_wire, local, steps, key, node.frozen)
+    upload, new_local, metrics = client_round(node.round_spec, global_wire, local, steps, key,
+                                              node.frozen)  # fmt: skip
+    if clip is None:
+        return upload, new_local, metrics, None
+    clip_one = client_functions(node.round_spec).clip_one
+    upload, norm = clip_one(upload, global_wire, jnp.asarray(clip, jnp.float32))
+    return upload, new_local, metrics, float(norm)
 
 
 def evaluate(node: NodeSetup, global_wire: Any, local: Any) -> dict[str, Any]:

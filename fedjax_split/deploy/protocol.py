@@ -3,9 +3,10 @@ keys, and a recorder of everything sent (so tests can inspect what crossed the w
 
 Three kinds of message, each answered by one reply:
 - query: "who are you?" -> the node's client id and its split (pool indices, sizes, tag names);
-- train: the global part in the wire dtype (+ round, wire dtype, run id) -> the client's upload of
-  its trained global part in the wire dtype and its training metrics. Its local part stays on the
-  node's disk;
+- train: the global part in the wire dtype (+ round, wire dtype, run id, and with client-level
+  DP the round's clip norm) -> the client's upload of its trained global part in the wire dtype
+  (its update clipped, with DP) and its training metrics (with DP, its update's norm before
+  clipping). Its local part stays on the node's disk;
 - evaluate: the new global part -> the client's metrics on its own test split.
 """
 
@@ -32,6 +33,7 @@ CLIENT = "client-id"
 RUN = "run-id"  # our run's id (survives a server restart), not Flower's run id
 KEEP_FROM = "keep-from"  # the server's latest checkpoint round: older local parts may go
 TRAINED = "trained"  # the trained global paths, when a schedule chooses (absent: all)
+DP_CLIP = "dp-clip"  # client-level DP: the round's clip norm, the client clips its update to it
 SPLIT_TRAIN, SPLIT_TEST = "train", "test"  # a node's pool indices (query reply)
 SHARES = "shares"  # a node's realised label shares, JSON (query reply; null: none to report)
 POOL_SIZE = "pool-size"
@@ -41,6 +43,7 @@ EVAL_JSON = "metrics-json"  # evaluate reply: the client's metrics as JSON (NaN 
 
 # MetricRecord keys of a train reply
 LOSS_SUM, LOSS_UNITS, STEPS, NUM_TRAIN = "loss-sum", "loss-units", "steps", "num-train"
+UPDATE_NORM = "update-norm"  # DP: the update's L2 norm before the client clipped it
 
 # Node config keys (flower-supernode --node-config)
 PARTITION_ID = "partition-id"

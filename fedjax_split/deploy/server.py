@@ -1,18 +1,25 @@
 """The server of a real federation: rounds over a Flower Grid, written to a run directory as
 `train` writes it.
 
-Each round: sample clients as the simulation does, send each sampled client's SuperNode the global
-part in the wire dtype (as bits, `codec`), wait for the replies up to `round_timeout`, decode the
-uploads to fp32 and step the server with the simulation's own seam, `weighted_mean_each` (example
-weighted, fp32, in client order) then `server_update` (Delta against the copy sent, any optax
-server optimiser on the fp32 master); Flower's own strategies and FedAvg are not used. Then, when
-due, every client evaluates the new global part with its own local part on its own test split.
+Each round: sample clients as the simulation does (`run.safeguards.sample`: Poisson with
+client-level DP), send each sampled client's SuperNode the global part in the wire dtype (as bits,
+`codec`; with DP, the round's clip norm, to which the client clips its update), wait for the
+replies up to `round_timeout`, validate and decode the uploads to fp32 and step the server with the
+simulation's own seam, `sim.rounds.aggregate_uploads` (`fed.aggregation`: the example-weighted
+mean in fp32 and client order, a robust rule, or DP's clipped sum plus Gaussian noise from the
+server's key) then `server_update` (Delta against the copy sent, any optax server optimiser on the
+fp32 master); Flower's own strategies and FedAvg are not used. The aggregator's state (DP's clip
+norm) is part of the checkpointed server state; epsilon is a function of the rounds done. Then,
+when due, every client evaluates the new global part with its own local part on its own test split.
 
 Faults: a client that does not answer within `round_timeout` (its SuperNode died, or Flower
 reported an error for it) is left out of the round: the mean is over the replies received,
 weighted by their example counts, and the round's record lists it in `clients_failed` (in
-`eval_failed` when it failed to evaluate). A round in which no sampled client replies stops the
-run with a one-line error; its last checkpoint stays and `--resume` continues from it.
+`eval_failed` when it failed to evaluate). A reply whose upload is malformed (paths, shapes,
+dtypes), not finite, or whose figures are not (its example count must be the one its node
+reported when it joined) is left out too and listed in `clients_rejected`; the round goes on
+without it. A round in which no sampled client replies stops the run with a one-line error; its
+last checkpoint stays and `--resume` continues from it.
 
 The server holds no client data and no local part: a node's query reply tells its client id, its
 share of the pool (indices, for partition.json) and sizes; checkpoints hold the server state and
@@ -27,7 +34,7 @@ import secrets
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -197,24 +204,26 @@ class ServerRun:
     step: Callable[..., Any]  # jitted: (state, uploads, weights) -> state
     server_state: Any
     shares: list[Any] | None = None  # each client's realised label shares, as its node reported
+    rounds: int = 0  # the rounds to run: --rounds, or fewer where DP's --dp-max-epsilon stops it
 
 
 def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> ServerRun:
     """Model, roles and server state, as `run.pieces` makes them for every node, without data."""
     import jax
 
-    from fedjax_split.fed.aggregation import weighted_mean_each
-    from fedjax_split.fed.server import init_server_state, server_update
-    from fedjax_split.run import pieces
+    from fedjax_split.fed.aggregation import init_state
+    from fedjax_split.fed.server import init_server_state
+    from fedjax_split.run import pieces, safeguards
+    from fedjax_split.sim import rounds
     from fedjax_split.tasks import registry as tasks
 
     model = pieces.build_model(config, tasks.get_task(config.task), _tag_names(found))
     spec = model.round_spec
 
-    def step(state: Any, uploads: tuple, weights: Any) -> Any:
+    def step(state: Any, uploads: tuple, weights: Any, rng: Any, norms: Any) -> Any:
         # the simulation's one-at-a-time combine, minus the local parts the server never sees
-        mean = weighted_mean_each(list(uploads), weights)
-        return server_update(state, mean, spec.server_optimizer, spec.wire_dtype, spec.trained)
+        agg = rounds.aggregate_uploads(spec, state, list(uploads), weights, rng, norms)
+        return rounds.server_step(spec, state, agg), (agg.valid, agg.norms)
 
     nodes = {cid: node_id for cid, (node_id, _) in found.items()}
     shares = [json.loads(str(found[i][1][protocol.SHARES])) for i in range(config.clients)]
@@ -225,27 +234,37 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
         nodes=nodes,
         run_id=secrets.token_hex(16),
         step=jax.jit(step),
-        server_state=init_server_state(model.global0, spec.server_optimizer, spec.wire_dtype),
+        server_state=init_server_state(model.global0, spec.server_optimizer, spec.wire_dtype,
+                                       init_state(spec.aggregator)),  # fmt: skip
         shares=None if any(x is None for x in shares) else shares,
+        rounds=safeguards.rounds_allowed(config),
     )
 
 
-def _decode_upload(reply: Any, expected: Mapping[str, Any], wire: str) -> Any:
+def _decode_upload(
+    reply: Any, expected: Mapping[str, Any], wire: str, dtypes: Mapping[str, np.dtype]
+) -> Any:
     from fedjax_split.fed.wire import cast_from_wire
 
     if protocol.UPLOAD not in reply.content.array_records:
         arrays: dict[str, np.ndarray] = {}
     else:
         arrays = codec.from_record(reply.content[protocol.UPLOAD])
-    codec.check_like(arrays, expected, "upload")
+    codec.check_like(arrays, expected, "upload", dtypes)
     return cast_from_wire(codec.decode(arrays, wire)), codec.nbytes(arrays)
 
 
 def _train_messages(
-    run: ServerRun, r: int, sampled: Any, sent: Mapping[str, np.ndarray], checkpoint_round: int
+    run: ServerRun,
+    r: int,
+    sampled: Any,
+    sent: Mapping[str, np.ndarray],
+    checkpoint_round: int,
+    clip: float | None = None,
 ) -> dict[int, Any]:
     """Round r's TRAIN message for each sampled client: the global part as sent, the round's
-    config (the server state's round for the keys, the rounds whose local parts to keep)."""
+    config (the server state's round for the keys, the rounds whose local parts to keep, and
+    with client-level DP the clip norm the client clips its update to)."""
     spec, state = run.model.round_spec, run.server_state
     cfg = {
         protocol.ROUND: r,
@@ -256,6 +275,8 @@ def _train_messages(
     }
     if spec.trained is not None:
         cfg[protocol.TRAINED] = sorted(spec.trained)
+    if clip is not None:
+        cfg[protocol.DP_CLIP] = clip
     msgs = {}
     for cid in sampled.tolist():
         content = {protocol.CONFIG: _config_record({**cfg, protocol.CLIENT: cid})}
@@ -265,32 +286,72 @@ def _train_messages(
     return msgs
 
 
+class Taken(NamedTuple):
+    """The uploads the server takes into a round, in client order."""
+
+    clients: list[int]
+    uploads: list[Any]  # fp32 trees
+    weights: list[float]  # example counts
+    losses: list[float]
+    norms: list[float] | None  # DP: the update norms the clients report (before clipping)
+    bytes_up: int  # the taken uploads' bytes as sent
+
+
+def _number(metrics: Any, key: str, what: str, integral: bool = False) -> float:
+    """A reply's metric, checked: present, finite, >= 0 (and a whole number where it counts)."""
+    if key not in metrics:
+        raise ValueError(f"no {what} ({key!r})")
+    value = float(metrics[key])
+    if not (np.isfinite(value) and value >= 0) or (integral and value != int(value)):
+        raise ValueError(f"{what} {value!r} is not a finite count >= 0")
+    return value
+
+
 def _take_uploads(
-    run: ServerRun, replies: Mapping[int, Any], failed: dict[int, str]
-) -> tuple[list[Any], list[float], list[float], int]:
-    """(uploads in fp32, example counts, losses, bytes) of the replies that decode to the trained
-    global part's shapes, in client order; a reply that does not is added to `failed`."""
+    run: ServerRun, replies: Mapping[int, Any], rejected: dict[int, str]
+) -> Taken:
+    """The replies whose upload decodes to the trained global part's paths, shapes and wire
+    dtype with finite values, and whose figures are finite (the example count the node reported
+    when it joined; with DP, an update norm), in client order; each other reply is added to
+    `rejected` with why (a trust boundary: one NaN would spread through every client's model,
+    one inflated example count would outweigh every other client)."""
     from fedjax_split.fed.roles import flatten_paths, select
 
     spec, params = run.model.round_spec, run.server_state.global_params
-    expected = {p: np.shape(x) for p, x in flatten_paths(select(params, spec.trained)[0]).items()}
-    uploads, weights, losses, bytes_up = [], [], [], 0
+    trained = select(params, spec.trained)[0]
+    expected = {p: np.shape(x) for p, x in flatten_paths(trained).items()}
+    dtypes = codec.sent_dtypes(trained)
+    dp = spec.aggregator.dp is not None
+    taken = Taken([], [], [], [], [] if dp else None, 0)
     for cid in sorted(replies):
         reply = replies[cid]
         try:
-            upload, nbytes = _decode_upload(reply, expected, spec.wire_dtype)
+            upload, nbytes = _decode_upload(reply, expected, spec.wire_dtype, dtypes)
+            if protocol.METRICS not in reply.content.metric_records:
+                raise ValueError("no training metrics")
+            m = reply.content[protocol.METRICS]
+            examples = _number(m, protocol.NUM_TRAIN, "example count", integral=True)
+            if examples != len(run.partition.clients[cid].train):
+                raise ValueError(
+                    f"example count {examples:g}, but the node reported "
+                    f"{len(run.partition.clients[cid].train)} training examples when it joined"
+                )
+            loss_sum = _number(m, protocol.LOSS_SUM, "loss sum")
+            units = _number(m, protocol.LOSS_UNITS, "loss count")
+            norm = _number(m, protocol.UPDATE_NORM, "update norm") if dp else None
         except ValueError as err:
-            failed[cid] = f"bad reply: {err}"
+            rejected[cid] = f"bad upload: {err}"
             continue
-        m = reply.content[protocol.METRICS]
-        uploads.append(upload)
-        weights.append(float(m[protocol.NUM_TRAIN]))
+        taken.clients.append(cid)
+        taken.uploads.append(upload)
+        taken.weights.append(examples)
+        if norm is not None:
+            taken.norms.append(norm)
         # the simulation's loss_sum / max(num_examples, 1), in fp32
-        loss = np.float32(m[protocol.LOSS_SUM]) / np.maximum(np.float32(m[protocol.LOSS_UNITS]),
-                                                              np.float32(1.0))  # fmt: skip
-        losses.append(float(loss))
-        bytes_up += nbytes
-    return uploads, weights, losses, bytes_up
+        loss = np.float32(loss_sum) / np.maximum(np.float32(units), np.float32(1.0))
+        taken.losses.append(float(loss))
+        taken = taken._replace(bytes_up=taken.bytes_up + nbytes)
+    return taken
 
 
 def run_round(
@@ -300,37 +361,60 @@ def run_round(
     """Round r over the federation; the round's record (metrics.jsonl's row)."""
     import jax
 
-    from fedjax_split.run import driver, pieces
+    from fedjax_split.run import driver, pieces, safeguards
     from fedjax_split.sim import rounds
 
     config = run.config
     t0 = time.perf_counter()
-    sampled = rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
-    sent = codec.encode(run.server_state.global_params, run.model.round_spec.wire_dtype)
-    msgs = _train_messages(run, r, sampled, sent, checkpoint_round)
-    replies, failed = exchange.send(msgs, options.round_timeout)
-    uploads, weights, losses, bytes_up = _take_uploads(run, replies, failed)
+    sampled = safeguards.sample(config, r)  # with DP and M < K: Poisson, possibly nobody
+    state = run.server_state
+    sent = codec.encode(state.global_params, run.model.round_spec.wire_dtype)
+    clip = float(state.aggregator["clip"]) if config.dp else None  # this round's clip norm
+    msgs = _train_messages(run, r, sampled, sent, checkpoint_round, clip)
+    replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
+    rejected: dict[int, str] = {}
+    taken = _take_uploads(run, replies, rejected)
     for cid, why in sorted(failed.items()):
         _warn(f"round {r}: client {cid} failed ({why})")
-    if not uploads:
+    for cid, why in sorted(rejected.items()):
+        _warn(f"round {r}: client {cid}'s upload rejected ({why})")
+    if len(sampled) and not replies:
         raise UserError(
             f"round {r}: no sampled client replied ({'; '.join(sorted(set(failed.values())))}); "
             "check the SuperNodes, then continue with --resume"
         )
-    weights_np = np.asarray(weights, np.float32)
-    run.server_state = run.step(run.server_state, tuple(uploads), weights_np)
+    rng = jax.random.key(config.seed)
+    weights_np = np.asarray(taken.weights, np.float32)
+    if taken.uploads:
+        norms = None if taken.norms is None else np.asarray(taken.norms, np.float32)
+        run.server_state, (valid, agg_norms) = run.step(state, tuple(taken.uploads), weights_np,
+                                                        rng, norms)  # fmt: skip
+    else:  # nobody sampled, or every upload rejected: the server's step on nothing
+        run.server_state = rounds.server_only_step(run.model.round_spec)(state, rng)
+        valid, agg_norms = np.zeros([0], bool), np.zeros([0], np.float32)
     jax.block_until_ready(run.server_state)
     t_train = time.perf_counter()
-    record = pieces.train_record(r, sampled.tolist(), np.asarray(losses, np.float64), weights_np)
+    record = pieces.train_record(r, sampled.tolist(), np.asarray(taken.losses, np.float64),
+                                 weights_np)  # fmt: skip
+    # the safeguards' record over the clients that replied: rejected uploads, the norms, DP's
+    # clip norm and epsilon, as the simulation writes them
+    answered = sorted([*taken.clients, *rejected])
+    accepted = dict(zip(taken.clients, np.asarray(valid, bool).tolist(), strict=True))
+    norm_of = dict(zip(taken.clients, np.asarray(agg_norms, np.float32).tolist(), strict=True))
+    record.update(safeguards.record(
+        config, r, np.asarray(answered, np.int64),
+        np.asarray([accepted.get(c, False) for c in answered], bool),
+        np.asarray([norm_of.get(c, 0.0) for c in answered], np.float32), clip,
+    ))  # fmt: skip
     eval_failed: dict[int, str] = {}
     eval_bytes = 0
-    if driver.due(r, config.eval_every, config.rounds):
+    if driver.due(r, config.eval_every, run.rounds):
         trained = pieces.trained_clients(history, [c for c in sampled if int(c) not in failed])
         evaluated, eval_failed, eval_bytes = evaluate(run, exchange, r, options, failed, trained)
         record.update(evaluated)
     t_eval = time.perf_counter()
     bytes_down = codec.nbytes(sent) * len(sampled)
-    record.update(pieces.round_costs(history, bytes_up, bytes_down, t0, t_train, t_eval))
+    record.update(pieces.round_costs(history, taken.bytes_up, bytes_down, t0, t_train, t_eval))
     record.update(
         clients_failed=sorted(failed),
         eval_failed=sorted(eval_failed),
@@ -388,7 +472,7 @@ class FlowerServer:
         self.exchange = exchange
         self.options = options
         self.run_dir = run.config.run_dir
-        self.rounds = run.config.rounds
+        self.rounds = run.rounds
         self.metric = run.model.task.primary_metric
         self.saved_round = 0  # the last checkpoint's round: nodes keep the versions it needs
 
@@ -416,7 +500,7 @@ class FlowerServer:
 
     def start(self, start_round: int, note: Callable[[str], None]) -> None:
         from fedjax_split.data import partition as partition_mod
-        from fedjax_split.run import pieces
+        from fedjax_split.run import pieces, safeguards
 
         run, config, model = self.run, self.run.config, self.run.model
         self.saved_round = start_round
@@ -424,6 +508,8 @@ class FlowerServer:
         partition_mod.save_partition(run.partition, self.run_dir / "partition.json",
                                      realised=run.shares, label_names=names)  # fmt: skip
         note(pieces.method_line(config, model))
+        for line in safeguards.start_lines(config, self.rounds):
+            note(line)
         note(
             f"{config.task} on Flower: {config.clients} SuperNodes, "
             f"{model.num_global:,} global / {model.num_local:,} local parameters per client"
@@ -438,12 +524,13 @@ class FlowerServer:
 
     def summary(self, history: Sequence[dict[str, Any]], stats: Any) -> dict[str, Any]:
         from fedjax_split import runtime
-        from fedjax_split.run import pieces, plots
+        from fedjax_split.run import pieces, plots, safeguards
 
         # the labels are on the nodes: the plot has no majority-label line
         plot = plots.write_fine_tuning_plot(self.run_dir, history, self.run.config, self.run.model)
         return {
             **pieces.summary(self.run.config, self.run.model, history),
+            **safeguards.summary(self.run.config, list(history)),
             "plot": None if plot is None else str(plot),
             "allocator": runtime.allocator(),
             "checkpoint_seconds": stats.checkpoint_seconds,
@@ -464,10 +551,11 @@ def run_server(
     Writes the run directory as `train` does: config.json, partition.json, metrics.jsonl,
     summary.json, checkpoints/ (server state; the clients' local parts stay on their nodes).
     Raises Stopped after the checkpoint of `options.stop_after_round`."""
-    from fedjax_split.run import driver, pieces
+    from fedjax_split.run import driver, pieces, safeguards
     from fedjax_split.run.config import trajectory_mismatch
 
     pieces.check(config)
+    safeguards.check_deployable(config)
     driver.check_run_dir(config.run_dir, config.resume,
                          lambda saved: trajectory_mismatch(saved, config))  # fmt: skip
     run = build_server(config, connect(grid, config, options))

@@ -180,12 +180,8 @@ class Simulation:
         partition_mod.save_partition(setup.partition, self.run_dir / "partition.json", labels,
                                      label_names=names)  # fmt: skip
         note(pieces.method_line(config, model))
-        if safeguards.line(config):
-            note(safeguards.line(config))
-        if self.rounds < config.rounds:
-            note(f"--dp-max-epsilon {config.dp_max_epsilon:g} allows {self.rounds} of the "
-                 f"{config.rounds} rounds (epsilon {safeguards.epsilon(config, self.rounds):.3g} "
-                 "after them)")  # fmt: skip
+        for line in safeguards.start_lines(config, self.rounds):
+            note(line)
         note(
             f"{config.task}: {len(labels)} examples, {config.clients} clients, "
             f"{model.num_global:,} global / "

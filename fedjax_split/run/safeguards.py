@@ -127,6 +127,28 @@ def line(config: ExperimentConfig) -> str | None:
     return "; ".join(parts) if parts else None
 
 
+def start_lines(config: ExperimentConfig, rounds: int) -> list[str]:
+    """The run's first lines on its safeguards (`line`) and on the rounds DP's budget allows
+    (`rounds`: `rounds_allowed`'s), for the simulation and the Flower server alike."""
+    out = [] if line(config) is None else [str(line(config))]
+    if rounds < config.rounds:
+        out.append(f"--dp-max-epsilon {config.dp_max_epsilon:g} allows {rounds} of the "
+                   f"{config.rounds} rounds (epsilon {epsilon(config, rounds):.3g} after them)")
+    return out
+
+
+def check_deployable(config: ExperimentConfig) -> None:
+    """UserError for what only the simulation runs (a study's simulated attack)."""
+    from fedjax_split.errors import UserError
+
+    if config.attack != "none":
+        raise UserError(
+            "--attack simulates attacking clients in the simulation only; drop it for Flower "
+            "(a real attacker is a node: the server's --aggregator and --max-update-norm "
+            "apply there too)"
+        )
+
+
 def record(
     config: ExperimentConfig, r: int, sampled: np.ndarray, accepted: Any, norms: Any,
     clip: float | None,

@@ -229,8 +229,8 @@ def client_keys(round_index: jax.Array, rng: jax.Array, client_ids: jax.Array) -
     return client_rngs(round_rng(rng, round_index), client_ids)
 
 
-def _server_step(spec: RoundSpec, state: ServerState, agg: Aggregated) -> ServerState:
-    """The server's step on the clients' aggregate, the same for both strategies."""
+def server_step(spec: RoundSpec, state: ServerState, agg: Aggregated) -> ServerState:
+    """The server's step on the clients' aggregate: every strategy's, and the Flower server's."""
     return server_update(state._replace(aggregator=agg.state), agg.mean, spec.server_optimizer,
                          wire_dtype(spec.wire_dtype), spec.trained)  # fmt: skip
 
@@ -239,15 +239,32 @@ def _server_key(state: ServerState, rng: jax.Array) -> jax.Array:
     return server_key(round_rng(rng, state.round))
 
 
+def aggregate_uploads(
+    spec: RoundSpec,
+    state: ServerState,
+    uploads: list[Any],
+    num_examples: jax.Array,
+    rng: jax.Array,
+    norms: jax.Array | None = None,
+    factors: jax.Array | None = None,
+) -> Aggregated:
+    """The server's aggregation of K separate uploads (fp32 wire images, in client order), with
+    the round's server key from the run's key `rng`: the one-at-a-time round's and the Flower
+    server's (`deploy.server`), so that both compute the same aggregate. `norms`: the clients'
+    update norms before DP's clipping, as they report them."""
+    received = download(state.global_params, spec.trained)[0]
+    return aggregate_each(spec.aggregator, uploads, received, num_examples, state.aggregator,
+                          _server_key(state, rng), norms, factors)  # fmt: skip
+
+
 @functools.lru_cache(maxsize=32)
-def _nobody_functions(spec: RoundSpec) -> Callable[..., Any]:
-    """A round that sampled no client: the server's step on nothing (DP's noise still runs)."""
+def server_only_step(spec: RoundSpec) -> Callable[..., Any]:
+    """(server state, run key) -> server state: a round that sampled no client (client-level
+    DP's Poisson sampling may draw none), the server's step on nothing (DP's noise still runs).
+    The simulation's and the Flower server's."""
 
     def nobody(state: ServerState, rng: jax.Array) -> ServerState:
-        received = download(state.global_params, spec.trained)[0]
-        agg = aggregate_each(spec.aggregator, [], received, jnp.zeros([0]), state.aggregator,
-                             _server_key(state, rng))  # fmt: skip
-        return _server_step(spec, state, agg)
+        return server_step(spec, state, aggregate_uploads(spec, state, [], jnp.zeros([0]), rng))
 
     return jax.jit(nobody)
 
@@ -356,7 +373,7 @@ def stacked_functions(spec: RoundSpec) -> StackedFns:
         agg = aggregate(spec.aggregator, uploads, received, weights, state.aggregator,
                         _server_key(state, rng), norms, factors)  # fmt: skip
         unpad = lambda x: x[:num_sampled]  # noqa: E731
-        return (_server_step(spec, state, agg), jax.tree.map(unpad, new_locals),
+        return (server_step(spec, state, agg), jax.tree.map(unpad, new_locals),
                 jax.tree.map(unpad, metrics), (unpad(agg.valid), unpad(agg.norms)))  # fmt: skip
 
     return StackedFns(
@@ -393,11 +410,9 @@ def one_at_a_time_functions(spec: RoundSpec) -> OneAtATimeFns:
         # The plain mean makes no stacked copy of the clients' global parts: it sums them where
         # they lie.
         new_globals, new_locals, metrics = zip(*finished, strict=True)
-        received = download(state.global_params, spec.trained)[0]
-        agg = aggregate_each(spec.aggregator, list(new_globals), received, num_examples,
-                             state.aggregator, _server_key(state, rng), norms, factors)  # fmt: skip
+        agg = aggregate_uploads(spec, state, list(new_globals), num_examples, rng, norms, factors)
         stack = lambda trees: jax.tree.map(lambda *x: jnp.stack(x), *trees)  # noqa: E731
-        return (_server_step(spec, state, agg), stack(new_locals), stack(metrics),
+        return (server_step(spec, state, agg), stack(new_locals), stack(metrics),
                 (agg.valid, agg.norms))  # fmt: skip
 
     return OneAtATimeFns(
@@ -586,4 +601,4 @@ def _run_nobody(
     empty = jnp.zeros([0], jnp.float32)
     metrics = ClientMetrics(empty, empty, jnp.zeros([0], jnp.int32))
     result = RoundResult(empty, 0, 0, metrics, jnp.zeros([0], bool), empty)
-    return _nobody_functions(spec)(server_state, rng), local_params, result
+    return server_only_step(spec)(server_state, rng), local_params, result
