@@ -36,8 +36,9 @@ PY = sys.executable
 DP_BASE = [
     "--config=configs/offline_rotten_tomatoes.py", "--max-examples=3000", "--clients=100",
     "--clients-per-round=20", "--partition=dirichlet", "--alpha=1.0", "--rounds=4",
-    "--local-epochs=1", "--eval-every=4", "--dp-delta=1e-3", "--seed=0",
+    "--local-epochs=1", "--eval-every=4", "--dp-delta=1e-3",
 ]  # fmt: skip
+DP_SEEDS = (0, 1, 2)  # each seed: its own partition, sampling, initial head and noise
 DP_CLIP = ["--dp-clip=0.1", "--dp-clip-quantile=0.5"]
 METHODS = {"fedavg": ("FedAvg", "--critical-layer=L"),
            "fedsplit": ("FedSplitBERT c=3", "--critical-layer=3")}  # fmt: skip
@@ -47,8 +48,9 @@ NOISE = (None, 0.5, 1.0)  # None: no DP
 ATTACK_BASE = [
     "--config=configs/offline_rotten_tomatoes.py", "--max-examples=1000", "--clients=10",
     "--partition=dirichlet", "--alpha=1.0", "--rounds=3", "--local-epochs=1",
-    "--critical-layer=L", "--seed=0",
+    "--critical-layer=L",
 ]  # fmt: skip
+ATTACK_SEEDS = (0, 1)  # each seed: its own partition and attacker
 DEFENCES = {
     "mean": ("mean", []),
     "trimmed": ("trimmed mean (0.1 each end)",
@@ -61,34 +63,38 @@ ATTACKS = {"scale": "x100 update", "sign-flip": "sign-flipped update"}
 
 def dp_runs() -> list[tuple[str, list[str]]]:
     out = []
-    for m, (_, flag) in METHODS.items():
-        for z in NOISE:
-            dp = [] if z is None else [f"--dp-noise-multiplier={z}", *DP_CLIP]
-            out.append((f"dp_{m}_z{z}", [*DP_BASE, flag, *dp]))
+    for seed in DP_SEEDS:
+        for m, (_, flag) in METHODS.items():
+            for z in NOISE:
+                dp = [] if z is None else [f"--dp-noise-multiplier={z}", *DP_CLIP]
+                out.append((f"dp_{m}_z{z}_s{seed}", [*DP_BASE, f"--seed={seed}", flag, *dp]))
     return out
 
 
-def clean_norm() -> float | None:
+def clean_norm(seed: int) -> float | None:
     """Twice the median update norm of the clean run's first round (it records the norms)."""
-    run = load("attack_none_measured")
+    run = load(f"attack_none_measured_s{seed}")
     if run is None:
         return None
     return 2 * statistics.median(run["records"][0]["update_norms"])
 
 
 def attack_runs() -> list[tuple[str, list[str]]]:
-    # the clean run measures the norms (a bound no update reaches: the mean, norms recorded)
-    out = [("attack_none_measured", [*ATTACK_BASE, "--max-update-norm=1e9"])]
-    bound = clean_norm()
-    for a in ATTACKS:
-        for d, (_, flags) in DEFENCES.items():
-            if a == "sign-flip" and d == "norm":
-                continue  # a sign flip keeps the norm: the bound is the mean's run
-            if flags is None:
-                if bound is None:
-                    continue  # after the clean run
-                flags = [f"--max-update-norm={bound:.6g}"]
-            out.append((f"attack_{a}_{d}", [*ATTACK_BASE, f"--attack={a}", *flags]))
+    out = []
+    for seed in ATTACK_SEEDS:
+        base = [*ATTACK_BASE, f"--seed={seed}"]
+        # the clean run measures the norms (a bound no update reaches: the mean, norms recorded)
+        out.append((f"attack_none_measured_s{seed}", [*base, "--max-update-norm=1e9"]))
+        bound = clean_norm(seed)
+        for a in ATTACKS:
+            for d, (_, flags) in DEFENCES.items():
+                if a == "sign-flip" and d == "norm":
+                    continue  # a sign flip keeps the norm: the bound is the mean's run
+                if flags is None:
+                    if bound is None:
+                        continue  # after the clean run
+                    flags = [f"--max-update-norm={bound:.6g}"]
+                out.append((f"attack_{a}_{d}_s{seed}", [*base, f"--attack={a}", *flags]))
     return out
 
 
@@ -102,7 +108,7 @@ def run_one(name: str, args: list[str]) -> str:
     RUNS.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with open(RUNS / f"{name}.log", "a") as f:
-        f.write(shlex.join(cmd) + "\n")
+        f.write(f"commit {commit()}\n{shlex.join(cmd)}\n")
         f.flush()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -113,8 +119,22 @@ def load(name: str) -> dict[str, Any] | None:
     d = RUNS / name
     if not (d / "summary.json").is_file():
         return None
+    log = RUNS / f"{name}.log"
+    commits = [x.split()[1] for x in log.read_text().splitlines() if x.startswith("commit ")] \
+        if log.is_file() else []  # fmt: skip
     return {"summary": read_json(d / "summary.json"), "records": read_jsonl(d / "metrics.jsonl"),
-            "config": read_json(d / "config.json")}  # fmt: skip
+            "config": read_json(d / "config.json"), "commits": commits}  # fmt: skip
+
+
+def runs_commits() -> list[str]:
+    """The commits the study's finished runs ran at (a resumed run lists each)."""
+    found: list[str] = []
+    for name, _ in [*dp_runs(), *attack_runs()]:
+        run = load(name)
+        for c in [] if run is None else run["commits"]:
+            if c not in found:
+                found.append(c)
+    return found
 
 
 def commit() -> str:
@@ -131,42 +151,54 @@ def fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def dp_table() -> tuple[list[str], dict[str, list[tuple[float, float]]]]:
-    lines = ["| method | noise multiplier z | epsilon (delta 1e-3) | accuracy | majority label |",
-             "|---|---|---|---|---|"]  # fmt: skip
-    curves: dict[str, list[tuple[float, float]]] = {}
+def mean_sd(values: Sequence[float]) -> str:
+    """'mean ± sd (n)' over seeds; one value as it is."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.3f} (n=1)"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} (n={len(values)})"
+
+
+def dp_table() -> tuple[list[str], dict[str, list[tuple[float, float, float]]]]:
+    lines = ["| method | noise multiplier z | epsilon (delta 1e-3) | accuracy, mean ± sd over "
+             "seeds | each seed | majority label |", "|---|---|---|---|---|---|"]  # fmt: skip
+    curves: dict[str, list[tuple[float, float, float]]] = {}
     for m, (label, _) in METHODS.items():
         for z in NOISE:
-            run = load(f"dp_{m}_z{z}")
-            if run is None:
+            runs = [r for s in DP_SEEDS if (r := load(f"dp_{m}_z{z}_s{s}")) is not None]
+            if not runs:
                 continue
-            eps = run["records"][-1].get("epsilon")
-            acc = final(run)
+            eps = runs[0]["records"][-1].get("epsilon")  # the same for every seed
+            accs = [a for r in runs if (a := final(r)) is not None]
+            majority = [r["summary"].get("majority_label") for r in runs]
             lines.append(f"| {label} | {'no DP' if z is None else z} | "
-                         f"{'inf' if eps is None else fmt(eps, 2)} | {fmt(acc)} | "
-                         f"{fmt(run['summary'].get('majority_label'))} |")  # fmt: skip
-            if eps is not None and acc is not None:
-                curves.setdefault(label, []).append((eps, acc))
+                         f"{'inf' if eps is None else fmt(eps, 2)} | {mean_sd(accs)} | "
+                         f"{', '.join(fmt(a) for a in accs)} | "
+                         f"{fmt(statistics.mean(majority))} |")  # fmt: skip
+            if eps is not None and accs:
+                sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+                curves.setdefault(label, []).append((eps, statistics.mean(accs), sd))
     return lines, curves
 
 
 def attack_table() -> tuple[list[str], dict[str, list[float]]]:
-    lines = ["| attack | server's rule | accuracy after each round | final |", "|---|---|---|---|"]
+    lines = ["| attack | server's rule | final accuracy, mean ± sd over seeds | each seed, "
+             "accuracy after rounds 1-2-3 |", "|---|---|---|---|"]  # fmt: skip
     series: dict[str, list[float]] = {}
-    clean = load("attack_none_measured")
-    if clean is not None:
-        accs = [r["accuracy"] for r in clean["records"]]
-        lines.append(f"| none | mean | {', '.join(fmt(a) for a in accs)} | {fmt(accs[-1])} |")
-        series["no attack, mean"] = accs
-    for a, a_label in ATTACKS.items():
-        for d, (d_label, _) in DEFENCES.items():
-            run = load(f"attack_{a}_{d}")  # (sign-flip x norm bound is not run)
-            if run is None:
-                continue
-            accs = [r["accuracy"] for r in run["records"]]
-            lines.append(f"| {a_label} | {d_label} | {', '.join(fmt(x) for x in accs)} | "
-                         f"{fmt(accs[-1])} |")  # fmt: skip
-            series[f"{a_label}, {d_label}"] = accs
+    rows = [("none", "no attack", "mean", "attack_none_measured")]
+    rows += [(a, a_label, d_label, f"attack_{a}_{d}") for a, a_label in ATTACKS.items()
+             for d, (d_label, _) in DEFENCES.items()]  # fmt: skip
+    for _, a_label, d_label, stem in rows:
+        runs = [r for s in ATTACK_SEEDS if (r := load(f"{stem}_s{s}")) is not None]
+        if not runs:  # (sign-flip x norm bound is not run)
+            continue
+        accs = [[r["accuracy"] for r in run["records"]] for run in runs]
+        each = "; ".join("-".join(fmt(x) for x in a) for a in accs)
+        lines.append(f"| {a_label} | {d_label} | {mean_sd([a[-1] for a in accs])} | {each} |")
+        rounds = min(len(a) for a in accs)
+        series[f"{a_label}, {d_label}"] = [statistics.mean(a[i] for a in accs)
+                                           for i in range(rounds)]  # fmt: skip
     return lines, series
 
 
@@ -180,7 +212,8 @@ def plots(curves: dict[str, list[tuple[float, float]]], series: dict[str, list[f
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for label, pts in curves.items():
         pts = sorted(pts)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
+                    fmt="o-", capsize=3, label=label)  # fmt: skip
     ax.set_xlabel("epsilon after the run (delta = 1e-3)")
     ax.set_ylabel("personalised accuracy")
     ax.set_title("Client-level DP, 100 clients, ~20 a round")
@@ -204,17 +237,20 @@ def report() -> None:
     dp_lines, curves = dp_table()
     attack_lines, series = attack_table()
     plots(curves, series)
-    bound = clean_norm()
+    bounds = [b for s in ATTACK_SEEDS if (b := clean_norm(s)) is not None]
     text = [
         "# Privacy and robustness study (generated by tools/privacy_study.py)",
         "",
-        f"Commit {commit()}; one seed (0) per setting: the figures show what happens at this "
-        "scale, not differences of a few points (see docs/privacy.md for what the study can and "
-        "cannot say). MiniLM-L6 on rotten-tomatoes snippets (configs/offline_rotten_tomatoes.py).",
+        f"Runs at commit(s) {', '.join(runs_commits()) or '-'}; {len(DP_SEEDS)} seeds per DP "
+        f"setting and {len(ATTACK_SEEDS)} per attack setting (mean ± sample standard deviation, "
+        "each seed's value beside it). MiniLM-L6 on rotten-tomatoes snippets "
+        "(configs/offline_rotten_tomatoes.py), on a 2-core CPU: what this machine runs, not the "
+        "thousands of clients DP is usually deployed with. docs/privacy.md says what the figures "
+        "support.",
         "",
         "## Accuracy against epsilon",
         "",
-        "`" + shlex.join(["python -m fedjax_split.train", *DP_BASE]) + "` with "
+        "`python -m fedjax_split.train " + shlex.join(DP_BASE) + "` with `--seed S`, "
         "`--critical-layer L` (FedAvg) or `3` (FedSplitBERT), and "
         f"`--dp-noise-multiplier Z {shlex.join(DP_CLIP)}`.",
         "",
@@ -224,9 +260,10 @@ def report() -> None:
         "",
         "## One attacking client in ten",
         "",
-        "`" + shlex.join(["python -m fedjax_split.train", *ATTACK_BASE]) + "` with "
-        "`--attack scale|sign-flip` and the server's rule; the norm bound is twice the clean "
-        f"run's median first-round update norm ({fmt(bound, 4)}).",
+        "`python -m fedjax_split.train " + shlex.join(ATTACK_BASE) + "` with "
+        "`--seed S --attack scale|sign-flip` and the server's rule; the norm bound is twice the "
+        "clean run's median first-round update norm (per seed: "
+        f"{', '.join(fmt(b, 4) for b in bounds) or '-'}).",
         "",
         *attack_lines,
         "",
@@ -243,12 +280,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--only", choices=("dp", "attack"), help="run one part only")
     args = p.parse_args(argv)
     if not args.report_only:
-        parts = ([] if args.only == "dp" else ["attack"]) + ([] if args.only == "attack" else
-                                                              ["dp"])  # fmt: skip
-        for part in parts:
-            for _ in range(2):  # the attack's norm bound comes from its first run
-                for name, cmd in (attack_runs() if part == "attack" else dp_runs()):
-                    print(run_one(name, cmd), flush=True)
+        parts = [x for x in ("dp", "attack") if args.only in (None, x)]
+        # seed by seed, so that an interrupted study has every setting at the same seeds
+        for seed in sorted({*DP_SEEDS, *ATTACK_SEEDS}):
+            for part in parts:
+                for _ in range(2):  # the attack's norm bound comes from its first run
+                    for name, cmd in (attack_runs() if part == "attack" else dp_runs()):
+                        if name.endswith(f"_s{seed}"):
+                            print(run_one(name, cmd), flush=True)
     report()
     return 0
 
