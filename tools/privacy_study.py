@@ -163,7 +163,8 @@ def mean_sd(values: Sequence[float]) -> str:
 
 def dp_table() -> tuple[list[str], dict[str, list[tuple[float, float, float]]]]:
     lines = ["| method | noise multiplier z | epsilon (delta 1e-3) | accuracy, mean ± sd over "
-             "seeds | each seed | majority label |", "|---|---|---|---|---|---|"]  # fmt: skip
+             "seeds | each seed | clients that trained: accuracy | majority label |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     curves: dict[str, list[tuple[float, float, float]]] = {}
     for m, (label, _) in METHODS.items():
         for z in NOISE:
@@ -173,9 +174,10 @@ def dp_table() -> tuple[list[str], dict[str, list[tuple[float, float, float]]]]:
             eps = runs[0]["records"][-1].get("epsilon")  # the same for every seed
             accs = [a for r in runs if (a := final(r)) is not None]
             majority = [r["summary"].get("majority_label") for r in runs]
+            trained = [t["accuracy"] for r in runs if (t := final(r, "trained_mean"))]
             lines.append(f"| {label} | {'no DP' if z is None else z} | "
                          f"{'inf' if eps is None else fmt(eps, 2)} | {mean_sd(accs)} | "
-                         f"{', '.join(fmt(a) for a in accs)} | "
+                         f"{', '.join(fmt(a) for a in accs)} | {mean_sd(trained)} | "
                          f"{fmt(statistics.mean(majority))} |")  # fmt: skip
             if eps is not None and accs:
                 sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
