@@ -7,7 +7,10 @@ GPUs) can round the weights.
 The sum is a loop over clients, acc + w_i * W_i in client order, not a reduction over the client
 axis: XLA:CPU lowers that reduction of a broadcast product to a slow strided loop, which on large
 tables such as the embeddings costs more than the loop (docs/benchmarks.md measures it). Both
-entry points add in the same order, so they agree bit for bit.
+entry points add in the same order, but XLA:CPU may fuse the first multiply-adds of one and not
+of the other, so they agree to an ulp or so, not always bit for bit (tests/test_aggregation.py).
+What must agree bit for bit, the one-at-a-time simulation and a Flower server, both use
+`weighted_mean_each`.
 
 `aggregate` is the server's whole aggregation step around that mean: it validates every upload
 (a non-finite one is left out of the round, as a client of weight 0), and with an `Aggregator`
@@ -43,7 +46,10 @@ def _weighted_sum(stacked_tree: Any, w: jax.Array) -> Any:
             row = jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
             return acc + w[i] * row.astype(jnp.float32)
 
-        return jax.lax.fori_loop(0, x.shape[0], add, jnp.zeros(x.shape[1:], jnp.float32))
+        zeros = jnp.zeros(x.shape[1:], jnp.float32)
+        if x.shape[0] == 0:  # no client (DP's empty round): the loop's body could not be traced
+            return zeros
+        return jax.lax.fori_loop(0, x.shape[0], add, zeros)
 
     return jax.tree.map(total, stacked_tree)
 

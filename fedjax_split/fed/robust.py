@@ -22,8 +22,9 @@ from fedjax_split.errors import UserError
 
 
 def _per_client(x: jax.Array) -> jax.Array:
-    """`x` as [K, elements], whatever its shape after the client axis."""
-    return jnp.reshape(x, (x.shape[0], -1))
+    """`x` as [K, elements], whatever its shape after the client axis (K may be 0: a round that
+    sampled nobody, where -1 could not be inferred)."""
+    return jnp.reshape(x, (x.shape[0], math.prod(x.shape[1:])))
 
 
 def _rows(v: jax.Array, x: jax.Array) -> jax.Array:
