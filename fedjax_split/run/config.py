@@ -419,6 +419,9 @@ def validate_aggregation(config: ExperimentConfig) -> None:
         )
     if config.dp_max_epsilon is not None and config.dp_noise_multiplier == 0:
         raise UserError("--dp-max-epsilon with --dp-noise-multiplier 0: no noise, no budget")
+    from fedjax_split.run import safeguards
+
+    safeguards.aggregator(config)  # the DP settings' own checks (the quantile, z < M/10, ...)
 
 
 def validate_critical_layer(config: ExperimentConfig, num_layers: int) -> int:
