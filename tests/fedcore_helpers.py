@@ -103,3 +103,23 @@ def reference_loss(apply, params, batch, key, is_regression):
         logp = jax.nn.log_softmax(logits, axis=-1)
         per = -jnp.take_along_axis(logp, jnp.asarray(batch.labels)[:, None], axis=1)[:, 0]
     return jnp.sum(per * mask) / jnp.sum(mask)
+
+
+def dp_reference_epsilon(z: float, q: float, rounds: int, delta: float, name: str = "rdp") -> float:
+    """dp_accounting's epsilon of `rounds` rounds of the Gaussian mechanism (noise multiplier z),
+    Poisson-sampled at rate q (q = 1: every client), adding or removing one client; the events
+    built here, independently of fed/accounting.py."""
+    import dp_accounting
+
+    if rounds == 0:
+        return 0.0
+    relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    if name == "rdp":
+        acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+    else:
+        acc = dp_accounting.pld.PLDAccountant(neighboring_relation=relation)
+    event = dp_accounting.GaussianDpEvent(z)
+    if q < 1:
+        event = dp_accounting.PoissonSampledDpEvent(q, event)
+    acc.compose(event, rounds)
+    return acc.get_epsilon(delta)

@@ -11,27 +11,13 @@ from pathlib import Path
 
 import dp_accounting
 import pytest
+from fedcore_helpers import dp_reference_epsilon
 from scipy.optimize import brentq
 from scipy.stats import norm
 
 from fedjax_split.errors import UserError
 from fedjax_split.fed import accounting
 from fedjax_split.fed.accounting import Mechanism
-
-ADD_OR_REMOVE = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-
-
-def _reference(z: float, q: float, rounds: int, delta: float, name: str) -> float:
-    """dp_accounting's epsilon, the events built here (count passed to compose, not nested)."""
-    if name == "rdp":
-        acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=ADD_OR_REMOVE)
-    else:
-        acc = dp_accounting.pld.PLDAccountant(neighboring_relation=ADD_OR_REMOVE)
-    event = dp_accounting.GaussianDpEvent(z)
-    if q < 1:
-        event = dp_accounting.PoissonSampledDpEvent(q, event)
-    acc.compose(event, rounds)
-    return acc.get_epsilon(delta)
 
 
 def _analytic_gaussian_epsilon(s: float, delta: float) -> float:
@@ -53,7 +39,7 @@ def _analytic_gaussian_epsilon(s: float, delta: float) -> float:
 def test_epsilon_is_dp_accountings(z: float, q: float, rounds: int, delta: float,
                                    name: str) -> None:  # fmt: skip
     got = accounting.epsilon(Mechanism(z, q, name), rounds, delta)
-    want = _reference(z, q, rounds, delta, name)
+    want = dp_reference_epsilon(z, q, rounds, delta, name)
     assert got == pytest.approx(want, rel=1e-12)
     assert 0 < got < 100
 

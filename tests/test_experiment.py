@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from fedcore_helpers import dp_reference_epsilon
 from run_fixtures import private_cache, write_tiny_model, write_tiny_sst2  # noqa: F401 (autouse)
 
 from fedjax_split import export
@@ -483,3 +484,41 @@ def test_ner_run_reports_entity_f1_per_client_and_learns(ner_run: Path) -> None:
     summary = json.loads((ner_run / "summary.json").read_text())
     assert summary["primary_metric"] == "f1"
 
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_dp_budget_ends_the_run_after_the_last_round_within_it(
+    files: dict[str, Path], capsys
+) -> None:
+    """--dp-max-epsilon 2.8 with z = 2, 2 of 3 clients a round (Poisson, q = 2/3), delta 1e-5:
+    dp_accounting gives epsilon 2.49 after two rounds and 3.05 after three, so the run does two
+    of its four rounds, says so before the first, and reports the epsilon it spent. (A DP run
+    SIGKILLed and resumed: tests/test_train.py.)"""
+    def spent(rounds: int) -> float:  # the accountant's figure, the event built in the tests
+        return dp_reference_epsilon(2.0, 2 / 3, rounds, 1e-5)
+
+    assert spent(2) <= 2.8 < spent(3)
+    cfg = _config(files, "dp_budget", rounds=4, critical_layer=1, clients_per_round=2,
+                  dp_noise_multiplier=2.0, dp_clip=0.5, dp_max_epsilon=2.8)  # fmt: skip
+    capsys.readouterr()
+    summary = experiment.run_experiment(cfg, progress=True)
+    err = capsys.readouterr().err
+    assert "--dp-max-epsilon 2.8 allows 2 of the 4 rounds (epsilon 2.49 after them)" in err
+    assert "Gaussian noise z = 2" in err and "Poisson-sampled at rate 0.666667" in err
+    run = files["base"] / "dp_budget"
+    records = _records(run)
+    assert [r["round"] for r in records] == [1, 2]
+    for r in records:
+        assert r["epsilon"] == pytest.approx(spent(r["round"]), rel=1e-9)
+        assert r["dp_clip"] == 0.5 and r["clients_rejected"] == []
+        assert len(r["update_norms"]) == len(r["clients_sampled"])
+    assert summary["rounds"] == 2 and "accuracy" in summary["final"]  # evaluated at its end
+    on_disk = json.loads((run / "summary.json").read_text())
+    privacy = on_disk["privacy"]
+    assert privacy["epsilon"] <= privacy["max_epsilon"] == 2.8
+    assert privacy["epsilon"] == pytest.approx(records[-1]["epsilon"], abs=5e-5)  # rounded
+    assert privacy["rounds"] == 2 and privacy["noise_multiplier"] == 2.0
+    assert privacy["sampling"] == "poisson" and privacy["sampling_rate"] == round(2 / 3, 4)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["1", "2"]

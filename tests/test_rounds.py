@@ -1,8 +1,10 @@
-"""One federated round vs clients trained one at a time and a numpy aggregation."""
+"""One federated round vs clients trained one at a time and a numpy aggregation; client-level DP's
+and an attack's rounds."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +26,8 @@ from fedcore_helpers import (
 )
 
 from fedjax_split.errors import UserError
-from fedjax_split.fed import server_optimizers
+from fedjax_split.fed import aggregation, privacy, server_optimizers
+from fedjax_split.fed.aggregation import Aggregator
 from fedjax_split.fed.client import ClientSpec, make_client_fns
 from fedjax_split.fed.roles import flatten_paths, merge_params, split_params
 from fedjax_split.fed.wire import cast_to_wire
@@ -535,3 +538,136 @@ def test_progress_counts_grow_and_leave_the_round_bit_identical(spec: RoundSpec)
                                                   "examples_done": examples}[field]  # fmt: skip
     assert seen[0].steps_done > 0 and seen[-1].steps_done > seen[0].steps_done
     assert seen[-1].steps_done < steps  # the last program was not waited for
+
+
+# Client-level DP and a study's attack in a round. Clients one at a time share the module's
+# compiled client programs (only the aggregation compiles anew); the update norms of the three
+# clients here are 0.133, 0.069 and 0.075 (`_reference`), so a clip norm of 0.1 clips client 0.
+def _dp_spec(chunk_size: int | None, clip: float = 0.1, z: float = 0.5,
+             quantile: float | None = None) -> RoundSpec:  # fmt: skip
+    dp = privacy.DPSpec(clip=clip, noise_multiplier=z, denominator=3.0, target_quantile=quantile)
+    return RoundSpec(CLIENT, FEDAVG, "float32", chunk_size=chunk_size, donate=False,
+                     aggregator=Aggregator(dp=dp))  # fmt: skip
+
+
+def _dp_run(spec: RoundSpec, rng: jax.Array = SEED_KEY, **kw):
+    g, _ = split_params(PARAMS, critical_layer=1)
+    _, local = _setup(1)
+    state = init_server_state(g, FEDAVG, "float32", aggregation.init_state(spec.aggregator))
+    return run_round(spec, state, local, WEIGHTS, STEPS, rng, **kw)
+
+
+def _count_deviate(round_index: int = 0) -> float:
+    """The standard normal deviate of adaptive clipping's count noise in a round, derived here:
+    the second half of the split of the server's key, fold_in(round key, 2^32 - 1)."""
+    server = jax.random.fold_in(jax.random.fold_in(SEED_KEY, round_index), np.uint32(2**32 - 1))
+    return float(jax.random.normal(jax.random.split(server)[1], (), jnp.float32))
+
+
+def _update(state, start) -> dict:
+    """Path -> the server's step of the global part in float64."""
+    before = flatten_paths(start)
+    return {p: np.asarray(v, np.float64) - np.asarray(before[p], np.float64)
+            for p, v in flatten_paths(state.master).items()}  # fmt: skip
+
+
+@pytest.mark.parametrize("quantile", [None, 0.5], ids=["fixed-clip", "adaptive-clip"])
+def test_a_dp_round_stacked_equals_clients_one_at_a_time(quantile: float | None) -> None:
+    z = 0.5 if quantile is None else 0.2  # adaptive: z < 2 sigma_b = 0.3
+    a = _dp_run(_dp_spec(None, z=z, quantile=quantile))
+    b = _dp_run(_dp_spec(1, z=z, quantile=quantile))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    state, _, result = a
+    assert int(state.round) == 1 and bool(np.all(result.accepted))
+    np.testing.assert_allclose(np.asarray(result.update_norms), [0.1327, 0.0689, 0.0753],
+                               atol=1e-4)  # fmt: skip
+    clip = float(state.aggregator["clip"])
+    if quantile is None:
+        assert clip == pytest.approx(0.1)
+    else:  # two of three within 0.1, count noise sigma_b = 3 / 20
+        b = (2 + 0.15 * _count_deviate()) / 3
+        assert clip == pytest.approx(0.1 * math.exp(-0.2 * (b - 0.5)), rel=1e-6)
+
+
+def test_a_dp_round_without_noise_is_the_uniform_mean_of_the_clipped_updates() -> None:
+    g0, _ = split_params(PARAMS, critical_layer=1)
+    start = {p: np.asarray(v, np.float64) for p, v in flatten_paths(g0).items()}
+    ref = _reference(g0)
+    deltas = [{p: r[p].astype(np.float64) - start[p] for p in start} for r in ref]
+    norms = [math.sqrt(sum(float(np.sum(d[p] ** 2)) for p in d)) for d in deltas]
+    steps = {}
+    for clip in (1e6, 0.1):
+        state, _, _ = _dp_run(_dp_spec(1, clip=clip, z=0.0))
+        steps[clip] = _update(state, g0)
+        for path, got in steps[clip].items():
+            # each update scaled to norm <= clip, summed, over M = 3: WEIGHTS play no part
+            want = sum(d[path] * min(1.0, clip / n) for d, n in zip(deltas, norms, strict=True))
+            np.testing.assert_allclose(got, want / 3, rtol=2e-5, atol=2e-6, err_msg=path)
+    path = "encoder/layer_0/output/bias"  # 50x the tolerance from FedAvg's weighted mean
+    assert np.abs(steps[1e6][path] - (_numpy_weighted_mean(ref, path) - start[path])).max() > 1e-4
+    assert np.abs(steps[1e6][path] - steps[0.1][path]).max() > 1e-4  # and clipping mattered
+
+
+def test_a_dp_rounds_noise_is_z_clip_over_m_and_its_seeds() -> None:
+    g0, _ = split_params(PARAMS, critical_layer=1)
+    quiet, _, _ = _dp_run(_dp_spec(1, z=0.0))
+    noisy, new_local, _ = _dp_run(_dp_spec(1, z=0.5))
+    # the same clients and clipping: the difference is the noise on the sum over M
+    noise = np.concatenate([v.ravel() for v in _update(noisy, quiet.master).values()])
+    assert noise.size == _global_param_count(1)
+    assert noise.std() == pytest.approx(0.5 * 0.1 / 3, rel=0.06)
+    assert abs(noise.mean()) < 5 * (0.5 * 0.1 / 3) / math.sqrt(noise.size)
+    # the same key: bit for bit the same round; another key: another round
+    again = _dp_run(_dp_spec(1, z=0.5))
+    for x, y in zip(jax.tree.leaves((noisy, new_local)), jax.tree.leaves(again[:2]), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    other = _dp_run(_dp_spec(1, z=0.5), rng=jax.random.key(43))[0]
+    bias = "embeddings/LayerNorm/bias"
+    assert not np.any(flatten_paths(other.master)[bias] == flatten_paths(noisy.master)[bias])
+
+
+@pytest.mark.parametrize("quantile", [None, 0.5], ids=["fixed-clip", "adaptive-clip"])
+def test_a_dp_round_that_sampled_nobody_moves_the_global_part_by_noise_alone(quantile) -> None:
+    spec = _dp_spec(None, clip=0.2, z=0.25, quantile=quantile)
+    g0, _ = split_params(PARAMS, critical_layer=1)
+    start = init_server_state(g0, FEDAVG, "float32", aggregation.init_state(spec.aggregator))
+    local = {"anything": jnp.ones(2)}
+    state, new_local, result = run_round(spec, start, local, np.zeros(0), [], SEED_KEY)
+    assert new_local is local and int(state.round) == 1
+    assert result.bytes_up == result.bytes_down == 0
+    assert result.train_loss.shape == result.accepted.shape == result.update_norms.shape == (0,)
+    step = np.concatenate([v.ravel() for v in _update(state, g0).values()])
+    z = spec.aggregator.dp.update_noise_multiplier
+    assert step.std() == pytest.approx(z * 0.2 / 3, rel=0.06) and np.all(step != 0)
+    clip = float(state.aggregator["clip"])
+    if quantile is None:
+        assert clip == pytest.approx(0.2)
+    else:  # nobody within the clip norm: b is the count noise alone, the norm grows
+        b = 0.15 * _count_deviate() / 3
+        assert clip == pytest.approx(0.2 * math.exp(-0.2 * (b - 0.5)), rel=1e-6) and clip > 0.2
+    # without DP an empty round leaves the global part exactly where it was
+    plain = init_server_state(g0, FEDAVG, "float32")
+    state, _, _ = run_round(SPEC_FEDAVG, plain, local, np.zeros(0), [], SEED_KEY)
+    for x, y in zip(jax.tree.leaves(state.master), jax.tree.leaves(plain.master), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1], ids=["stacked", "one-at-a-time"])
+def test_update_factors_flip_an_attackers_update(chunk_size: int | None) -> None:
+    spec = RoundSpec(CLIENT, FEDAVG, "float32", chunk_size=chunk_size, donate=False)
+    g0, _ = split_params(PARAMS, critical_layer=1)
+    flips = np.array([1.0, -1.0, 1.0], np.float32)  # client 1 attacks
+    state, new_local, result = _run(spec, 1, update_factors=flips)
+    ref = _reference(g0)
+    start = {p: np.asarray(v, np.float64) for p, v in flatten_paths(g0).items()}
+    for p in start:  # client 1 uploads received - its update
+        ref[1][p] = 2 * start[p] - ref[1][p]
+    for path, value in flatten_paths(state.master).items():
+        np.testing.assert_allclose(np.asarray(value), _numpy_weighted_mean(ref, path),
+                                   rtol=2e-5, atol=2e-6, err_msg=path)  # fmt: skip
+    # only the upload is tampered with: the attacker's own local part trained as usual
+    honest = _run(spec, 1)
+    for x, y in zip(jax.tree.leaves(new_local), jax.tree.leaves(honest[1]), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert bool(np.all(result.accepted))

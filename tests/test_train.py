@@ -1,5 +1,6 @@
 """fedjax_split.train, the command line, end to end on a tiny random BERT: its flags and --config
-file, what a run writes, Ctrl-C (exit 130) and a SIGKILL then --resume equal to the straight run,
+file, what a run writes, Ctrl-C (exit 130) and a SIGKILL then --resume equal to the straight run
+(with client-level DP too),
 one-line exit-2 errors that leave a run's files alone, the malloc check before anything starts.
 
 Runs go through real subprocesses (`python -m fedjax_split.train`) sharing a persistent JAX
@@ -134,26 +135,58 @@ def test_interrupted_then_resumed_run_matches_straight_run(
     assert _without_time([a["final"]]) == _without_time([b["final"]])
 
 
-def test_sigkilled_run_resumes_to_the_same_result(env: dict, straight: Path) -> None:
-    """A real SIGKILL as soon as round 2's checkpoint is on disk; metrics.jsonl may hold rows past
-    the checkpoint, which --resume must drop rather than duplicate."""
-    out = env["base"] / "killed"
+def _sigkill_after_checkpoint(env: dict, args: list[str], out: Path, round_: int) -> None:
+    """Runs `train` with `args` and SIGKILLs it as soon as checkpoint `round_` is on disk."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fedjax_split.train", *_args(env, out)],
+        [sys.executable, "-m", "fedjax_split.train", *args],
         env=env["env"],
         cwd=env["base"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     deadline = time.time() + 240
-    while not (out / "checkpoints" / "2").is_dir() and proc.poll() is None:
-        assert time.time() < deadline, "run did not reach round 2"
+    while not (out / "checkpoints" / str(round_)).is_dir() and proc.poll() is None:
+        assert time.time() < deadline, f"run did not reach round {round_}"
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+def test_sigkilled_run_resumes_to_the_same_result(env: dict, straight: Path) -> None:
+    """A real SIGKILL as soon as round 2's checkpoint is on disk; metrics.jsonl may hold rows past
+    the checkpoint, which --resume must drop rather than duplicate."""
+    out = env["base"] / "killed"
+    _sigkill_after_checkpoint(env, _args(env, out), out, 2)
     res = _cli(env, [*_args(env, out), "--resume"])
     assert res.returncode == 0, res.stderr
     assert _without_time(_metrics(out)) == _without_time(_metrics(straight))
+
+
+def test_sigkilled_dp_run_resumes_to_the_same_result(env: dict) -> None:
+    """Client-level DP with adaptive clipping (the clip norm is server state the checkpoint must
+    carry) and one of 3 clients a round (Poisson: seed 0 samples clients 1 and 2, then nobody,
+    then 0 and 2), SIGKILLed once round 1's checkpoint is on disk, then resumed: every record as
+    the straight run's, the server's noise included."""
+    flags = {"rounds": 3, "clients_per_round": 1, "dp_noise_multiplier": 0.05, "dp_clip": 0.05,
+             "dp_clip_quantile": 0.5}  # fmt: skip
+    straight, out = env["base"] / "dp_straight", env["base"] / "dp_killed"
+    res = _cli(env, _args(env, straight, **flags))
+    assert res.returncode == 0, res.stderr
+    _sigkill_after_checkpoint(env, _args(env, out, **flags), out, 1)
+    res = _cli(env, [*_args(env, out, **flags), "--resume"])
+    assert res.returncode == 0, res.stderr
+    want = _metrics(straight)
+    assert _without_time(_metrics(out)) == _without_time(want)
+    assert [r["clients_sampled"] for r in want] == [[1, 2], [], [0, 2]]
+    clips = [r["dp_clip"] for r in want]
+    # the first round's clip norm (in fp32), then one that moved every round
+    assert clips[0] == pytest.approx(0.05, rel=1e-7) and len(set(clips)) == 3
+    assert want[1]["update_norms"] == [] and want[1]["bytes_up"] == 0
+    eps = [r["epsilon"] for r in want]
+    assert 0 < eps[0] < eps[1] < eps[2]
+    a = json.loads((out / "summary.json").read_text())
+    b = json.loads((straight / "summary.json").read_text())
+    assert a["privacy"] == b["privacy"] and a["privacy"]["adaptive_clip_quantile"] == 0.5
 
 
 BAD = [
@@ -169,7 +202,26 @@ BAD = [
     ({"config": f"{ROOT}/configs/table3.py:nope"}, "unknown Table III task 'nope'"),
     ({"config": f"{ROOT}/configs/table3.py"}, "takes an argument (task)"),
     ({"config": f"{ROOT}/configs/table6_communication.py:mrpc"}, "takes no argument"),
-]
+    # the server's safeguards: settings that go together (run.config.validate_aggregation)
+    ({"dp_clip": 1.0}, "--dp-clip needs --dp-noise-multiplier"),
+    ({"dp_max_epsilon": 3.0}, "--dp-max-epsilon needs --dp-noise-multiplier"),
+    ({"dp_noise_multiplier": 1.0}, "--dp-noise-multiplier needs --dp-clip"),
+    ({"dp_noise_multiplier": 1.0, "dp_clip": 1.0, "aggregator": "median"},
+     "--aggregator median with DP"),
+    ({"dp_noise_multiplier": 0.0, "dp_clip": 1.0, "dp_max_epsilon": 3.0}, "no noise, no budget"),
+    ({"dp_noise_multiplier": 1.0, "dp_clip": 0.0}, "--dp-clip must be a number > 0"),
+    ({"dp_noise_multiplier": -1.0, "dp_clip": 1.0}, "--dp-noise-multiplier must be a number >= 0"),
+    ({"dp_noise_multiplier": 1.0, "dp_clip": 1.0, "dp_delta": 1.0}, "--dp-delta must be in (0, 1)"),
+    ({"trim_fraction": 0.6}, "--trim-fraction must be in [0, 0.5)"),
+    ({"max_update_norm": -2.0}, "--max-update-norm must be a number > 0"),
+    ({"attack": "sign-flip", "attack_fraction": 0.0}, "--attack-fraction must be in (0, 1]"),
+    ({"aggregator": "mode"}, "unknown aggregator 'mode'"),
+    ({"dp_noise_multiplier": 0.5, "dp_clip": 1.0, "dp_clip_quantile": 1.5},
+     "--dp-clip-quantile must be in (0, 1)"),
+    # adaptive clipping's count noise is M / 20 = 0.15 with every one of 3 clients
+    ({"dp_noise_multiplier": 0.5, "dp_clip": 1.0, "dp_clip_quantile": 0.5},
+     "--dp-noise-multiplier below 2 x the count's noise (0.3)"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("change", "needle"), BAD, ids=[b[1] for b in BAD])
@@ -234,6 +286,14 @@ def test_process_exit_status_and_no_traceback(env: dict) -> None:
     assert res.stderr.strip().startswith("error: unknown algorithm")
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert not (env["base"] / "never").exists()
+
+
+def test_dp_flags_without_their_mechanism_are_refused_by_the_command(env: dict) -> None:
+    res = _cli(env, _args(env, env["base"] / "never_dp_cli", dp_clip=0.5))
+    assert res.returncode == 2
+    assert res.stderr.strip().startswith("error: --dp-clip needs --dp-noise-multiplier")
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not (env["base"] / "never_dp_cli").exists()
 
 
 def test_help_explains_every_flag() -> None:
