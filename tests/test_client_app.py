@@ -150,7 +150,9 @@ def test_a_train_reply_carries_only_the_trained_global_part_in_the_wire_dtype(
     assert _files(tmp_path) == [f"client_{CLIENT}/round_1.npz"]
 
     node = node_mod.prepare(fed.config, CLIENT)
-    want, new_local, _ = node_mod.train(node, codec.decode(fed.sent, fed.wire), 1, 0, node.local0)
+    want, new_local, _, norm = node_mod.train(node, codec.decode(fed.sent, fed.wire), 1, 0,
+                                              node.local0)  # fmt: skip
+    assert norm is None and protocol.UPDATE_NORM not in m  # no DP: nothing clipped or reported
     want_sent = codec.encode(select(want, None)[0], fed.wire)
     assert set(want_sent) == set(upload)
     for path, bits in want_sent.items():
@@ -158,6 +160,54 @@ def test_a_train_reply_carries_only_the_trained_global_part_in_the_wire_dtype(
     stored = node_mod.local_part(node, node_mod.store(tmp_path, RUN, node), 1)
     for path, x in flatten_paths(new_local).items():
         np.testing.assert_array_equal(np.asarray(flatten_paths(stored)[path]), np.asarray(x))
+
+
+def test_with_dp_the_node_clips_its_update_and_reports_its_norm(
+    fed: SimpleNamespace, tmp_path: Path
+) -> None:
+    """The round's clip norm comes down in the train message; what goes up is the node's update
+    clipped to it (the simulation's `clip_one` of the unclipped upload), with the update's norm
+    before clipping in the metrics. A clip norm that is not a positive number is refused before
+    the node trains or stores anything."""
+    import jax.numpy as jnp
+
+    from fedjax_split.deploy import node as node_mod
+    from fedjax_split.fed.client_program import client_functions
+    from fedjax_split.fed.privacy import global_norm
+
+    clip = 0.01
+    reply = client_app.app(_round_message(fed, protocol.TRAIN, **{protocol.DP_CLIP: clip}),
+                           _context(fed, tmp_path))  # fmt: skip
+    upload = codec.decode(codec.from_record(reply.content[protocol.UPLOAD]), fed.wire)
+    reported = reply.content[protocol.METRICS][protocol.UPDATE_NORM]
+
+    node = node_mod.prepare(fed.config, CLIENT)
+    received = codec.decode(fed.sent, fed.wire)
+    unclipped, _, _, none = node_mod.train(node, received, 1, 0, node.local0)
+    assert none is None
+    norm = float(global_norm(_minus(unclipped, received)))
+    assert reported == pytest.approx(norm, rel=1e-6) and norm > clip  # it had to clip
+    clip_one = client_functions(node.round_spec).clip_one
+    want, _ = clip_one(unclipped, received, jnp.asarray(clip, jnp.float32))
+    for path, bits in codec.encode(want, fed.wire).items():
+        assert codec.encode(upload, fed.wire)[path].tobytes() == bits.tobytes(), path
+    # on the fp16 wire the clipped update's norm is the clip norm up to the wire's rounding
+    assert float(global_norm(_minus(upload, received))) <= clip * 1.01
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        fresh = tmp_path / f"bad{bad}"
+        with pytest.raises(ValueError, match="DP clip norm"):
+            client_app.app(_round_message(fed, protocol.TRAIN, **{protocol.DP_CLIP: bad}),
+                           _context(fed, fresh))  # fmt: skip
+        assert _files(fresh) == []
+
+
+def _minus(a: dict, b: dict) -> dict:
+    """a - b leaf by leaf, in fp32."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(lambda x, y: jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32),
+                        a, b)  # fmt: skip
 
 
 def test_a_schedules_subset_is_all_that_goes_up(fed: SimpleNamespace, tmp_path: Path) -> None:

@@ -59,6 +59,24 @@ def test_check_like_names_the_difference() -> None:
         codec.check_like(arrays, {"a": (3, 2), "b": (4,)}, "upload")
 
 
+@pytest.mark.parametrize(("dtype", "sent"), [("float32", np.float32), ("float16", np.uint16),
+                                             ("bfloat16", np.uint16)])  # fmt: skip
+def test_sent_dtypes_are_what_encode_sends_and_check_like_holds_to_them(
+    dtype: str, sent: type
+) -> None:
+    tree = {"w": jnp.ones((2, 3), jnp.float32), "step": jnp.zeros([], jnp.int32)}
+    wire_tree = jax.tree.map(lambda x: x.astype(dtype) if x.dtype == jnp.float32 else x, tree)
+    dtypes = codec.sent_dtypes(wire_tree)
+    assert dtypes == {"w": np.dtype(sent), "step": np.dtype(np.int32)}
+    arrays = codec.encode(tree, dtype)
+    assert {p: a.dtype for p, a in arrays.items()} == dtypes
+    shapes = {p: a.shape for p, a in arrays.items()}
+    codec.check_like(arrays, shapes, "upload", dtypes)
+    other = np.float64 if dtype == "float32" else np.float32  # a float where bits are expected
+    with pytest.raises(ValueError, match="'w' arrived as"):
+        codec.check_like({**arrays, "w": arrays["w"].astype(other)}, shapes, "upload", dtypes)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
 def test_a_non_finite_value_is_refused_in_every_wire_dtype(dtype: str, bad: float) -> None:

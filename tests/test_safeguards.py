@@ -212,3 +212,26 @@ def test_summary_fields() -> None:
     assert safeguards.summary(_dp(), [])["privacy"]["epsilon"] == 0.0
     assert safeguards.summary(_dp(dp_noise_multiplier=0.0), history)["privacy"][
         "noise_multiplier"] == 0.0  # fmt: skip
+
+
+def test_start_lines_state_the_mechanism_and_the_rounds_a_budget_allows() -> None:
+    plain = _config()
+    assert safeguards.start_lines(plain, plain.rounds) == []  # the plain mean: nothing to say
+    config = _dp(rounds=10, dp_max_epsilon=2.0)
+    allowed = safeguards.rounds_allowed(config)
+    lines = safeguards.start_lines(config, allowed)
+    assert lines[0] == safeguards.line(config) and len(lines) == 2
+    eps = dp_reference_epsilon(1.1, 0.2, allowed, 1e-5)
+    assert lines[1] == (f"--dp-max-epsilon 2 allows {allowed} of the 10 rounds "
+                        f"(epsilon {eps:.3g} after them)")  # fmt: skip
+    assert len(safeguards.start_lines(_dp(rounds=10), 10)) == 1  # no budget: no second line
+
+
+def test_only_the_simulation_runs_a_simulated_attack() -> None:
+    from fedjax_split.errors import UserError
+
+    safeguards.check_deployable(_config(aggregator="median", max_update_norm=1.0))
+    safeguards.check_deployable(_dp())
+    with pytest.raises(UserError, match="--attack simulates attacking clients"):
+        safeguards.check_deployable(_config(attack="sign-flip"))
+

@@ -131,7 +131,7 @@ def start_lines(config: ExperimentConfig, rounds: int) -> list[str]:
     """The run's first lines on its safeguards (`line`) and on the rounds DP's budget allows
     (`rounds`: `rounds_allowed`'s), for the simulation and the Flower server alike."""
     out = [] if line(config) is None else [str(line(config))]
-    if rounds < config.rounds:
+    if rounds < config.rounds and config.dp_max_epsilon is not None:
         out.append(f"--dp-max-epsilon {config.dp_max_epsilon:g} allows {rounds} of the "
                    f"{config.rounds} rounds (epsilon {epsilon(config, rounds):.3g} after them)")
     return out
