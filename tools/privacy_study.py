@@ -1,6 +1,7 @@
 """Client-level DP and robust aggregation on real data, offline, at the scale a 2-core CPU runs:
 accuracy against epsilon for FedAvg and FedSplitBERT, and one attacking client in ten against the
-mean, the trimmed mean, the median and a norm bound. Writes docs/privacy_study.md and its plots.
+mean, the trimmed mean, the median and a norm bound. Writes docs/privacy_study.md and its plots
+(with docs/privacy_study_discussion.md, written by hand from the tables, appended).
 
     nice -n 10 python tools/privacy_study.py          # every missing run, then the report
     python tools/privacy_study.py --report-only       # the report from the finished runs
@@ -28,6 +29,7 @@ from fedjax_split.run.outputs import read_json, read_jsonl
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "privacy_study"
 DOC = ROOT / "docs" / "privacy_study.md"
+DISCUSSION = ROOT / "docs" / "privacy_study_discussion.md"  # appended to DOC
 FIGURES = ROOT / "docs" / "figures"
 PY = sys.executable
 
@@ -273,6 +275,8 @@ def report() -> None:
         "![attack](figures/privacy_attack.png)",
         "",
     ]
+    if DISCUSSION.is_file():  # written by hand from the tables above
+        text += [DISCUSSION.read_text().rstrip(), ""]
     DOC.write_text("\n".join(text))
     print(f"wrote {DOC}")
 
