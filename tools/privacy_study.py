@@ -14,6 +14,7 @@ Runs are `python -m fedjax_split.train ...` into runs/privacy_study/<name>; a fi
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import statistics
@@ -181,9 +182,10 @@ def dp_table() -> tuple[list[str], dict[str, list[tuple[float, float, float]]]]:
                          f"{'inf' if eps is None else fmt(eps, 2)} | {mean_sd(accs)} | "
                          f"{', '.join(fmt(a) for a in accs)} | {mean_sd(trained)} | "
                          f"{fmt(statistics.mean(majority))} |")  # fmt: skip
-            if eps is not None and accs:
+            if accs:  # no DP: epsilon infinite, drawn as a level
                 sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
-                curves.setdefault(label, []).append((eps, statistics.mean(accs), sd))
+                point = (math.inf if eps is None else eps, statistics.mean(accs), sd)
+                curves.setdefault(label, []).append(point)
     return lines, curves
 
 
@@ -207,7 +209,9 @@ def attack_table() -> tuple[list[str], dict[str, list[float]]]:
     return lines, series
 
 
-def plots(curves: dict[str, list[tuple[float, float]]], series: dict[str, list[float]]) -> None:
+def plots(
+    curves: dict[str, list[tuple[float, float, float]]], series: dict[str, list[float]]
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,14 +219,22 @@ def plots(curves: dict[str, list[tuple[float, float]]], series: dict[str, list[f
 
     FIGURES.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for label, pts in curves.items():
-        pts = sorted(pts)
-        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts],
-                    fmt="o-", capsize=3, label=label)  # fmt: skip
+    for i, (label, pts) in enumerate(curves.items()):
+        color = f"C{i}"
+        dp = sorted(p for p in pts if math.isfinite(p[0]))
+        ax.errorbar([p[0] for p in dp], [p[1] for p in dp], yerr=[p[2] for p in dp],
+                    fmt="o-", capsize=3, color=color, label=f"{label}, DP")  # fmt: skip
+        for _, level, _ in (p for p in pts if not math.isfinite(p[0])):
+            ax.axhline(level, ls="--", color=color, label=f"{label}, no DP")
+    majority = [m for r in (load(n) for n, _ in dp_runs()) if r is not None
+                and (m := r["summary"].get("majority_label")) is not None]  # fmt: skip
+    if majority:
+        ax.axhline(statistics.mean(majority), ls=":", color="gray",
+                   label="each client's majority label alone")  # fmt: skip
     ax.set_xlabel("epsilon after the run (delta = 1e-3)")
     ax.set_ylabel("personalised accuracy")
     ax.set_title("Client-level DP, 100 clients, ~20 a round")
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(FIGURES / "privacy_epsilon.png", dpi=120)
     plt.close(fig)
