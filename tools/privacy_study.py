@@ -49,9 +49,11 @@ METHODS = {"fedavg": ("FedAvg", "--critical-layer=L"),
 NOISE = (None, 0.5, 1.0)  # None: no DP
 
 # Attack: 10 clients, all every round; client(s) chosen by the seed send x100 or -1 x their update.
+# FedAvg (the whole model shared) at lr 1e-4 with 2 local epochs, so that the clean global model
+# learns more than the majority class in 3 rounds (at the preset's 5e-5 and 1 epoch it did not).
 ATTACK_BASE = [
-    "--config=configs/offline_rotten_tomatoes.py", "--max-examples=600", "--clients=10",
-    "--partition=dirichlet", "--alpha=1.0", "--rounds=3", "--local-epochs=1",
+    "--config=configs/offline_rotten_tomatoes.py", "--max-examples=1000", "--clients=10",
+    "--partition=dirichlet", "--alpha=1.0", "--rounds=3", "--local-epochs=2", "--lr=1e-4",
     "--critical-layer=L",
 ]  # fmt: skip
 ATTACK_SEEDS = (0, 1)  # each seed: its own partition and attacker
