@@ -265,8 +265,8 @@ def report() -> None:
         f"setting and {len(ATTACK_SEEDS)} per attack setting (mean ± sample standard deviation, "
         "each seed's value beside it). MiniLM-L6 on rotten-tomatoes snippets "
         "(configs/offline_rotten_tomatoes.py), on a 2-core CPU: what this machine runs, not the "
-        "thousands of clients DP is usually deployed with. docs/privacy.md says what the figures "
-        "support.",
+        "thousands of clients DP is usually deployed with. The discussion at the end says what the "
+        "figures support.",
         "",
         "## Accuracy against epsilon",
         "",
