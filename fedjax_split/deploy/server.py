@@ -34,7 +34,7 @@ import secrets
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -286,15 +286,16 @@ def _train_messages(
     return msgs
 
 
-class Taken(NamedTuple):
+@dataclasses.dataclass
+class Taken:
     """The uploads the server takes into a round, in client order."""
 
-    clients: list[int]
-    uploads: list[Any]  # fp32 trees
-    weights: list[float]  # example counts
-    losses: list[float]
-    norms: list[float] | None  # DP: the update norms the clients report (before clipping)
-    bytes_up: int  # the taken uploads' bytes as sent
+    clients: list[int] = dataclasses.field(default_factory=list)
+    uploads: list[Any] = dataclasses.field(default_factory=list)  # fp32 trees
+    weights: list[float] = dataclasses.field(default_factory=list)  # example counts
+    losses: list[float] = dataclasses.field(default_factory=list)
+    norms: list[float] | None = None  # DP: the update norms the clients report (before clipping)
+    bytes_up: int = 0  # the taken uploads' bytes as sent
 
 
 def _number(metrics: Any, key: str, what: str, integral: bool = False) -> float:
@@ -303,7 +304,8 @@ def _number(metrics: Any, key: str, what: str, integral: bool = False) -> float:
         raise ValueError(f"no {what} ({key!r})")
     value = float(metrics[key])
     if not (np.isfinite(value) and value >= 0) or (integral and value != int(value)):
-        raise ValueError(f"{what} {value!r} is not a finite count >= 0")
+        kind = "whole number" if integral else "number"
+        raise ValueError(f"{what} {value!r} is not a finite {kind} >= 0")
     return value
 
 
@@ -322,7 +324,7 @@ def _take_uploads(
     expected = {p: np.shape(x) for p, x in flatten_paths(trained).items()}
     dtypes = codec.sent_dtypes(trained)
     dp = spec.aggregator.dp is not None
-    taken = Taken([], [], [], [], [] if dp else None, 0)
+    taken = Taken(norms=[] if dp else None)
     for cid in sorted(replies):
         reply = replies[cid]
         try:
@@ -350,7 +352,7 @@ def _take_uploads(
         # the simulation's loss_sum / max(num_examples, 1), in fp32
         loss = np.float32(loss_sum) / np.maximum(np.float32(units), np.float32(1.0))
         taken.losses.append(float(loss))
-        taken = taken._replace(bytes_up=taken.bytes_up + nbytes)
+        taken.bytes_up += nbytes
     return taken
 
 
