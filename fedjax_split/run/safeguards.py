@@ -130,7 +130,8 @@ def line(config: ExperimentConfig) -> str | None:
 def start_lines(config: ExperimentConfig, rounds: int) -> list[str]:
     """The run's first lines on its safeguards (`line`) and on the rounds DP's budget allows
     (`rounds`: `rounds_allowed`'s), for the simulation and the Flower server alike."""
-    out = [] if line(config) is None else [str(line(config))]
+    first = line(config)
+    out = [] if first is None else [first]
     if rounds < config.rounds and config.dp_max_epsilon is not None:
         out.append(f"--dp-max-epsilon {config.dp_max_epsilon:g} allows {rounds} of the "
                    f"{config.rounds} rounds (epsilon {epsilon(config, rounds):.3g} after them)")
