@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
-__all__ = ["atomic_write", "atomic_write_text", "write_bytes", "write_text"]
+__all__ = ["atomic_write", "atomic_write_text", "replace_dir", "write_bytes", "write_text"]
 
 
 def _temporary(path: Path) -> tuple[int, Path]:
@@ -64,3 +66,38 @@ def write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
 def write_text(path: str | os.PathLike[str], text: str, encoding: str = "utf-8") -> Path:
     """Replaces `path` with `text`."""
     return atomic_write_text(path, lambda f: f.write(text), encoding)
+
+
+def replace_dir(
+    out_dir: str | os.PathLike[str], fill: Callable[[Path], None], marker: str, what: str
+) -> Path:
+    """Writes a directory: `fill(tmp)` fills a temporary sibling, which is then renamed into
+    place, so `out_dir` is never half-written (an export killed midway leaves the old one). An
+    existing `out_dir` is replaced only if empty or holding the file `marker` (an earlier output
+    of the same kind; `what` names that kind, "a model directory"): anything else is a
+    UserError, so a mistyped path destroys nothing. The directory and its files get the modes a
+    plain mkdir and open would give."""
+    from fedjax_split.errors import UserError
+
+    out = Path(out_dir).expanduser()
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / marker).is_file())):
+        raise UserError(f"{out} exists and is not {what}; choose another output path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        fill(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)
+        old = None
+        if out.exists():
+            old = out.parent / f".old-{out.name}-{os.getpid()}"
+            os.rename(out, old)
+        os.rename(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

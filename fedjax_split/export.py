@@ -6,7 +6,8 @@ The personalised model is the global part (as the client received it, cast to fp
 that client's local part: the global part from the run's latest checkpoint (or --round), the
 local part as it was after that round, from the run's client store. The result loads in
 transformers as `BertForSequenceClassification` (`BertForTokenClassification` for a token task) and
-in fedjax_split via `load_pretrained`.
+in fedjax_split via `load_pretrained`. A LoRA run's adapters are merged into their layers; with
+--peft they are written instead as a PEFT adapter directory for the base model (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def personalised_params(run_dir: str | Path, client: int, round_: int | None = N
 
     from fedjax_split.fed.roles import merge_params
     from fedjax_split.fed.wire import cast_from_wire
+    from fedjax_split.models import lora
     from fedjax_split.models.bert import BertConfig
     from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
     from fedjax_split.run.experiment import CLIENTS_DIR
@@ -48,17 +50,38 @@ def personalised_params(run_dir: str | Path, client: int, round_: int | None = N
         raise UserError(f"{str(run_dir)!r} has no client store ({CLIENTS_DIR}/) to export from")
     local = store.load(client, at_most=int(meta["round"]))
     params = merge_params(global_params, local, state.get("frozen", {}))  # saved when there is one
-    return params, BertConfig.from_hf_dict(meta["model_config"]), meta["model_dir"]
+    config = lora.from_fields(BertConfig.from_hf_dict(meta["model_config"]), meta.get("lora"))
+    return params, config, meta["model_dir"]
 
 
 def export_client(
-    run_dir: str | Path, client: int, out_dir: str | Path, round_: int | None = None
+    run_dir: str | Path,
+    client: int,
+    out_dir: str | Path,
+    round_: int | None = None,
+    *,
+    peft: bool = False,
 ) -> Path:
-    from fedjax_split.models.hf_checkpoint import save_pretrained
+    """Writes client `client`'s model to `out_dir`: a Hugging Face model directory (a LoRA run's
+    adapters merged into their layers), or with `peft` the client's LoRA adapters and head as a
+    PEFT adapter directory for the run's base model."""
+    from fedjax_split.models import hf_checkpoint, lora
 
     params, config, model_dir = personalised_params(run_dir, client, round_)
-    tok = model_dir if model_dir is not None and Path(model_dir).is_dir() else None
-    return save_pretrained(params, config, out_dir, tokenizer_dir=tok)
+    base = Path(model_dir) if model_dir is not None and Path(model_dir).is_dir() else None
+    if peft:
+        if not config.lora_targets:
+            raise UserError(
+                "--peft writes LoRA adapters and this run has none; export without --peft, or "
+                "train with --lora-rank R"
+            )
+        return lora.save_peft(
+            params, config, out_dir, base_model=model_dir,
+            base_has_pooler=base is None or hf_checkpoint.has_pooler(base),
+        )  # fmt: skip
+    if config.lora_targets:
+        params, config = lora.merge(params, config)
+    return hf_checkpoint.save_pretrained(params, config, out_dir, tokenizer_dir=base)
 
 
 def skew_note(run_dir: str | Path, client: int) -> str | None:
@@ -102,12 +125,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--client", required=True, type=int, help="Client id (0-based) to export.")
     p.add_argument("--out", required=True, help="Output directory (Hugging Face format).")
     p.add_argument("--round", type=int, default=None, help="Checkpoint round (default: latest).")
+    p.add_argument(
+        "--peft",
+        action="store_true",
+        help="A LoRA run: write the client's adapters and head as a PEFT adapter directory "
+        "(adapter_config.json, adapter_model.safetensors) instead of the merged model.",
+    )
     args = p.parse_args(argv)
     try:
-        out = export_client(args.run_dir, args.client, args.out, args.round)
+        out = export_client(args.run_dir, args.client, args.out, args.round, peft=args.peft)
     except UserError as e:
         return report(e)
-    print(f"wrote client {args.client}'s personalised model to {out}")
+    what = "LoRA adapters and head (PEFT)" if args.peft else "personalised model"
+    print(f"wrote client {args.client}'s {what} to {out}")
     note = skew_note(args.run_dir, args.client)
     if note is not None:
         print(note)

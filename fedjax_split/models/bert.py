@@ -44,6 +44,8 @@ _ARCHITECTURES = {
     "mlm": "BertForMaskedLM",
 }
 COMPUTE_DTYPES = ("float32", "bfloat16")
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+LORA_SUFFIX = "_lora"  # a LoRA adapter sits beside its dense layer: "query" -> "query_lora"
 # "xla": our einsum attention (any dtype, dropout on the probabilities); "cudnn": jax's fused
 # cuDNN attention (GPU, 16-bit) in evaluation.
 ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
@@ -86,6 +88,12 @@ class BertConfig:
     attention: str = "xla"  # ATTENTION_IMPLEMENTATIONS; a kernel choice, not part of HF's config
     head: str = "sequence"  # HEADS; HF's config says it by its `architectures`
     label_names: tuple[str, ...] = ()  # HF's id2label, when the task names its labels
+    # LoRA (models.lora): the dense layers given by path ("encoder/layer_0/attention/query") get
+    # a low-rank update scaled by alpha / rank; not part of HF's config (an adapter's is PEFT's)
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.hidden_act not in _ACTIVATIONS:
@@ -117,6 +125,8 @@ class BertConfig:
             raise UserError(
                 f"{len(self.label_names)} label names for {self.num_labels} labels; give one each"
             )
+        if self.lora_targets and self.lora_rank < 1:
+            raise UserError(f"LoRA needs a rank of at least 1, got {self.lora_rank}")
         if self.attention not in ATTENTION_IMPLEMENTATIONS:
             raise UserError(
                 f"unsupported attention {self.attention!r}; use one of {ATTENTION_IMPLEMENTATIONS}"
@@ -154,6 +164,7 @@ class BertConfig:
         if d.get("is_decoder") or d.get("add_cross_attention"):
             raise UserError("decoder BERT configs are not supported; use an encoder checkpoint")
         ours = {"dtype", "attention", "num_labels", "problem_type", "head", "label_names"}
+        ours |= set(LORA_FIELDS)
         names = {f.name for f in dataclasses.fields(cls)} - ours
         kwargs: dict[str, Any] = {k: d[k] for k in names if k in d and d[k] is not None}
         if "classifier_dropout" in d:
@@ -190,7 +201,7 @@ class BertConfig:
         `BertForTokenClassification`; with the MLM head, `BertForMaskedLM`, whose decoder is tied
         to the word embeddings) with fp32 weights."""
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for ours in ("dtype", "attention", "head", "label_names"):
+        for ours in ("dtype", "attention", "head", "label_names", *LORA_FIELDS):
             del d[ours]  # dtype: our compute dtype (HF's `dtype` means storage, which is fp32)
         names = self.label_names or tuple(f"LABEL_{i}" for i in range(self.num_labels))
         d.update(
@@ -223,8 +234,16 @@ def _layer_norm(config: BertConfig) -> Callable[[jax.Array], jax.Array]:
     return lambda x: ln(x.astype(jnp.float32))
 
 
-def _dense(config: BertConfig, features: int, name: str) -> nn.Dense:
-    return nn.Dense(
+def _dense(
+    config: BertConfig,
+    features: int,
+    name: str,
+    parent: tuple[str, ...] = (),
+    deterministic: bool = True,
+) -> Callable[[jax.Array], jax.Array]:
+    """A dense layer named `name` in the module at path `parent`; when that path is one of
+    `config.lora_targets`, its output gains the LoRA update of a sibling "<name>_lora"."""
+    dense = nn.Dense(
         features,
         dtype=jnp.dtype(config.dtype),
         param_dtype=jnp.float32,
@@ -232,6 +251,36 @@ def _dense(config: BertConfig, features: int, name: str) -> nn.Dense:
         bias_init=nn.initializers.zeros,
         name=name,
     )
+    if "/".join((*parent, name)) not in config.lora_targets:
+        return dense
+    lora = _Lora(config, features, name=name + LORA_SUFFIX)
+    return lambda x: dense(x) + lora(x, deterministic)
+
+
+def lora_a_init(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
+    """PEFT's (and torch's nn.Linear) default for A: Kaiming-uniform with a = sqrt(5), that is
+    U(-1/sqrt(fan_in), 1/sqrt(fan_in)); A is [fan_in, rank] here."""
+    bound = 1.0 / np.sqrt(shape[0])
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+
+class _Lora(nn.Module):
+    """The low-rank update (alpha / r) * dropout(x) A B of a dense layer (PEFT's LoRA Linear):
+    A [in, r], B [r, out], B zero at the start so the first forward is the base model's. Runs in
+    the compute dtype like the dense layer it joins; dropout only on its own input."""
+
+    config: BertConfig
+    features: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
+        c = self.config
+        a = self.param("a", lora_a_init, (x.shape[-1], c.lora_rank), jnp.float32)
+        b = self.param("b", nn.initializers.zeros, (c.lora_rank, self.features), jnp.float32)
+        compute = jnp.dtype(c.dtype)
+        h = _Dropout(c.lora_dropout)(x, deterministic=deterministic).astype(compute)
+        h = jnp.dot(jnp.dot(h, a.astype(compute)), b.astype(compute))
+        return h * jnp.asarray(c.lora_alpha / c.lora_rank, compute)
 
 
 _DRAW_BLOCK = 256  # dropout: hashes per block of 4 * 256 consecutive elements
@@ -351,9 +400,10 @@ class _SelfAttention(nn.Module):
         else:
             rows = lambda y: y
         split = lambda y: rows(y).reshape(b, t, c.num_attention_heads, c.head_dim)
-        q = split(_dense(c, c.hidden_size, "query")(x))
-        k = split(_dense(c, c.hidden_size, "key")(x))
-        v = split(_dense(c, c.hidden_size, "value")(x))
+        at = (self.scope.path, deterministic)
+        q = split(_dense(c, c.hidden_size, "query", *at)(x))
+        k = split(_dense(c, c.hidden_size, "key", *at)(x))
+        v = split(_dense(c, c.hidden_size, "value", *at)(x))
         # Built on both paths: linen names it _Dropout_0 either way, so the output dropout below
         # keeps its name, hence its key, whichever kernel runs.
         probs_dropout = _Dropout(c.attention_probs_dropout_prob)
@@ -370,7 +420,7 @@ class _SelfAttention(nn.Module):
         if layout is not None:
             ctx = _move(ctx.reshape(b * t, -1), layout.token_slots, flat_slots, layout.slot_real)
             ctx = ctx[None]
-        out = _dense(c, c.hidden_size, "output")(ctx).astype(jnp.float32)
+        out = _dense(c, c.hidden_size, "output", *at)(ctx).astype(jnp.float32)
         out = _Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
         return _layer_norm(c)(out + x)
 
@@ -382,8 +432,9 @@ class _Layer(nn.Module):
     def __call__(self, x, mask, deterministic: bool, layout=None) -> jax.Array:
         c = self.config
         x = _SelfAttention(c, name="attention")(x, mask, deterministic, layout)
-        h = _ACTIVATIONS[c.hidden_act](_dense(c, c.intermediate_size, "intermediate")(x))
-        out = _dense(c, c.hidden_size, "output")(h).astype(jnp.float32)
+        at = (self.scope.path, deterministic)
+        h = _ACTIVATIONS[c.hidden_act](_dense(c, c.intermediate_size, "intermediate", *at)(x))
+        out = _dense(c, c.hidden_size, "output", *at)(h).astype(jnp.float32)
         out = _Dropout(c.hidden_dropout_prob)(out, deterministic=deterministic)
         return _layer_norm(c)(out + x)
 

@@ -25,7 +25,6 @@ import os
 import pickle
 import re
 import shutil
-import tempfile
 import warnings
 import zipfile
 import zlib
@@ -441,10 +440,12 @@ def load_pretrained(
     attention: str = "xla",
     head: str = "sequence",
     label_names: tuple[str, ...] = (),
+    lora: Any = None,
 ) -> Pretrained:
     """Loads a BERT checkpoint for sequence classification (regression: num_labels=1), with
     `head="token"` token classification (no pooler), or with `head="mlm"` masked-language
-    modelling (BertForMaskedLM's head; `num_labels` is then unused).
+    modelling (BertForMaskedLM's head; `num_labels` is then unused). `lora`
+    (`models.lora.LoraSettings`) adds fresh LoRA adapters, seeded by `seed` like a fresh head.
 
     Returns `Pretrained`, which unpacks as `apply, params, config`; `.model_dir` holds the files.
     """
@@ -460,8 +461,18 @@ def load_pretrained(
         head=head,
         label_names=tuple(label_names) or None,
     )
+    from fedjax_split.models import lora as lora_adapters
+
+    config = lora_adapters.configure(config, lora)
     params = params_from_tensors(read_weights(model_dir), config, seed=seed, source=str(model_dir))
+    if config.lora_targets:
+        params = lora_adapters.with_adapters(params, config, seed)
     return Pretrained(make_apply(config), params, config, model_dir)
+
+
+def has_pooler(model_dir: Path) -> bool:
+    """Whether a checkpoint holds a pooler (sentence-embedding fine-tunes may not)."""
+    return "pooler.dense.weight" in {_normalise_name(n) for n in read_weights(model_dir)}
 
 
 def params_to_tensors(params: Params, config: BertConfig) -> dict[str, np.ndarray]:
@@ -480,15 +491,6 @@ def params_to_tensors(params: Params, config: BertConfig) -> dict[str, np.ndarra
     return out
 
 
-def _umask_modes(directory: Path) -> None:
-    """Sets `directory` and the files in it to the modes the process umask gives new ones."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(directory, 0o777 & ~umask)
-    for f in directory.iterdir():
-        os.chmod(f, 0o666 & ~umask)
-
-
 def save_pretrained(
     params: Params,
     config: BertConfig,
@@ -504,15 +506,11 @@ def save_pretrained(
     """
     from safetensors.numpy import save_file
 
-    out = Path(out_dir).expanduser()
-    if out.exists() and (
-        not out.is_dir() or (any(out.iterdir()) and not (out / "config.json").is_file())
-    ):
-        raise UserError(f"{out} exists and is not a model directory; choose another output path")
+    from fedjax_split.atomic import replace_dir
+
     tensors = params_to_tensors(params, config)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer_dir is not None:
@@ -524,14 +522,5 @@ def save_pretrained(
                 )
             for f in copied:
                 shutil.copy2(tok / f, tmp / f)
-        _umask_modes(tmp)  # mkdtemp makes 0700: give the export the modes a plain mkdir would
-        old = None
-        if out.exists():
-            old = out.parent / f".old-{out.name}-{os.getpid()}"
-            os.rename(out, old)
-        os.rename(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return replace_dir(out_dir, fill, "config.json", "a model directory")

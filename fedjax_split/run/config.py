@@ -110,6 +110,24 @@ class ExperimentConfig:
         "'embeddings\\.|encoder\\.layer\\.[0-2]\\.'.",
         metavar="REGEX",
     )
+    lora_rank: int | None = _setting(
+        None,
+        "LoRA adapters of this rank on the layers --lora-targets names: the base weights are "
+        "frozen and only the adapters and the head train; adapters below the critical layer are "
+        "shared, those above and the head personal (docs/lora.md). Unset: no LoRA.",
+        metavar="R",
+    )
+    lora_alpha: float | None = _setting(
+        None, "LoRA: the scale's numerator, updates scaled by alpha / r (unset: 2r).", metavar="A"
+    )
+    lora_targets: str = _setting(
+        "query|value",
+        "LoRA: regex (re.search) over the encoder's dense layers by their PEFT module names, e.g. "
+        "'bert.encoder.layer.0.attention.self.query'; the default is PEFT's for BERT, the "
+        "attention's query and value ('query|key|value|dense' takes every dense layer).",
+        metavar="REGEX",
+    )
+    lora_dropout: float = _setting(0.0, "LoRA: dropout on the adapters' input (PEFT's default 0).")
     clients: int = _setting(3, "Number of clients K.")
     clients_per_round: int | None = _setting(
         None, "Clients sampled each round; 'all' = every client (the paper).", metavar="M"
@@ -378,6 +396,7 @@ def validate(config: ExperimentConfig) -> None:
                 f"--freeze {config.freeze!r} is not a valid regex ({e}); pass a Python regex "
                 r"over Hugging Face tensor names, e.g. 'embeddings\.'"
             ) from None
+    validate_lora(config)
     if config.data_dir is not None and not Path(config.data_dir).is_dir():
         raise UserError(f"data dir {config.data_dir!r} does not exist; pass an existing --data-dir")
     validate_aggregation(config)
@@ -388,6 +407,41 @@ def _positive(config: ExperimentConfig, name: str, zero_ok: bool = False) -> Non
     if value is not None and not (math.isfinite(value) and (value > 0 or zero_ok and value == 0)):
         bound = ">= 0" if zero_ok else "> 0"
         raise UserError(f"--{name.replace('_', '-')} must be a number {bound}, got {value}")
+
+
+def lora_settings(config: ExperimentConfig) -> Any:
+    """The run's `models.lora.LoraSettings`, None without --lora-rank."""
+    if config.lora_rank is None:
+        return None
+    from fedjax_split.models.lora import LoraSettings
+
+    return LoraSettings(config.lora_rank, config.lora_alpha, config.lora_targets,
+                        config.lora_dropout)  # fmt: skip
+
+
+def validate_lora(config: ExperimentConfig) -> None:
+    """The LoRA flags: the rank first, and the others only with it."""
+    if config.lora_rank is None:
+        given = [flag for flag, changed in (
+            ("--lora-alpha", config.lora_alpha is not None),
+            ("--lora-targets", config.lora_targets != FIELDS["lora_targets"].default),
+            ("--lora-dropout", config.lora_dropout != 0.0),
+        ) if changed]  # fmt: skip
+        if given:
+            raise UserError(f"{given[0]} needs --lora-rank R, the adapters' rank (e.g. 8)")
+        return
+    if config.lora_rank < 1:
+        raise UserError(f"--lora-rank must be at least 1, got {config.lora_rank}")
+    _positive(config, "lora_alpha")
+    if not (math.isfinite(config.lora_dropout) and 0 <= config.lora_dropout < 1):
+        raise UserError(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}")
+    try:
+        re.compile(config.lora_targets)
+    except re.error as e:
+        raise UserError(
+            f"--lora-targets {config.lora_targets!r} is not a valid regex ({e}); pass a Python "
+            "regex such as 'query|value'"
+        ) from None
 
 
 def validate_aggregation(config: ExperimentConfig) -> None:

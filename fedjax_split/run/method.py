@@ -6,6 +6,8 @@ depth, and a run that silently became another method wastes its hours; the first
 
 from __future__ import annotations
 
+from typing import Any
+
 from fedjax_split.fed.algorithms import get as get_algorithm
 
 _WIRE = {"fp16": "float16", "bf16": "bfloat16"}
@@ -25,10 +27,12 @@ def describe(
     num_frozen: int = 0,
     freeze: str | None = None,
     mu: float = 0.0,
+    lora: Any = None,
 ) -> str:
     """E.g. "FedSplitBERT, c = 3 of 6: embeddings + layers 1-3 shared, layers 4-6 + head
     personal". The server algorithm is named when it is not FedAvg; the wire dtype and frozen
-    parameters are added when set."""
+    parameters are added when set; with LoRA (`lora`, the model's BertConfig), what is shared
+    and personal are the adapters and the head, and the base weights frozen are not listed."""
     algo = get_algorithm(algorithm)
     title = algo.title or algo.name
     if algo.prox:
@@ -44,9 +48,23 @@ def describe(
             f"{name}, c = {c} of {big_l}: embeddings + {_layers(1, c)} shared, "
             f"{_layers(c + 1, big_l)} + head personal"
         )
+    if lora is not None:
+        from fedjax_split.models.lora import candidates
+
+        names = candidates(lora)
+        where = dict.fromkeys(names[t].split(".", 4)[-1] for t in lora.lora_targets)
+        line = (
+            line.replace("the whole model shared", "every adapter + head shared")
+            .replace("embeddings + ", "adapters of ")
+            .replace("+ head personal", "adapters + head personal")
+        )
+        line += (
+            f"; LoRA r = {lora.lora_rank}, alpha = {lora.lora_alpha:g} on {', '.join(where)} "
+            "(base weights frozen)"
+        )
     if c > 0 and quantize in _WIRE:
         line += f"; sent as {_WIRE[quantize]}"
-    if num_frozen:
+    if num_frozen and lora is None:
         regex = f" (--freeze {freeze!r})" if freeze else ""
         line += f"; {num_frozen:,} parameters frozen{regex}"
     return line

@@ -18,7 +18,12 @@ from typing import Any
 import numpy as np
 
 from fedjax_split.errors import UserError
-from fedjax_split.run.config import ExperimentConfig, validate, validate_critical_layer
+from fedjax_split.run.config import (
+    ExperimentConfig,
+    lora_settings,
+    validate,
+    validate_critical_layer,
+)
 
 SUBSAMPLE = 0  # purpose of the subsample's numpy seed (rounds.sample_clients uses 1)
 WIRE_DTYPE = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -149,17 +154,20 @@ def load_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = (
         attention=config.attention,
         head=task.objective.head,
         label_names=tag_names or task.label_names,
+        lora=lora_settings(config),
     )
 
 
 def model_parts(config: ExperimentConfig, pre: Any, critical_layer: int) -> Any:
-    """The model's parameters by role (global, local, frozen): the critical layer's split with
-    --freeze over the Hugging Face tensor names."""
+    """The model's parameters by role (global, local, frozen): the critical layer's split (with
+    LoRA, of the adapters and the head, every base weight frozen) with --freeze over the Hugging
+    Face tensor names."""
     from fedjax_split.fed import roles
-    from fedjax_split.models import hf_checkpoint
+    from fedjax_split.models import hf_checkpoint, lora
 
+    split = lora.rule if pre.config.lora_targets else roles.critical_layer_rule
     rule = roles.freeze_rule(
-        roles.critical_layer_rule(critical_layer, pre.config.num_hidden_layers),
+        split(critical_layer, pre.config.num_hidden_layers),
         config.freeze,
         hf_checkpoint.tensor_names(pre.config),
     )
@@ -242,13 +250,15 @@ def partition_lists(part: Any) -> list[list[list[int]]]:
 
 def checkpoint_meta(config: ExperimentConfig, model: Model, part: Any) -> dict[str, Any]:
     """What a fine-tuning checkpoint records besides its arrays, simulated or deployed: the seed,
-    the partition and the model it was made with (checked on --resume)."""
+    the partition and the model it was made with (checked on --resume), its LoRA adapters."""
+    from fedjax_split.models import lora
     return {
         "seed": config.seed,
         "partition": [{"train": tr, "test": te} for tr, te in partition_lists(part)],
         "model_config": model.config.to_hf_dict(),
         "model_dir": None if model.model_dir is None else str(model.model_dir),
         "critical_layer": model.critical_layer,
+        "lora": lora.fields(model.config),
     }
 
 
@@ -259,7 +269,7 @@ def method_line(config: ExperimentConfig, model: Model) -> str:
     return describe(
         config.algorithm, model.critical_layer, model.config.num_hidden_layers,
         quantize=config.quantize, num_frozen=model.num_frozen, freeze=config.freeze,
-        mu=config.prox_mu,
+        mu=config.prox_mu, lora=model.config if model.config.lora_targets else None,
     )  # fmt: skip
 
 

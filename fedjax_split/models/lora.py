@@ -1,0 +1,268 @@
+"""LoRA adapters (Hu et al. 2021) on BERT's dense layers, made as PEFT makes them, with their roles
+and their export as a PEFT adapter directory.
+
+Why our own and not peft's: the model is ours (Flax), and an adapter must be a parameter like any
+other, so that roles, aggregation, the 16-bit wire, DP, checkpoints and Flower carry it with no
+special case. PEFT is the reference for every choice: A Kaiming-uniform and B zero (the first
+forward is the base model's), the update (alpha / r) * dropout(x) A B, the base weights frozen,
+and for a classifier (sequence or token) the head trained and saved whole with the pooler frozen.
+An adapter sits beside its layer ("encoder/layer_0/attention/query_lora/{a,b}"), so the roles
+place it by its encoder layer like the layer itself: below the critical layer it is global (sent
+and aggregated), above it local; the head is local unless c = L.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_split.errors import UserError
+from fedjax_split.fed import roles
+from fedjax_split.models.bert import LORA_SUFFIX, BertConfig, lora_a_init
+
+DEFAULT_TARGETS = "query|value"  # PEFT's default for BERT: the attention's query and value
+PEFT_PREFIX = "base_model.model."  # the key prefix of a PeftModel's saved tensors
+_TASK_TYPES = {"sequence": "SEQ_CLS", "token": "TOKEN_CLS"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """What the user chooses: rank r, alpha (None: 2r), a regex over PEFT's module names
+    (`re.search`, e.g. "bert.encoder.layer.0.attention.self.query"), dropout on the adapters'
+    input."""
+
+    rank: int
+    alpha: float | None = None
+    targets: str = DEFAULT_TARGETS
+    dropout: float = 0.0
+
+    @property
+    def scaled_alpha(self) -> float:
+        return 2.0 * self.rank if self.alpha is None else float(self.alpha)
+
+
+def candidates(config: BertConfig) -> dict[str, str]:
+    """The dense layers that may carry an adapter, our path -> PEFT's module name, in model order:
+    every dense layer of the encoder (the pooler stays frozen and the head is trained whole)."""
+    names = {}
+    for i in range(config.num_hidden_layers):
+        o, t = f"encoder/layer_{i}", f"bert.encoder.layer.{i}"
+        for qkv in ("query", "key", "value"):
+            names[f"{o}/attention/{qkv}"] = f"{t}.attention.self.{qkv}"
+        names[f"{o}/attention/output"] = f"{t}.attention.output.dense"
+        names[f"{o}/intermediate"] = f"{t}.intermediate.dense"
+        names[f"{o}/output"] = f"{t}.output.dense"
+    return names
+
+
+def configure(config: BertConfig, settings: LoraSettings | None) -> BertConfig:
+    """`config` with the adapters `settings` asks for (unchanged for None). A one-line UserError
+    for a bad rank, alpha, dropout or regex, a regex that chooses no layer, or the MLM head."""
+    if settings is None:
+        return config
+    if isinstance(settings.rank, bool) or not isinstance(settings.rank, int) or settings.rank < 1:
+        raise UserError(f"--lora-rank must be an integer >= 1, got {settings.rank!r}")
+    alpha = settings.scaled_alpha
+    if not (np.isfinite(alpha) and alpha > 0):
+        raise UserError(f"--lora-alpha must be a number > 0, got {settings.alpha}")
+    if not 0 <= settings.dropout < 1:
+        raise UserError(f"--lora-dropout must be in [0, 1), got {settings.dropout}")
+    if config.head not in _TASK_TYPES:
+        raise UserError(
+            f"LoRA is for classification and NER heads, not {config.head!r}; FedBFPT's "
+            "pre-training trains whole layers (drop the --lora-* flags)"
+        )
+    try:
+        pattern = re.compile(settings.targets)
+    except re.error as err:
+        raise UserError(
+            f"--lora-targets {settings.targets!r} is not a valid regex ({err}); pass a Python "
+            "regex over module names such as 'query|value'"
+        ) from None
+    chosen = tuple(p for p, name in candidates(config).items() if pattern.search(name))
+    if not chosen:
+        raise UserError(
+            f"--lora-targets {settings.targets!r} matches no dense layer of the encoder; names "
+            "look like 'bert.encoder.layer.0.attention.self.query', '...attention.output.dense', "
+            "'...intermediate.dense', '...output.dense'"
+        )
+    return dataclasses.replace(
+        config, lora_rank=settings.rank, lora_alpha=alpha, lora_dropout=float(settings.dropout),
+        lora_targets=chosen,
+    )  # fmt: skip
+
+
+def fields(config: BertConfig) -> dict[str, Any] | None:
+    """The adapters' part of a config as JSON (a checkpoint's record), None without LoRA."""
+    if not config.lora_targets:
+        return None
+    return {
+        "lora_rank": config.lora_rank,
+        "lora_alpha": config.lora_alpha,
+        "lora_dropout": config.lora_dropout,
+        "lora_targets": list(config.lora_targets),
+    }
+
+
+def from_fields(config: BertConfig, saved: Mapping[str, Any] | None) -> BertConfig:
+    """Inverse of `fields`: `config` with the adapters recorded in `saved` (None: none)."""
+    if not saved:
+        return config
+    return dataclasses.replace(
+        config, lora_rank=int(saved["lora_rank"]), lora_alpha=float(saved["lora_alpha"]),
+        lora_dropout=float(saved["lora_dropout"]), lora_targets=tuple(saved["lora_targets"]),
+    )  # fmt: skip
+
+
+def is_adapter(path: str) -> bool:
+    """Whether a parameter path is a LoRA factor ("encoder/layer_0/attention/query_lora/a")."""
+    return f"{LORA_SUFFIX}/" in path
+
+
+def _shapes(config: BertConfig, target: str) -> tuple[int, int]:
+    """(fan_in, fan_out) of a target dense layer."""
+    h, inner = config.hidden_size, config.intermediate_size
+    if target.endswith("/intermediate"):
+        return h, inner
+    if re.search(r"layer_\d+/output$", target):
+        return inner, h
+    return h, h
+
+
+def init_adapters(config: BertConfig, seed: int) -> dict[str, Any]:
+    """Fresh adapters for `config.lora_targets`: A as PEFT draws it, B zero. A's key depends only
+    on (seed, path), as a fresh head's does (`hf_checkpoint`), so any process derives the same."""
+    flat = {}
+    for target in config.lora_targets:
+        fan_in, fan_out = _shapes(config, target)
+        path = f"{target}{LORA_SUFFIX}"
+        key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path.encode()))
+        flat[f"{path}/a"] = lora_a_init(key, (fan_in, config.lora_rank), jnp.float32)
+        flat[f"{path}/b"] = jnp.zeros((config.lora_rank, fan_out), jnp.float32)
+    return roles.unflatten_paths(flat)
+
+
+def with_adapters(params: Mapping[str, Any], config: BertConfig, seed: int) -> dict[str, Any]:
+    """`params` (a pretrained tree without adapters) with fresh ones for `config`."""
+    return roles.merge_params(params, init_adapters(config, seed))
+
+
+def rule(critical_layer: int, num_layers: int) -> roles.Rule:
+    """The roles with LoRA: an adapter in encoder layer i < c is global, one above is local; the
+    head (classifier) is global only for c = L; every base weight is frozen (one copy, never sent,
+    never trained), the pooler included, as PEFT leaves it."""
+    split = roles.critical_layer_rule(critical_layer, num_layers)  # checks c
+
+    def lora_rule(path: str) -> str:
+        if is_adapter(path) or path.startswith("classifier/"):
+            return split(path)
+        return roles.FROZEN
+
+    return lora_rule
+
+
+def _scale(config: BertConfig) -> float:
+    return config.lora_alpha / config.lora_rank
+
+
+def merge(params: Mapping[str, Any], config: BertConfig) -> tuple[dict[str, Any], BertConfig]:
+    """(the tree with each adapter folded into its layer, W + (alpha / r) A B, in fp32, and no
+    adapter left; the config without LoRA): the model as one plain BERT, for export."""
+    flat = roles.flatten_paths(params)
+    for target in config.lora_targets:
+        a = np.asarray(flat.pop(f"{target}{LORA_SUFFIX}/a"), np.float32)
+        b = np.asarray(flat.pop(f"{target}{LORA_SUFFIX}/b"), np.float32)
+        kernel = np.asarray(flat[f"{target}/kernel"], np.float32)
+        flat[f"{target}/kernel"] = jnp.asarray(kernel + np.float32(_scale(config)) * (a @ b))
+    left = [p for p in flat if is_adapter(p)]
+    if left:
+        raise ValueError(f"adapters without a target in the config: {left[:3]}")
+    plain = dataclasses.replace(config, lora_rank=0, lora_alpha=0.0, lora_dropout=0.0,
+                                lora_targets=())  # fmt: skip
+    return roles.unflatten_paths(flat), plain
+
+
+def peft_config(
+    config: BertConfig, base_model: str | None, modules_to_save: list[str]
+) -> dict[str, Any]:
+    """The adapter_config.json of a PEFT LoRA adapter for these adapters (the fields PEFT needs;
+    it fills the rest with its defaults)."""
+    names = candidates(config)
+    return {
+        "peft_type": "LORA",
+        "task_type": _TASK_TYPES[config.head],
+        "base_model_name_or_path": base_model,
+        "r": config.lora_rank,
+        "lora_alpha": config.lora_alpha,
+        "lora_dropout": config.lora_dropout,
+        "target_modules": [names[t] for t in config.lora_targets],
+        "modules_to_save": modules_to_save,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "use_rslora": False,
+    }
+
+
+def peft_tensors(
+    params: Mapping[str, Any], config: BertConfig, modules_to_save: list[str]
+) -> dict[str, np.ndarray]:
+    """The adapter_model.safetensors of a PEFT adapter: each adapter as lora_A [r, in] and lora_B
+    [out, r] (torch's layout), and the saved modules' tensors whole (fp32)."""
+    from fedjax_split.models import hf_checkpoint
+
+    flat = roles.flatten_paths(params)
+    names = candidates(config)
+    out = {}
+    for target in config.lora_targets:
+        for ours, theirs in (("a", "lora_A"), ("b", "lora_B")):
+            arr = np.asarray(jax.device_get(flat[f"{target}{LORA_SUFFIX}/{ours}"]), np.float32)
+            out[f"{PEFT_PREFIX}{names[target]}.{theirs}.weight"] = np.ascontiguousarray(arr.T)
+    merged, plain = merge(params, config)
+    whole = hf_checkpoint.params_to_tensors(merged, plain)
+    for module in modules_to_save:
+        prefix = "classifier." if module == "classifier" else f"bert.{module}."
+        for name, arr in whole.items():
+            if name.startswith(prefix):
+                out[PEFT_PREFIX + name] = arr
+    return out
+
+
+def save_peft(
+    params: Mapping[str, Any],
+    config: BertConfig,
+    out_dir: str | Path,
+    *,
+    base_model: str | None,
+    base_has_pooler: bool = True,
+) -> Path:
+    """Writes a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) that
+    `peft.PeftModel.from_pretrained(base, out_dir)` loads onto the base model. The head is saved
+    whole; so is the pooler when the base checkpoint lacks one (ours was then drawn from the
+    run's seed, which the base model's fresh pooler would not equal). Written into a temporary
+    sibling and renamed into place, like `hf_checkpoint.save_pretrained`."""
+    from safetensors.numpy import save_file
+
+    from fedjax_split.atomic import replace_dir
+
+    if not config.lora_targets:
+        raise UserError("--peft exports LoRA adapters; this run has none (train with --lora-rank)")
+    modules = ["classifier"] + ([] if base_has_pooler or config.head != "sequence" else ["pooler"])
+    tensors = peft_tensors(params, config, modules)
+
+    def fill(tmp: Path) -> None:
+        cfg = peft_config(config, base_model, modules)
+        (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+    return replace_dir(out_dir, fill, "adapter_config.json", "an adapter directory")
