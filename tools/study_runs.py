@@ -1,0 +1,94 @@
+"""What a study under tools/ does with its runs: start one (resumable, its commit logged), load a
+finished one, and put numbers in tables (mean ± sd over seeds).
+
+Runs are `python -m fedjax_split.train ARGS --output-dir=DIR/<name>`, their output in
+DIR/<name>.log after a line "commit <hash>": a finished run (summary.json) is not run again, an
+interrupted one continues with --resume.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedjax_split.run.outputs import read_json, read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()  # fmt: skip
+
+
+class Runs:
+    """The runs of one study, in `directory`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+
+    def run(self, name: str, args: Sequence[str]) -> str:
+        out = self.directory / name
+        if (out / "summary.json").is_file():
+            return f"{name}: done before"
+        cmd = [sys.executable, "-m", "fedjax_split.train", *args, f"--output-dir={out}"]
+        if out.exists():
+            cmd.append("--resume")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        with open(self.directory / f"{name}.log", "a") as f:
+            f.write(f"commit {commit()}\n{shlex.join(cmd)}\n")
+            f.flush()
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+        return f"{name}: {'ok' if rc == 0 else f'FAILED (exit {rc})'} in {time.time() - t0:.0f}s"
+
+    def load(self, name: str) -> dict[str, Any] | None:
+        """A finished run's summary, records, config and commits; None if it has not finished."""
+        d = self.directory / name
+        if not (d / "summary.json").is_file():
+            return None
+        log = self.directory / f"{name}.log"
+        lines = log.read_text().splitlines() if log.is_file() else []
+        return {
+            "summary": read_json(d / "summary.json"),
+            "records": read_jsonl(d / "metrics.jsonl"),
+            "config": read_json(d / "config.json"),
+            "commits": [x.split()[1] for x in lines if x.startswith("commit ")],
+        }
+
+    def commits(self, names: Sequence[str]) -> list[str]:
+        """The commits the finished runs among `names` ran at (a resumed run lists each)."""
+        found: list[str] = []
+        for name in names:
+            run = self.load(name)
+            for c in [] if run is None else run["commits"]:
+                if c not in found:
+                    found.append(c)
+        return found
+
+
+def final(run: dict[str, Any], key: str = "accuracy") -> float | None:
+    """The last evaluated value of `key` in a run's records."""
+    scored = [r for r in run["records"] if r.get(key) is not None]
+    return scored[-1][key] if scored else None
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def mean_sd(values: Sequence[float]) -> str:
+    """'mean ± sd (n)' over seeds; one value as it is."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.3f} (n=1)"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} (n={len(values)})"
