@@ -522,3 +522,68 @@ def test_dp_budget_ends_the_run_after_the_last_round_within_it(
     assert privacy["rounds"] == 2 and privacy["noise_multiplier"] == 2.0
     assert privacy["sampling"] == "poisson" and privacy["sampling_rate"] == round(2 / 3, 4)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["1", "2"]
+
+
+def _lora_count_by_hand(model_dir: Path, layers: int, rank: int) -> int:
+    """Parameters of the query and value adapters of `layers` encoder layers, from config.json:
+    A [h, r] and B [r, h] each."""
+    h = json.loads((model_dir / "config.json").read_text())["hidden_size"]
+    return layers * 2 * (h * rank + rank * h)
+
+
+@pytest.mark.parametrize(
+    ("critical_layer", "algorithm", "quantize", "wire_bytes"),
+    [(1, "fedavg", "fp16", 2), (None, "fedadam", "none", 4)],
+)
+def test_lora_trains_adapters_and_head_sends_only_the_shared_and_keeps_the_base_bit_identical(
+    files: dict[str, Path], critical_layer: int | None, algorithm: str, quantize: str,
+    wire_bytes: int,
+) -> None:  # fmt: skip
+    """c = 1 of 2: the first layer's adapters are global, in fp16; c = L with FedAdam: every
+    adapter and the head, in fp32. Bytes by hand from config.json; every base weight equals the
+    checkpoint's after the rounds; the local parts hold only adapters and the head."""
+    from fedjax_split.fed.roles import flatten_paths
+    from fedjax_split.models.hf_checkpoint import load_pretrained
+    from fedjax_split.sim.client_store import ClientStore
+
+    name = f"lora_{critical_layer}_{algorithm}"
+    out = files["base"] / name
+    cfg = _config(files, name, critical_layer=critical_layer, algorithm=algorithm,
+                  quantize=quantize, lora_rank=2, rounds=2, lr=1e-2)  # fmt: skip
+    summary = experiment.run_experiment(cfg, progress=False)
+    head = 32 * 2 + 2  # the classifier: hidden 32 -> 2 labels, and its bias
+    shared = _lora_count_by_hand(files["model"], 1 if critical_layer == 1 else 2, 2)
+    shared += head if critical_layer is None else 0
+    assert summary["global_params"] == shared
+    records = _records(out)
+    for r in records:
+        assert r["bytes_up"] == r["bytes_down"] == 3 * wire_bytes * shared
+    state, _ = RunCheckpointer(checkpoint_dir(out)).restore_untyped()
+    pretrained = flatten_paths(load_pretrained(files["model"], num_labels=2, seed=0).params)
+    frozen = flatten_paths(state["frozen"])
+    assert set(frozen) == set(pretrained) - {"classifier/kernel", "classifier/bias"}
+    for path, value in frozen.items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(pretrained[path]), path)
+    sent = flatten_paths(state["server_state"]["global_params"])
+    assert all("_lora/" in p or p.startswith("classifier/") for p in sent)
+    assert any(np.any(np.asarray(v)) for p, v in sent.items() if p.endswith("_lora/b"))  # trained
+    local = flatten_paths(ClientStore(out / experiment.CLIENTS_DIR).load(0, at_most=2))
+    want_local = set() if critical_layer is None else {
+        f"encoder/layer_1/attention/{m}_lora/{x}" for m in ("query", "value") for x in "ab"
+    } | {"classifier/kernel", "classifier/bias"}  # fmt: skip
+    assert set(local) == want_local
+
+
+def test_lora_with_client_level_dp_clips_and_noises_the_adapters(files: dict[str, Path]) -> None:
+    """DP on a LoRA run: the accountant runs, the shared adapters are what is clipped (their
+    update norms are recorded) and the base stays frozen."""
+    name = "lora_dp"
+    cfg = _config(files, name, critical_layer=1, lora_rank=2, dp_noise_multiplier=0.5,
+                  dp_clip=0.01, dp_delta=1e-3)  # fmt: skip
+    summary = experiment.run_experiment(cfg, progress=False)
+    records = _records(files["base"] / name)
+    assert 0 < records[0]["epsilon"] < records[1]["epsilon"]
+    assert all(len(r["update_norms"]) == 3 for r in records)
+    assert summary["frozen_params"] > 0 and summary["global_params"] == _lora_count_by_hand(
+        files["model"], 1, 2
+    )

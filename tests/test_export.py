@@ -171,6 +171,8 @@ def test_user_errors_are_one_line_and_write_nothing(
     _one_line_error(capsys, ["--run-dir", str(run), "--client", "0", "--out", str(not_a_model)],
                     "is not a model directory")  # fmt: skip
     assert [p.name for p in not_a_model.iterdir()] == ["notes.txt"]
+    _one_line_error(capsys, ["--run-dir", str(run), "--client", "0", "--peft", *base],
+                    "--peft writes LoRA adapters and this run has none")  # fmt: skip
     assert not out.exists()
 
 
@@ -239,3 +241,89 @@ def test_the_skew_note_states_the_clients_labels_and_figures(tmp_path: Path) -> 
     assert skew_note(tmp_path, 2) is None  # no such client: nothing to say
     (tmp_path / "metrics.jsonl").unlink()
     assert skew_note(tmp_path, 0) is None
+
+
+@pytest.fixture(scope="module")
+def lora_run(files: dict[str, Path]) -> Path:
+    """LoRA r = 2 on query and value, c = 1 of 2, fp16 wire: client 0's model is the received
+    first-layer adapters, its own second-layer adapters and head, and the frozen base."""
+    experiment.run_experiment(_config(files, "lora", lora_rank=2, lora_dropout=0.1, lr=1e-2),
+                              progress=False)  # fmt: skip
+    return files["base"] / "lora"
+
+
+def test_a_lora_clients_model_exports_merged_and_as_a_peft_adapter_with_the_same_logits(
+    files: dict[str, Path], lora_run: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The merged export in transformers gives the run's own model's logits (its adapters
+    unmerged); the PEFT adapter, loaded by peft onto the base checkpoint, gives the same."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from fedjax_split.models import lora
+    from fedjax_split.models.bert import make_apply
+    from fedjax_split.models.hf_checkpoint import load_pretrained
+
+    merged_dir, adapter_dir = files["base"] / "lora_merged", files["base"] / "lora_peft"
+    for extra, out in (([], merged_dir), (["--peft"], adapter_dir)):
+        args = ["--run-dir", str(lora_run), "--client", "0", "--out", str(out), *extra]
+        assert export.main(args) == 0
+        assert f"to {out}" in capsys.readouterr().out
+    assert sorted(p.name for p in adapter_dir.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"]  # fmt: skip
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(files["model"])
+    assert cfg["lora_dropout"] == 0.1 and cfg["r"] == 2 and cfg["lora_alpha"] == 4.0
+
+    ids = np.random.default_rng(0).integers(5, _vocab(files), size=(3, 8))
+    params, config, _ = export.personalised_params(lora_run, 0)
+    assert config.lora_rank == 2 and any(lora.is_adapter(p) for p in _paths(params))
+    ours = np.asarray(make_apply(config)(params, ids, train=False))
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(files["model"])
+    with torch.no_grad():
+        whole = transformers.AutoModelForSequenceClassification.from_pretrained(merged_dir).eval()
+        want = whole(input_ids=torch.tensor(ids)).logits.numpy()
+        adapted = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+        got = adapted(input_ids=torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(want, ours, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # and the merged export is a plain BERT for fedjax_split too
+    pre = load_pretrained(merged_dir, num_labels=2)
+    assert not any(lora.is_adapter(p) for p in _paths(pre.params))
+
+
+def _vocab(files: dict[str, Path]) -> int:
+    return json.loads((files["model"] / "config.json").read_text())["vocab_size"]
+
+
+def _paths(tree: dict) -> list[str]:
+    from fedjax_split.fed.roles import flatten_paths
+
+    return list(flatten_paths(tree))
+
+
+def test_a_lora_ner_clients_peft_adapter_is_a_token_classifier(files: dict[str, Path]) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from run_fixtures import write_tiny_conll
+
+    data = write_tiny_conll(files["base"] / "conll_lora")
+    cfg = _config(files, "ner_lora", task="ner", data_dir=str(data), partition="dirichlet",
+                  alpha=1.0, rounds=2, batch_size=8, lr=1e-2, lora_rank=2,
+                  lora_targets="query|value|intermediate")  # fmt: skip
+    experiment.run_experiment(cfg, progress=False)
+    run = files["base"] / "ner_lora"
+    adapter = export.export_client(run, 1, files["base"] / "ner_lora_peft", peft=True)
+    merged = export.export_client(run, 1, files["base"] / "ner_lora_merged")
+    assert json.loads((adapter / "adapter_config.json").read_text())["task_type"] == "TOKEN_CLS"
+    base = transformers.AutoModelForTokenClassification.from_pretrained(
+        files["model"], num_labels=5, ignore_mismatched_sizes=True
+    )
+    ids = torch.tensor(np.random.default_rng(1).integers(5, _vocab(files), size=(2, 6)))
+    with torch.no_grad():
+        got = peft.PeftModel.from_pretrained(base, adapter).eval()(input_ids=ids).logits.numpy()
+        whole = transformers.AutoModelForTokenClassification.from_pretrained(merged).eval()
+        want = whole(input_ids=ids).logits.numpy()
+    assert got.shape == (2, 6, 5)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
