@@ -289,6 +289,38 @@ def test_dp_run_equals_simulation_clipping_at_the_nodes_noise_at_the_server(env:
     assert all(len(r["clients_sampled"]) == len(r["train_loss_clients"]) for r in got)
 
 
+def test_lora_run_equals_simulation_and_sends_only_the_shared_adapters(env: dict) -> None:
+    """LoRA r = 2 at c = 1 of 2 with an fp16 wire: every round equals the simulation's; what
+    crosses the wire is the first layer's adapters only, never a base weight, a local adapter or
+    the head, and the uploads are exactly the bytes the record reports."""
+    flags = {"critical_layer": 1, "eval_every": 2, "quantize": "fp16", "lora_rank": 2,
+             "lr": 1e-2}  # fmt: skip
+    out = env["base"] / "lora"
+    record_dir = env["base"] / "lora_sent"
+    res = _run(env, "fedjax_split.flower", _args(env, out, **flags),
+               **{protocol.RECORD_ENV: str(record_dir)})  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    _no_processes_left(str(out))
+    sim = _simulate(env, "lora_sim", **flags)
+    got, want = _metrics(out), _metrics(sim)
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
+    assert all(r["clients_failed"] == [] == r["clients_rejected"] for r in got)
+    sent = [json.loads(x) for f in record_dir.glob("*.jsonl") for x in f.read_text().splitlines()]
+    adapters = {f"encoder/layer_0/attention/{m}_lora/{x}" for m in ("query", "value") for x in "ab"}
+    for e in sent:
+        if e["type"] == "train":
+            assert {a["path"] for a in e["arrays"]} == adapters, e["sender"]
+    uploads = [e for e in sent if e["type"] == "train" and e["sender"] == "client"]
+    wire = sum(int(np.prod(a["shape"])) * np.dtype(a["dtype"]).itemsize
+               for e in uploads for a in e["arrays"])  # fmt: skip
+    assert wire == sum(r["bytes_up"] for r in got)
+    local_paths, local_digests = _local_paths_and_digests(out)
+    assert local_paths and not local_paths & adapters
+    assert local_paths - {"__dtypes__"} == {
+        f"encoder/layer_1/attention/{m}_lora/{x}" for m in ("query", "value") for x in "ab"
+    } | {"classifier/kernel", "classifier/bias"}  # fmt: skip
+
+
 def _kill_supernode(state_dir: str) -> None:
     """SIGKILL the SuperNode whose node config names `state_dir`, and all it started."""
     import psutil
