@@ -85,3 +85,37 @@ def test_permissions_follow_the_umask(tmp_path: Path) -> None:
     plain.write_text("x")
     written = atomic.write_text(tmp_path / "atomic", "x")
     assert stat.S_IMODE(written.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)
+
+
+def test_replace_dir_swaps_in_a_whole_directory_and_refuses_what_is_not_its_kind(
+    tmp_path: Path,
+) -> None:
+    from fedjax_split.atomic import replace_dir
+    from fedjax_split.errors import UserError
+
+    def fill(text: str):
+        def write(d: Path) -> None:
+            (d / "config.json").write_text(text)
+            (d / "weights.bin").write_bytes(text.encode())
+
+        return write
+
+    out = tmp_path / "model"
+    assert replace_dir(out, fill("one"), "config.json", "a model directory") == out
+    replace_dir(out, fill("two"), "config.json", "a model directory")  # an earlier export
+    assert (out / "config.json").read_text() == "two"
+
+    def fails(d: Path) -> None:
+        (d / "config.json").write_text("half")
+        raise RuntimeError("killed midway")
+
+    with pytest.raises(RuntimeError):
+        replace_dir(out, fails, "config.json", "a model directory")
+    assert (out / "config.json").read_text() == "two"  # the old one, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary left
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(UserError, match="is not a model directory"):
+        replace_dir(mine, fill("x"), "config.json", "a model directory")
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]

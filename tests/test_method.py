@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from fedjax_split.models import lora
+from fedjax_split.models.bert import BertConfig
 from fedjax_split.run.method import describe
+
+SIX = BertConfig(hidden_size=32, num_hidden_layers=6, num_attention_heads=2, intermediate_size=64)
 
 
 @pytest.mark.parametrize(
@@ -29,3 +33,21 @@ from fedjax_split.run.method import describe
 )  # fmt: skip
 def test_describe(args: tuple, kw: dict, want: str) -> None:
     assert describe(*args, **kw) == want
+
+
+@pytest.mark.parametrize(
+    ("c", "targets", "want"),
+    [
+        (3, "query|value",
+         "FedSplitBERT, c = 3 of 6: adapters of layers 1-3 shared, layers 4-6 adapters + head "
+         "personal; LoRA r = 8, alpha = 16 on attention.self.query, attention.self.value (base "
+         "weights frozen); sent as float16"),
+        (6, "intermediate",
+         "FedAvg: every adapter + head shared (c = L = 6); LoRA r = 8, alpha = 16 on "
+         "intermediate.dense (base weights frozen); sent as float16"),
+    ],
+)  # fmt: skip
+def test_describe_lora_says_adapters_are_what_is_shared(c: int, targets: str, want: str) -> None:
+    config = lora.configure(SIX, lora.LoraSettings(8, None, targets))
+    line = describe("fedavg", c, 6, quantize="fp16", num_frozen=10**6, lora=config)
+    assert line == want

@@ -218,6 +218,13 @@ BAD = [
     ({"aggregator": "mode"}, "unknown aggregator 'mode'"),
     ({"dp_noise_multiplier": 0.5, "dp_clip": 1.0, "dp_clip_quantile": 1.5},
      "--dp-clip-quantile must be in (0, 1)"),
+    # LoRA (models.lora): the rank first, then the others
+    ({"lora_alpha": 4.0}, "--lora-alpha needs --lora-rank"),
+    ({"lora_targets": "key"}, "--lora-targets needs --lora-rank"),
+    ({"lora_rank": 0}, "--lora-rank must be at least 1"),
+    ({"lora_rank": 2, "lora_dropout": 1.0}, "--lora-dropout must be in [0, 1)"),
+    ({"lora_rank": 2, "lora_targets": "(query"}, "--lora-targets '(query' is not a valid regex"),
+    ({"lora_rank": 2, "lora_targets": "pooler"}, "--lora-targets 'pooler' matches no dense layer"),
     # adaptive clipping's count noise is M / 20 = 0.15 with every one of 3 clients
     ({"dp_noise_multiplier": 0.5, "dp_clip": 1.0, "dp_clip_quantile": 0.5},
      "--dp-noise-multiplier below 2 x the count's noise (0.3)"),

@@ -117,14 +117,16 @@ def subset_examples(examples: Any, idx: np.ndarray | None) -> Any:
 
 
 def check(config: ExperimentConfig) -> int:
-    """Cheap checks of a config against the task registry and the model's depth (reads only the
-    model's config.json); returns the critical layer as an int in 0..L."""
-    from fedjax_split.models import hf_checkpoint
+    """Cheap checks of a config against the task registry and the model's depth and layers (reads
+    only the model's config.json); returns the critical layer as an int in 0..L."""
+    from fedjax_split.models import hf_checkpoint, lora
     from fedjax_split.tasks import registry as tasks
 
     validate(config)
-    tasks.get_task(config.task)
+    task = tasks.get_task(config.task)
     model_config = hf_checkpoint.load_config(hf_checkpoint.resolve_model(config.model))
+    head = dataclasses.replace(model_config, head=task.objective.head)
+    lora.configure(head, lora_settings(config))  # e.g. a --lora-targets that chooses no layer
     return validate_critical_layer(config, model_config.num_hidden_layers)
 
 
@@ -252,6 +254,7 @@ def checkpoint_meta(config: ExperimentConfig, model: Model, part: Any) -> dict[s
     """What a fine-tuning checkpoint records besides its arrays, simulated or deployed: the seed,
     the partition and the model it was made with (checked on --resume), its LoRA adapters."""
     from fedjax_split.models import lora
+
     return {
         "seed": config.seed,
         "partition": [{"train": tr, "test": te} for tr, te in partition_lists(part)],
