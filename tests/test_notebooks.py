@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -16,7 +17,7 @@ from nbclient import NotebookClient
 from run_fixtures import write_tiny_conll, write_tiny_model, write_tiny_sst2, write_tiny_text
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = ["quickstart", "critical_layer_sweep", "ner", "fedbfpt", "deployment"]
+NOTEBOOKS = ["quickstart", "critical_layer_sweep", "ner", "fedbfpt", "deployment", "lora"]
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,7 @@ EXPECTED = {
     "fedbfpt": {"pretrain_fedbfpt": 1, "pretrain_bert-fl": 1, "finetune_none": 2,
                 "finetune_fedbfpt": 2, "finetune_bert-fl": 2},  # fmt: skip
     "deployment": {"flower": 1, "simulation": 1},
+    "lora": {"full": 2, "lora": 2},
 }
 
 
@@ -102,6 +104,10 @@ def test_notebook_runs(
         text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
         assert "tags: ['O', 'B-neg', 'I-neg', 'B-pos', 'I-pos']" in text
         assert "awful" in text
+    if name == "lora":  # PEFT loaded the adapter onto the base model: the merged model's logits
+        text = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+        found = re.search(r"largest logit difference, merged vs PEFT adapter: (\S+)", text)
+        assert found and float(found.group(1)) < 1e-5, text
 
 
 def test_every_notebook_is_run_here() -> None:
