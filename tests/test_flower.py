@@ -254,6 +254,25 @@ def test_fedadam_run_equals_simulation_and_a_killed_node_is_left_out(env: dict) 
     assert last["bytes_down"] == got[1]["bytes_down"]  # three were sent
 
 
+def _federation_equals_simulation(
+    env: dict, name: str, flags: dict
+) -> tuple[Path, Path, list[dict]]:
+    """Runs `flags` as a Flower federation (every message recorded) and as a simulation, checks
+    that every round's figures are the same and that no client failed or was rejected; returns
+    both run directories and what was sent."""
+    out, record_dir = env["base"] / name, env["base"] / f"{name}_sent"
+    res = _run(env, "fedjax_split.flower", _args(env, out, **flags),
+               **{protocol.RECORD_ENV: str(record_dir)})  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    _no_processes_left(str(out))
+    sim = _simulate(env, f"{name}_sim", **flags)
+    got, want = _metrics(out), _metrics(sim)
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
+    assert all(r["clients_failed"] == [] == r["clients_rejected"] for r in got)
+    sent = [json.loads(x) for f in record_dir.glob("*.jsonl") for x in f.read_text().splitlines()]
+    return out, sim, sent
+
+
 def test_dp_run_equals_simulation_clipping_at_the_nodes_noise_at_the_server(env: dict) -> None:
     """Client-level DP on Flower (Poisson sampling at 2/3, adaptive clipping, noise z = 0.1):
     every round equals the simulation's, epsilon and the clip norm included. The server sends
@@ -262,16 +281,8 @@ def test_dp_run_equals_simulation_clipping_at_the_nodes_noise_at_the_server(env:
     flags = {"critical_layer": 1, "rounds": 2, "eval_every": 2, "clients_per_round": 2,
              "dp_noise_multiplier": 0.1, "dp_clip": 0.05, "dp_clip_quantile": 0.5,
              "dp_delta": 1e-3}  # fmt: skip
-    out = env["base"] / "dp"
-    record_dir = env["base"] / "dp_sent"
-    res = _run(env, "fedjax_split.flower", _args(env, out, **flags),
-               **{protocol.RECORD_ENV: str(record_dir)})  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    _no_processes_left(str(out))
-    sim = _simulate(env, "dp_sim", **flags)
-    got, want = _metrics(out), _metrics(sim)
-    assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
-    assert all(r["clients_rejected"] == [] for r in got)
+    out, sim, sent = _federation_equals_simulation(env, "dp", flags)
+    got = _metrics(out)
     epsilons = [r["epsilon"] for r in got]
     assert 0 < epsilons[0] < epsilons[1]
     assert got[0]["dp_clip"] == float(np.float32(0.05))  # the server state holds it in fp32
@@ -280,7 +291,6 @@ def test_dp_run_equals_simulation_clipping_at_the_nodes_noise_at_the_server(env:
     sim_summary = json.loads((sim / "summary.json").read_text())
     assert summary["privacy"] == sim_summary["privacy"]
     assert summary["privacy"]["epsilon"] == pytest.approx(epsilons[-1], abs=1e-4)  # rounded
-    sent = [json.loads(x) for f in record_dir.glob("*.jsonl") for x in f.read_text().splitlines()]
     trains = [e for e in sent if e["type"] == "train"]
     server_cfg = {k for e in trains if e["sender"] == "server" for k in e["configs"]["config"]}
     assert protocol.DP_CLIP in server_cfg
@@ -295,17 +305,8 @@ def test_lora_run_equals_simulation_and_sends_only_the_shared_adapters(env: dict
     the head, and the uploads are exactly the bytes the record reports."""
     flags = {"critical_layer": 1, "eval_every": 2, "quantize": "fp16", "lora_rank": 2,
              "lr": 1e-2}  # fmt: skip
-    out = env["base"] / "lora"
-    record_dir = env["base"] / "lora_sent"
-    res = _run(env, "fedjax_split.flower", _args(env, out, **flags),
-               **{protocol.RECORD_ENV: str(record_dir)})  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    _no_processes_left(str(out))
-    sim = _simulate(env, "lora_sim", **flags)
-    got, want = _metrics(out), _metrics(sim)
-    assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
-    assert all(r["clients_failed"] == [] == r["clients_rejected"] for r in got)
-    sent = [json.loads(x) for f in record_dir.glob("*.jsonl") for x in f.read_text().splitlines()]
+    out, _, sent = _federation_equals_simulation(env, "lora", flags)
+    got = _metrics(out)
     adapters = {f"encoder/layer_0/attention/{m}_lora/{x}" for m in ("query", "value") for x in "ab"}
     for e in sent:
         if e["type"] == "train":
@@ -314,7 +315,7 @@ def test_lora_run_equals_simulation_and_sends_only_the_shared_adapters(env: dict
     wire = sum(int(np.prod(a["shape"])) * np.dtype(a["dtype"]).itemsize
                for e in uploads for a in e["arrays"])  # fmt: skip
     assert wire == sum(r["bytes_up"] for r in got)
-    local_paths, local_digests = _local_paths_and_digests(out)
+    local_paths, _ = _local_paths_and_digests(out)
     assert local_paths and not local_paths & adapters
     assert local_paths - {"__dtypes__"} == {
         f"encoder/layer_1/attention/{m}_lora/{x}" for m in ("query", "value") for x in "ab"

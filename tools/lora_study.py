@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from study_runs import ROOT, Runs, final, fmt  # noqa: E402
+from study_runs import ROOT, Runs, final, fmt, write_report  # noqa: E402
 
 RUNS = Runs(ROOT / "runs" / "lora_study")
 DOC = ROOT / "docs" / "lora_study.md"
@@ -164,10 +164,7 @@ def report() -> None:
         ]
     plot(all_curves)
     text += ["![accuracy against megabytes](figures/lora_accuracy_mb.png)", ""]
-    if DISCUSSION.is_file():
-        text += [DISCUSSION.read_text().rstrip(), ""]
-    DOC.write_text("\n".join(text))
-    print(f"wrote {DOC}")
+    write_report(DOC, text, DISCUSSION)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

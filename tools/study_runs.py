@@ -92,3 +92,11 @@ def mean_sd(values: Sequence[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.3f} (n=1)"
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} (n={len(values)})"
+
+
+def write_report(doc: Path, lines: list[str], discussion: Path) -> None:
+    """Writes a study's generated report with its hand-written discussion (if any) appended."""
+    if discussion.is_file():  # written by hand from the tables the study generated
+        lines = [*lines, discussion.read_text().rstrip(), ""]
+    doc.write_text("\n".join(lines))
+    print(f"wrote {doc}")
