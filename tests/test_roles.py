@@ -248,3 +248,21 @@ def test_name_filter_matches_the_names_users_know() -> None:
     assert name_filter("pooler")("pooler/dense/bias")  # no name: the path itself
     with pytest.raises(UserError, match="invalid --freeze regex"):
         name_filter("(")
+
+
+def test_train_only_freezes_every_path_it_does_not_select() -> None:
+    """The rule keeps its role for the selected paths (a head-only rule here: the head local,
+    the rest global) and everything else is frozen, whatever the rule said."""
+    from fedjax_split.fed.roles import partition, train_only
+
+    params = _tree(np.random.default_rng(5))
+    selected = lambda p: p.startswith(("classifier/", "encoder/layer_0/"))  # noqa: E731
+    parts = partition(params, train_only(head_only_rule(), selected))
+    assert set(parts.local) == {"classifier"}
+    assert set(flatten_paths(parts.global_)) == {
+        p for p in flatten_paths(params) if p.startswith("encoder/layer_0/")
+    }
+    assert set(flatten_paths(parts.frozen)) == {
+        p for p in flatten_paths(params) if not selected(p)
+    }
+    _assert_same(merge_params(*parts), params)

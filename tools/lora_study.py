@@ -6,7 +6,7 @@ docs/lora_study_discussion.md, written by hand from the tables, appended).
     nice -n 10 python tools/lora_study.py          # every missing run, then the report
     python tools/lora_study.py --report-only       # the report from the finished runs
 
-Runs are `python -m fedjax_split.train ...` into runs/lora_study/<name> (tools/study_runs.py).
+Runs are `python -m fedjax_split.train ...` into runs/lora_study/<name> (tools/lib/study_runs.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 
 from study_runs import ROOT, Runs, final, fmt, write_report  # noqa: E402
 

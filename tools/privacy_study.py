@@ -7,9 +7,9 @@ mean, the trimmed mean, the median and a norm bound. Writes docs/privacy_study.m
     python tools/privacy_study.py --report-only       # the report from the finished runs
     python tools/privacy_study.py --only attack       # one part: dp | attack
 
-Runs are `python -m fedjax_split.train ...` into runs/privacy_study/<name> (tools/study_runs.py):
-a finished run (summary.json) is not run again, an interrupted one is continued with --resume.
-One at a time.
+Runs are `python -m fedjax_split.train ...` into runs/privacy_study/<name>
+(tools/lib/study_runs.py): a finished run (summary.json) is not run again, an interrupted one is
+continued with --resume. One at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 
 from study_runs import ROOT, Runs, final, fmt, mean_sd, write_report  # noqa: E402
 

@@ -163,6 +163,13 @@ def freeze_rule(rule: Rule, pattern: str | None, names: Mapping[str, str] | None
     return lambda path: FROZEN if frozen(path) else rule(path)
 
 
+def train_only(rule: Rule, trainable: Filter) -> Rule:
+    """`rule` on the paths `trainable` selects, every other path frozen: LoRA's roles
+    (`models.lora.trainable`: the adapters and the head train, split by the critical layer as the
+    layers they sit in; every pretrained weight is frozen, one copy, never trained or sent)."""
+    return lambda path: rule(path) if trainable(path) else FROZEN
+
+
 def role_labels(params: Mapping[str, Any], rule: Rule) -> dict[str, str]:
     """{path: role} for every leaf of `params` (checked to be one of ROLES)."""
     labels = {}

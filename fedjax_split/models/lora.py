@@ -7,8 +7,9 @@ special case. PEFT is the reference for every choice: A Kaiming-uniform and B ze
 forward is the base model's), the update (alpha / r) * dropout(x) A B, the base weights frozen,
 and for a classifier (sequence or token) the head trained and saved whole with the pooler frozen.
 An adapter sits beside its layer ("encoder/layer_0/attention/query_lora/{a,b}"), so the roles
-place it by its encoder layer like the layer itself: below the critical layer it is global (sent
-and aggregated), above it local; the head is local unless c = L.
+place it by its encoder layer like the layer itself (`fed.roles.train_only` with `trainable`):
+below the critical layer it is global (sent and aggregated), above it local; the head is local
+unless c = L; every base weight is frozen.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
 
 from fedjax_split.errors import UserError
-from fedjax_split.fed import roles
 from fedjax_split.models.bert import LORA_SUFFIX, BertConfig, lora_a_init
 
 DEFAULT_TARGETS = "query|value"  # PEFT's default for BERT: the attention's query and value
@@ -128,6 +129,20 @@ def is_adapter(path: str) -> bool:
     return f"{LORA_SUFFIX}/" in path
 
 
+def trainable(path: str) -> bool:
+    """What trains with LoRA: the adapters and the head, trained and saved whole as PEFT's
+    `modules_to_save` does for classification; every base weight (the pooler too) is frozen."""
+    return is_adapter(path) or path.startswith("classifier/")
+
+
+def _flat(tree: Mapping[str, Any]) -> dict[str, Any]:
+    return flatten_dict(dict(tree), sep="/")
+
+
+def _tree(flat: Mapping[str, Any]) -> dict[str, Any]:
+    return unflatten_dict(dict(flat), sep="/")
+
+
 def _shapes(config: BertConfig, target: str) -> tuple[int, int]:
     """(fan_in, fan_out) of a target dense layer."""
     h, inner = config.hidden_size, config.intermediate_size
@@ -148,26 +163,15 @@ def init_adapters(config: BertConfig, seed: int) -> dict[str, Any]:
         key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path.encode()))
         flat[f"{path}/a"] = lora_a_init(key, (fan_in, config.lora_rank), jnp.float32)
         flat[f"{path}/b"] = jnp.zeros((config.lora_rank, fan_out), jnp.float32)
-    return roles.unflatten_paths(flat)
+    return _tree(flat)
 
 
 def with_adapters(params: Mapping[str, Any], config: BertConfig, seed: int) -> dict[str, Any]:
     """`params` (a pretrained tree without adapters) with fresh ones for `config`."""
-    return roles.merge_params(params, init_adapters(config, seed))
-
-
-def rule(critical_layer: int, num_layers: int) -> roles.Rule:
-    """The roles with LoRA: an adapter in encoder layer i < c is global, one above is local; the
-    head (classifier) is global only for c = L; every base weight is frozen (one copy, never sent,
-    never trained), the pooler included, as PEFT leaves it."""
-    split = roles.critical_layer_rule(critical_layer, num_layers)  # checks c
-
-    def lora_rule(path: str) -> str:
-        if is_adapter(path) or path.startswith("classifier/"):
-            return split(path)
-        return roles.FROZEN
-
-    return lora_rule
+    flat, fresh = _flat(params), _flat(init_adapters(config, seed))
+    if flat.keys() & fresh.keys():
+        raise ValueError(f"the tree has adapters already: {sorted(flat.keys() & fresh.keys())[:3]}")
+    return _tree({**flat, **fresh})
 
 
 def _scale(config: BertConfig) -> float:
@@ -177,7 +181,7 @@ def _scale(config: BertConfig) -> float:
 def merge(params: Mapping[str, Any], config: BertConfig) -> tuple[dict[str, Any], BertConfig]:
     """(the tree with each adapter folded into its layer, W + (alpha / r) A B, in fp32, and no
     adapter left; the config without LoRA): the model as one plain BERT, for export."""
-    flat = roles.flatten_paths(params)
+    flat = _flat(params)
     for target in config.lora_targets:
         a = np.asarray(flat.pop(f"{target}{LORA_SUFFIX}/a"), np.float32)
         b = np.asarray(flat.pop(f"{target}{LORA_SUFFIX}/b"), np.float32)
@@ -188,7 +192,7 @@ def merge(params: Mapping[str, Any], config: BertConfig) -> tuple[dict[str, Any]
         raise ValueError(f"adapters without a target in the config: {left[:3]}")
     plain = dataclasses.replace(config, lora_rank=0, lora_alpha=0.0, lora_dropout=0.0,
                                 lora_targets=())  # fmt: skip
-    return roles.unflatten_paths(flat), plain
+    return _tree(flat), plain
 
 
 def peft_config(
@@ -221,7 +225,7 @@ def peft_tensors(
     [out, r] (torch's layout), and the saved modules' tensors whole (fp32)."""
     from fedjax_split.models import hf_checkpoint
 
-    flat = roles.flatten_paths(params)
+    flat = _flat(params)
     names = candidates(config)
     out = {}
     for target in config.lora_targets:

@@ -167,9 +167,11 @@ def model_parts(config: ExperimentConfig, pre: Any, critical_layer: int) -> Any:
     from fedjax_split.fed import roles
     from fedjax_split.models import hf_checkpoint, lora
 
-    split = lora.rule if pre.config.lora_targets else roles.critical_layer_rule
+    split = roles.critical_layer_rule(critical_layer, pre.config.num_hidden_layers)
+    if pre.config.lora_targets:
+        split = roles.train_only(split, lora.trainable)
     rule = roles.freeze_rule(
-        split(critical_layer, pre.config.num_hidden_layers),
+        split,
         config.freeze,
         hf_checkpoint.tensor_names(pre.config),
     )

@@ -20,7 +20,7 @@ from typing import Any
 
 from fedjax_split.run.outputs import read_json, read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def commit() -> str:
