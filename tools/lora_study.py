@@ -108,8 +108,8 @@ def table(data: str) -> tuple[list[str], dict[str, list[tuple[float, float]]]]:
             reach = mb_to_reach(run, target)
             lines.append(
                 f"| {label(method, rank)} | {params} | {up:.2f} | {fmt(final(run))} | "
-                f"{recs[-1]['cum_bytes'] / MB:,.1f} | "
-                f"{'not reached' if reach is None else f'{reach:,.1f}'} | "
+                f"{recs[-1]['cum_bytes'] / MB:,.2f} | "
+                f"{'not reached' if reach is None else f'{reach:,.2f}'} | "
                 f"{fmt(client_seconds(run), 2)} |"
             )
             curves[label(method, rank)] = [(r["cum_bytes"] / MB, r["accuracy"]) for r in recs
