@@ -93,9 +93,9 @@ def client_seconds(run: dict[str, Any]) -> float | None:
     return statistics.mean(r["train_seconds"] / max(1, len(r["clients_sampled"])) for r in rounds)
 
 
-def table(data: str) -> tuple[list[str], dict[str, list[tuple[float, float]]]]:
+def table(data: str) -> tuple[list[str], dict[str, list[tuple[float, float]]], float | None]:
     """The dataset's table (each figure a mean ± sd over its seeds, each seed's beside it where
-    there are several) and seed 0's accuracy-against-MB curves."""
+    there are several), seed 0's accuracy-against-MB curves, and the label prior's figure."""
     lines = ["| method | trained / shared parameters a client | upload a round, MB (all clients) "
              "| final accuracy | total MB sent | MB to reach FedAvg's final accuracy (each seed) "
              "| client seconds a round |", "|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -127,10 +127,18 @@ def table(data: str) -> tuple[list[str], dict[str, list[tuple[float, float]]]]:
                 curves[label(method, rank)] = [(r["cum_bytes"] / MB, r["accuracy"])
                                                for r in done[seeds[0]]["records"]
                                                if r.get("accuracy") is not None]  # fmt: skip
-    return lines, curves
+    priors = [p for r in bases.values() if r and (p := r["summary"].get("majority_label"))]
+    prior = statistics.mean(priors) if priors else None
+    if prior is not None:
+        lines += ["", f"Each client's majority label alone (the label prior, no model) scores "
+                      f"{prior:.3f} on this partition (mean over clients).",
+                  ]  # fmt: skip
+    return lines, curves, prior
 
 
-def plot(all_curves: dict[str, dict[str, list[tuple[float, float]]]]) -> None:
+def plot(
+    all_curves: dict[str, dict[str, list[tuple[float, float]]]], priors: dict[str, float | None]
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -143,6 +151,8 @@ def plot(all_curves: dict[str, dict[str, list[tuple[float, float]]]]) -> None:
             style = "-" if "FedAvg" in lab else "--"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3,
                     color=f"C{i // 2}", label=lab)  # fmt: skip
+        if priors.get(data) is not None:
+            ax.axhline(priors[data], ls=":", color="gray", label="each client's majority label")
         ax.set_xscale("log")
         ax.set_xlabel("megabytes sent, up and down, all clients (log scale)")
         ax.set_ylabel("personalised accuracy, mean over clients")
@@ -166,9 +176,9 @@ def report() -> None:
         f"2r, PEFT's defaults) at {LORA_LR[5:]}.",
         "",
     ]
-    all_curves = {}
+    all_curves, priors = {}, {}
     for data, (title, base) in DATASETS.items():
-        lines, curves = table(data)
+        lines, curves, priors[data] = table(data)
         all_curves[data] = curves
         text += [
             f"## {title}",
@@ -179,7 +189,7 @@ def report() -> None:
             *lines,
             "",
         ]
-    plot(all_curves)
+    plot(all_curves, priors)
     text += ["![accuracy against megabytes](figures/lora_accuracy_mb.png)", ""]
     write_report(DOC, text, DISCUSSION)
 
