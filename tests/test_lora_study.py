@@ -33,20 +33,20 @@ def _run(root: Path, name: str, accs: list[float], up: int, seconds: list[float]
 def runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(study, "RUNS", study.Runs(tmp_path))
     _run(tmp_path, "rt_fedavg_full_s0", [0.5, 0.6, 0.7], 4_000_000, [30.0, 20.0, 22.0])
-    _run(tmp_path, "rt_fedavg_r8_s0", [0.55, 0.7, 0.72], 40_000, [25.0, 10.0, 12.0])
-    _run(tmp_path, "rt_fedsplit_r8_s0", [0.6, 0.65, 0.69], 20_000, [25.0, 9.0, 9.0])
+    _run(tmp_path, "rt_fedavg_r8_lr2e-3_s0", [0.55, 0.7, 0.72], 40_000, [25.0, 10.0, 12.0])
+    _run(tmp_path, "rt_fedsplit_r8_lr2e-3_s0", [0.6, 0.65, 0.69], 20_000, [25.0, 9.0, 9.0])
     # a second seed of two settings: its own FedAvg target (0.6)
     _run(tmp_path, "rt_fedavg_full_s1", [0.5, 0.6, 0.6], 4_000_000, [30.0, 20.0, 22.0])
-    _run(tmp_path, "rt_fedavg_r8_s1", [0.62, 0.64, 0.66], 40_000, [25.0, 14.0, 16.0])
+    _run(tmp_path, "rt_fedavg_r8_lr2e-3_s1", [0.62, 0.64, 0.66], 40_000, [25.0, 14.0, 16.0])
     return tmp_path
 
 
 def test_megabytes_to_reach_fedavgs_final_accuracy_by_hand(runs: Path) -> None:
     fedavg = study.RUNS.load("rt_fedavg_full_s0")
     assert study.mb_to_reach(fedavg, 0.7) == 24.0  # round 3: 2 x 4 MB x 3 rounds
-    lora = study.RUNS.load("rt_fedavg_r8_s0")
+    lora = study.RUNS.load("rt_fedavg_r8_lr2e-3_s0")
     assert study.mb_to_reach(lora, 0.7) == 0.16  # round 2: 2 x 0.04 MB x 2 rounds
-    assert study.mb_to_reach(study.RUNS.load("rt_fedsplit_r8_s0"), 0.7) is None
+    assert study.mb_to_reach(study.RUNS.load("rt_fedsplit_r8_lr2e-3_s0"), 0.7) is None
     assert study.client_seconds(lora) == pytest.approx(1.1)  # rounds 2-3: 10 s, 12 s over 10
 
 
@@ -64,3 +64,6 @@ def test_the_table_has_a_row_per_finished_run_and_says_not_reached(runs: Path) -
     assert curves["FedAvg, LoRA r=8"] == [(0.08, 0.55), (0.16, 0.7), (0.24, 0.72)]
     assert study.RUNS.commits(["rt_fedavg_full_s0", "nope"]) == ["abc1234", "def5678"]
     assert study.RUNS.load("nope") is None
+    check, _, _ = study.table("rt", [("fedavg", 8, "5e-4"), ("fedavg", 8, "2e-3")], seeds=(0,))
+    assert len(check) == 3  # the header, its rule and the one finished row (no 5e-4 run here)
+    assert check[2].startswith("| FedAvg, LoRA r=8 | ")
