@@ -183,6 +183,10 @@ def test_fields_round_trip_through_json() -> None:
     assert lora.from_fields(plain, saved) == config
     assert lora.fields(plain) is None and lora.from_fields(plain, None) == plain
     assert "lora_rank" not in config.to_hf_dict()  # HF's config never sees the adapters
+    for bad in ({"lora_rank": 4}, {**saved, "lora_rank": "four"},
+                {**saved, "lora_targets": ["encoder/layer_9/attention/query"]}):  # fmt: skip
+        with pytest.raises(UserError, match="LoRA record is unreadable"):
+            lora.from_fields(plain, bad)
 
 
 def test_load_pretrained_adds_fresh_adapters_to_the_checkpoint(tmp_path: Path) -> None:

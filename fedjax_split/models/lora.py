@@ -118,10 +118,20 @@ def from_fields(config: BertConfig, saved: Mapping[str, Any] | None) -> BertConf
     """Inverse of `fields`: `config` with the adapters recorded in `saved` (None: none)."""
     if not saved:
         return config
-    return dataclasses.replace(
-        config, lora_rank=int(saved["lora_rank"]), lora_alpha=float(saved["lora_alpha"]),
-        lora_dropout=float(saved["lora_dropout"]), lora_targets=tuple(saved["lora_targets"]),
-    )  # fmt: skip
+    try:
+        targets = tuple(saved["lora_targets"])
+        unknown = set(targets) - set(candidates(config))
+        if unknown or not all(isinstance(t, str) for t in targets):
+            raise ValueError(f"unknown layers {sorted(map(str, unknown))[:3]}")
+        return dataclasses.replace(
+            config, lora_rank=int(saved["lora_rank"]), lora_alpha=float(saved["lora_alpha"]),
+            lora_dropout=float(saved["lora_dropout"]), lora_targets=targets,
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError) as err:
+        raise UserError(
+            f"the checkpoint's LoRA record is unreadable ({err}); export a run that "
+            "fedjax_split.train wrote"
+        ) from None
 
 
 def is_adapter(path: str) -> bool:
