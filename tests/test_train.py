@@ -221,7 +221,7 @@ BAD = [
     # LoRA (models.lora): the rank first, then the others
     ({"lora_alpha": 4.0}, "--lora-alpha needs --lora-rank"),
     ({"lora_targets": "key"}, "--lora-targets needs --lora-rank"),
-    ({"lora_rank": 0}, "--lora-rank must be at least 1"),
+    ({"lora_rank": 0}, "--lora-rank must be an integer >= 1"),
     ({"lora_rank": 2, "lora_dropout": 1.0}, "--lora-dropout must be in [0, 1)"),
     ({"lora_rank": 2, "lora_targets": "(query"}, "--lora-targets '(query' is not a valid regex"),
     ({"lora_rank": 2, "lora_targets": "pooler"}, "--lora-targets 'pooler' matches no dense layer"),

@@ -65,11 +65,10 @@ def candidates(config: BertConfig) -> dict[str, str]:
     return names
 
 
-def configure(config: BertConfig, settings: LoraSettings | None) -> BertConfig:
-    """`config` with the adapters `settings` asks for (unchanged for None). A one-line UserError
-    for a bad rank, alpha, dropout or regex, a regex that chooses no layer, or the MLM head."""
-    if settings is None:
-        return config
+def check_settings(settings: LoraSettings) -> re.Pattern[str]:
+    """The settings' own checks, which need no model (a config's validation runs them before
+    anything is loaded): a one-line UserError for a bad rank, alpha, dropout or regex. Returns
+    the compiled --lora-targets."""
     if isinstance(settings.rank, bool) or not isinstance(settings.rank, int) or settings.rank < 1:
         raise UserError(f"--lora-rank must be an integer >= 1, got {settings.rank!r}")
     alpha = settings.scaled_alpha
@@ -77,18 +76,27 @@ def configure(config: BertConfig, settings: LoraSettings | None) -> BertConfig:
         raise UserError(f"--lora-alpha must be a number > 0, got {settings.alpha}")
     if not 0 <= settings.dropout < 1:
         raise UserError(f"--lora-dropout must be in [0, 1), got {settings.dropout}")
-    if config.head not in _TASK_TYPES:
-        raise UserError(
-            f"LoRA is for classification and NER heads, not {config.head!r}; FedBFPT's "
-            "pre-training trains whole layers (drop the --lora-* flags)"
-        )
     try:
-        pattern = re.compile(settings.targets)
+        return re.compile(settings.targets)
     except re.error as err:
         raise UserError(
             f"--lora-targets {settings.targets!r} is not a valid regex ({err}); pass a Python "
             "regex over module names such as 'query|value'"
         ) from None
+
+
+def configure(config: BertConfig, settings: LoraSettings | None) -> BertConfig:
+    """`config` with the adapters `settings` asks for (unchanged for None). A one-line UserError
+    for bad settings (`check_settings`), a regex that chooses no layer, or the MLM head."""
+    if settings is None:
+        return config
+    pattern = check_settings(settings)
+    alpha = settings.scaled_alpha
+    if config.head not in _TASK_TYPES:
+        raise UserError(
+            f"LoRA is for classification and NER heads, not {config.head!r}; FedBFPT's "
+            "pre-training trains whole layers (drop the --lora-* flags)"
+        )
     chosen = tuple(p for p, name in candidates(config).items() if pattern.search(name))
     if not chosen:
         raise UserError(
@@ -242,8 +250,7 @@ def peft_tensors(
         for ours, theirs in (("a", "lora_A"), ("b", "lora_B")):
             arr = np.asarray(jax.device_get(flat[f"{target}{LORA_SUFFIX}/{ours}"]), np.float32)
             out[f"{PEFT_PREFIX}{names[target]}.{theirs}.weight"] = np.ascontiguousarray(arr.T)
-    merged, plain = merge(params, config)
-    whole = hf_checkpoint.params_to_tensors(merged, plain)
+    whole = hf_checkpoint.params_to_tensors(params, config)  # the saved modules hold no adapter
     for module in modules_to_save:
         prefix = "classifier." if module == "classifier" else f"bert.{module}."
         for name, arr in whole.items():

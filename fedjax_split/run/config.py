@@ -420,7 +420,8 @@ def lora_settings(config: ExperimentConfig) -> Any:
 
 
 def validate_lora(config: ExperimentConfig) -> None:
-    """The LoRA flags: the rank first, and the others only with it."""
+    """The LoRA flags: the rank first, and the others only with it; their values by
+    `models.lora.check_settings` (which the model's configuration runs too)."""
     if config.lora_rank is None:
         given = [flag for flag, changed in (
             ("--lora-alpha", config.lora_alpha is not None),
@@ -430,18 +431,9 @@ def validate_lora(config: ExperimentConfig) -> None:
         if given:
             raise UserError(f"{given[0]} needs --lora-rank R, the adapters' rank (e.g. 8)")
         return
-    if config.lora_rank < 1:
-        raise UserError(f"--lora-rank must be at least 1, got {config.lora_rank}")
-    _positive(config, "lora_alpha")
-    if not (math.isfinite(config.lora_dropout) and 0 <= config.lora_dropout < 1):
-        raise UserError(f"--lora-dropout must be in [0, 1), got {config.lora_dropout}")
-    try:
-        re.compile(config.lora_targets)
-    except re.error as e:
-        raise UserError(
-            f"--lora-targets {config.lora_targets!r} is not a valid regex ({e}); pass a Python "
-            "regex such as 'query|value'"
-        ) from None
+    from fedjax_split.models.lora import check_settings
+
+    check_settings(lora_settings(config))
 
 
 def validate_aggregation(config: ExperimentConfig) -> None:

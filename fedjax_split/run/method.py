@@ -38,26 +38,26 @@ def describe(
     if algo.prox:
         title = f"{title} (mu = {mu:g})"
     c, big_l = critical_layer, num_layers
+    # what the shares are made of: whole layers, or (LoRA) the adapters in them
+    whole, lower, upper = (
+        ("the whole model", "embeddings + ", "") if lora is None
+        else ("every adapter + head", "adapters of ", " adapters")
+    )  # fmt: skip
     if c == 0:
         line = "isolated training (c = 0): nothing shared, each client trains its own model"
     elif c == big_l:
-        line = f"{title}: the whole model shared (c = L = {big_l})"
+        line = f"{title}: {whole} shared (c = L = {big_l})"
     else:
         name = "FedSplitBERT" if algo.name == "fedavg" else f"FedSplitBERT with {title}"
         line = (
-            f"{name}, c = {c} of {big_l}: embeddings + {_layers(1, c)} shared, "
-            f"{_layers(c + 1, big_l)} + head personal"
+            f"{name}, c = {c} of {big_l}: {lower}{_layers(1, c)} shared, "
+            f"{_layers(c + 1, big_l)}{upper} + head personal"
         )
     if lora is not None:
         from fedjax_split.models.lora import candidates
 
         names = candidates(lora)
         where = dict.fromkeys(names[t].split(".", 4)[-1] for t in lora.lora_targets)
-        line = (
-            line.replace("the whole model shared", "every adapter + head shared")
-            .replace("embeddings + ", "adapters of ")
-            .replace("+ head personal", "adapters + head personal")
-        )
         line += (
             f"; LoRA r = {lora.lora_rank}, alpha = {lora.lora_alpha:g} on {', '.join(where)} "
             "(base weights frozen)"
