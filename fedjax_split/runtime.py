@@ -147,6 +147,34 @@ def use_cpu_devices(count: int | None) -> int:
     return len(jax.devices("cpu"))
 
 
+COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"  # JAX's own: process 0's HOST:PORT
+
+
+def start_processes(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> int:
+    """Joins this process to a multi-process simulation (JAX's distributed runtime) when asked
+    (a coordinator, here or in JAX_COORDINATOR_ADDRESS, or more than one process); returns the
+    number of processes. JAX fills what is unset from SLURM or Open MPI when it runs under them.
+    Call it before any JAX computation; a second call (a notebook) keeps the first's runtime."""
+    import jax
+
+    coordinator = coordinator or os.environ.get(COORDINATOR_ENV) or None
+    if coordinator is None and (num_processes or 1) == 1:
+        return jax.process_count() if jax.distributed.is_initialized() else 1
+    if jax.distributed.is_initialized():
+        return jax.process_count()
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id)
+    except (RuntimeError, ValueError, TypeError) as e:
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise UserError(
+            f"could not join the processes at {coordinator!r} ({reason}); give every process the "
+            "same --coordinator HOST:PORT and --num-processes, and its own --process-id"
+        ) from None
+    return jax.process_count()
+
+
 @dataclasses.dataclass(frozen=True)
 class Applied:
     """What `apply` set: the malloc in use, the compilation cache directory, CPU devices."""
@@ -156,16 +184,26 @@ class Applied:
     cpu_devices: int | None  # None: JAX's own count, left unasked (its backends not started)
 
 
-def apply(cpu_devices: int | None = None) -> Applied:
+def apply(cpu_devices: int | None = None, processes: tuple[Any, ...] = ()) -> Applied:
     """Every process setting at once, in the order that matters: the malloc before JAX starts
-    its threads, warnings on one line, then the compilation cache and the CPU device count before
-    its first computation. Idempotent; a bad FEDJAX_SPLIT_MALLOC or FEDJAX_SPLIT_XLA_CACHE is a
-    UserError. Without `cpu_devices` JAX's backends are not started here (a process that needs no
-    device, such as a Flower node answering a query, does not pay for them)."""
+    its threads, warnings on one line, then the compilation cache, the CPU device count and
+    `processes` (`start_processes`' arguments) before its first computation. Idempotent; a bad
+    FEDJAX_SPLIT_MALLOC or FEDJAX_SPLIT_XLA_CACHE is a UserError. Without `cpu_devices` JAX's
+    backends are not started here (a process that needs no device, such as a Flower node
+    answering a query, does not pay for them)."""
     check_malloc_setting()
     tune_malloc()
     one_line_warnings()
     cache = enable_xla_cache()
+    if cpu_devices is not None:  # before the runtime starts: it counts the devices
+        import jax
+
+        try:
+            jax.config.update(_CPU_DEVICES, cpu_devices)
+        except RuntimeError:
+            pass  # started already: use_cpu_devices says whether the count is enough
+    if processes:
+        start_processes(*processes)
     devices = None if cpu_devices is None else use_cpu_devices(cpu_devices)
     return Applied(allocator(), cache, devices)
 

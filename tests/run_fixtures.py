@@ -93,6 +93,12 @@ def write_tiny_sst2(data_dir: Path, *, n_train: int = 96, n_dev: int = 24, seed:
     return data_dir
 
 
+def tiny_sst2_files(base: Path) -> dict[str, Path]:
+    """A test module's run files under `base`: the tiny model and tiny SST-2."""
+    return {"base": base, "model": write_tiny_model(base / "model"),
+            "data": write_tiny_sst2(base / "data")}  # fmt: skip
+
+
 def write_tiny_conll(
     data_dir: Path, *, n_train: int = 120, n_test: int = 30, seed: int = 0
 ) -> Path:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 from fedcore_helpers import make_segments, per_client, tiny_config, tiny_model
 
 from fedjax_split.fed.roles import merge_params, split_params
@@ -16,7 +18,14 @@ from fedjax_split.sim.evaluation import (
     evaluate_clients,
     evaluate_pooled,
 )
-from fedjax_split.tasks.objectives import CLASSIFICATION, IGNORE, REGRESSION, TOKEN_CLASSIFICATION
+from fedjax_split.tasks.objectives import (
+    CLASSIFICATION,
+    IGNORE,
+    REGRESSION,
+    TOKEN_CLASSIFICATION,
+    Classification,
+    TokenClassification,
+)
 
 K = 3
 
@@ -181,3 +190,130 @@ def test_packed_token_predictions_come_back_per_example_like_padded_ones() -> No
     np.testing.assert_array_equal(a.predictions[:, :width][labelled],
                                   b.predictions[:, :width][labelled])  # fmt: skip
     assert labelled.sum() == sum(int((x != IGNORE).sum()) for x in tok.labels)
+
+
+def _test_splits(rng, sizes, *, packing, objective, batch_size=8):
+    """Each client's test batches as a run builds them (`client_eval_batches`, examples of random
+    lengths, so batches of several shapes); a client of size 0 has none."""
+    from fedjax_split.data.batching import Batching, client_eval_batches
+    from fedjax_split.data.tokenization import Tokenized
+
+    n = sum(sizes)
+    lengths = rng.integers(2, 15, n)
+    tags = [np.where(np.arange(m) % 4 == 0, IGNORE, rng.integers(0, 3, m)).astype(np.int32)
+            for m in lengths] if objective.per_token else None  # fmt: skip
+    ids = [rng.integers(1, 50, m).astype(np.int32) for m in lengths]
+    tok = Tokenized(ids, [np.zeros(m, np.int32) for m in lengths], lengths.astype(np.int32), tags)
+    labels = (rng.uniform(0, 5, n).astype(np.float32) if objective is REGRESSION
+              else rng.integers(0, 3, n))  # fmt: skip
+    how = Batching(batch_size, objective=objective, packing=packing, row_width=16)
+    bounds = np.cumsum([0, *sizes])
+    return [client_eval_batches(tok, np.arange(a, b), labels, how) if b > a else []
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
+
+
+def _assert_same(got, want) -> None:
+    """Every field bit for bit, dtypes and shapes included."""
+    for field, a, b in zip(ClientPredictions._fields, got, want, strict=True):
+        assert (a is None) == (b is None), field
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape, field
+            np.testing.assert_array_equal(a, b, err_msg=field)
+
+
+def _spy_bins(monkeypatch):
+    """How many clients' units each dispatched bin holds."""
+    from fedjax_split.sim import evaluation
+
+    held, original = [], evaluation._Bin.batch
+
+    def batch(self):
+        held.append(len({unit.client for unit, _, _ in self.placed}))
+        return original(self)
+
+    monkeypatch.setattr(evaluation._Bin, "batch", batch)
+    return held
+
+
+class _LogitSum(Classification):
+    """A class task whose predictions are a float of every logit (the sum weighted by class
+    number), so that comparing predictions compares the logits' bits, not only their argmax."""
+
+    def predict(self, logits):
+        return jnp.sum(logits * jnp.arange(1, logits.shape[-1] + 1, dtype=logits.dtype), -1)
+
+
+class _TokenLogitSum(_LogitSum, TokenClassification):
+    """The same per token."""
+
+
+OBJECTIVES = [CLASSIFICATION, REGRESSION, TOKEN_CLASSIFICATION, _LogitSum(), _TokenLogitSum()]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+@pytest.mark.parametrize("objective", OBJECTIVES, ids=lambda o: type(o).__name__)
+def test_batched_evaluation_is_one_client_at_a_time_bit_for_bit(
+    objective, packing, monkeypatch
+) -> None:
+    """Clients of different test sizes (one with none), four sharing one local part (the same
+    object, as a client store returns to clients that never trained) and three with their own,
+    a subset of ids out of order, group sizes that do not divide it: every client's predictions
+    (scores included), labels and pool indices are exactly those of its own model scoring its own
+    batches alone; several clients' rows share a batch."""
+    from fedjax_split.sim.evaluation import evaluate_client, evaluate_personalised
+
+    num_labels = 1 if objective is REGRESSION else 3
+    config = dataclasses.replace(tiny_config(num_labels=num_labels),
+                                 head="token" if objective.per_token else "sequence")  # fmt: skip
+    rng = np.random.default_rng(11)
+    noise = lambda x, scale: x + rng.normal(0, scale, x.shape).astype(np.float32)  # noqa: E731
+    # weights far from init's N(0, 0.02), so that predictions follow the input and a row scored
+    # with another row's attention or tokens would come out different
+    params = jax.tree.map(lambda x: noise(x, 0.5), init_params(config, jax.random.key(7)))
+    apply = make_apply(config)
+    g, shared = split_params(params, critical_layer=1)
+    own = {i: jax.tree.map(lambda x: noise(x, 0.3), shared) for i in (1, 4, 6)}
+    load = lambda i: own.get(i, shared)  # noqa: E731
+    batches = _test_splits(rng, [3, 1, 0, 2, 11, 1, 5, 2], packing=packing, objective=objective)
+    ids = [7, 2, 0, 5, 1, 3, 6, 4]
+    want = [evaluate_client(apply, merge_params(g, load(i)), batches[i], objective) for i in ids]
+    held = _spy_bins(monkeypatch)
+    for group in (3, 5, 16):
+        got = evaluate_personalised(apply, g, load, batches, ids, objective, group=group)
+        assert len(got) == len(ids)
+        for a, b in zip(got, want, strict=True):
+            _assert_same(a, b)
+    assert len(want[1].labels) == 0 and max(held) > 1  # client 2 has no test examples
+    assert len(np.unique(np.concatenate([w.predictions.ravel() for w in want]))) > 1
+    # guard: client 4's own model and the shared one disagree on client 4's rows, so scoring a
+    # client with another's local part would be caught
+    other = evaluate_client(apply, merge_params(g, shared), batches[4], objective)
+    assert not np.array_equal(other.predictions, want[ids.index(4)].predictions)
+
+
+def test_clients_without_test_examples_are_not_loaded_and_a_shared_part_is_merged_once(
+    monkeypatch,
+) -> None:
+    """load_local runs once per client with test batches; the merged model of a part that several
+    clients of a group share is built once and kept for the next groups, a client's own once."""
+    from fedjax_split.sim import evaluation
+
+    apply, params = tiny_model(num_labels=3)
+    g, shared = split_params(params, critical_layer=1)
+    batches = _test_splits(np.random.default_rng(3), [2, 0, 1, 3, 0, 2, 1],
+                           packing=True, objective=CLASSIFICATION)  # fmt: skip
+    loaded, merges = [], []
+    mine = jax.tree.map(lambda x: x + 1.0, shared)
+    load = lambda i: loaded.append(i) or (mine if i == 3 else shared)  # noqa: E731
+    real_merge = evaluation.merge_params
+    monkeypatch.setattr(
+        evaluation, "merge_params", lambda *a: merges.append(a[1]) or real_merge(*a)
+    )
+    got = evaluation.evaluate_personalised(
+        apply, g, load, batches, range(7), CLASSIFICATION, group=3
+    )
+    assert loaded == [0, 2, 3, 5, 6]
+    assert [m is mine for m in merges] == [False, True]
+    assert [len(r.labels) for r in got] == [2, 0, 1, 3, 0, 2, 1]
+    with pytest.raises(ValueError, match="group"):
+        evaluation.evaluate_personalised(apply, g, load, batches, [0], CLASSIFICATION, group=0)

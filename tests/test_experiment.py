@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 from fedcore_helpers import dp_reference_epsilon
-from run_fixtures import private_cache, write_tiny_model, write_tiny_sst2  # noqa: F401 (autouse)
+from run_fixtures import private_cache, tiny_sst2_files  # noqa: F401 (autouse)
 
 from fedjax_split import export
 from fedjax_split.data import sources
@@ -25,12 +25,7 @@ from fedjax_split.tasks import registry as tasks
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    base = tmp_path_factory.mktemp("exp")
-    return {
-        "base": base,
-        "model": write_tiny_model(base / "model"),
-        "data": write_tiny_sst2(base / "data"),
-    }
+    return tiny_sst2_files(tmp_path_factory.mktemp("exp"))
 
 
 def _config(files: dict[str, Path], name: str, **kw: object) -> dict:
@@ -353,11 +348,11 @@ def test_evaluate_maps_groups_by_example_index_and_means_over_clients(
     from fedjax_split.tasks import registry as tasks
 
     groups = np.array(["matched", "mismatched", "matched", "mismatched", "matched", "matched"])
-    results = iter([  # client 0: rows 3, 0, 1 (sorted by length); client 1: rows 5, 2
+    results = [  # client 0: rows 3, 0, 1 (sorted by length); client 1: rows 5, 2
         ClientPredictions(np.array([1, 0, 2]), np.array([1, 0, 0]), np.array([3, 0, 1])),
         ClientPredictions(np.array([2, 1]), np.array([2, 0]), np.array([5, 2])),
-    ])  # fmt: skip
-    monkeypatch.setattr(evaluation, "evaluate_client", lambda *a, **k: next(results))
+    ]
+    monkeypatch.setattr(evaluation, "evaluate_personalised", lambda *a, **k: results)
     setup = SimpleNamespace(
         model=SimpleNamespace(apply=None, num_local=0, task=tasks.get_task("mnli")),
         eval_batches=[["client 0's batches"], ["client 1's batches"]],

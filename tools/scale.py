@@ -68,12 +68,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--clients", type=int, nargs="+", default=[10, 100, 1000])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--out")
+    p.add_argument("--keep", metavar="DIR",
+                   help="write the runs under DIR and keep them (default: a temporary directory, "
+                        "removed), e.g. to compare two versions' metrics.jsonl")  # fmt: skip
     p.add_argument("extra", nargs="*", help="more train flags, after --")
     args = p.parse_args(argv)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="fedjax-scale-") as base:
+    with tempfile.TemporaryDirectory(prefix="fedjax-scale-") as tmp:
+        base = Path(args.keep) if args.keep else Path(tmp)
+        base.mkdir(parents=True, exist_ok=True)
         for k in args.clients:
-            rows.append(run_one(k, args.rounds, Path(base), args.extra))
+            rows.append(run_one(k, args.rounds, base, args.extra))
             print(json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -31,9 +31,15 @@ class RunCheckpointer:
 
     def __init__(self, directory: str | Path, *, max_to_keep: int = 2) -> None:
         self.directory = Path(directory).absolute()
+        # This process alone (process 0 of a multi-process simulation writes, and every process
+        # may read): orbax's default would wait for every process at each call.
+        me = jax.process_index() if jax.distributed.is_initialized() else 0
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=False, create=False
-        )
+            max_to_keep=max_to_keep, enable_async_checkpointing=False, create=False,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=me, active_processes={me}
+            ),
+        )  # fmt: skip
         try:
             self._manager = ocp.CheckpointManager(self.directory, options=options)
         except Exception as e:  # noqa: BLE001 - an unreadable directory is the user's to fix
@@ -52,7 +58,8 @@ class RunCheckpointer:
         """Write checkpoint `round_` (blocking until complete and renamed into place)."""
         self.directory.mkdir(parents=True, exist_ok=True)
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(dict(meta, round=round_))
+            state=ocp.args.StandardSave(_host_local(state)),
+            meta=ocp.args.JsonSave(dict(meta, round=round_)),
         )
         self._manager.save(round_, args=args, force=True)
         self._manager.wait_until_finished()
@@ -71,8 +78,12 @@ class RunCheckpointer:
         `target` is a pytree like the saved state (e.g. freshly initialised); a checkpoint that is
         missing, corrupt or shaped differently raises a one-line UserError.
         """
-        state, meta = self._restore(ocp.args.StandardRestore(target), round_)
+        state, meta = self._restore(ocp.args.StandardRestore(_host_local(target)), round_)
         _check_like(state, target, self.directory / str(meta["round"]))
+        if _several_processes():  # back to JAX arrays, as one process restores them
+            state = jax.tree.map(
+                lambda x, t: jax.numpy.asarray(x) if isinstance(t, jax.Array) else x, state, target
+            )
         return state, meta
 
     def _restore(self, state_args: Any, round_: int | None) -> tuple[Any, dict[str, Any]]:
@@ -102,6 +113,18 @@ class RunCheckpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _several_processes() -> bool:
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def _host_local(tree: Any) -> Any:
+    """With several processes, JAX arrays as numpy arrays: orbax refuses an array that lives on
+    one process's device in a multi-process job (each process's server state is its own copy)."""
+    if not _several_processes():
+        return tree
+    return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, tree)
 
 
 def _check_like(state: Any, target: Any, where: Path) -> None:

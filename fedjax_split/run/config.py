@@ -215,6 +215,23 @@ class ExperimentConfig:
     dtype: str = _setting(
         "float32", "Compute dtype of the model (parameters stay float32).", choices=DTYPES
     )
+    coordinator: str | None = _setting(
+        None,
+        "One simulation over several processes (JAX's distributed runtime): HOST:PORT of "
+        "process 0, the same for every process (unset: JAX_COORDINATOR_ADDRESS, if set). Every "
+        "process needs --output-dir on a filesystem they all see (docs/scaling.md).",
+        metavar="HOST:PORT",
+    )
+    num_processes: int | None = _setting(
+        None,
+        "Processes of a multi-process simulation (unset: 1, or what SLURM / Open MPI say when "
+        "a coordinator is given); the sampled clients are dealt over every device of every "
+        "process and the results equal one process's bit for bit.",
+        metavar="N",
+    )
+    process_id: int | None = _setting(
+        None, "This process's index, 0..N-1 (0 writes the run directory).", metavar="I"
+    )
     packing: bool = _setting(
         True,
         "Pack each batch's examples end to end into one token stream instead of padding each to "
@@ -328,6 +345,9 @@ _NON_TRAJECTORY = {
     "keep_checkpoints",
     "chunk_size",
     "cpu_devices",
+    "coordinator",  # how many processes run a round changes no result (docs/scaling.md)
+    "num_processes",
+    "process_id",
     "attention",  # the same attention by another kernel: rounding moves, as on another machine
     "data_dir",
     "model",
@@ -397,6 +417,7 @@ def validate(config: ExperimentConfig) -> None:
                 r"over Hugging Face tensor names, e.g. 'embeddings\.'"
             ) from None
     validate_lora(config)
+    validate_processes(config)
     if config.data_dir is not None and not Path(config.data_dir).is_dir():
         raise UserError(f"data dir {config.data_dir!r} does not exist; pass an existing --data-dir")
     validate_aggregation(config)
@@ -434,6 +455,21 @@ def validate_lora(config: ExperimentConfig) -> None:
     from fedjax_split.models.lora import check_settings
 
     check_settings(lora_settings(config))
+
+
+def validate_processes(config: ExperimentConfig) -> None:
+    """The multi-process flags: a count of at least 1, an index inside it, one-at-a-time clients
+    (several processes deal single clients to their devices; a vmapped chunk spans no process)."""
+    n, i = config.num_processes, config.process_id
+    if n is not None and n < 1:
+        raise UserError(f"--num-processes must be at least 1, got {n}")
+    if i is not None and not 0 <= i < (n or 1):
+        raise UserError(f"--process-id must be in 0..{(n or 1) - 1} (--num-processes), got {i}")
+    if n is not None and n > 1 and config.chunk_size not in (None, 1):
+        raise UserError(
+            f"--chunk-size {config.chunk_size} with --num-processes {n}: several processes train "
+            "one client at a time on each device; leave --chunk-size unset"
+        )
 
 
 def validate_aggregation(config: ExperimentConfig) -> None:

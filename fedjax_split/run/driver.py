@@ -38,6 +38,9 @@ class Run(Protocol):
     run_dir: Path
     rounds: int  # the round the run ends after
     metric: str | None  # the metric the progress line shows
+    # Optional `writes` (default True): False for the processes of a multi-process simulation
+    # other than process 0 (`sim.processes`), which run every step but write none of the
+    # driver's files and show no progress.
 
     def arrays(self) -> dict[str, Any]:
         """What a checkpoint holds as arrays (the restore target's structure too)."""
@@ -136,17 +139,19 @@ def drive(
     from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 
     run_dir = run.run_dir
+    writes = getattr(run, "writes", True)
     checkpointer = RunCheckpointer(checkpoint_dir(run_dir), max_to_keep=keep_checkpoints)
     stats = Stats()
     try:
         start_round, history = _restore(run, checkpointer, resume)
         # From here on we write.
-        run_dir.mkdir(parents=True, exist_ok=True)
-        outputs.write_json(run_dir / "config.json", config)
-        outputs.write_jsonl(run_dir / "metrics.jsonl", history)  # on resume: to the checkpoint
-        if start_round < run.rounds:
-            (run_dir / "summary.json").unlink(missing_ok=True)  # stale until this run ends
-        bar = outputs.Progress(run.rounds, start_round, enabled=progress)
+        if writes:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            outputs.write_json(run_dir / "config.json", config)
+            outputs.write_jsonl(run_dir / "metrics.jsonl", history)  # on resume: to the checkpoint
+            if start_round < run.rounds:
+                (run_dir / "summary.json").unlink(missing_ok=True)  # stale until this run ends
+        bar = outputs.Progress(run.rounds, start_round, enabled=progress and writes)
         try:
             watch = getattr(run, "watch", None)  # optional: see Run
             if watch is not None:
@@ -156,8 +161,9 @@ def drive(
                 bar.round_start(r)
                 record = run.step(r, history)
                 history.append(record)
-                outputs.append_jsonl(run_dir / "metrics.jsonl", record)
-                if due(r, checkpoint_every, run.rounds):
+                if writes:
+                    outputs.append_jsonl(run_dir / "metrics.jsonl", record)
+                if writes and due(r, checkpoint_every, run.rounds):
                     t0 = time.perf_counter()
                     checkpointer.save(r, run.arrays(), {**run.meta(), "history": history})
                     run.checkpointed(r, checkpointer.all_rounds())
@@ -170,7 +176,8 @@ def drive(
     finally:
         checkpointer.close()
     summary = run.summary(history, stats)
-    outputs.write_summary(run_dir / "summary.json", summary)
+    if writes:
+        outputs.write_summary(run_dir / "summary.json", summary)
     return summary
 
 

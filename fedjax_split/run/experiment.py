@@ -54,51 +54,83 @@ def build(config: ExperimentConfig) -> Setup:
     return Setup(config, model, pool, part, eval_batches)
 
 
-def round_batches(setup: Setup, r: int) -> list[list[Any]]:
+def round_batches(setup: Setup, r: int) -> list[list[Any] | None]:
     """Round r's training steps of each sampled client (a pure function of the config, r and the
-    client's own examples)."""
+    client's own examples); None for the clients another process trains (`sim.processes`)."""
     config = setup.config
     sampled = safeguards.sample(config, r)
+    mine = own_positions(setup, len(sampled))
     return [
         pieces.client_steps(config, setup.model.task, setup.pool,
-                            setup.partition.clients[i].train, int(i), r)
-        for i in sampled
+                            setup.partition.clients[i].train, int(i), r) if k in mine else None
+        for k, i in enumerate(sampled)
     ]  # fmt: skip
+
+
+def own_positions(setup: Setup, num_sampled: int) -> set[int]:
+    """The positions among a round's sampled clients that this process trains (all of them in a
+    one-process run)."""
+    from fedjax_split.sim import processes, rounds
+
+    owner = processes.owners(rounds.round_devices(setup.model.round_spec), num_sampled)
+    return {k for k, p in enumerate(owner) if p == processes.index()}
 
 
 def evaluate(
     setup: Setup, server_state: Any, frozen: Any, store: Any, trained: set[int] | None = None
 ) -> dict[str, Any]:
-    """Personalised evaluation: each client's merged model on its own test split, one client's
-    local part in memory at a time (`pieces.personalised_record`'s figures); when nothing is
-    local, also `pooled`: the one global model on the union of the clients' test data (FedNLP's
-    figure; with a local part there is no single global model to score)."""
+    """Personalised evaluation: each client's merged model on its own test split, a group of
+    clients at a time (`evaluation.evaluate_personalised`; `pieces.personalised_record`'s
+    figures); when nothing is local, also `pooled`: the one global model on the union of the
+    clients' test data (FedNLP's figure; with a local part there is no single global model).
+    With several processes, process p scores the clients whose id is p mod P and the figures are
+    gathered in client order (`sim.processes`)."""
     import jax.numpy as jnp
 
     from fedjax_split.fed import roles, wire
-    from fedjax_split.sim import evaluation
+    from fedjax_split.sim import evaluation, processes
 
     model = setup.model
     # the server holds the global part in the wire dtype; clients cast what they receive to fp32
     global_params = roles.merge_params(
         wire.cast_from_wire(server_state.global_params, jnp.float32), frozen
     )
-    results, per_client = [], []
-    for i, own in enumerate(setup.eval_batches):
-        params = roles.merge_params(global_params, store.load(i))
-        res = evaluation.evaluate_client(model.apply, params, own, model.task.objective)
-        if len(res.labels) == 0:
-            continue  # a client without test examples has no metric
-        results.append(res)
-        per_client.append({"client": i, **pieces.score(model.task, setup.pool.examples, res)})
+    ids = range(processes.index(), len(setup.eval_batches), processes.count())
+    mine = evaluation.evaluate_personalised(
+        model.apply, global_params, store.load, setup.eval_batches, ids, model.task.objective
+    )
+    # a client without test examples has no metric
+    results = [(i, res) for i, res in zip(ids, mine, strict=True) if len(res.labels)]
+    per_client = [{"client": i, **pieces.score(model.task, setup.pool.examples, res)}
+                  for i, res in results]  # fmt: skip
+    pooled = model.num_local == 0  # every client's model is the global model
+    if processes.count() > 1:
+        per_client = sorted((r for part in processes.gather_json(per_client) for r in part),
+                            key=lambda r: r["client"])  # fmt: skip
+        results = _gather_predictions(results) if pooled else []
     record = pieces.personalised_record(per_client, trained)
-    if model.num_local == 0 and results:  # every client's model is the global model
-        pooled = evaluation.ClientPredictions(
-            *(evaluation.concat_rows([getattr(r, f) for r in results])
+    if pooled and results:
+        pooled_rows = evaluation.ClientPredictions(
+            *(evaluation.concat_rows([getattr(r, f) for _, r in results])
               for f in ("predictions", "labels", "example_index"))
         )  # fmt: skip
-        record["pooled"] = pieces.score(model.task, setup.pool.examples, pooled)
+        record["pooled"] = pieces.score(model.task, setup.pool.examples, pooled_rows)
     return record
+
+
+def _gather_predictions(results: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """Every process's (client id, predictions), in client order."""
+    from fedjax_split.sim import evaluation, processes
+
+    fields = evaluation.ClientPredictions._fields
+    arrays = {f"{i}/{f}": getattr(r, f) for i, r in results for f in fields
+              if getattr(r, f) is not None}  # fmt: skip
+    merged: dict[str, Any] = {}
+    for part in processes.gather_arrays(arrays):
+        merged.update(part)
+    ids = sorted({int(name.split("/")[0]) for name in merged})
+    return [(i, evaluation.ClientPredictions(*(merged.get(f"{i}/{f}") for f in fields)))
+            for i in ids]  # fmt: skip
 
 
 def _bytes_under(path: Path) -> int:
@@ -130,9 +162,14 @@ class Simulation:
             model.task, setup.pool.labels, setup.partition.clients, self.metric
         )
         self.progress: Any = None  # run.outputs.Progress, from the driver (`watch`)
+        from fedjax_split.sim import processes
+
+        self.writes = processes.writes()  # process 0 of a multi-process run, or the one process
 
     def plot(self, records: Sequence[dict[str, Any]]) -> Path | None:
         """plot.png from the records so far (None before the first evaluation)."""
+        if not self.writes:
+            return self.run_dir / "plot.png" if (self.run_dir / "plot.png").exists() else None
         return plots.write_fine_tuning_plot(
             self.run_dir, records, self.setup.config, self.setup.model, self.majority
         )
@@ -167,18 +204,21 @@ class Simulation:
     def start(self, start_round: int, note: Callable[[str], None]) -> None:
         from fedjax_split.data import partition as partition_mod
         from fedjax_split.data import sources
+        from fedjax_split.sim import processes
         from fedjax_split.sim.client_store import ClientStore
 
         setup, config, model = self.setup, self.setup.config, self.setup.model
-        if start_round:  # versions written after the checkpoint are redone
-            self.store = ClientStore(self.run_dir / CLIENTS_DIR)
-            self.store.rewind(start_round)
-        else:  # a fresh run (or one that finished no round): no checkpoint needs what is there
-            self.store = ClientStore.create(self.run_dir / CLIENTS_DIR, model.local0)
         labels = setup.pool.labels
         names = sources.label_names_or_none(model.task, setup.pool.examples)
-        partition_mod.save_partition(setup.partition, self.run_dir / "partition.json", labels,
-                                     label_names=names)  # fmt: skip
+        if self.writes:  # process 0 sets up the one client store every process writes into
+            if start_round:  # versions written after the checkpoint are redone
+                ClientStore(self.run_dir / CLIENTS_DIR).rewind(start_round)
+            else:  # a fresh run (or one that finished no round): no checkpoint needs what is there
+                ClientStore.create(self.run_dir / CLIENTS_DIR, model.local0)
+            partition_mod.save_partition(setup.partition, self.run_dir / "partition.json",
+                                         labels, label_names=names)  # fmt: skip
+        processes.barrier("client store ready")
+        self.store = ClientStore(self.run_dir / CLIENTS_DIR)
         note(pieces.method_line(config, model))
         for line in safeguards.start_lines(config, self.rounds):
             note(line)
@@ -198,7 +238,7 @@ class Simulation:
         batches are then built while its last programs run, not the whole round."""
         import jax
 
-        from fedjax_split.sim import rounds
+        from fedjax_split.sim import processes, rounds
 
         setup, config = self.setup, self.setup.config
         t0 = time.perf_counter()
@@ -211,8 +251,10 @@ class Simulation:
         num_examples = np.asarray(
             [len(setup.partition.clients[i].train) for i in sampled], np.float32
         )
-        local_sampled = (jax.tree.map(jax.numpy.asarray, self.store.load_stacked(sampled))
-                         if len(sampled) else None)  # fmt: skip
+        # this process's clients (every sampled one, in one process)
+        own = sampled[sorted(own_positions(setup, len(sampled)))]
+        local_sampled = (jax.tree.map(jax.numpy.asarray, self.store.load_stacked(own))
+                         if len(own) else None)  # fmt: skip
         hook = None if self.progress is None else self.progress.training()
         # the clip norm of this round (read now: the round donates the server state's buffers)
         clip = float(self.server_state.aggregator["clip"]) if config.dp else None
@@ -221,12 +263,14 @@ class Simulation:
             setup.model.round_spec, self.server_state, local_sampled, num_examples, segments,
             jax.random.key(config.seed), client_ids=sampled, frozen=self.frozen,
             on_progress=hook, update_factors=safeguards.attack_factors(config, sampled),
+            local_like=jax.eval_shape(lambda: setup.model.local0),
         )  # fmt: skip
         if r < self.rounds:  # the round runs asynchronously: batch the next one meanwhile
             self.prefetched = (r + 1, round_batches(setup, r + 1))
         losses = np.asarray(result.train_loss, np.float64)  # waits for the round's last program
-        if len(sampled):
-            self.store.save(r, sampled, new_local)
+        if len(own):
+            self.store.save(r, own, new_local)
+        processes.barrier(f"round {r} stored")  # every process's clients are on disk
         # the store wrote the new local parts (waiting for them): t_train is the whole round's
         t_train = time.perf_counter()
         record = pieces.train_record(r, sampled.tolist(), losses, num_examples)
@@ -283,11 +327,15 @@ def run_experiment(
 
     from fedjax_split import runtime
     from fedjax_split.models.bert import check_attention
+    from fedjax_split.sim import processes
 
-    runtime.apply(config.cpu_devices)  # before the first JAX computation
+    # before the first JAX computation: the CPU devices, and the processes' runtime
+    runtime.apply(config.cpu_devices,
+                  (config.coordinator, config.num_processes, config.process_id))  # fmt: skip
     check_attention(config.attention, config.dtype, jax.default_backend())
     driver.check_run_dir(config.run_dir, config.resume,
                          lambda saved: trajectory_mismatch(saved, config))  # fmt: skip
+    processes.barrier("run directory checked")  # by every process, before process 0 writes
     simulation = Simulation(build(config))
     return driver.drive(
         simulation,

@@ -197,7 +197,8 @@ def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: A
         client=client_spec,
         server_optimizer=algorithms.server_optimizer(config.algorithm, config.effective_server_lr),
         wire_dtype=WIRE_DTYPE[config.quantize],
-        chunk_size=round_chunk_size(config.chunk_size, jax.default_backend()),
+        chunk_size=1 if jax.process_count() > 1  # several processes: clients one at a time
+        else round_chunk_size(config.chunk_size, jax.default_backend()),
         devices=devices.for_rounds(config.cpu_devices, jax.default_backend()),
         aggregator=safeguards.aggregator(config),
     )

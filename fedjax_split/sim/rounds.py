@@ -75,6 +75,7 @@ from fedjax_split.fed.privacy import clip_upload, server_key
 from fedjax_split.fed.roles import select
 from fedjax_split.fed.server import ServerState, init_server_state, server_update, upload
 from fedjax_split.fed.wire import cast_to_wire, tree_bytes, wire_dtype
+from fedjax_split.sim import processes
 
 __all__ = ["ServerState", "init_server_state"]  # re-exported: rounds build on the server's state
 
@@ -387,17 +388,23 @@ def stacked_functions(spec: RoundSpec) -> StackedFns:
 class OneAtATimeFns(NamedTuple):
     """A one-at-a-time round's jitted pieces: the client program (`fed.client_program`:
     start_one, segment_one, finish_one, clip_one, each client's state in its own buffers), then
-    combine(server_state, tuple of finish_one outputs, num_examples) -> (server_state,
-    new_local [K], metrics [K], (accepted, update norms)) on the first device (also given the
-    run's key, the clients' norms before DP's clipping or None, and `tampered`'s factors or None);
-    keys(round, rng, client_ids) -> [K] keys."""
+    combine(server_state, uploads, metrics, num_examples, rng, norms, factors) -> (server_state,
+    metrics [K], (accepted, update norms)) on one device (uploads and metrics: tuples in client
+    order; norms: the clients' before DP's clipping, or None; factors: `tampered`'s, or None);
+    stack(tuple of local parts) -> [K'] the trained clients' local parts; keys(round, rng,
+    client_ids) -> [K] keys."""
 
     start_one: Callable[..., Any]
     segment_one: Callable[..., Any]
     finish_one: Callable[..., Any]
     clip_one: Callable[..., Any]
     combine: Callable[..., Any]
+    stack: Callable[..., Any]
     keys: Callable[..., Any]
+
+
+def _stack(trees: tuple) -> Any:
+    return jax.tree.map(lambda *x: jnp.stack(x), *trees)
 
 
 @functools.lru_cache(maxsize=32)
@@ -405,19 +412,18 @@ def one_at_a_time_functions(spec: RoundSpec) -> OneAtATimeFns:
     """The jitted pieces of a one-at-a-time round for `spec` (cached per spec): the very programs
     `fed.client_program.client_round` runs, and the aggregation."""
 
-    def combine(state: ServerState, finished: tuple, num_examples: jax.Array, rng: jax.Array,
-                norms: jax.Array | None = None, factors: jax.Array | None = None):  # fmt: skip
+    def combine(state: ServerState, uploads: tuple, metrics: tuple, num_examples: jax.Array,
+                rng: jax.Array, norms: jax.Array | None = None,
+                factors: jax.Array | None = None):  # fmt: skip
         # The plain mean makes no stacked copy of the clients' global parts: it sums them where
         # they lie.
-        new_globals, new_locals, metrics = zip(*finished, strict=True)
-        agg = aggregate_uploads(spec, state, list(new_globals), num_examples, rng, norms, factors)
-        stack = lambda trees: jax.tree.map(lambda *x: jnp.stack(x), *trees)  # noqa: E731
-        return (server_step(spec, state, agg), stack(new_locals), stack(metrics),
-                (agg.valid, agg.norms))  # fmt: skip
+        agg = aggregate_uploads(spec, state, list(uploads), num_examples, rng, norms, factors)
+        return server_step(spec, state, agg), _stack(metrics), (agg.valid, agg.norms)
 
     return OneAtATimeFns(
         *client_functions(spec),
         jax.jit(combine, donate_argnums=(0,) if spec.donate else ()),
+        jax.jit(_stack),
         jax.jit(client_keys),
     )
 
@@ -445,40 +451,47 @@ def _run_one_at_a_time(
     local_params: Any,
     ids: jax.Array,
     rng: jax.Array,
-    segments: Sequence[Sequence[Batch]],
+    segments: Sequence[Sequence[Batch] | None],
     weights: np.ndarray,
     frozen: Any,
     on_progress: ProgressHook | None = None,
     factors: Any = None,
+    local_like: Any = None,
 ) -> tuple[ServerState, Any, ClientMetrics, Any]:
     """One-at-a-time round with client i on devices[i % D]: each device runs its clients one
     after another while the other devices run theirs. Each client runs the client program
-    (`fed.client_program`) on its own steps; the uploads are summed on devices[0] in client order.
+    (`fed.client_program`) on its own steps; the uploads are summed in client order.
 
     Why several devices: on a CPU, two streams of small client steps keep both cores busier than
-    one stream whose every op is split across them (docs/benchmarks.md measures it).
+    one stream whose every op is split across them (docs/benchmarks.md measures it). With
+    several processes (`sim.processes`) `devices` spans them all: this process trains the
+    clients dealt to its devices (`local_params` and `segments` hold only theirs: the others'
+    segments may be None), the uploads and figures of all are gathered in client order, and
+    every process aggregates them alike; the local parts returned are this process's clients'.
     """
     num, num_devices = len(weights), len(devices)
-    watcher = None if on_progress is None else _Watcher(on_progress, segments,
-                                                        min(num, num_devices))  # fmt: skip
+    owner = processes.owners(devices, num)
+    mine = [i for i in range(num) if owner[i] == processes.index()]
+    slot = {i: k for k, i in enumerate(mine)}  # row of local_params
+    used = sorted({i % num_devices for i in mine})
+    watcher = None if on_progress is None else _Watcher(
+        on_progress, [segments[i] for i in mine], min(len(mine), len(used))
+    )  # fmt: skip
     keys = fns.keys(server_state.round, rng, ids)
     # the received global part and the frozen one, put once on each device that has clients
-    here = [
-        jax.device_put((server_state.global_params, frozen), devices[d])
-        for d in range(min(num, num_devices))
-    ]
-    states: list[Any] = [None] * num
-    own_keys: list[Any] = [None] * num
-    for i in range(num):
+    here = {d: jax.device_put((server_state.global_params, frozen), devices[d]) for d in used}
+    states: dict[int, Any] = {}
+    own_keys: dict[int, Any] = {}
+    for i in mine:
         device = devices[i % num_devices]
-        local = jax.device_put(jax.tree.map(lambda x, i=i: x[i], local_params), device)
+        local = jax.device_put(jax.tree.map(lambda x, k=slot[i]: x[k], local_params), device)
         own_keys[i] = jax.device_put(keys[i], device)
         states[i] = fns.start_one(here[i % num_devices][0], local, own_keys[i])
     # Programs are enqueued one per device in turn (client d's first step, client d + 1's on the
     # next device, ...), so that no device waits for the host to reach its clients; the host only
     # enqueues, it reads nothing back.
-    for first in range(0, num, num_devices):
-        group = range(first, min(first + num_devices, num))
+    for first in range(0, len(mine), max(len(used), 1)):
+        group = mine[first : first + len(used)]
         for j in range(max(len(segments[i]) for i in group)):
             for i in group:
                 if j < len(segments[i]):
@@ -487,18 +500,49 @@ def _run_one_at_a_time(
                     states[i] = fns.segment_one(states[i], global_wire, seg, own_keys[i],
                                                 frozen_there)  # fmt: skip
                     if watcher is not None:
-                        watcher.enqueued(states[i], [(i, j)])
-    finished, norms = [], []
-    for i, state in enumerate(states):
-        upload_i, local_i, metrics_i = fns.finish_one(state)
-        if server_state.aggregator:  # client-level DP: the client clips its update itself
+                        watcher.enqueued(states[i], [(slot[i], j)])
+    dp = bool(server_state.aggregator)  # client-level DP: each client clips its update itself
+    sent, locals_ = {}, []
+    for i in mine:
+        upload_i, local_i, metrics_i = fns.finish_one(states[i])
+        if dp:
             global_wire, _ = here[i % num_devices]
             bound = jax.device_put(server_state.aggregator["clip"], devices[i % num_devices])
             upload_i, norm = fns.clip_one(upload_i, global_wire, bound)
-            norms.append(jax.device_put(norm, devices[0]))
-        finished.append(jax.device_put((upload_i, local_i, metrics_i), devices[0]))
-    return fns.combine(jax.device_put(server_state, devices[0]), tuple(finished), weights, rng,
-                       jnp.stack(norms) if norms else None, factors)  # fmt: skip
+            sent[i] = (upload_i, metrics_i, norm)
+        else:
+            sent[i] = (upload_i, metrics_i)
+        locals_.append(local_i)
+    like = None
+    if not mine and processes.count() > 1:
+        like = _sent_like(fns, server_state, local_like, keys[0], dp)
+    at = jax.local_devices()[0] if processes.count() > 1 else devices[0]
+    received = jax.device_put(processes.gather_clients(sent, owner, like), at)
+    uploads, metrics, *norms = zip(*received, strict=True)
+    state, metrics, checks = fns.combine(jax.device_put(server_state, at), uploads, metrics,
+                                         weights, rng, jnp.stack(norms[0]) if dp else None,
+                                         factors)  # fmt: skip
+    new_local = fns.stack(tuple(jax.device_put(locals_, at))) if locals_ else None
+    return state, new_local, metrics, checks
+
+
+def _sent_like(
+    fns: OneAtATimeFns, server_state: ServerState, local_like: Any, key: jax.Array, dp: bool
+) -> Any:
+    """The shapes of what a client sends (upload, metrics[, norm]), for a process that trained
+    none of the round's clients; `local_like`: a client's local part's shapes."""
+    if local_like is None:
+        raise ValueError("a process without clients this round needs run_round's local_like")
+
+    def sent(global_wire: Any, local: Any, k: jax.Array, bound: Any) -> Any:
+        upload_i, _, metrics_i = fns.finish_one(fns.start_one(global_wire, local, k))
+        if not dp:
+            return upload_i, metrics_i
+        clipped, norm = fns.clip_one(upload_i, global_wire, bound)
+        return clipped, metrics_i, norm
+
+    bound = server_state.aggregator.get("clip") if dp else None
+    return jax.eval_shape(sent, server_state.global_params, local_like, key, bound)
 
 
 def _run_stacked(
@@ -543,6 +587,7 @@ def run_round(
     frozen: Any = None,
     on_progress: ProgressHook | None = None,
     update_factors: Any = None,
+    local_like: Any = None,
 ) -> tuple[ServerState, Any, RoundResult]:
     """Runs one round for the sampled clients.
 
@@ -557,6 +602,10 @@ def run_round(
       on_progress: called with a `RoundProgress` as the clients' programs finish (the module's
         Progress); None: the host waits for nothing.
       update_factors: [K] factors of `fed.aggregation.tampered` (a study's attackers), or None.
+      local_like: a client's local part's shapes (`jax.ShapeDtypeStruct`s), for a process of a
+        multi-process simulation that trains none of the round's clients (`sim.processes`);
+        with several processes, `local_params` and `segments` hold only this process's
+        clients' (others' segments None) and the local parts returned are theirs.
     K = 0 (client-level DP's Poisson sampling drew nobody) runs the server's step alone.
     Returns: new server state, new local parts [K], and the round's RoundResult.
     """
@@ -579,9 +628,11 @@ def run_round(
     if one_at_a_time(spec):
         state, new_local, metrics, (accepted, norms) = _run_one_at_a_time(
             one_at_a_time_functions(spec), round_devices(spec), server_state, local_params, ids,
-            rng, segments, weights, frozen, on_progress, factors,
+            rng, segments, weights, frozen, on_progress, factors, local_like,
         )  # fmt: skip
     else:
+        if processes.count() > 1:
+            raise UserError("several processes train one client at a time: use chunk_size=1")
         state, new_local, metrics, (accepted, norms) = _run_stacked(
             stacked_functions(spec), server_state, local_params, ids, rng, segments, weights,
             frozen, on_progress, factors,
