@@ -168,9 +168,10 @@ def start_processes(
         jax.distributed.initialize(coordinator, num_processes, process_id)
     except (RuntimeError, ValueError, TypeError) as e:
         reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        where = f"at {coordinator!r}" if coordinator else "(no --coordinator given)"
         raise UserError(
-            f"could not join the processes at {coordinator!r} ({reason}); give every process the "
-            "same --coordinator HOST:PORT and --num-processes, and its own --process-id"
+            f"could not join the processes {where}: {reason}; give every process the same "
+            "--coordinator HOST:PORT and --num-processes, and its own --process-id"
         ) from None
     return jax.process_count()
 

@@ -48,14 +48,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_processes(files: dict[str, Path], out: Path, *extra: str, env: dict | None = None):
-    """Both processes of a 2-process run of the CLI; their (exit status, stdout + stderr)."""
-    port = _free_port()
+def _two_processes(
+    files: dict[str, Path], out: Path, *extra: str, env: dict | None = None,
+    coordinator_env: bool = False,
+) -> list[tuple[int, str]]:
+    """Both processes of a 2-process run of the CLI; their (exit status, stdout + stderr).
+    `coordinator_env`: the coordinator in JAX_COORDINATOR_ADDRESS instead of --coordinator."""
+    address = f"127.0.0.1:{_free_port()}"
     env = {**cli_env(files["xla"]), **(env or {})}
+    if coordinator_env:
+        env["JAX_COORDINATOR_ADDRESS"] = address
+    where = [] if coordinator_env else [f"--coordinator={address}"]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "fedjax_split.train", *extra, f"--output-dir={out}",
-             f"--coordinator=127.0.0.1:{port}", "--num-processes=2", f"--process-id={i}"],
+            [sys.executable, "-m", "fedjax_split.train", *extra, f"--output-dir={out}", *where,
+             "--num-processes=2", f"--process-id={i}"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         for i in (1, 0)
@@ -112,9 +119,22 @@ def test_a_resumed_two_process_run_with_an_idle_process_equals_one_process(
                              env={"FEDJAX_SPLIT_STOP_AFTER_ROUND": "2"})  # fmt: skip
     assert [code for code, _ in stopped] == [130, 130], stopped[0][1][-2000:]
     assert len(_records(two)) == 2
-    resumed = _two_processes(files, two, *_flags(settings), "--resume")
+    # resumed with JAX's own variable for the coordinator instead of --coordinator
+    resumed = _two_processes(files, two, *_flags(settings), "--resume", coordinator_env=True)
     assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-2000:] + resumed[1][1][-2000:]
     _assert_same_run(one, two)
+
+
+def test_processes_without_a_coordinator_stop_with_one_line(files: dict[str, Path]) -> None:
+    out = files["base"] / "nowhere"
+    res = subprocess.run(
+        [sys.executable, "-m", "fedjax_split.train", *_flags(_settings(files)),
+         f"--output-dir={out}", "--num-processes=2", "--process-id=0"],
+        env=cli_env(files["xla"]), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-2000:]
+    assert "no --coordinator given" in lines[0] and not out.exists()
 
 
 def test_one_process_gathers_nothing() -> None:
