@@ -93,7 +93,8 @@ def _assert_same_run(one: Path, two: Path) -> None:
 
 
 def test_two_processes_equal_one_process_with_two_devices(files: dict[str, Path]) -> None:
-    settings = _settings(files)
+    # FedAvg (nothing local), so that the pooled evaluation gathers every process's predictions
+    settings = _settings(files, critical_layer="L")
     one = files["base"] / "one"
     run_experiment({**settings, "cpu_devices": 2, "output_dir": str(one)}, progress=False)
     two = files["base"] / "two"
@@ -106,15 +107,18 @@ def test_two_processes_equal_one_process_with_two_devices(files: dict[str, Path]
     assert "done: 2 rounds" in err0 and "done: 2 rounds" in err1
 
 
-def test_a_resumed_two_process_run_with_an_idle_process_equals_one_process(
+def test_a_resumed_two_process_dp_run_with_an_idle_process_equals_one_process(
     files: dict[str, Path],
 ) -> None:
-    # one client a round: process 1 trains nobody, yet joins every exchange; FedAvg (nothing
-    # local), so that the pooled evaluation gathers every process's predictions
-    settings = _settings(files, clients_per_round=1, rounds=3, critical_layer="L")
-    one = files["base"] / "one_m1"
+    # FedSplitBERT (a local part) with client-level DP, whose Poisson sampling (seed 0, 2 of 3)
+    # draws clients [1, 2], [0], [0, 2], [1]: in rounds 2 and 4 process 1 trains nobody, yet
+    # joins every exchange; every client clips its own update where it trains
+    settings = _settings(files, clients_per_round=2, rounds=4, dp_noise_multiplier=0.5,
+                         dp_clip=1.0)  # fmt: skip
+    one = files["base"] / "one_dp"
     run_experiment({**settings, "cpu_devices": 2, "output_dir": str(one)}, progress=False)
-    two = files["base"] / "two_m1"
+    assert [r["clients_sampled"] for r in _records(one)] == [[1, 2], [0], [0, 2], [1]]
+    two = files["base"] / "two_dp"
     stopped = _two_processes(files, two, *_flags(settings),
                              env={"FEDJAX_SPLIT_STOP_AFTER_ROUND": "2"})  # fmt: skip
     assert [code for code, _ in stopped] == [130, 130], stopped[0][1][-2000:]

@@ -226,7 +226,8 @@ class ExperimentConfig:
         None,
         "Processes of a multi-process simulation (unset: 1, or what SLURM / Open MPI say when "
         "a coordinator is given); the sampled clients are dealt over every device of every "
-        "process and the results equal one process's bit for bit.",
+        "process, one at a time on each, and the results equal one process's that trains them "
+        "one at a time (a CPU's default) bit for bit.",
         metavar="N",
     )
     process_id: int | None = _setting(

@@ -291,7 +291,10 @@ class Simulation:
 
     def summary(self, history: Sequence[dict[str, Any]], stats: driver.Stats) -> dict[str, Any]:
         from fedjax_split import runtime
-        from fedjax_split.sim import rounds
+        from fedjax_split.sim import processes, rounds
+
+        # process 0 has written its last checkpoint and pruned the store before anyone counts
+        processes.barrier("run written")
 
         run_dir = self.run_dir
         plot = self.plot(history)

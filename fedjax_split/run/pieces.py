@@ -193,6 +193,11 @@ def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: A
         optimizer=client.default_client_optimizer(config.lr),
         prox_mu=config.prox_mu,
     )
+    if jax.process_count() > 1 and config.chunk_size not in (None, 1):
+        raise UserError(
+            f"--chunk-size {config.chunk_size} with {jax.process_count()} processes: several "
+            "processes train one client at a time on each device; leave --chunk-size unset"
+        )
     return rounds.RoundSpec(
         client=client_spec,
         server_optimizer=algorithms.server_optimizer(config.algorithm, config.effective_server_lr),

@@ -89,7 +89,7 @@ def gather_bytes(data: bytes) -> list[bytes]:
     """Every process's bytes, in process order."""
     if count() == 1:
         return [data]
-    sizes = _allgather(np.asarray([len(data)], np.int64))[:, 0]
+    sizes = _allgather(np.asarray([len(data)], np.int32))[:, 0]
     buffer = np.zeros(int(sizes.max()), np.uint8)
     buffer[: len(data)] = np.frombuffer(data, np.uint8)
     rows = _allgather(buffer)

@@ -531,9 +531,6 @@ def _sent_like(
 ) -> Any:
     """The shapes of what a client sends (upload, metrics[, norm]), for a process that trained
     none of the round's clients; `local_like`: a client's local part's shapes."""
-    if local_like is None:
-        raise ValueError("a process without clients this round needs run_round's local_like")
-
     def sent(global_wire: Any, local: Any, k: jax.Array, bound: Any) -> Any:
         upload_i, _, metrics_i = fns.finish_one(fns.start_one(global_wire, local, k))
         if not dp:
@@ -625,6 +622,8 @@ def run_round(
     per_client_down, per_client_up = client_bytes(spec, server_state.global_params)
     ids = jnp.asarray(client_ids, jnp.int32)
     factors = None if update_factors is None else jnp.asarray(update_factors, jnp.float32)
+    if processes.count() > 1 and local_like is None:  # every process stops, none waits
+        raise ValueError("run_round with several processes needs local_like")
     if one_at_a_time(spec):
         state, new_local, metrics, (accepted, norms) = _run_one_at_a_time(
             one_at_a_time_functions(spec), round_devices(spec), server_state, local_params, ids,
