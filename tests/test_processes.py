@@ -101,8 +101,8 @@ def test_two_processes_equal_one_process_with_two_devices(files: dict[str, Path]
     (code0, err0), (code1, err1) = _two_processes(files, two, *_flags(settings))
     assert code0 == 0 and code1 == 0, err0[-2000:] + err1[-2000:]
     _assert_same_run(one, two)
-    # process 0 wrote the run's files; the clients were dealt over both processes (3 clients:
-    # process 0 trained clients 0 and 2, process 1 client 1), and both report the same result
+    # process 0 wrote the run's files, the round's devices are both processes' (the dealing
+    # itself: test_clients_are_dealt_round_robin_...), and both report the same result
     assert json.loads((two / "summary.json").read_text())["round_devices"] == 2
     assert "done: 2 rounds" in err0 and "done: 2 rounds" in err1
 
