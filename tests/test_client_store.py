@@ -64,6 +64,23 @@ def test_versions_by_round_and_the_initial_part_for_clients_never_trained(tmp_pa
     assert _equal(ClientStore(tmp_path / "clients").initial, _part(0.0))
 
 
+def test_a_store_that_knows_its_clients_rounds_opens_by_name_not_by_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = ClientStore.create(tmp_path / "clients", _part(0.0))
+    writer.save(1, [4], _stack(_part(1.0)))
+    # another process's handle, told of round 1; then client 4 trains again in round 2, written
+    # by the first handle while the second one's listing of the directory stays stale (NFS)
+    reader = ClientStore(tmp_path / "clients", newest={4: 1})
+    writer.save(2, [4, 5], _stack(_part(2.0), _part(5.0)))
+    monkeypatch.setattr(ClientStore, "rounds", lambda self, client: [1] if client == 4 else [])
+    assert _equal(reader.load(4), _part(1.0))  # not yet told: what it knew
+    reader.trained(2, [4, 5])
+    assert _equal(reader.load(4), _part(2.0)) and _equal(reader.load(5), _part(5.0))
+    assert _equal(reader.load(6), _part(0.0))  # never trained
+    assert reader.version(4, at_most=1) == 1  # an earlier round still comes from the listing
+
+
 def test_rewind_forgets_what_came_after_a_checkpoint_and_prune_keeps_what_one_needs(
     tmp_path: Path,
 ) -> None:

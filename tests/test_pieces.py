@@ -65,6 +65,13 @@ def test_personalised_record_means_over_all_and_over_the_trained() -> None:
     assert "trained_mean" not in pieces.personalised_record(per_client, None)
 
 
+def test_newest_rounds_are_each_clients_last_sampled_round() -> None:
+    history = [{"round": 1, "clients_sampled": [0, 1]}, {"round": 2, "clients_sampled": []},
+               {"round": 3, "clients_sampled": [1, 2]}]  # fmt: skip
+    assert pieces.newest_rounds(history) == {0: 1, 1: 3, 2: 3}
+    assert pieces.newest_rounds([]) == {}
+
+
 def test_trained_clients_leave_out_failed_clients_and_add_the_current_round() -> None:
     history = [
         {"clients_sampled": [0, 1]},

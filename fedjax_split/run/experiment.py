@@ -157,6 +157,7 @@ class Simulation:
         self.frozen = model.frozen  # one copy for every client, never trained or sent
         self.store = store  # sim.client_store.ClientStore: each client's local part
         self.prefetched: tuple[int, list[Any]] | None = None  # (round, its clients' steps)
+        self.newest: dict[int, int] = {}  # client -> the round of its newest stored part
         # what the label priors alone score: the plot's dashed line and the summary's figure
         self.majority = plots.majority_score(
             model.task, setup.pool.labels, setup.partition.clients, self.metric
@@ -200,6 +201,7 @@ class Simulation:
             )
         self.server_state = arrays["server_state"]
         self.frozen = arrays.get("frozen", self.frozen)
+        self.newest = pieces.newest_rounds(meta["history"])  # each client's part in the store
 
     def start(self, start_round: int, note: Callable[[str], None]) -> None:
         from fedjax_split.data import partition as partition_mod
@@ -218,7 +220,9 @@ class Simulation:
             partition_mod.save_partition(setup.partition, self.run_dir / "partition.json",
                                          labels, label_names=names)  # fmt: skip
         processes.barrier("client store ready")
-        self.store = ClientStore(self.run_dir / CLIENTS_DIR)
+        # each client's newest part is known from the rounds' sampled clients, so a process
+        # opens it by name (a shared filesystem may list another host's new files late)
+        self.store = ClientStore(self.run_dir / CLIENTS_DIR, newest=self.newest)
         note(pieces.method_line(config, model))
         for line in safeguards.start_lines(config, self.rounds):
             note(line)
@@ -271,6 +275,7 @@ class Simulation:
         if len(own):
             self.store.save(r, own, new_local)
         processes.barrier(f"round {r} stored")  # every process's clients are on disk
+        self.store.trained(r, sampled)
         # the store wrote the new local parts (waiting for them): t_train is the whole round's
         t_train = time.perf_counter()
         record = pieces.train_record(r, sampled.tolist(), losses, num_examples)

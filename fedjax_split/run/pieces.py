@@ -449,6 +449,12 @@ def train_record(
     }
 
 
+def newest_rounds(history: Sequence[dict[str, Any]]) -> dict[int, int]:
+    """Each client's last round among the records' sampled clients: the round of its newest
+    part in a simulation's client store (every sampled client stores its part)."""
+    return {int(c): int(h["round"]) for h in history for c in h["clients_sampled"]}
+
+
 def trained_clients(history: Sequence[dict[str, Any]], now: Sequence[int] = ()) -> set[int]:
     """The clients whose updates the server has taken so far: every round's sampled clients but
     those that failed (a deployed round's `clients_failed`), and `now`."""

@@ -63,11 +63,17 @@ def load_tree(path: Path) -> Any:
 class ClientStore:
     """Clients' local parts under `directory` (see the module docstring). `initial`: the part a
     client that never trained has, when it is not to be read from `initial.npz` (a federated
-    node rebuilds it from the checkpoint it starts from)."""
+    node rebuilds it from the checkpoint it starts from). `newest`: client -> the round of its
+    newest part, when the caller knows it (a simulation does, from its sampled clients): `load`
+    then opens that file by name instead of listing the client's directory, which a host of a
+    multi-process run on a shared filesystem (NFS) may see stale (`trained` keeps it current)."""
 
-    def __init__(self, directory: str | Path, initial: Any = None) -> None:
+    def __init__(
+        self, directory: str | Path, initial: Any = None, newest: dict[int, int] | None = None
+    ) -> None:
         self.directory = Path(directory)
         self._initial: Any = initial
+        self._newest = None if newest is None else dict(newest)
 
     @classmethod
     def create(cls, directory: str | Path, initial: Any) -> ClientStore:
@@ -106,6 +112,8 @@ class ClientStore:
 
     def version(self, client: int, at_most: int | None = None) -> int | None:
         """The round of `client`'s newest part written by round `at_most` (None: never trained)."""
+        if at_most is None and self._newest is not None:
+            return self._newest.get(int(client))
         rounds = [r for r in self.rounds(client) if at_most is None or r <= at_most]
         return rounds[-1] if rounds else None
 
@@ -134,6 +142,13 @@ class ClientStore:
     def save_one(self, round_: int, client: int, part: Any) -> None:
         """Writes one client's new part as round_'s."""
         save_tree(self._client_dir(client) / f"round_{int(round_)}.npz", part)
+        self.trained(round_, [client])
+
+    def trained(self, round_: int, clients: Iterable[int]) -> None:
+        """Notes that `clients` wrote their part of `round_` (here or in another process), for
+        `load` to open by name when the store knows its clients' newest rounds."""
+        if self._newest is not None:
+            self._newest.update({int(c): int(round_) for c in clients})
 
     def rewind(self, round_: int) -> None:
         """Deletes versions written after round `round_` (a resumed run redoes those rounds)."""
