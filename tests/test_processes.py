@@ -68,9 +68,14 @@ def _two_processes(
         for i in (1, 0)
     ]
     results = []
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        results.append((p.returncode, out + err))
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            results.append((p.returncode, out + err))
+    finally:  # a process waiting in an exchange for one that failed is not left running
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     return results[::-1]  # process 0's first
 
 
