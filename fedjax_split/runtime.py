@@ -159,11 +159,11 @@ def start_processes(
     Call it before any JAX computation; a second call (a notebook) keeps the first's runtime."""
     import jax
 
-    coordinator = coordinator or os.environ.get(COORDINATOR_ENV) or None
-    if coordinator is None and (num_processes or 1) == 1:
-        return jax.process_count() if jax.distributed.is_initialized() else 1
     if jax.distributed.is_initialized():
         return jax.process_count()
+    coordinator = coordinator or os.environ.get(COORDINATOR_ENV) or None
+    if coordinator is None and (num_processes or 1) == 1:
+        return 1
     try:
         jax.distributed.initialize(coordinator, num_processes, process_id)
     except (RuntimeError, ValueError, TypeError) as e:
@@ -196,7 +196,7 @@ def apply(cpu_devices: int | None = None, processes: tuple[Any, ...] = ()) -> Ap
     tune_malloc()
     one_line_warnings()
     cache = enable_xla_cache()
-    if cpu_devices is not None:  # before the runtime starts: it counts the devices
+    if cpu_devices is not None:  # jax.distributed.initialize fixes the count it finds set
         import jax
 
         try:
@@ -204,7 +204,7 @@ def apply(cpu_devices: int | None = None, processes: tuple[Any, ...] = ()) -> Ap
         except RuntimeError:
             pass  # started already: use_cpu_devices says whether the count is enough
     if processes:
-        start_processes(*processes)
+        start_processes(*processes)  # before the backends start (use_cpu_devices starts them)
     devices = None if cpu_devices is None else use_cpu_devices(cpu_devices)
     return Applied(allocator(), cache, devices)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fedjax_split.errors import UserError
 from fedjax_split.run import pieces
 
 
@@ -56,6 +57,11 @@ def test_round_chunk_size_defaults_by_backend() -> None:
     assert pieces.round_chunk_size(None, "tpu") is None
     assert pieces.round_chunk_size(4, "cpu") == 4
     assert pieces.round_chunk_size(4, "gpu") == 4
+    # several processes: one at a time wherever they run, and no chunk spanning them
+    assert pieces.round_chunk_size(None, "gpu", 2) == 1
+    assert pieces.round_chunk_size(1, "gpu", 2) == 1
+    with pytest.raises(UserError, match="with 2 processes"):
+        pieces.round_chunk_size(4, "cpu", 2)
 
 
 def test_personalised_record_means_over_all_and_over_the_trained() -> None:

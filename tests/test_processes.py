@@ -9,7 +9,6 @@ process that trains no client in a round.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 from run_fixtures import cli_env, private_cache, tiny_sst2_files  # noqa: F401
 
+from fedjax_split.deploy.launch import free_port
 from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 from fedjax_split.run.experiment import run_experiment
 from fedjax_split.sim import processes
@@ -42,19 +42,13 @@ def _flags(settings: dict[str, object]) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_processes(
     files: dict[str, Path], out: Path, *extra: str, env: dict | None = None,
     coordinator_env: bool = False,
 ) -> list[tuple[int, str]]:
     """Both processes of a 2-process run of the CLI; their (exit status, stdout + stderr).
     `coordinator_env`: the coordinator in JAX_COORDINATOR_ADDRESS instead of --coordinator."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     env = {**cli_env(files["xla"]), **(env or {})}
     if coordinator_env:
         env["JAX_COORDINATOR_ADDRESS"] = address
@@ -97,18 +91,20 @@ def _assert_same_run(one: Path, two: Path) -> None:
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_two_processes_equal_one_process_with_two_devices(files: dict[str, Path]) -> None:
+def test_two_processes_of_two_devices_equal_one_process_with_two(files: dict[str, Path]) -> None:
     # FedAvg (nothing local), so that the pooled evaluation gathers every process's predictions
     settings = _settings(files, critical_layer="L")
     one = files["base"] / "one"
     run_experiment({**settings, "cpu_devices": 2, "output_dir": str(one)}, progress=False)
     two = files["base"] / "two"
-    (code0, err0), (code1, err1) = _two_processes(files, two, *_flags(settings))
+    # two CPU devices in each process: the count must reach the devices JAX's runtime makes
+    (code0, err0), (code1, err1) = _two_processes(files, two, *_flags(settings),
+                                                  "--cpu-devices=2")  # fmt: skip
     assert code0 == 0 and code1 == 0, err0[-2000:] + err1[-2000:]
     _assert_same_run(one, two)
     # process 0 wrote the run's files, the round's devices are both processes' (the dealing
     # itself: test_clients_are_dealt_round_robin_...), and both report the same result
-    assert json.loads((two / "summary.json").read_text())["round_devices"] == 2
+    assert json.loads((two / "summary.json").read_text())["round_devices"] == 4
     assert "done: 2 rounds" in err0 and "done: 2 rounds" in err1
 
 

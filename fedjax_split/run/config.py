@@ -466,10 +466,16 @@ def validate_processes(config: ExperimentConfig) -> None:
         raise UserError(f"--num-processes must be at least 1, got {n}")
     if i is not None and not 0 <= i < (n or 1):
         raise UserError(f"--process-id must be in 0..{(n or 1) - 1} (--num-processes), got {i}")
-    if n is not None and n > 1 and config.chunk_size not in (None, 1):
+    check_chunk_size(config.chunk_size, n or 1)
+
+
+def check_chunk_size(chunk_size: int | None, processes: int) -> None:
+    """Several processes deal single clients to their devices: a vmapped chunk would span
+    processes. Checked from the flags, and again where JAX knows the count (SLURM may set it)."""
+    if processes > 1 and chunk_size not in (None, 1):
         raise UserError(
-            f"--chunk-size {config.chunk_size} with --num-processes {n}: several processes train "
-            "one client at a time on each device; leave --chunk-size unset"
+            f"--chunk-size {chunk_size} with {processes} processes: several processes train one "
+            "client at a time on each device; leave --chunk-size unset"
         )
 
 

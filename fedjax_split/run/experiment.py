@@ -141,8 +141,10 @@ class Simulation:
     """The simulation's `driver.Run`: the server state, the client store, the prefetched batches."""
 
     def __init__(self, setup: Setup, store: Any = None) -> None:
+        import jax
+
         from fedjax_split.fed import aggregation
-        from fedjax_split.sim import rounds
+        from fedjax_split.sim import processes, rounds
 
         self.setup = setup
         config, model = setup.config, setup.model
@@ -163,9 +165,9 @@ class Simulation:
             model.task, setup.pool.labels, setup.partition.clients, self.metric
         )
         self.progress: Any = None  # run.outputs.Progress, from the driver (`watch`)
-        from fedjax_split.sim import processes
-
         self.writes = processes.writes()  # process 0 of a multi-process run, or the one process
+        # a client's local part's shapes: what a process dealt no client of a round gathers
+        self.local_like = jax.eval_shape(lambda: model.local0)
 
     def plot(self, records: Sequence[dict[str, Any]]) -> Path | None:
         """plot.png from the records so far (None before the first evaluation)."""
@@ -267,7 +269,7 @@ class Simulation:
             setup.model.round_spec, self.server_state, local_sampled, num_examples, segments,
             jax.random.key(config.seed), client_ids=sampled, frozen=self.frozen,
             on_progress=hook, update_factors=safeguards.attack_factors(config, sampled),
-            local_like=jax.eval_shape(lambda: setup.model.local0),
+            local_like=self.local_like,
         )  # fmt: skip
         if r < self.rounds:  # the round runs asynchronously: batch the next one meanwhile
             self.prefetched = (r + 1, round_batches(setup, r + 1))

@@ -77,13 +77,16 @@ def _count(tree: Any) -> int:
     return int(sum(np.size(x) for x in jax.tree.leaves(tree)))
 
 
-def round_chunk_size(chunk_size: int | None, backend: str) -> int | None:
+def round_chunk_size(chunk_size: int | None, backend: str, processes: int = 1) -> int | None:
     """Clients trained at once in a round: as configured, else one at a time on a CPU (each
     matmul already fills the cores, and a vmapped round holds every client's state at once) and
-    all at once on an accelerator (docs/benchmarks.md)."""
+    all at once on an accelerator (docs/benchmarks.md); one at a time with several processes."""
+    from fedjax_split.run.config import check_chunk_size
+
+    check_chunk_size(chunk_size, processes)
     if chunk_size is not None:
         return chunk_size
-    return 1 if backend == "cpu" else None
+    return 1 if backend == "cpu" or processes > 1 else None
 
 
 def subsample_indices(n: int, max_examples: int | None, seed: int) -> np.ndarray | None:
@@ -193,17 +196,12 @@ def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: A
         optimizer=client.default_client_optimizer(config.lr),
         prox_mu=config.prox_mu,
     )
-    if jax.process_count() > 1 and config.chunk_size not in (None, 1):
-        raise UserError(
-            f"--chunk-size {config.chunk_size} with {jax.process_count()} processes: several "
-            "processes train one client at a time on each device; leave --chunk-size unset"
-        )
     return rounds.RoundSpec(
         client=client_spec,
         server_optimizer=algorithms.server_optimizer(config.algorithm, config.effective_server_lr),
         wire_dtype=WIRE_DTYPE[config.quantize],
-        chunk_size=1 if jax.process_count() > 1  # several processes: clients one at a time
-        else round_chunk_size(config.chunk_size, jax.default_backend()),
+        chunk_size=round_chunk_size(config.chunk_size, jax.default_backend(),
+                                    jax.process_count()),
         devices=devices.for_rounds(config.cpu_devices, jax.default_backend()),
         aggregator=safeguards.aggregator(config),
     )

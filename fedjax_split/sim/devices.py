@@ -18,8 +18,6 @@ def for_rounds(count: int | None, backend: str) -> tuple[jax.Device, ...] | None
     every local device)."""
     if backend != "cpu":
         return None if jax.process_count() == 1 else tuple(jax.devices())
-    if jax.process_count() == 1:
-        return tuple(jax.local_devices(backend="cpu")[: count or 1])
     every = jax.devices("cpu")
     return tuple(
         d
