@@ -81,6 +81,14 @@ def measure_peak(dtype: Any, sizes: tuple[int, ...] = (1024, 2048, 3072), repeat
     return best
 
 
+def peak_sizes(args: argparse.Namespace) -> tuple[int, ...]:
+    """--peak-sizes, by default sizes that reach the device's peak: on an H200 a 3072 matmul
+    reaches 292 TFLOP/s of bf16, an 8192 one about 790 (docs/benchmarks.md, GPU)."""
+    if args.peak_sizes:
+        return args.peak_sizes
+    return (1024, 2048, 3072) if jax.default_backend() == "cpu" else (2048, 4096, 8192)
+
+
 def compute_dtype(args: argparse.Namespace) -> str:
     """--dtype, by default bf16 on a GPU and fp32 elsewhere (whose matmul peak is measured)."""
     return args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
@@ -150,7 +158,7 @@ def timed(fn, repeats: int) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> dict:
     backend = jax.default_backend()
     dtype = compute_dtype(args)
-    peak = measure_peak(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32, args.peak_sizes)
+    peak = measure_peak(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32, peak_sizes(args))
     config, params = model_config(args.model, 2, dtype, args.attention)
     apply = make_apply(config)
     lengths = client_lengths(args.lengths, args.clients, args.examples_per_client, args.max_length)
@@ -319,7 +327,7 @@ def profile_step(args: argparse.Namespace) -> dict:
                                     params),
         "full_step": best_ms(jax.jit(full), params, state, key),
     }  # fmt: skip
-    peak = measure_peak(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32, args.peak_sizes)
+    peak = measure_peak(jnp.bfloat16 if dtype == "bfloat16" else jnp.float32, peak_sizes(args))
     fwd = flops.forward_flops(config, b, t)
     rates = {
         "forward": fwd,
@@ -333,7 +341,7 @@ def profile_step(args: argparse.Namespace) -> dict:
         "share_of_peak": {k: v / (pieces[k] / 1e3) / peak["flops_per_s"] for k, v in rates.items()},
     }  # fmt: skip
     if args.torch_reference:
-        ref = torch_reference(config, b, t, args.peak_sizes)
+        ref = torch_reference(config, b, t, peak_sizes(args))
         ref["share_of_peak"] = {
             k: rates[k] / (ms / 1e3) / peak["flops_per_s"] for k, ms in ref["ms"].items()
         }
@@ -551,8 +559,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--peak-sizes",
         type=lambda text: tuple(int(n) for n in text.split(",")),
-        default=(1024, 2048, 3072),
-        help="square matmul sizes the peak is the best of (default 1024,2048,3072)",
+        default=None,
+        help="square matmul sizes the peak is the best of (default 1024,2048,3072 on a CPU, "
+        "2048,4096,8192 on an accelerator)",
     )
     p.add_argument("--out", default=None, help="JSON file for the results")
     return p.parse_args(argv)  # fmt: skip
