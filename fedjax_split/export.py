@@ -4,10 +4,13 @@
 
 The personalised model is the global part (as the client received it, cast to fp32) merged with
 that client's local part: the global part from the run's latest checkpoint (or --round), the
-local part as it was after that round, from the run's client store. The result loads in
-transformers as `BertForSequenceClassification` (`BertForTokenClassification` for a token task) and
-in fedjax_split via `load_pretrained`. A LoRA run's adapters are merged into their layers; with
---peft they are written instead as a PEFT adapter directory for the base model (docs/lora.md).
+local part as it was after that round, from the run's client store (a run of the local Flower
+launcher: from the node that held the client). At a Flower site, `--state-dir` assembles it from
+the node's own disk: the global part it last received and its local part, which never travel.
+The result loads in transformers as `BertForSequenceClassification`
+(`BertForTokenClassification` for a token task) and in fedjax_split via `load_pretrained`. A
+LoRA run's adapters are merged into their layers; with --peft they are written instead as a PEFT
+adapter directory for the base model (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ def personalised_params(run_dir: str | Path, client: int, round_: int | None = N
     if not 0 <= client < num_clients:
         raise UserError(f"--client {client} is outside 0..{num_clients - 1} for this run")
     global_params = cast_from_wire(state["server_state"]["global_params"], jnp.float32)
-    store = ClientStore(Path(run_dir) / CLIENTS_DIR)
+    if meta.get("deploy") == "flower":
+        store = _launcher_store(Path(run_dir), str(meta["run_id"]), client)
+    else:
+        store = ClientStore(Path(run_dir) / CLIENTS_DIR)
     if not (store.directory / "initial.npz").is_file():
         raise UserError(f"{str(run_dir)!r} has no client store ({CLIENTS_DIR}/) to export from")
     local = store.load(client, at_most=int(meta["round"]))
@@ -54,20 +60,93 @@ def personalised_params(run_dir: str | Path, client: int, round_: int | None = N
     return params, config, meta["model_dir"]
 
 
+def _launcher_store(run_dir: Path, run_id: str, client: int) -> Any:
+    """The client store of the node that holds `client` in a run of the local launcher
+    (`python -m fedjax_split.flower`), which keeps each node's state dir under the run."""
+    from fedjax_split.sim.client_store import ClientStore
+
+    nodes = sorted((run_dir / "flower" / "nodes").glob(f"*/{run_id}"))
+    for d in nodes:
+        if (d / f"client_{client}").is_dir():
+            return ClientStore(d)
+    raise UserError(
+        f"client {client}'s local part is not under {run_dir / 'flower' / 'nodes'}: a Flower "
+        "run's personal parts stay on their nodes; export it at its site with --state-dir"
+        + ("" if nodes else " (this run's nodes kept their state elsewhere)")
+    )
+
+
+def site_params(
+    state_dir: str | Path, client: int, run_id: str | None = None, round_: int | None = None
+) -> Any:
+    """(params, BertConfig, model_dir) of client `client` at a Flower site, from the node's state
+    dir alone: the global part the node last received (after round r), its frozen part, and the
+    client's local part after round r (`deploy.node.keep_for_export`)."""
+    import json
+
+    import jax.numpy as jnp
+
+    from fedjax_split.deploy import node
+    from fedjax_split.fed.roles import merge_params
+    from fedjax_split.fed.wire import cast_from_wire
+    from fedjax_split.models import lora
+    from fedjax_split.models.bert import BertConfig
+    from fedjax_split.sim.client_store import ClientStore, load_tree
+
+    d = _site_run(Path(state_dir), run_id)
+    if not (d / f"client_{client}").is_dir() or not (d / node.MODEL_FILE).is_file():
+        raise UserError(f"client {client} has not been evaluated at this node ({d}); pass one "
+                        "of its clients, after a round that evaluated")  # fmt: skip
+    global_wire, r = node.received_global(d)
+    if round_ is not None and round_ != r:
+        raise UserError(f"this node holds the global part after round {r} only; drop --round")
+    frozen = load_tree(d / node.FROZEN_FILE) if (d / node.FROZEN_FILE).is_file() else {}
+    local = ClientStore(d).load(client, at_most=r)
+    params = merge_params(cast_from_wire(global_wire, jnp.float32), local, frozen)
+    meta = json.loads((d / node.MODEL_FILE).read_text())
+    config = lora.from_fields(BertConfig.from_hf_dict(meta["model_config"]), meta.get("lora"))
+    return params, config, meta["model_dir"]
+
+
+def _site_run(state_dir: Path, run_id: str | None) -> Path:
+    """The run's directory under a node's state dir (the only run there when `run_id` is None)."""
+    if not state_dir.is_dir():
+        raise UserError(f"{str(state_dir)!r} is not a directory; pass the node's state-dir")
+    if run_id is not None:
+        if not (state_dir / run_id).is_dir():
+            raise UserError(f"{state_dir} holds no run {run_id!r}; see its subdirectories")
+        return state_dir / run_id
+    from fedjax_split.deploy import node
+
+    runs = sorted(d.name for d in state_dir.iterdir() if (d / node.MODEL_FILE).is_file())
+    if len(runs) != 1:
+        raise UserError(
+            f"{state_dir} holds {'no run' if not runs else 'runs ' + ', '.join(runs)}; "
+            + ("pass the node's state-dir" if not runs else "pass --run-id")
+        )
+    return state_dir / runs[0]
+
+
 def export_client(
-    run_dir: str | Path,
+    run_dir: str | Path | None,
     client: int,
     out_dir: str | Path,
     round_: int | None = None,
     *,
     peft: bool = False,
+    state_dir: str | Path | None = None,
+    run_id: str | None = None,
 ) -> Path:
     """Writes client `client`'s model to `out_dir`: a Hugging Face model directory (a LoRA run's
     adapters merged into their layers), or with `peft` the client's LoRA adapters and head as a
-    PEFT adapter directory for the run's base model."""
+    PEFT adapter directory for the run's base model. From a run directory (simulated, or made by
+    the local Flower launcher), or with `state_dir` from a Flower node's own disk."""
     from fedjax_split.models import hf_checkpoint, lora
 
-    params, config, model_dir = personalised_params(run_dir, client, round_)
+    if state_dir is not None:
+        params, config, model_dir = site_params(state_dir, client, run_id, round_)
+    else:
+        params, config, model_dir = personalised_params(run_dir, client, round_)
     base = Path(model_dir) if model_dir is not None and Path(model_dir).is_dir() else None
     if peft:
         if not config.lora_targets:
@@ -121,7 +200,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m fedjax_split.export", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--run-dir", required=True, help="Run directory written by fedjax_split.train.")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-dir", help="Run directory written by fedjax_split.train or .flower.")
+    where.add_argument(
+        "--state-dir",
+        help="At a Flower site: the SuperNode's state-dir; the model is assembled from the global "
+        "part the node last received and its own local part, without leaving the site.",
+    )
+    p.add_argument("--run-id", default=None, help="With --state-dir: the run (default: the one).")
     p.add_argument("--client", required=True, type=int, help="Client id (0-based) to export.")
     p.add_argument("--out", required=True, help="Output directory (Hugging Face format).")
     p.add_argument("--round", type=int, default=None, help="Checkpoint round (default: latest).")
@@ -133,12 +219,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     try:
-        out = export_client(args.run_dir, args.client, args.out, args.round, peft=args.peft)
+        out = export_client(args.run_dir, args.client, args.out, args.round, peft=args.peft,
+                            state_dir=args.state_dir, run_id=args.run_id)  # fmt: skip
     except UserError as e:
         return report(e)
     what = "LoRA adapters and head (PEFT)" if args.peft else "personalised model"
     print(f"wrote client {args.client}'s {what} to {out}")
-    note = skew_note(args.run_dir, args.client)
+    note = None if args.run_dir is None else skew_note(args.run_dir, args.client)
     if note is not None:
         print(note)
     return 0

@@ -327,3 +327,64 @@ def test_a_lora_ner_clients_peft_adapter_is_a_token_classifier(files: dict[str, 
         want = whole(input_ids=ids).logits.numpy()
     assert got.shape == (2, 6, 5)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _site(run: Path, state_dir: Path, client: int, round_: int, run_id: str) -> Path:
+    """A Flower node's state dir as `deploy.node` leaves it after evaluating `client` in
+    `round_`, made from the simulation's files: its local parts, the global part as received."""
+    from types import SimpleNamespace
+
+    from fedjax_split.deploy import node
+    from fedjax_split.sim.client_store import ClientStore
+
+    state, meta = RunCheckpointer(checkpoint_dir(run)).restore_untyped(round_)
+    sim_store = ClientStore(run / experiment.CLIENTS_DIR)
+    fields = ("model_config", "model_dir", "critical_layer", "lora")
+    site = SimpleNamespace(client_id=client, local0=sim_store.initial, frozen={},
+                           model_meta={k: meta[k] for k in fields})  # fmt: skip
+    store = node.store(state_dir, run_id, site)
+    for r in sim_store.rounds(client):
+        store.save_one(r, client, sim_store.load(client, at_most=r))
+    node.keep_for_export(store, site, state["server_state"]["global_params"], round_)
+    return state_dir
+
+
+def test_a_sites_export_from_its_node_alone_equals_the_runs(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """At a site, the model assembled from the node's state dir (the global part as received,
+    its own local part) is the run's export of that client, tensor for tensor."""
+    from safetensors.numpy import load_file
+
+    site = _site(run, tmp_path / "node", client=1, round_=2, run_id="ab" * 8)
+    assert export.main(["--state-dir", str(site), "--client", "1", "--out",
+                        str(tmp_path / "site")]) == 0  # fmt: skip
+    assert "wrote client 1's personalised model" in capsys.readouterr().out
+    export.export_client(run, 1, tmp_path / "run")
+    got = load_file(str(tmp_path / "site" / "model.safetensors"))
+    want = load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert got.keys() == want.keys()
+    assert all(np.array_equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+
+
+def test_a_sites_export_errors_are_one_line(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    base = ["--out", str(tmp_path / "out")]
+    site = tmp_path / "node"
+    _one_line_error(capsys, ["--state-dir", str(site), "--client", "1", *base],
+                    "is not a directory; pass the node's state-dir")  # fmt: skip
+    site.mkdir()
+    _one_line_error(capsys, ["--state-dir", str(site), "--client", "1", *base], "holds no run")
+    _site(run, site, client=1, round_=2, run_id="ab" * 8)
+    _one_line_error(capsys, ["--state-dir", str(site), "--client", "0", *base],
+                    "client 0 has not been evaluated at this node")  # fmt: skip
+    _one_line_error(capsys, ["--state-dir", str(site), "--client", "1", "--round", "1", *base],
+                    "holds the global part after round 2 only")  # fmt: skip
+    _site(run, site, client=1, round_=1, run_id="cd" * 8)
+    _one_line_error(capsys, ["--state-dir", str(site), "--client", "1", *base],
+                    f"runs {'ab' * 8}, {'cd' * 8}; pass --run-id")  # fmt: skip
+    _one_line_error(capsys, ["--state-dir", str(site), "--run-id", "ef" * 8, "--client", "1",
+                             *base], "holds no run")  # fmt: skip
+    assert export.main(["--state-dir", str(site), "--run-id", "cd" * 8, "--client", "1",
+                        "--round", "1", *base]) == 0  # fmt: skip

@@ -150,6 +150,30 @@ def _local_paths_and_digests(run: Path) -> tuple[set[str], set[str]]:
     return paths, digests
 
 
+def _same_exports(env: dict, run: Path, sim: Path, client: int, node: int) -> None:
+    """Client `client`'s personalised model exported three ways is the same tensor for tensor,
+    bit for bit: from the simulation's run, from the launcher's run (the checkpoint and the local
+    part on node `node`), and at the site from that node's state dir alone."""
+    from safetensors.numpy import load_file
+
+    from fedjax_split.export import export_client
+
+    base = env["base"] / f"export_{run.name}"
+    outs = {
+        "simulation": export_client(sim, client, base / "simulation"),
+        "launcher": export_client(run, client, base / "launcher"),
+        "site": export_client(
+            None, client, base / "site", state_dir=run / "flower" / "nodes" / f"node_{node}"
+        ),
+    }
+    models = {k: load_file(str(Path(v) / "model.safetensors")) for k, v in outs.items()}
+    want = models.pop("simulation")
+    assert want and all(m.keys() == want.keys() for m in models.values())
+    for name, got in models.items():
+        for key, x in want.items():
+            assert got[key].dtype == x.dtype and np.array_equal(got[key], x), (name, key)
+
+
 def test_fp16_split_run_equals_simulation_and_a_restarted_server_resumes(env: dict) -> None:
     """c=1 of 2 with an fp16 wire (FedAvg): stopped after round 1's checkpoint (the server and
     every node go away), then restarted with --resume: every round equals the simulation's.
@@ -200,6 +224,7 @@ def test_fp16_split_run_equals_simulation_and_a_restarted_server_resumes(env: di
     global_part = ("embeddings/", "encoder/layer_0/")
     assert all(a["path"].startswith(global_part) for a in arrays)
     assert not {a["sha256"] for a in arrays} & local_digests
+    _same_exports(env, out, sim, client=1, node=1)
 
 
 def test_fedadam_run_equals_simulation_and_a_killed_node_is_left_out(env: dict) -> None:
@@ -305,7 +330,8 @@ def test_lora_run_equals_simulation_and_sends_only_the_shared_adapters(env: dict
     the head, and the uploads are exactly the bytes the record reports."""
     flags = {"critical_layer": 1, "eval_every": 2, "quantize": "fp16", "lora_rank": 2,
              "lr": 1e-2}  # fmt: skip
-    out, _, sent = _federation_equals_simulation(env, "lora", flags)
+    out, sim, sent = _federation_equals_simulation(env, "lora", flags)
+    _same_exports(env, out, sim, client=2, node=2)  # the frozen base weights merged in
     got = _metrics(out)
     adapters = {f"encoder/layer_0/attention/{m}_lora/{x}" for m in ("query", "value") for x in "ab"}
     for e in sent:

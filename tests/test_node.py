@@ -43,3 +43,33 @@ def test_a_part_of_another_model_or_a_bad_run_id_is_refused(tmp_path) -> None:
         local_part(node, s, 2)
     with pytest.raises(ValueError, match="bad run id"):
         store(tmp_path, "../elsewhere", node)
+
+
+def test_a_node_keeps_for_export_the_latest_global_part_it_received(tmp_path) -> None:
+    """keep_for_export: the model's description, the initial and the frozen part once, and only
+    the global part of the latest evaluation, in its wire dtype (after a resumed server sends an
+    older round, that one: it is the run's present)."""
+    import json
+
+    from fedjax_split.deploy.node import FROZEN_FILE, MODEL_FILE, keep_for_export, received_global
+
+    frozen = {"encoder": {"w": np.ones((2, 2), np.float32)}}
+    node = SimpleNamespace(client_id=2, local0=_part(0.0), frozen=frozen, model_meta={"m": 1})
+    s = store(tmp_path, RUN, node)
+    d = tmp_path / RUN
+    d.mkdir()
+    with pytest.raises(UserError, match="holds no global part"):
+        received_global(d)
+    for r, value in ((1, 1.0), (3, 3.0), (2, 2.0)):
+        glob = {"embeddings": {"w": np.full((3,), value, np.float16)}}
+        keep_for_export(s, node, glob, r)
+        got, after = received_global(d)
+        assert after == r and got["embeddings"]["w"].dtype == np.float16
+        np.testing.assert_array_equal(got["embeddings"]["w"], value)
+        assert len(list(d.glob("global_after_*.npz"))) == 1
+    assert json.loads((d / MODEL_FILE).read_text()) == {"m": 1}
+    assert (d / FROZEN_FILE).is_file() and (d / "client_2").is_dir()
+    from fedjax_split.sim.client_store import ClientStore
+
+    initial = ClientStore(d).initial  # read from initial.npz
+    np.testing.assert_array_equal(initial["classifier"]["bias"], _part(0.0)["classifier"]["bias"])

@@ -145,7 +145,9 @@ def evaluate(msg: Message, context: Context) -> Message:
     node = _node(context)
     global_wire, cfg = _received(msg, node)
     store = _store(context, str(cfg[protocol.RUN]), node)
-    local = local_part(node, store, int(cfg[protocol.ROUND]))
+    r = int(cfg[protocol.ROUND])
+    local = local_part(node, store, r)
+    node_mod.keep_for_export(store, node, global_wire, r)
     metrics = node_mod.evaluate(node, global_wire, local)
     content = {protocol.CLIENT: node.client_id, protocol.EVAL_JSON: json.dumps(metrics)}
     return _reply(msg, RecordDict({protocol.CONFIG: ConfigRecord(content)}))

@@ -46,6 +46,7 @@ class NodeSetup:
     local0: Any  # the pretrained local part every client starts from
     frozen: Any
     global_shapes: dict[str, tuple[int, ...]]  # flat paths of the global part -> shapes
+    model_meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # pieces.model_meta
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "merges.txt",
@@ -130,6 +131,7 @@ def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None)
         local0=model.local0,
         frozen=model.frozen,
         global_shapes={p: tuple(np.shape(x)) for p, x in flatten_paths(model.global0).items()},
+        model_meta=pieces.model_meta(model),
     )
 
 
@@ -202,6 +204,53 @@ def store(state_dir: str | Path, run_id: str, node: NodeSetup) -> Any:
     if not re.fullmatch(r"[0-9a-f]{8,64}", run_id):
         raise ValueError(f"bad run id {run_id!r}")
     return ClientStore(Path(state_dir) / run_id, initial=node.local0)
+
+
+MODEL_FILE = "model.json"
+FROZEN_FILE = "frozen.npz"
+_GLOBAL_FILE = re.compile(r"^global_after_(\d+)\.npz$")
+
+
+def keep_for_export(store: Any, node: NodeSetup, global_wire: Any, after_round: int) -> None:
+    """What `python -m fedjax_split.export --state-dir` needs at this site beside the local parts,
+    in the run's directory on the node's disk, so that the personal model is assembled where it
+    lives and never travels: the model's description, the initial and the frozen part (once),
+    and the global part as this node last received it, after round `after_round`, in the wire
+    dtype (only the latest: it is the run's present, even after a server resumed from an older
+    checkpoint)."""
+    import json
+
+    from fedjax_split.sim.client_store import save_tree
+
+    d = store.directory
+    (d / f"client_{node.client_id}").mkdir(parents=True, exist_ok=True)  # this node's client
+    if not (d / MODEL_FILE).is_file():
+        atomic.write_text(d / MODEL_FILE, json.dumps(node.model_meta))
+    if not (d / "initial.npz").is_file():
+        save_tree(d / "initial.npz", node.local0)
+    if node.frozen and not (d / FROZEN_FILE).is_file():
+        save_tree(d / FROZEN_FILE, node.frozen)
+    name = f"global_after_{after_round}.npz"
+    save_tree(d / name, global_wire)
+    for f in d.iterdir():
+        if _GLOBAL_FILE.match(f.name) and f.name != name:
+            f.unlink(missing_ok=True)
+
+
+def received_global(directory: Path) -> tuple[Any, int]:
+    """(the global part a node kept for export, in the wire dtype, the round it is after)."""
+    from fedjax_split.sim.client_store import load_tree
+
+    found = sorted(
+        (int(m.group(1)), f) for f in directory.iterdir() if (m := _GLOBAL_FILE.match(f.name))
+    )
+    if not found:
+        raise UserError(
+            f"{directory} holds no global part: the node keeps one from its first evaluation "
+            "on; export after a round that evaluated"
+        )
+    r, f = found[-1]
+    return load_tree(f), r
 
 
 def local_part(node: NodeSetup, store: Any, at_most: int) -> Any:

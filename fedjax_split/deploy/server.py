@@ -479,7 +479,11 @@ class FlowerServer:
         self.saved_round = 0  # the last checkpoint's round: nodes keep the versions it needs
 
     def arrays(self) -> dict[str, Any]:
-        return {"server_state": self.run.server_state}  # the local parts are on the nodes
+        """The server state and, as the simulation's checkpoint has it, the frozen part (when
+        there is one), so that an export needs nothing but the checkpoint and the client's local
+        part; the local parts are on the nodes."""
+        frozen = self.run.model.frozen
+        return {"server_state": self.run.server_state, **({"frozen": frozen} if frozen else {})}
 
     def meta(self) -> dict[str, Any]:
         from fedjax_split.run import pieces

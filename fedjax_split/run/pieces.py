@@ -259,11 +259,20 @@ def partition_lists(part: Any) -> list[list[list[int]]]:
 def checkpoint_meta(config: ExperimentConfig, model: Model, part: Any) -> dict[str, Any]:
     """What a fine-tuning checkpoint records besides its arrays, simulated or deployed: the seed,
     the partition and the model it was made with (checked on --resume), its LoRA adapters."""
-    from fedjax_split.models import lora
-
     return {
         "seed": config.seed,
         "partition": [{"train": tr, "test": te} for tr, te in partition_lists(part)],
+        **model_meta(model),
+    }
+
+
+def model_meta(model: Model) -> dict[str, Any]:
+    """What an export needs to know of the model besides its arrays (JSON): its config, where its
+    tokenizer lives, the split, its LoRA adapters. A checkpoint records it, and so does a Flower
+    node for the export at its site."""
+    from fedjax_split.models import lora
+
+    return {
         "model_config": model.config.to_hf_dict(),
         "model_dir": None if model.model_dir is None else str(model.model_dir),
         "critical_layer": model.critical_layer,
