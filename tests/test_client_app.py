@@ -26,6 +26,14 @@ CLIENT = 1
 NODE_ID = 11
 
 
+@pytest.fixture(autouse=True)
+def in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handlers run here, not in a node's warm worker (tests/test_worker.py tests that)."""
+    from fedjax_split.deploy import worker
+
+    monkeypatch.setenv(worker.ENV, "0")
+
+
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """A resolved 3-client config (critical layer 1 of 2, fp16 wire) and the global part the

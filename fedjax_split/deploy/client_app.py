@@ -1,14 +1,16 @@
 """The Flower ClientApp: each SuperNode runs one client, its partition id from the node config.
 
-Flower starts a fresh ClientApp process for every message, so each handler prepares the node
-(data share, model; the tokenised pool comes from the on-disk cache after the first message) and
-reads the client's local part from the node's disk (`node.store`, under the node config's
-`state-dir`). The reply carries only the trained global part, in the wire dtype as bits
-(`codec`), and scalar metrics: the local part never enters a message.
+Flower starts a fresh ClientApp process for every message; that process hands the message to the
+node's warm worker (`deploy.worker`), which runs the handler below and keeps the node's client
+(data share, model, compiled programs) in memory between messages. Each handler reads the
+client's local part from the node's disk (`node.store`, under the node config's `state-dir`).
+The reply carries only the trained global part, in the wire dtype as bits (`codec`), and scalar
+metrics: the local part never enters a message.
 
 Node config: `partition-id` (this client's id, 0..K-1), `state-dir` (where local parts live;
 default: `<cache>/flower_nodes`), `data-dir` (this node's copy of the task's files, overriding
-the run's --data-dir).
+the run's --data-dir), `warm-worker` (default true; false runs each handler in its ClientApp
+process).
 """
 
 from __future__ import annotations
@@ -21,15 +23,18 @@ from typing import Any
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedjax_split.deploy import codec, protocol
+from fedjax_split.deploy import protocol, worker
 from fedjax_split.deploy.node import NodeSetup, local_part
 
 app = ClientApp()
+_PREPARED: dict[str, NodeSetup] = {}  # a warm worker's clients, by what they were built from
+_KEEP_PREPARED = 4
 
 
 def _node(context: Context) -> NodeSetup:
     """This node's client, in a process whose settings are applied first (`logs.app_process`,
-    `runtime.apply`: every handler runs in a fresh process)."""
+    `runtime.apply`). A warm worker keeps the few it built last: the same run config and node
+    config give the same client."""
     from fedjax_split import runtime
     from fedjax_split.deploy import logs, node
     from fedjax_split.run.config import resolve_config
@@ -40,9 +45,14 @@ def _node(context: Context) -> NodeSetup:
     data_dir = context.node_config.get(protocol.DATA_DIR)
     if data_dir:
         values["data_dir"] = str(data_dir)
-    config = resolve_config(overrides=values)
-    cache = _state_dir(context) / "tokenized"
-    return node.prepare(config, int(context.node_config[protocol.PARTITION_ID]), cache)
+    client = int(context.node_config[protocol.PARTITION_ID])
+    key = json.dumps([values, client, str(_state_dir(context))], sort_keys=True)
+    if key not in _PREPARED:
+        config = resolve_config(overrides=values)
+        while len(_PREPARED) >= _KEEP_PREPARED:
+            _PREPARED.pop(next(iter(_PREPARED)))
+        _PREPARED[key] = node.prepare(config, client, _state_dir(context) / "tokenized")
+    return _PREPARED[key]
 
 
 def _state_dir(context: Context) -> Path:
@@ -63,6 +73,7 @@ def _reply(msg: Message, content: RecordDict) -> Message:
 
 def _received(msg: Message, node: NodeSetup) -> tuple[Any, Any]:
     """(the global part in the wire dtype, the message's config), checked against the model."""
+    from fedjax_split.deploy import codec
     from fedjax_split.fed.roles import unflatten_paths
 
     cfg = msg.content[protocol.CONFIG]
@@ -77,6 +88,20 @@ def _received(msg: Message, node: NodeSetup) -> tuple[Any, Any]:
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
+    return worker.handle(protocol.QUERY, msg, context, _query)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    return worker.handle(protocol.TRAIN, msg, context, _train)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    return worker.handle(protocol.EVALUATE, msg, context, _evaluate)
+
+
+def _query(msg: Message, context: Context) -> Message:
     """Who this node is: its client id and its share of the pool (indices and sizes only)."""
     node = _node(context)
     tags = list(getattr(node.pool.examples, "tag_names", ()) or ())
@@ -93,10 +118,10 @@ def query(msg: Message, context: Context) -> Message:
     return _reply(msg, RecordDict({protocol.CONFIG: ConfigRecord(content)}))
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
+def _train(msg: Message, context: Context) -> Message:
     """One round of local training; the new local part goes to the node's disk, the trained global
     part (wire dtype, as bits) into the reply."""
+    from fedjax_split.deploy import codec
     from fedjax_split.deploy import node as node_mod
     from fedjax_split.fed.roles import select
 
@@ -137,8 +162,7 @@ def train(msg: Message, context: Context) -> Message:
     return _reply(msg, content)
 
 
-@app.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
+def _evaluate(msg: Message, context: Context) -> Message:
     """This client's metrics on its own test split, with its local part after the round."""
     from fedjax_split.deploy import node as node_mod
 
@@ -151,3 +175,6 @@ def evaluate(msg: Message, context: Context) -> Message:
     metrics = node_mod.evaluate(node, global_wire, local)
     content = {protocol.CLIENT: node.client_id, protocol.EVAL_JSON: json.dumps(metrics)}
     return _reply(msg, RecordDict({protocol.CONFIG: ConfigRecord(content)}))
+
+
+HANDLERS = {protocol.QUERY: _query, protocol.TRAIN: _train, protocol.EVALUATE: _evaluate}

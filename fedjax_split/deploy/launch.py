@@ -253,11 +253,17 @@ class Federation:
         return self.log_dir / f"run-{self._runs}.log"
 
     def kill_node(self, index: int) -> None:
-        """SIGKILL SuperNode `index` and everything it started (a machine that goes away)."""
+        """SIGKILL SuperNode `index` and everything it started, its warm worker too (a machine
+        that goes away)."""
+        from fedjax_split.deploy import worker
+
         proc = self.nodes[index]
         if proc is not None:
             kill_tree(proc)
             self.nodes[index] = None
+        state_dir = self.node_configs[index].get("state-dir")
+        if state_dir:
+            worker.stop(state_dir)
 
     def close(self) -> None:
         """Kills every process of the federation (nodes first) and removes its Flower home."""

@@ -1,0 +1,299 @@
+"""A warm worker per SuperNode: the process that runs our ClientApp's handlers, kept alive between
+messages, so that a message costs its work and not a process start.
+
+Flower starts a fresh ClientApp process for every message (`flwr-clientapp`). Without a worker
+each message pays for importing JAX, building the node's client (data share, model, frozen
+weights) and loading its compiled programs: seconds, where a small model's round is 0.1 s of work.
+With it, the ClientApp process imports only Flower and this module and hands the message and its
+context, serialised with Flower's own protobuf serde, over a Unix socket to the node's worker,
+which runs the very handler the ClientApp would run (`client_app.HANDLERS`) and sends the reply
+back the same way. Nothing in Flower is patched: the ClientApp is still the process Flower
+started, and it returns the reply Flower expects.
+
+- One worker per state dir (a node). The first message starts it (`python -m
+  fedjax_split.deploy.worker`, in its own session so that the ClientApp process may end), under a
+  lock so that two messages at once start one worker. It serves one message at a time.
+- It ends when the SuperNode that started it ends (it watches that process), after
+  `IDLE_SECONDS` without a message, or when `stop` asks (the local launcher does at its end).
+- The socket lives in a directory of this user's only (mode 0700): only this user's processes
+  reach it. Frames are lengths and bytes, decoded by protobuf: no pickle.
+- An exception in a handler comes back as its class and message and is raised again in the
+  ClientApp process (a UserError stays a UserError), so Flower reports it to the server as
+  without a worker.
+- `warm-worker=false` in the node config (or FEDJAX_SPLIT_WARM_WORKER=0) runs each handler in the
+  ClientApp process as before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fedjax_split.errors import UserError
+
+IDLE_SECONDS = 1800.0  # a worker with no message for this long ends
+START_SECONDS = 120.0  # how long a ClientApp waits for a worker it started to listen
+ENV = "FEDJAX_SPLIT_WARM_WORKER"  # "0": no worker (each handler in its ClientApp process)
+NODE_CONFIG_KEY = "warm-worker"
+_RAISED = {"UserError": UserError, "ValueError": ValueError, "KeyError": KeyError,
+           "TypeError": TypeError}  # fmt: skip
+
+
+def enabled(node_config: Mapping[str, Any]) -> bool:
+    """Whether this node's messages go to a warm worker (the default)."""
+    value = node_config.get(NODE_CONFIG_KEY, os.environ.get(ENV, "1"))
+    return str(value).strip().lower() not in ("0", "false", "no", "off")
+
+
+def socket_path(state_dir: str | Path) -> Path:
+    """The worker socket of the node whose state dir is `state_dir`: short (a Unix socket's path
+    has at most 107 bytes), in a directory of this user's only."""
+    base = Path(tempfile.gettempdir()) / f"fedjax_split-workers-{os.getuid()}"
+    base.mkdir(mode=0o700, exist_ok=True)
+    if base.stat().st_uid != os.getuid() or base.stat().st_mode & 0o077:
+        raise UserError(f"{base} is not this user's alone; remove it and run again")
+    key = hashlib.sha256(str(Path(state_dir).resolve()).encode()).hexdigest()[:24]
+    return base / f"{key}.sock"
+
+
+# ---------------------------------------------------------------------------------------------
+# frames: [u32 count] then, per part, [u64 length][bytes]
+
+
+def _send_parts(conn: socket.socket, parts: Sequence[bytes]) -> None:
+    conn.sendall(struct.pack("<I", len(parts)))
+    for part in parts:
+        conn.sendall(struct.pack("<Q", len(part)))
+        conn.sendall(part)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = conn.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the worker connection closed mid-message")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _recv_parts(conn: socket.socket, max_parts: int = 8) -> list[bytes]:
+    (count,) = struct.unpack("<I", _recv_exact(conn, 4))
+    if count > max_parts:
+        raise ConnectionError(f"a frame of {count} parts; expected at most {max_parts}")
+    return [_recv_exact(conn, struct.unpack("<Q", _recv_exact(conn, 8))[0]) for _ in range(count)]
+
+
+# ---------------------------------------------------------------------------------------------
+# the ClientApp's side
+
+
+def handle(kind: str, msg: Any, context: Any, run_here: Callable[[Any, Any], Any]) -> Any:
+    """The reply to `msg`: from the node's warm worker, started if none listens, or from
+    `run_here(msg, context)` in this process when the node config turns the worker off."""
+    from flwr.common import serde
+
+    state_dir = _state_dir(context)
+    if not enabled(context.node_config) or state_dir is None:
+        return run_here(msg, context)
+    path = socket_path(state_dir)
+    request = [kind.encode(), serde.message_to_proto(msg).SerializeToString(),
+               serde.context_to_proto(context).SerializeToString()]  # fmt: skip
+    with _connect(path, state_dir) as conn:
+        _send_parts(conn, request)
+        status, payload = _recv_parts(conn)
+    if status == b"ok":
+        from flwr.proto.message_pb2 import Message as ProtoMessage
+
+        return serde.message_from_proto(ProtoMessage.FromString(payload))
+    name, _, text = payload.decode().partition(":")
+    raise _RAISED.get(name, RuntimeError)(text.strip() if name in _RAISED else payload.decode())
+
+
+def _state_dir(context: Any) -> Path | None:
+    from fedjax_split.deploy import protocol
+
+    value = context.node_config.get(protocol.STATE_DIR)
+    if value:
+        return Path(str(value))
+    from fedjax_split.assets import cache_dir
+
+    return cache_dir() / "flower_nodes"
+
+
+@contextlib.contextmanager
+def _connect(path: Path, state_dir: Path):
+    """A connection to the worker at `path`, which is started first if none listens there."""
+    conn = _try_connect(path)
+    if conn is None:
+        import fcntl
+
+        with open(f"{path}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one ClientApp starts it; the others wait
+            conn = _try_connect(path)
+            if conn is None:
+                conn = _start(path, state_dir)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def _try_connect(path: Path) -> socket.socket | None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(str(path))
+    except OSError:
+        conn.close()
+        return None
+    return conn
+
+
+def _watched_pid() -> int | None:
+    """The process whose end ends the worker: the SuperNode above this ClientApp process, this
+    process when it is not one Flower started (a test, a notebook), else none (idle timeout)."""
+    import psutil
+
+    me = psutil.Process()
+    for parent in me.parents():
+        with contextlib.suppress(psutil.Error):
+            if any("flower-supernode" in part for part in parent.cmdline()):
+                return parent.pid
+    started_by_flower = any("flwr-clientapp" in part for part in me.cmdline())
+    return None if started_by_flower else me.pid
+
+
+def _start(path: Path, state_dir: Path) -> socket.socket:
+    """Starts the worker for `state_dir` in its own session and waits until it listens."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # a socket file left by a worker that was killed
+    state_dir.mkdir(parents=True, exist_ok=True)
+    watched = _watched_pid()
+    args = [sys.executable, "-m", "fedjax_split.deploy.worker", "--socket", str(path)]
+    if watched is not None:
+        args += ["--watch-pid", str(watched)]
+    with open(state_dir / "worker.log", "ab") as log:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + START_SECONDS
+    while time.monotonic() < deadline:
+        conn = _try_connect(path)
+        if conn is not None:
+            return conn
+        if proc.poll() is not None:
+            raise RuntimeError(f"the node's worker exited at start; see {state_dir / 'worker.log'}")
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"the node's worker did not listen within {START_SECONDS:g} s")
+
+
+def stop(state_dir: str | Path) -> None:
+    """Ends the worker of `state_dir`, if one runs (the local launcher, at its end)."""
+    import signal
+
+    pid_file = Path(f"{socket_path(state_dir)}.pid")
+    try:
+        pid = int(pid_file.read_text())
+    except (OSError, ValueError):
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(FileNotFoundError):
+        pid_file.unlink()
+    with contextlib.suppress(FileNotFoundError):
+        socket_path(state_dir).unlink()
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker's side
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _answer(parts: list[bytes], handlers: Mapping[str, Callable[[Any, Any], Any]]) -> list[bytes]:
+    """The reply frame to one request frame: (b"ok", the reply Message) or (b"error",
+    "ClassName: message")."""
+    from flwr.common import serde
+    from flwr.proto.message_pb2 import Context as ProtoContext
+    from flwr.proto.message_pb2 import Message as ProtoMessage
+
+    try:
+        if len(parts) != 3 or parts[0].decode() not in handlers:
+            raise ValueError("a malformed request reached the node's worker")
+        msg = serde.message_from_proto(ProtoMessage.FromString(parts[1]))
+        context = serde.context_from_proto(ProtoContext.FromString(parts[2]))
+        reply = handlers[parts[0].decode()](msg, context)
+        return [b"ok", serde.message_to_proto(reply).SerializeToString()]
+    except Exception as e:  # noqa: BLE001 - every failure goes back to the ClientApp
+        return [b"error", f"{type(e).__name__}: {e}".encode()]
+
+
+def serve(path: Path, watch_pid: int | None, idle_seconds: float = IDLE_SECONDS) -> None:
+    """Answers requests on `path` one at a time until the watched process ends or none came for
+    `idle_seconds`."""
+    from fedjax_split.deploy import client_app
+
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    server.bind(str(path))
+    os.chmod(path, 0o600)
+    Path(f"{path}.pid").write_text(str(os.getpid()))
+    server.listen(16)
+    server.settimeout(1.0)
+    last = time.monotonic()
+    try:
+        while _alive(watch_pid) and time.monotonic() - last < idle_seconds:
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(None)
+                try:
+                    _send_parts(conn, _answer(_recv_parts(conn), client_app.HANDLERS))
+                except (ConnectionError, struct.error, OSError) as e:
+                    print(f"worker: dropped a connection ({e})", file=sys.stderr, flush=True)
+            last = time.monotonic()
+    finally:
+        server.close()
+        for leftover in (path, Path(f"{path}.pid")):
+            with contextlib.suppress(FileNotFoundError):
+                leftover.unlink()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedjax_split.deploy.worker",
+                                description=__doc__.split("\n")[0])  # fmt: skip
+    p.add_argument("--socket", required=True, help="Unix socket to listen on")
+    p.add_argument("--watch-pid", type=int, default=None, help="end when this process ends")
+    p.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS)
+    args = p.parse_args(argv)
+    serve(Path(args.socket), args.watch_pid, args.idle_seconds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
