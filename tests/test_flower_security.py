@@ -266,8 +266,9 @@ def test_the_command_line_makes_a_server_certificate_for_the_hosts_given(tmp_pat
     assert res.returncode == 0, res.stderr
     cert = x509.load_pem_x509_certificate((tmp_path / "c" / "server.pem").read_bytes())
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert san.get_values_for_type(x509.DNSName) == ["link.example.org"]
-    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["10.1.2.3"]
+    assert san.get_values_for_type(x509.DNSName) == ["link.example.org", "localhost"]
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["10.1.2.3", "127.0.0.1"]
+    assert cert.subject.rfc4514_string() == "CN=link.example.org"
     assert (cert.not_valid_after_utc - cert.not_valid_before_utc).days == 30
 
 

@@ -36,7 +36,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from fedjax_split.errors import UserError, report
 
 CURVE = ec.SECP384R1  # a NIST curve: Flower refuses others for SuperNode keys
-DEFAULT_HOSTS = ("localhost", "127.0.0.1")
+LOOPBACK = ("localhost", "127.0.0.1")
 PRIVATE, PUBLIC = 0o600, 0o644
 
 
@@ -132,15 +132,13 @@ def _make_ca(days: int) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     return cert, key
 
 
-def make_server(
-    out_dir: Path, hosts: Sequence[str] = DEFAULT_HOSTS, *, days: int = 365
-) -> ServerFiles:
-    """A new CA and the SuperLink's certificate signed by it, valid for `hosts` (names and IP
-    addresses the SuperNodes and the CLI connect to; a SuperLink's own ServerApp connects to
-    it at its `--host`, so that address must be among them) for `days`. Writes ca.crt, ca.key,
-    server.pem, server.key in `out_dir`."""
-    if not hosts:
-        raise UserError("the server certificate needs at least one host name or address")
+def make_server(out_dir: Path, hosts: Sequence[str] = (), *, days: int = 365) -> ServerFiles:
+    """A new CA and the SuperLink's certificate signed by it, valid for `days` for `hosts` (the
+    names and IP addresses the SuperNodes and the CLI connect to) and always for localhost and
+    127.0.0.1: the SuperLink's own ServerApp connects to it over TLS at its `--host`, which
+    flwr 1.41 turns into 127.0.0.1 for `--host 0.0.0.0`. Writes ca.crt, ca.key, server.pem,
+    server.key in `out_dir`."""
+    hosts = [*hosts, *(h for h in LOOPBACK if h not in hosts)]
     out_dir = Path(out_dir)
     _refuse_existing([out_dir / n for n in ("ca.crt", "ca.key", "server.pem", "server.key")])
     ca_cert, ca_key = _make_ca(days)
@@ -198,9 +196,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="what", required=True)
     server = sub.add_parser("server", help="a CA and the SuperLink's certificate signed by it")
     server.add_argument("out_dir", type=Path, help="writes ca.crt, ca.key, server.pem, server.key")
-    server.add_argument("--host", action="append", dest="hosts", metavar="NAME_OR_IP",
-                        help="a name or address the SuperLink is reached at (repeat; default: "
-                        "localhost and 127.0.0.1)")  # fmt: skip
+    server.add_argument("--host", action="append", dest="hosts", default=[], metavar="NAME_OR_IP",
+                        help="a name or address the SuperLink is reached at (repeat; localhost "
+                        "and 127.0.0.1 are always added)")  # fmt: skip
     server.add_argument("--days", type=int, default=365, help="validity (default 365)")
     node = sub.add_parser("node", help="a SuperNode's key pair (made at its site)")
     node.add_argument("private_key", type=Path, help="writes this file and its .pub")
@@ -211,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.what == "server":
-            files = make_server(args.out_dir, args.hosts or DEFAULT_HOSTS, days=args.days)
+            files = make_server(args.out_dir, args.hosts, days=args.days)
             print(f"wrote {files.ca_cert}, {files.cert}, {files.key} and the CA's key "
                   f"{files.ca_key} (keep it offline)")  # fmt: skip
         else:
