@@ -8,6 +8,7 @@
 - `server_app`: the Flower ServerApp.
 - `logs`: one clean line per event, in the apps' processes and the launcher's log files.
 - `launch`: a SuperLink and SuperNodes as processes on loopback (`python -m fedjax_split.flower`).
+- `certs`: the CA, the SuperLink's TLS certificate and SuperNode keys of a secured federation.
 
 docs/deployment.md has the architecture and the commands for real machines.
 """

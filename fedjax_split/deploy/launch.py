@@ -1,8 +1,11 @@
 """A local federation of real processes: one Flower SuperLink and N SuperNodes on 127.0.0.1.
 
 The processes are Flower's own commands (`flower-superlink`, `flower-supernode`, `flwr run`), run
-exactly as on separate machines, only all on loopback with free ports and insecure (no TLS: the
-traffic never leaves the machine). Each SuperNode is told its partition id and its own state
+exactly as on separate machines, only all on loopback with free ports. By default insecure (no
+TLS: the traffic never leaves the machine); with `tls` secured as on real machines: the
+SuperLink serves TLS, admits only SuperNodes whose public keys were registered through its
+Control API (`flwr supernode register`), and each SuperNode verifies it against the CA (`Tls`,
+`NodeAccess`; docs/deployment.md). Each SuperNode is told its partition id and its own state
 directory in its node config. Every process starts in its own session, and `Federation.close`
 kills each process's whole tree (Flower's SuperExec detaches its children into new sessions, so
 a process-group kill alone would miss them), so nothing outlives the federation.
@@ -21,6 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -116,12 +120,42 @@ def process_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+@dataclass(frozen=True)
+class Tls:
+    """A SuperLink served over TLS (the files `deploy.certs.make_server` writes). In flwr 1.41 its
+    Fleet, Control and Runtime APIs share one HTTPS port, so the SuperNodes, the `flwr` CLI and
+    the SuperLink's own ServerApp all verify it against `ca_cert`. `node_auth`: only SuperNodes
+    whose public key was registered may connect (`--enable-supernode-auth`; TLS only)."""
+
+    ca_cert: Path
+    cert: Path
+    key: Path
+    node_auth: bool = True
+
+
+@dataclass(frozen=True)
+class NodeAccess:
+    """How one SuperNode connects to a TLS SuperLink.
+
+    private_key: its OpenSSH EC key (`--auth-supernode-private-key`), the public key beside it as
+    `KEY.pub` (`deploy.certs.make_node_key`). register: that public key is registered through the
+    SuperLink's Control API before the node starts (False: a stranger's key). tls: False starts
+    it `--insecure` (it cannot reach a TLS SuperLink: for tests that it is refused).
+    """
+
+    private_key: Path | None = None
+    register: bool = True
+    tls: bool = True
+
+
 class Federation:
     """SuperLink + SuperNodes on loopback; `submit` runs a Flower App on them with `flwr run`.
 
     node_configs: one mapping per SuperNode (e.g. {"partition-id": 0, "state-dir": "..."}).
     log_dir: where each process's output goes (superlink.log, supernode-<i>.log, run-<k>.log),
     without colour codes or Flower's empty records (`logs.clean`).
+    tls: serve the SuperLink over TLS (None: insecure); access: one `NodeAccess` per SuperNode
+    (default: TLS, no key). `node_ids` maps a registered node's index to its Flower node id.
     """
 
     def __init__(
@@ -131,8 +165,15 @@ class Federation:
         *,
         env: Mapping[str, str] | None = None,
         start_timeout: float = 60.0,
+        tls: Tls | None = None,
+        access: Sequence[NodeAccess] | None = None,
     ) -> None:
+        if access is not None and (tls is None or len(access) != len(node_configs)):
+            raise UserError("node access needs a TLS SuperLink and one entry per SuperNode")
         self.node_configs = [dict(c) for c in node_configs]
+        self.tls = tls
+        self.access = list(access) if access is not None else [NodeAccess()] * len(node_configs)
+        self.node_ids: dict[int, int] = {}
         self.log_dir = Path(log_dir)
         self.start_timeout = start_timeout
         self.home = Path(tempfile.mkdtemp(prefix="fedjax_split_flwr_"))
@@ -170,15 +211,13 @@ class Federation:
         return proc
 
     def start(self) -> Federation:
-        """Starts the SuperLink, waits until it listens, then starts the SuperNodes."""
-        (self.home / "config.toml").write_text(
-            f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "{self.address}"\n'
-            "insecure = true\n"
-        )
+        """Starts the SuperLink, waits until it listens, registers the SuperNodes' public keys
+        (with TLS), then starts the SuperNodes."""
+        self._write_connection()
         self.superlink = self._start(
             [
                 "flower-superlink",
-                "--insecure",
+                *self._superlink_security(),
                 "--host",
                 HOST,
                 "--port",
@@ -193,26 +232,65 @@ class Federation:
             self.log_dir / "superlink.log",
         )
         self._wait_listening(self.port, self.superlink, "superlink.log")
-        for i, cfg in enumerate(self.node_configs):
-            node_config = " ".join(f"{k}={_toml_value(v)}" for k, v in cfg.items())
-            self.nodes.append(
-                self._start(
-                    [
-                        "flower-supernode",
-                        "--insecure",
-                        "--superlink",
-                        self.address,
-                        "--host",
-                        HOST,
-                        "--port",
-                        str(free_port()),
-                        "--node-config",
-                        node_config,
-                    ],
-                    self.log_dir / f"supernode-{i}.log",
-                )
-            )
+        self._register_keys()
+        for i in range(len(self.node_configs)):
+            self.nodes.append(self._start(self.node_args(i), self.log_dir / f"supernode-{i}.log"))
         return self
+
+    def _write_connection(self) -> None:
+        """The `flwr` CLI's connection to this SuperLink ($FLWR_HOME/config.toml): insecure, or
+        verifying the SuperLink against the CA (an absolute path, as Flower requires)."""
+        if self.tls is None:
+            security = "insecure = true\n"
+        else:
+            ca = _toml_value(str(Path(self.tls.ca_cert).resolve()))
+            security = f"root-certificates = {ca}\n"
+        (self.home / "config.toml").write_text(
+            f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "{self.address}"\n'
+            + security
+        )
+
+    def _superlink_security(self) -> list[str]:
+        if self.tls is None:
+            return ["--insecure"]
+        tls = self.tls
+        files = ["--ssl-ca-certfile", str(tls.ca_cert), "--ssl-certfile", str(tls.cert),
+                 "--ssl-keyfile", str(tls.key)]  # fmt: skip
+        return files + (["--enable-supernode-auth"] if tls.node_auth else [])
+
+    def node_args(self, i: int) -> list[str]:
+        """The `flower-supernode` command of SuperNode `i`."""
+        access = self.access[i]
+        node_config = " ".join(f"{k}={_toml_value(v)}" for k, v in self.node_configs[i].items())
+        if self.tls is None or not access.tls:
+            security = ["--insecure"]
+        else:
+            security = ["--root-certificates", str(self.tls.ca_cert)]
+        if access.private_key is not None:
+            security += ["--auth-supernode-private-key", str(access.private_key)]
+        return ["flower-supernode", *security, "--superlink", self.address, "--host", HOST,
+                "--port", str(free_port()), "--node-config", node_config]  # fmt: skip
+
+    def _register_keys(self) -> None:
+        """`flwr supernode register KEY.pub` for each SuperNode to be registered, through the
+        SuperLink's Control API; records the node ids Flower gives them."""
+        from fedjax_split.deploy.certs import public_key_path
+
+        for i, access in enumerate(self.access):
+            if access.private_key is None or not access.register:
+                continue
+            public = public_key_path(access.private_key)
+            args = ["flwr", "supernode", "register", str(public), "local", "--format", "json"]
+            res = subprocess.run(args, env=self.env, capture_output=True, text=True,
+                                 stdin=subprocess.DEVNULL, timeout=self.start_timeout)  # fmt: skip
+            try:  # on failure flwr still exits 0 with --format json: read what it says
+                reply = json.loads(res.stdout[res.stdout.index("{") :])
+            except ValueError:
+                reply = {"error-message": (res.stderr or res.stdout).strip()}
+            if not reply.get("success"):
+                why = " ".join(str(reply.get("error-message", "")).split())
+                raise UserError(f"could not register SuperNode {i}'s key {public}: {why}")
+            self.node_ids[i] = int(reply["node-id"])
 
     def _wait_listening(self, port: int, proc: subprocess.Popen, log_name: str) -> None:
         deadline = time.monotonic() + self.start_timeout
