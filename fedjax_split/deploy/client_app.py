@@ -8,7 +8,7 @@ reads the client's local part from the node's disk (`node.store`, under the node
 
 Node config: `partition-id` (this client's id, 0..K-1), `state-dir` (where local parts live;
 default: `<cache>/flower_nodes`), `data-dir` (this node's copy of the task's files, overriding
-the run's --data-dir).
+the run's --data-dir; in a run with --site-data, this site's own files, the only data it reads).
 """
 
 from __future__ import annotations
@@ -36,13 +36,16 @@ def _node(context: Context) -> NodeSetup:
 
     logs.app_process()
     runtime.apply()
-    values = json.loads(str(context.run_config[protocol.EXPERIMENT]))
+    values = protocol.experiment_values(context.run_config)
     data_dir = context.node_config.get(protocol.DATA_DIR)
-    if data_dir:
-        values["data_dir"] = str(data_dir)
+    data_dir = str(data_dir) if data_dir else None
+    sites = values.get("site_data") is not None  # then data-dir is this site's own data
+    if data_dir and not sites:
+        values["data_dir"] = data_dir
     config = resolve_config(overrides=values)
     cache = _state_dir(context) / "tokenized"
-    return node.prepare(config, int(context.node_config[protocol.PARTITION_ID]), cache)
+    client = int(context.node_config[protocol.PARTITION_ID])
+    return node.prepare(config, client, cache, site_dir=data_dir if sites else None)
 
 
 def _state_dir(context: Context) -> Path:
@@ -77,7 +80,8 @@ def _received(msg: Message, node: NodeSetup) -> tuple[Any, Any]:
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Who this node is: its client id and its share of the pool (indices and sizes only)."""
+    """Who this node is: its client id and its share of the pool (indices and sizes only; a
+    site with its own data: indices into its own rows, their count and its label shares)."""
     node = _node(context)
     tags = list(getattr(node.pool.examples, "tag_names", ()) or ())
     content = {
