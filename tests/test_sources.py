@@ -360,3 +360,15 @@ def test_a_sites_unknown_label_or_missing_train_file_is_one_line_naming_the_file
         sources.load_site("sst2", tmp_path / "nope")
     with pytest.raises(UserError, match="task ner with --site-data"):
         sources.load_site("ner", tmp_path / "a")
+
+
+def test_a_site_of_an_offline_corpus_keeps_its_files_splits(tmp_path):
+    """20news's own train and test files: its rows say which file they came from (a site's
+    test split is its test file's rows, `partition.site_split`)."""
+    lines = ["Category\tText", "d\tstring", "class\t", ""]
+    (tmp_path / "20newsgroups-train.tab").write_text(
+        "\n".join([*lines, "sci.med\tdoctor said", "alt.atheism\tno god"]) + "\n")  # fmt: skip
+    (tmp_path / "20newsgroups-test.tab").write_text(
+        "\n".join([*lines, "talk.religion.misc\tfaith"]) + "\n")  # fmt: skip
+    ex = sources.load_site("20news", tmp_path)
+    assert ex.splits.tolist() == ["train", "train", "test"] and ex.labels.tolist() == [13, 0, 19]

@@ -94,12 +94,12 @@ class ExperimentConfig:
     site_data: str | None = _setting(
         None,
         "Sites with their own data: DIR0,DIR1,... one directory per client, each in a format "
-        "--data-dir reads (GLUE TSV/parquet; CoNLL for a token task, with --entity-types): "
-        "client k trains on DIR_k's train file and tests on its dev/test file (else 80/20 of its "
-        "train file); no pool and no partition, so --clients is the number of sites and the "
+        "--data-dir reads (GLUE TSV/parquet, an offline corpus's file; not yet a token task's "
+        "CoNLL): client k trains on DIR_k's train file and tests on its dev file (else 80/20 of "
+        "its train file); no pool and no partition, so the sites are the clients and the "
         "partition flags and --max-examples do not apply. On Flower (python -m "
         "fedjax_split.flower) SuperNode k reads DIR_k alone; `node-config`: each SuperNode reads "
-        "the data-dir of its own node config (real sites, docs/deployment.md).",
+        "the data-dir of its own node config (real sites with --write-app, docs/deployment.md).",
         metavar="DIRS",
     )
     algorithm: str = _setting(
