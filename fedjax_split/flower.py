@@ -1,7 +1,8 @@
 """`python -m fedjax_split.flower --config FILE [train flags] --supernodes N --output-dir DIR`.
 
 A local federation of real processes: a Flower SuperLink and N SuperNodes on 127.0.0.1 (each
-given its partition id and a state directory under DIR/flower/nodes/), our ServerApp and
+given its partition id, a state directory under DIR/flower/nodes/ and, with --site-data, its own
+site's directory as its data-dir, which only it reads), our ServerApp and
 ClientApp run on them with `flwr run`, then everything is stopped. The run directory is the one
 `train` writes (config.json, partition.json, metrics.jsonl, summary.json, checkpoints/), plus
 DIR/flower/ (the processes' logs and the nodes' local parts). The flags are train's (the same
@@ -65,6 +66,8 @@ def _absolute(config: Any) -> Any:
     """Paths made absolute: the ServerApp and ClientApps run in other working directories."""
     import dataclasses
 
+    from fedjax_split.run.config import site_dirs
+
     changes: dict[str, Any] = {"output_dir": str(config.run_dir.absolute())}
     if config.data_dir is not None:
         changes["data_dir"] = str(Path(config.data_dir).absolute())
@@ -72,13 +75,22 @@ def _absolute(config: Any) -> Any:
         changes["model"] = str(Path(config.model).absolute())
     if config.config is not None:
         changes["config"] = str(Path(config.config).absolute())
+    sites = site_dirs(config)
+    if sites:
+        changes["site_data"] = ",".join(str(d.absolute()) for d in sites)
     return dataclasses.replace(config, **changes)
 
 
 def run_config(config: Any, deploy: dict[str, Any], status_file: str = "") -> dict[str, Any]:
-    """The Flower App's run config for this run."""
-    from fedjax_split.deploy import protocol
+    """The Flower App's run config for this run. With --site-data the sites' paths stay out of
+    it: the run says `node-config`, and each SuperNode is given its own site's directory."""
+    import dataclasses
 
+    from fedjax_split.deploy import protocol
+    from fedjax_split.run.config import NODE_SITES
+
+    if config.site_data is not None:
+        config = dataclasses.replace(config, site_data=NODE_SITES)
     stop = os.environ.get("FEDJAX_SPLIT_STOP_AFTER_ROUND", "")
     values = {
         protocol.EXPERIMENT: json.dumps(config.to_dict()),
@@ -88,6 +100,24 @@ def run_config(config: Any, deploy: dict[str, Any], status_file: str = "") -> di
         protocol.STOP_AFTER_ROUND: int(stop) if stop else 0,
     }
     return values
+
+
+def check_sites(config: Any) -> None:
+    """With --site-data, each site's files read as its SuperNode will read them, so that a bad
+    file is one line before any process starts (the local federation's sites are all here)."""
+    from fedjax_split.run import pieces
+    from fedjax_split.run.config import site_dirs
+    from fedjax_split.tasks.registry import get_task
+
+    if config.site_data is not None and not site_dirs(config):
+        raise UserError(
+            f"--site-data {config.site_data} is for `--write-app` (real sites, each SuperNode "
+            "with its own data-dir); this local federation needs the sites' directories "
+            "DIR0,DIR1,..."
+        )
+    task = get_task(config.task)
+    for k, d in enumerate(site_dirs(config)):
+        pieces.site_split(config, pieces.load_site(config, task, k, d), k, d)
 
 
 def _jax_cache_env() -> dict[str, str]:
@@ -111,9 +141,9 @@ def _jax_cache_env() -> dict[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from fedjax_split.deploy.launch import Federation, write_app
-    from fedjax_split.deploy.protocol import PARTITION_ID, STATE_DIR
+    from fedjax_split.deploy.protocol import DATA_DIR, PARTITION_ID, STATE_DIR
     from fedjax_split.run import driver, outputs, pieces, safeguards
-    from fedjax_split.run.config import trajectory_mismatch
+    from fedjax_split.run.config import site_dirs, trajectory_mismatch
 
     try:
         config, deploy = parse(argv)
@@ -135,15 +165,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         safeguards.check_deployable(config)
         driver.check_run_dir(config.run_dir, config.resume,  # before anything is written
                              lambda saved: trajectory_mismatch(saved, config))
+        check_sites(config)
     except UserError as err:
         return report(err)
 
     run_dir = config.run_dir
     flower_dir = run_dir / "flower"
+    sites = site_dirs(config)
     nodes = [
-        {PARTITION_ID: i, STATE_DIR: str(flower_dir / "nodes" / f"node_{i}")}
+        {PARTITION_ID: i, STATE_DIR: str(flower_dir / "nodes" / f"node_{i}"),
+         **({DATA_DIR: str(sites[i])} if sites else {})}
         for i in range(supernodes)
-    ]
+    ]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fedjax_split_app_") as tmp:
         status_path = Path(tmp) / "status.json"
         app = write_app(Path(tmp) / "app", run_config(config, deploy, str(status_path)))

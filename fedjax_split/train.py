@@ -26,12 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> ExperimentConfig:
-    """Parse flags and resolve them against defaults and the --config file, then validate."""
-    from fedjax_split.run.config import validate
+    """Parse flags and resolve them against defaults and the --config file, then validate
+    (`resolve_config`: --site-data's sites are the clients unless --clients is given)."""
+    from fedjax_split.run.config import load_config_file, resolve_config
 
-    config = SCHEMA.from_args(build_parser(), argv)
-    validate(config)
-    return config
+    given = vars(build_parser().parse_args(argv))
+    file_values = load_config_file(given["config"]) if "config" in given else {}
+    return resolve_config(file_values, given)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -77,20 +77,43 @@ def write_tiny_model(out_dir: Path, *, num_layers: int = 2, seed: int = 0) -> Pa
     return save_pretrained(params, config, out_dir, tokenizer_dir=tok_dir)
 
 
-def write_tiny_sst2(data_dir: Path, *, n_train: int = 96, n_dev: int = 24, seed: int = 0) -> Path:
-    """GLUE-format SST-2 (train.tsv / dev.tsv, columns sentence and label), learnable by word."""
+def write_tiny_sst2(
+    data_dir: Path, *, n_train: int = 96, n_dev: int = 24, seed: int = 0,
+    positive: float | None = None,
+) -> Path:  # fmt: skip
+    """GLUE-format SST-2 (train.tsv / dev.tsv, columns sentence and label), learnable by word;
+    `positive`: the chance of label 1 (None: even); `n_dev` 0: no dev.tsv."""
     rng = np.random.default_rng(seed)
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, n in (("train.tsv", n_train), ("dev.tsv", n_dev)):
+        if name == "dev.tsv" and n == 0:
+            continue
         lines = ["sentence\tlabel"]
         for _ in range(n):
-            label = int(rng.integers(2))
+            label = int(rng.integers(2)) if positive is None else int(rng.random() < positive)
             words = list(rng.choice(FILLER, size=int(rng.integers(2, 7))))
             cue = POSITIVE if label else NEGATIVE
             words.insert(int(rng.integers(len(words) + 1)), str(rng.choice(cue)))
             lines.append(f"{' '.join(words)}\t{label}")
         (data_dir / name).write_text("\n".join(lines) + "\n")
     return data_dir
+
+
+# three sites of their own: different sizes and label skews, one without a dev file (80/20)
+SITES = ({"n_train": 40, "n_dev": 12, "positive": 0.85},
+         {"n_train": 22, "n_dev": 0, "positive": 0.5},
+         {"n_train": 64, "n_dev": 20, "positive": 0.15})  # fmt: skip
+
+
+def write_tiny_sites(base: Path) -> list[Path]:
+    """SITES as GLUE-format SST-2 directories base/site_<k> (each its own seed)."""
+    return [write_tiny_sst2(base / f"site_{k}", seed=10 + k, **site)
+            for k, site in enumerate(SITES)]  # fmt: skip
+
+
+def tsv_rows(path: Path) -> int:
+    """The examples of a GLUE TSV file with a header (its lines less the header)."""
+    return len(path.read_text().splitlines()) - 1
 
 
 def tiny_sst2_files(base: Path) -> dict[str, Path]:
@@ -150,7 +173,8 @@ TINY_EMBEDDINGS = TINY_VOCAB * 32 + 64 * 32 + 2 * 32 + 2 * 32
 
 
 def tiny_args(model: Path, data: Path, out: Path, **extra: object) -> list[str]:
-    """CLI flags of a tiny, fast run (4 rounds, 3 clients, critical layer 1 of 2)."""
+    """CLI flags of a tiny, fast run (4 rounds, 3 clients, critical layer 1 of 2); a flag
+    given None is left out."""
     flags = {
         "task": "sst2",
         "model": str(model),
@@ -166,4 +190,4 @@ def tiny_args(model: Path, data: Path, out: Path, **extra: object) -> list[str]:
         "seed": 0,
     }
     flags.update({k.replace("_", "-"): v for k, v in extra.items()})
-    return [f"--{k}={v}" for k, v in flags.items()]
+    return [f"--{k}={v}" for k, v in flags.items() if v is not None]  # None: the flag left out

@@ -456,3 +456,12 @@ def test_token_labels_follow_their_tokens(packing: bool) -> None:
     assert seen == {100 * j + t: 1 for j, n in enumerate(lengths) for t in range(n)}
     with pytest.raises(ValueError, match="per-token labels"):
         client_batches(tok, clients[0], np.zeros(5, int), Batching(2), epochs=1, seed=0)
+
+
+def test_row_width_for_max_length_holds_any_truncated_example() -> None:
+    from fedjax_split.data.batching import row_width_for
+
+    assert row_width_for(16) == 64  # never narrower than the packed default
+    assert row_width_for(128) == 128 and row_width_for(129) == 136  # multiples of 8
+    for n in (1, 64, 65, 200):
+        assert row_width_for(n) >= n

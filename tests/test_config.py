@@ -199,3 +199,35 @@ def test_choices_mirror_the_models_own() -> None:
 
     assert config.PARTITIONS == partition.SCHEMES
     assert config.PAPER_FILLS == partition.FILLS
+
+
+def test_site_data_makes_the_sites_the_clients_and_refuses_pool_settings(tmp_path: Path) -> None:
+    from fedjax_split.run.config import NODE_SITES, site_dirs
+
+    dirs = [tmp_path / f"s{k}" for k in range(4)]
+    for d in dirs:
+        d.mkdir()
+    listed = ",".join(map(str, dirs))
+    config = resolve_config(overrides={"site_data": listed})
+    assert config.clients == 4 and site_dirs(config) == dirs  # no --clients: one per site
+    assert resolve_config({"site_data": listed}, {"clients": 4}).clients == 4
+    # real sites: the server and the nodes know the count from --clients, each node its dir
+    real = resolve_config(overrides={"site_data": NODE_SITES, "clients": 5})
+    assert real.clients == 5 and site_dirs(real) == []
+    assert "site_data" not in trajectory_mismatch({"site_data": listed}, real)
+    bad = [
+        ({"clients": 3}, "--clients 3 but --site-data names 4 sites"),
+        ({"partition": "iid"}, "--partition with --site-data"),
+        ({"alpha": 0.1}, "--alpha with --site-data"),
+        ({"paper_fill": "sequential"}, "--paper-fill with --site-data"),
+        ({"max_examples": 10}, "--max-examples with --site-data"),
+        ({"data_dir": str(tmp_path)}, "--data-dir with --site-data"),
+        ({"site_data": f"{dirs[0]},,{dirs[1]}"}, "has an empty entry"),
+        ({"site_data": f"{dirs[0]},{tmp_path / 'nope'}"}, "site 1's directory"),
+        ({"site_data": f"{dirs[0]},{dirs[1]}/../s0"}, "twice (sites 0 and 1)"),
+        ({"site_data": NODE_SITES, "beta": 2.0}, "--beta with --site-data"),
+    ]
+    for change, needle in bad:
+        with pytest.raises(UserError) as err:
+            resolve_config(overrides={"site_data": listed, **change})
+        assert needle in str(err.value) and "\n" not in str(err.value), change

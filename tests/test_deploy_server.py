@@ -104,3 +104,25 @@ def test_with_dp_a_reply_must_report_a_finite_update_norm() -> None:
     taken = server._take_uploads(_run("float32", dp=True), replies, rejected)
     assert sorted(rejected) == [1, 2] and "update norm" in rejected[1]
     assert taken.clients == [0, 4] and taken.norms == [3.5, 0.25]
+
+
+def test_sites_partition_is_rebuilt_from_the_counts_and_own_indices_the_nodes_report() -> None:
+    """--site-data: each node reports indices into its own rows and its own row count; the
+    server offsets them as the simulation concatenates the sites (client order)."""
+    import json
+
+    from fedjax_split.data.partition import SITES
+
+    meta = json.dumps({"scheme": SITES, "num_clients": 2, "seed": 4, "alpha": None,
+                       "beta": None, "task": "sst2", "test_fraction": 0.2, "fill": None,
+                       "target_shares": None, "dropped": 0})  # fmt: skip
+    found = {
+        1: (11, {protocol.SPLIT_TRAIN: [0, 2], protocol.SPLIT_TEST: [1],
+                 protocol.POOL_SIZE: 3, protocol.PARTITION: meta}),
+        0: (10, {protocol.SPLIT_TRAIN: [1, 3, 4], protocol.SPLIT_TEST: [0],
+                 protocol.POOL_SIZE: 5, protocol.PARTITION: meta}),
+    }  # fmt: skip
+    part = server.partition_from_nodes(SimpleNamespace(clients=2), found)
+    assert [(c.train.tolist(), c.test.tolist()) for c in part.clients] == [
+        ([1, 3, 4], [0]), ([5, 7], [6])]  # fmt: skip
+    assert (part.scheme, part.num_examples, part.seed, part.task) == (SITES, 8, 4, "sst2")

@@ -23,10 +23,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
+    SITES,
     cli_env,
     private_cache,
     tiny_args,
+    tsv_rows,
     write_tiny_model,
+    write_tiny_sites,
     write_tiny_sst2,
 )
 
@@ -348,6 +351,34 @@ def test_lora_run_equals_simulation_and_sends_only_the_shared_adapters(env: dict
     } | {"classifier/kernel", "classifier/bias"}  # fmt: skip
 
 
+def test_sites_with_their_own_data_federation_equals_simulation(env: dict) -> None:
+    """--site-data: three sites of different sizes and label skews. SuperNode k is given site
+    k's directory alone (its node config's data-dir) and the server none (its run config says
+    `node-config`); every round equals the simulation of the same sites, partition.json too,
+    and each client trains on exactly its site's train file."""
+    dirs = write_tiny_sites(env["base"] / "sites")
+    flags = {"data_dir": None, "clients": None, "site_data": ",".join(map(str, dirs)),
+             "critical_layer": 1, "eval_every": 2}  # fmt: skip
+    out, sim, sent = _federation_equals_simulation(env, "sites", flags)
+    assert (out / "partition.json").read_text() == (sim / "partition.json").read_text()
+    assert json.loads((out / "config.json").read_text())["site_data"] == "node-config"
+    doc = json.loads((out / "partition.json").read_text())
+    assert doc["scheme"] == "sites" and len(doc["clients"]) == 3
+    for k, (site, d) in enumerate(zip(SITES, dirs, strict=True)):
+        train, test = (len(doc["clients"][k][s]) for s in ("train", "test"))
+        if site["n_dev"]:
+            assert (train, test) == (tsv_rows(d / "train.tsv"), tsv_rows(d / "dev.tsv")), k
+        else:  # no dev file: a fifth of the train file tests
+            rows = tsv_rows(d / "train.tsv")
+            assert (train, test) == (rows - int(rows / 5 + 0.5), int(rows / 5 + 0.5)), k
+        # node k tokenised its own site's rows and nothing else
+        cached = list((out / "flower" / "nodes" / f"node_{k}" / "tokenized").glob("*.npz"))
+        with np.load(cached[0]) as z:
+            assert len(cached) == 1 and z["lengths"].size == train + test, k
+    trains = [e for e in sent if e["type"] == "train" and e["sender"] == "client"]
+    assert trains and all(protocol.NUM_TRAIN in e["metrics"]["metrics"] for e in trains)
+
+
 def _kill_supernode(state_dir: str) -> None:
     """SIGKILL the SuperNode whose node config names `state_dir`, and all it started."""
     import psutil
@@ -381,6 +412,35 @@ def test_bad_input_exits_2_with_one_line_before_starting_anything(
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
     assert not out.exists()  # nothing was written, no process was started
+
+
+def test_a_bad_site_is_one_line_before_starting_anything(
+    env: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The local federation reads each site's files as its SuperNode would before it starts
+    one: a label the task does not know names the site, the file and the line."""
+    from fedjax_split import flower
+
+    good = write_tiny_sst2(tmp_path / "good", n_train=8, n_dev=0)
+    bad = write_tiny_sst2(tmp_path / "bad", n_train=8, n_dev=4)
+    lines = (bad / "dev.tsv").read_text().splitlines()
+    lines[2] = lines[2].rsplit("\t", 1)[0] + "\t7"
+    (bad / "dev.tsv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    site_args = {"data_dir": None, "clients": None}
+    for sites, needle in ((f"{good},{bad}", f"site 1 ({bad}): task sst2: 1 invalid rows, e.g. "
+                                            "dev.tsv:3 (label '7')"),
+                          ("node-config", "--site-data node-config is for `--write-app`")):
+        assert flower.main(_args(env, out, site_data=sites, **site_args)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+        assert not out.exists()  # nothing was written, no process was started
+    # a real deployment's App: no site's path in it, each SuperNode names its own
+    app = tmp_path / "app"
+    args = _args(env, out, site_data=f"{good},{bad}", **site_args)
+    assert flower.main([*args, "--write-app", str(app)]) == 0
+    text = (app / "pyproject.toml").read_text()
+    assert str(good) not in text and str(bad) not in text and "node-config" in text
 
 
 def test_an_existing_run_is_refused_and_left_alone(

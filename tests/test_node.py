@@ -3,6 +3,7 @@ store, for one client; its versioning is tested in test_client_store)."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -73,3 +74,80 @@ def test_a_node_keeps_for_export_the_latest_global_part_it_received(tmp_path) ->
 
     initial = ClientStore(d).initial  # read from initial.npz
     np.testing.assert_array_equal(initial["classifier"]["bias"], _part(0.0)["classifier"]["bias"])
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from run_fixtures import write_tiny_model, write_tiny_sites
+
+    base = tmp_path_factory.mktemp("sites")
+    return {"model": write_tiny_model(base / "model"), "dirs": write_tiny_sites(base)}
+
+
+def _site_config(sites: dict, site_data: str):
+    from fedjax_split.run.config import resolve_config
+
+    return resolve_config(overrides={
+        "task": "sst2", "model": str(sites["model"]), "site_data": site_data, "clients": 3,
+        "critical_layer": 1, "batch_size": 8, "local_epochs": 2, "max_length": 16})  # fmt: skip
+
+
+def _without_index(batch):
+    return batch.replace(example_index=None)
+
+
+def test_a_site_node_reading_only_its_dir_builds_the_simulations_batches_for_it(
+    sites: dict, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--site-data: node k, given only site k's directory, derives the split, the label shares
+    and every training and test batch the simulation (all sites in one process) derives for
+    client k; only the rows' indices differ, by the sites before it (the server's offset)."""
+    import jax
+    from run_fixtures import tsv_rows
+
+    from fedjax_split.deploy import node
+    from fedjax_split.deploy.protocol import experiment_values
+    from fedjax_split.run import experiment, pieces
+    from fedjax_split.run.config import NODE_SITES, resolve_config
+
+    monkeypatch.setenv("FEDJAX_SPLIT_CACHE", str(tmp_path / "cache"))
+    dirs = sites["dirs"]
+    setup = experiment.build(_site_config(sites, ",".join(map(str, dirs))))
+    # what the ClientApp resolves from the launcher's run config: no site's path in it
+    values = experiment_values({"experiment": json.dumps(setup.config.to_dict())})
+    assert values["site_data"] == NODE_SITES
+    config = resolve_config(overrides=values)
+    labels = setup.pool.labels
+    offset = 0
+    for k, d in enumerate(dirs):
+        n = node.prepare(config, k, tmp_path / f"cache_{k}", site_dir=d)
+        sim = setup.partition.clients[k]
+        assert n.pool_size == sum(tsv_rows(f) for f in d.glob("*.tsv"))  # its own rows only
+        np.testing.assert_array_equal(n.split.train + offset, sim.train)
+        np.testing.assert_array_equal(n.split.test + offset, sim.test)
+        counts = np.bincount(labels[sim.all], minlength=2)
+        np.testing.assert_allclose(n.shares, counts / counts.sum(), atol=1e-6)
+        assert n.partition_meta["scheme"] == "sites" and "num_examples" not in n.partition_meta
+        for r in (1, 2):
+            got = pieces.client_steps(config, n.task, n.pool, n.split.train, k, r)
+            want = experiment.round_batches(setup, r)[k]
+            assert len(got) == len(want) > 0
+            for a, b in zip(got, want, strict=True):
+                real = np.asarray(a.example_index) >= 0
+                np.testing.assert_array_equal(np.asarray(a.example_index)[real] + offset,
+                                              np.asarray(b.example_index)[real])  # fmt: skip
+                jax.tree.map(np.testing.assert_array_equal, _without_index(a), _without_index(b))
+        evals = pieces.client_eval_steps(config, n.task, n.pool, n.split.test)
+        assert len(evals) == len(setup.eval_batches[k])
+        for a, b in zip(evals, setup.eval_batches[k], strict=True):
+            jax.tree.map(np.testing.assert_array_equal, _without_index(a), _without_index(b))
+        offset += n.pool_size
+
+
+def test_a_site_node_without_its_data_dir_is_one_line(sites: dict) -> None:
+    from fedjax_split.deploy import node
+    from fedjax_split.run.config import NODE_SITES
+
+    with pytest.raises(UserError, match="data-dir=DIR") as err:
+        node.prepare(_site_config(sites, NODE_SITES), 1, None)
+    assert "partition-id=1" in str(err.value) and "\n" not in str(err.value)

@@ -323,3 +323,51 @@ def test_report_by_hand():
         neg = int(np.sum(y[c.all] == 0))
         cells = lines[2 + j].split()
         assert cells[:4] == [str(j), "4", "1", str(neg)]
+
+
+def test_a_site_trains_on_its_train_file_and_tests_on_its_dev_file():
+    from fedjax_split.data.partition import site_split
+
+    splits = np.array(["train", "validation", "train", "train", "validation"])
+    s = site_split(splits, 5, seed=0, client_id=2)
+    assert s.train.tolist() == [0, 2, 3] and s.test.tolist() == [1, 4]
+    # MNLI's two dev files are both test rows
+    mnli = np.array(["train", "validation_matched", "validation_mismatched"])
+    assert site_split(mnli, 3, seed=0, client_id=0).test.tolist() == [1, 2]
+
+
+def test_a_site_without_a_dev_file_tests_on_a_fifth_drawn_from_its_seed_and_id_alone():
+    from fedjax_split.data.partition import site_split
+
+    a = site_split(np.array(["train"] * 23), 23, seed=5, client_id=1)
+    assert (a.train.size, a.test.size) == (18, 5)  # round(23 / 5) test rows, as a partition's
+    np.testing.assert_array_equal(np.sort(np.concatenate([a.train, a.test])), np.arange(23))
+    assert np.all(np.diff(a.train) > 0) and np.all(np.diff(a.test) > 0)
+    again = site_split(None, 23, seed=5, client_id=1)  # no file names: every row is train's
+    np.testing.assert_array_equal(again.test, a.test)
+    others = [site_split(None, 23, seed=s, client_id=c).test.tolist()
+              for s, c in ((6, 1), (5, 2))]  # fmt: skip
+    assert all(o != a.test.tolist() for o in others)
+
+
+def test_sites_partition_offsets_each_site_by_the_sites_before_it_and_records_shares(tmp_path):
+    from fedjax_split.data.partition import SITES, ClientSplit, sites_partition
+
+    own = [ClientSplit(np.array([0, 1]), np.array([2])), ClientSplit(np.array([1]), np.array([0])),
+           ClientSplit(np.array([0, 2, 3]), np.array([1]))]  # fmt: skip
+    p = sites_partition(own, [3, 2, 4], seed=7, task="sst2")
+    assert [(c.train.tolist(), c.test.tolist()) for c in p.clients] == [
+        ([0, 1], [2]), ([4], [3]), ([5, 7, 8], [6])]  # fmt: skip
+    assert (p.scheme, p.num_clients, p.num_examples, p.seed) == (SITES, 3, 9, 7)
+    y = np.array([1, 1, 0, 0, 1, 0, 0, 0, 1])
+    doc = json.loads(save_partition(p, tmp_path / "p.json", y,
+                                    label_names=["negative", "positive"]).read_text())  # fmt: skip
+    assert doc["scheme"] == "sites" and doc["target_shares"] is None
+    np.testing.assert_allclose(doc["realised_shares"], [[1 / 3, 2 / 3], [0.5, 0.5], [0.75, 0.25]],
+                               atol=1e-6)  # fmt: skip
+    assert [len(c["train"]) for c in doc["clients"]] == [2, 1, 3]
+    np.testing.assert_array_equal(load_partition(tmp_path / "p.json").clients[1].train, [4])
+    assert "partition sites K=3" in partition_report(p, y, ["negative", "positive"])
+    # scores (regression) have no shares
+    doc = json.loads(save_partition(p, tmp_path / "q.json", y.astype(np.float32)).read_text())
+    assert doc["realised_shares"] is None

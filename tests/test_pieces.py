@@ -103,3 +103,79 @@ def test_train_record_is_the_example_weighted_mean_of_the_clients_losses() -> No
                       "train_loss_clients": [1.0, 4.0]}  # fmt: skip
     assert all(type(c) is int for c in record["clients_sampled"])  # JSON-ready
 
+
+
+def _site(path, rows, dev=()):
+    path.mkdir(parents=True)
+    for name, lines in (("train.tsv", rows), ("dev.tsv", dev)):
+        if lines:
+            text = "".join(f"{s}\t{y}\n" for s, y in lines)
+            (path / name).write_text("sentence\tlabel\n" + text)
+    return path
+
+
+def test_load_sites_gives_client_k_exactly_site_ks_rows(tmp_path) -> None:
+    from fedjax_split.run.config import resolve_config
+    from fedjax_split.tasks.registry import get_task
+
+    a = _site(tmp_path / "a", [("a0", 1), ("a1", 1), ("a2", 0)], dev=[("ad", 1)])
+    b = _site(tmp_path / "b", [(f"b{i}", i % 2) for i in range(10)])  # no dev: 80/20
+    config = resolve_config(overrides={"site_data": f"{a},{b}", "seed": 3})
+    examples, part = pieces.load_sites(config, get_task("sst2"))
+    assert part.scheme == "sites" and part.num_examples == len(examples) == 14
+    texts = np.asarray(examples.texts_a)
+    assert texts[part.clients[0].train].tolist() == ["a0", "a1", "a2"]
+    assert texts[part.clients[0].test].tolist() == ["ad"]
+    b_rows = sorted(texts[np.concatenate([part.clients[1].train, part.clients[1].test])])
+    assert b_rows == sorted(f"b{i}" for i in range(10)) and part.clients[1].test.size == 2
+    assert examples.labels[part.clients[1].train].tolist() == [
+        int(t[1:]) % 2 for t in texts[part.clients[1].train]]  # fmt: skip
+
+
+def test_a_bad_site_is_one_line_naming_the_site_and_its_file(tmp_path) -> None:
+    from fedjax_split.run.config import NODE_SITES, resolve_config
+    from fedjax_split.tasks.registry import get_task
+
+    a = _site(tmp_path / "a", [("a0", 1)])
+    b = _site(tmp_path / "b", [("b0", 1), ("b1", "maybe")])
+    config = resolve_config(overrides={"site_data": f"{a},{b}"})
+    with pytest.raises(UserError) as err:
+        pieces.load_sites(config, get_task("sst2"))
+    assert str(err.value).startswith(f"site 1 ({b}): task sst2: 1 invalid rows, e.g. ")
+    assert "train.tsv:3 (label 'maybe')" in str(err.value)
+    # a train file without examples, beside a dev file: nothing to train on
+    c = _site(tmp_path / "c", [("c0", 0)], dev=[("cd", 1)])
+    (c / "train.tsv").write_text("sentence\tlabel\n")
+    config = resolve_config(overrides={"site_data": f"{a},{c}"})
+    with pytest.raises(UserError, match=r"site 1 \(.*c\) has no training examples"):
+        pieces.load_sites(config, get_task("sst2"))
+    real = resolve_config(overrides={"site_data": NODE_SITES})
+    with pytest.raises(UserError, match="the simulation reads every site itself"):
+        pieces.load_sites(real, get_task("sst2"))
+
+
+def test_concat_examples_joins_every_per_row_field_in_order() -> None:
+    from fedjax_split.data.sources import Examples
+
+    one = Examples(["x", "y"], ["p", "q"], np.array([0, 2]), np.array(["m", "m"]),
+                   np.array(["train", "validation"]))  # fmt: skip
+    two = Examples(["z"], ["r"], np.array([1]), np.array(["mm"]), np.array(["train"]))
+    both = pieces.concat_examples([one, two])
+    assert both.texts_a == ["x", "y", "z"] and both.texts_b == ["p", "q", "r"]
+    assert both.labels.tolist() == [0, 2, 1] and both.groups.tolist() == ["m", "m", "mm"]
+    assert both.splits.tolist() == ["train", "validation", "train"]
+
+
+def test_sites_rows_are_as_wide_as_max_length_allows_whatever_their_data() -> None:
+    """A site sees no pool: its packed rows come from --max-length, so all sites agree."""
+    from types import SimpleNamespace
+
+    from fedjax_split.data.tokenization import Tokenized
+
+    short = Tokenized([np.ones(3, np.int32)], [np.zeros(3, np.int32)], np.array([3]))
+    sites = SimpleNamespace(packing=True, site_data="a,b", max_length=100)
+    assert pieces.row_width(sites, short) == 104  # 100 rounded up to a multiple of 8
+    assert pieces.row_width(SimpleNamespace(**{**vars(sites), "max_length": 16}), short) == 64
+    pool = SimpleNamespace(packing=True, site_data=None, max_length=100)
+    assert pieces.row_width(pool, short) == 64  # the pool's longest example, at least 64
+    assert pieces.row_width(SimpleNamespace(**{**vars(sites), "packing": False}), short) is None

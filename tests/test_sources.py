@@ -327,3 +327,48 @@ def test_tokenize_cache_with_the_real_tokenizer(tmp_path, monkeypatch):
     assert (
         second.input_ids[0][0] == tok.cls_token_id and second.input_ids[0][-1] == tok.sep_token_id
     )
+
+
+def test_a_sites_train_file_alone_and_with_its_dev_file(tmp_path):
+    _tsv(tmp_path / "a/train.tsv", [["sentence", "label"], ["good", 1], ["bad", 0]])
+    ex = sources.load_site("sst2", tmp_path / "a")  # no dev.tsv: a site may have none
+    assert ex.texts_a == ["good", "bad"] and ex.labels.tolist() == [1, 0]
+    assert ex.splits.tolist() == ["train", "train"]
+    _tsv(tmp_path / "a/dev.tsv", [["sentence", "label"], ["fine", "positive"]])
+    assert sources.load_site("sst2", tmp_path / "a").splits.tolist() == [
+        "train", "train", "validation"]  # fmt: skip
+    # the hub's parquet layout, in the task's sub-folder, and MNLI's groups
+    _parquet(tmp_path / "b/sst2/train-00000.parquet",
+             {"sentence": ["ok"], "label": [1], "idx": [0]})  # fmt: skip
+    assert sources.load_site("sst2", tmp_path / "b").labels.tolist() == [1]
+    _tsv(tmp_path / "c/train.tsv", [MNLI_HEAD, _mnli_row(0, "p0", "h0", "neutral")])
+    _tsv(tmp_path / "c/dev_mismatched.tsv", [MNLI_HEAD, _mnli_row(1, "p1", "h1", "entailment")])
+    mnli = sources.load_site("mnli", tmp_path / "c")
+    assert mnli.groups.tolist() == ["matched", "mismatched"] and mnli.labels.tolist() == [1, 0]
+
+
+def test_a_sites_unknown_label_or_missing_train_file_is_one_line_naming_the_file(tmp_path):
+    _tsv(tmp_path / "a/train.tsv", [["sentence", "label"], ["good", 1], ["meh", "neutral"]])
+    with pytest.raises(UserError) as e:
+        sources.load_site("sst2", tmp_path / "a")
+    assert "train.tsv:3 (label 'neutral')" in str(e.value) and "\n" not in str(e.value)
+    assert "one of ['negative', 'positive']" in str(e.value)  # the task's labels, not the data's
+    _tsv(tmp_path / "b/dev.tsv", [["sentence", "label"], ["good", 1]])
+    with pytest.raises(UserError, match="no GLUE files found in .*b; a site's directory holds"):
+        sources.load_site("sst2", tmp_path / "b")
+    with pytest.raises(UserError, match="does not exist"):
+        sources.load_site("sst2", tmp_path / "nope")
+    with pytest.raises(UserError, match="task ner with --site-data"):
+        sources.load_site("ner", tmp_path / "a")
+
+
+def test_a_site_of_an_offline_corpus_keeps_its_files_splits(tmp_path):
+    """20news's own train and test files: its rows say which file they came from (a site's
+    test split is its test file's rows, `partition.site_split`)."""
+    lines = ["Category\tText", "d\tstring", "class\t", ""]
+    (tmp_path / "20newsgroups-train.tab").write_text(
+        "\n".join([*lines, "sci.med\tdoctor said", "alt.atheism\tno god"]) + "\n")  # fmt: skip
+    (tmp_path / "20newsgroups-test.tab").write_text(
+        "\n".join([*lines, "talk.religion.misc\tfaith"]) + "\n")  # fmt: skip
+    ex = sources.load_site("20news", tmp_path)
+    assert ex.splits.tolist() == ["train", "train", "test"] and ex.labels.tolist() == [13, 0, 19]

@@ -22,10 +22,13 @@ from pathlib import Path
 
 import pytest
 from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
+    SITES,
     cli_env,
     private_cache,
     tiny_args,
+    tsv_rows,
     write_tiny_model,
+    write_tiny_sites,
     write_tiny_sst2,
 )
 
@@ -189,6 +192,7 @@ def test_sigkilled_dp_run_resumes_to_the_same_result(env: dict) -> None:
     assert a["privacy"] == b["privacy"] and a["privacy"]["adaptive_clip_quantile"] == 0.5
 
 
+THREE_DIRS = f"{ROOT}/docs,{ROOT}/tests,{ROOT}/configs"  # any three directories
 BAD = [
     ({"task": "nope"}, "unknown task"),
     ({"algorithm": "fedsplit"}, "unknown algorithm"),
@@ -231,6 +235,16 @@ BAD = [
     # adaptive clipping's count noise is M / 20 = 0.15 with every one of 3 clients
     ({"dp_noise_multiplier": 0.5, "dp_clip": 1.0, "dp_clip_quantile": 0.5},
      "--dp-noise-multiplier below 2 x the count's noise (0.3)"),
+    # sites with their own data (--site-data): no pool to subsample or partition
+    ({"data_dir": None, "site_data": "/nonexistent/a,/nonexistent/b,/nonexistent/c"},
+     "--site-data: site 0's directory '/nonexistent/a' does not exist"),
+    ({"data_dir": None, "site_data": f"{ROOT},{ROOT}/docs"},
+     "--clients 3 but --site-data names 2 sites; leave --clients out"),
+    ({"site_data": THREE_DIRS}, "--data-dir with --site-data"),
+    ({"data_dir": None, "site_data": THREE_DIRS, "partition": "dirichlet"},
+     "--partition with --site-data"),
+    ({"data_dir": None, "site_data": THREE_DIRS, "max_examples": 20},
+     "--max-examples with --site-data"),
 ]  # fmt: skip
 
 
@@ -246,6 +260,49 @@ def test_bad_input_exits_2_with_one_line_and_keeps_outputs(
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and needle.lower() in err.lower()
     assert _digest(straight) == before
+
+
+def test_sites_train_on_exactly_their_own_files(env: dict) -> None:
+    """--site-data: three sites of different sizes and label skews are the three clients (no
+    --clients); each client trains on its site's train file and tests on its dev file (the site
+    without one on a fifth of its train file), and partition.json says so."""
+    sites = write_tiny_sites(env["base"] / "sites")
+    out = env["base"] / "sites_run"
+    res = _cli(env, tiny_args(env["model"], env["data"], out, data_dir=None, clients=None,
+                              site_data=",".join(map(str, sites)), rounds=1, **FAST))  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert json.loads((out / "config.json").read_text())["clients"] == 3
+    doc = json.loads((out / "partition.json").read_text())
+    assert doc["scheme"] == "sites" and doc["label_names"] == ["negative", "positive"]
+    counts = [(len(c["train"]), len(c["test"])) for c in doc["clients"]]
+    for k, (site, d) in enumerate(zip(SITES, sites, strict=True)):
+        rows = tsv_rows(d / "train.tsv")
+        assert rows == site["n_train"]
+        if site["n_dev"]:
+            assert counts[k] == (rows, tsv_rows(d / "dev.tsv")), k
+        else:
+            assert counts[k] == (rows - int(rows / 5 + 0.5), int(rows / 5 + 0.5)), k
+    shares = [s[1] for s in doc["realised_shares"]]  # the share of positive labels
+    assert shares[0] > 0.7 > 0.3 > shares[2]  # the sites' own skews (85% and 15% drawn)
+    assert f"partition sites K=3 seed=0 task=sst2 examples={sum(map(sum, counts))}" in res.stderr
+
+
+def test_a_sites_unknown_label_is_one_line_naming_file_and_line(
+    env: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    good = write_tiny_sst2(tmp_path / "good", n_train=8, n_dev=0)
+    bad = write_tiny_sst2(tmp_path / "bad", n_train=8, n_dev=0)
+    lines = (bad / "train.tsv").read_text().splitlines()
+    lines[4] = lines[4].rsplit("\t", 1)[0] + "\tneutral"  # a label SST-2 does not have
+    (bad / "train.tsv").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    args = tiny_args(env["model"], env["data"], out, data_dir=None, clients=None,
+                     site_data=f"{good},{bad}")  # fmt: skip
+    assert train.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: site 1 ({bad}): task sst2: 1 invalid")
+    assert "train.tsv:5 (label 'neutral')" in err[0]
+    assert not out.exists()  # nothing written
 
 
 def test_existing_run_without_resume_is_refused(

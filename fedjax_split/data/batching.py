@@ -133,6 +133,12 @@ def default_row_width(tokenized: Any, pack_width: int = PACK_WIDTH, multiple: in
     return max(pack_width, _round_up(longest, multiple))
 
 
+def row_width_for(max_length: int, pack_width: int = PACK_WIDTH, multiple: int = 8) -> int:
+    """W of packed attention rows for examples of at most `max_length` tokens (truncation's
+    bound): what a client that sees no pool takes, the same for every client of a run."""
+    return max(pack_width, _round_up(int(max_length), multiple))
+
+
 def _epoch_batches(
     lengths: np.ndarray, batch_size: int, rng: np.random.Generator | None, window: int | None
 ) -> list[np.ndarray]:

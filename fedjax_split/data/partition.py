@@ -382,6 +382,41 @@ def partition_clients(
     )
 
 
+SITES = "sites"  # the scheme of sites with their own data (--site-data): nothing is drawn
+_SITE_SPLIT = 0x73697465  # "site": the rng purpose of a site's 80/20 train/test split
+
+
+def site_split(
+    splits: np.ndarray | None, n: int, seed: int, client_id: int, test_fraction: float = 0.2
+) -> ClientSplit:
+    """One site's train/test split of its own rows 0..n-1: the rows of its train file train and
+    those of its dev/test files test (`splits`: each row's file, "train" for training rows);
+    without a dev/test file, a random `test_fraction` of its train file tests, drawn from the
+    seed and the client id alone, so that a site computes it without the other sites' data."""
+    rows = np.arange(int(n), dtype=np.int64)
+    train = rows if splits is None else rows[np.asarray(splits) == "train"]
+    test = np.setdiff1d(rows, train)
+    if test.size == 0:
+        rng = np.random.default_rng([int(seed), _SITE_SPLIT, int(client_id)])
+        perm = rng.permutation(train)
+        n_test = int(np.floor(perm.size * test_fraction + 0.5))
+        train, test = np.sort(perm[n_test:]), np.sort(perm[:n_test])
+    return ClientSplit(train.astype(np.int64), test.astype(np.int64))
+
+
+def sites_partition(
+    splits: Sequence[ClientSplit], sizes: Sequence[int], seed: int, task: str | None = None
+) -> Partition:
+    """The run's record of sites with their own data: client k's rows are site k's, its
+    indices offset by the sizes of the sites before it (the sites' rows concatenated in client
+    order, as the simulation holds them); `splits` are each site's own `site_split`."""
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(sizes, np.int64))])
+    clients = [ClientSplit(s.train + offsets[k], s.test + offsets[k])
+               for k, s in enumerate(splits)]  # fmt: skip
+    return Partition(clients=clients, scheme=SITES, num_clients=len(clients), seed=int(seed),
+                     num_examples=int(offsets[-1]), task=task)  # fmt: skip
+
+
 def client_shares(split: ClientSplit, labels: np.ndarray, num_classes: int) -> np.ndarray:
     """[C] one client's label shares as drawn (train and test together), rounded as
     partition.json records them."""
@@ -403,15 +438,19 @@ def save_partition(
 ) -> Path:
     """Write the partition as JSON (exact indices + parameters), atomically. With the pool's
     class `labels` (or each client's `client_shares`, `realised`, where the labels are
-    elsewhere), each client's realised label shares go beside the target shares; `label_names`
-    name the shares' columns, so that a person reads "fresh", not column 1."""
+    elsewhere), each client's realised label shares go beside the target shares (for sites with
+    their own data, whose label shares nobody drew: beside their counts); `label_names` name
+    the shares' columns, so that a person reads "fresh", not column 1."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     target = partition.target_shares
-    if target is None:
+    # the shares' columns: the target's, or a site's classes (their names; none for scores)
+    num_classes = target.shape[1] if target is not None else (
+        len(label_names) if partition.scheme == SITES and label_names else None)  # fmt: skip
+    if num_classes is None:
         realised = None
     elif labels is not None:
-        realised = realised_shares(partition, labels, target.shape[1]).tolist()
+        realised = realised_shares(partition, labels, num_classes).tolist()
     elif realised is not None:
         realised = [[float(x) for x in row] for row in realised]
     doc = {

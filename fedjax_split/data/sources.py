@@ -175,8 +175,9 @@ def _parse_label(task: Task, raw: Any, lookup: dict[str, int]) -> float | int | 
 # local GLUE directory
 
 
-def _task_dir(task: Task, data_dir: Path) -> Path:
-    """data_dir itself if it holds the task's files, else its sub-folder named for the task."""
+def _task_dir(task: Task, data_dir: Path, hint: str | None = None) -> Path:
+    """data_dir itself if it holds the task's files, else its sub-folder named for the task;
+    `hint`: how to lay the files out, when not --data-dir's."""
     if not data_dir.is_dir():
         raise UserError(f"--data-dir {data_dir} is not a directory; {_layout_hint(task)}")
     if _has_split_files(data_dir):
@@ -189,7 +190,9 @@ def _task_dir(task: Task, data_dir: Path) -> Path:
     for child in sorted(data_dir.iterdir()):
         if child.is_dir() and child.name.lower() in names and _has_split_files(child):
             return child
-    raise UserError(f"task {task.name}: no GLUE files found in {data_dir}; {_layout_hint(task)}")
+    raise UserError(
+        f"task {task.name}: no GLUE files found in {data_dir}; {hint or _layout_hint(task)}"
+    )
 
 
 def _has_split_files(d: Path) -> bool:
@@ -203,6 +206,14 @@ def _layout_hint(task: Task) -> str:
     return (
         f"pass --data-dir DIR with GLUE's TSV layout (DIR/{g}/train.tsv, {dev}) or the hub's "
         f"parquet layout (DIR/{task.name}/train-*.parquet, {val})"
+    )
+
+
+def _site_hint(task: Task) -> str:
+    dev = "dev_matched.tsv, dev_mismatched.tsv" if task.name == "mnli" else "dev.tsv"
+    return (
+        f"a site's directory holds its train.tsv (and, for its test split, {dev}) in GLUE's "
+        "TSV layout, or train-*.parquet (and validation*-*.parquet) in the hub's layout"
     )
 
 
@@ -272,8 +283,10 @@ def _load_parquet_split(
     return texts, labels, where
 
 
-def _load_local_glue(task: Task, data_dir: Path) -> Examples:
-    d = _task_dir(task, data_dir)
+def _load_local_glue(task: Task, data_dir: Path, site: bool = False) -> Examples:
+    """The task's GLUE files in `data_dir`; `site`: one site's own files, where only the train
+    file is required (the dev files, when there, are the site's test split)."""
+    d = _task_dir(task, data_dir, _site_hint(task) if site else None)
     texts: list[list[Any]] = [[] for _ in task.text_fields]
     labels: list[Any] = []
     where: list[str] = []
@@ -286,6 +299,8 @@ def _load_local_glue(task: Task, data_dir: Path) -> Examples:
             t, y, w = _load_tsv_split(task, tsv)
         elif parquet:
             t, y, w = _load_parquet_split(task, parquet)
+        elif site and split != "train":
+            continue
         else:
             raise UserError(
                 f"task {task.name}: {d} has no {stem}.tsv or {hub_split}-*.parquet; "
@@ -466,6 +481,25 @@ def load_examples(
     if task.kind == "offline":
         return _load_offline(task, root)
     return _load_local_glue(task, root)
+
+
+def load_site(task: str | Task, site_dir: str | os.PathLike) -> Any:
+    """One site's own examples (`--site-data`), labelled in the task's vocabulary: GLUE TSV or
+    parquet files (train required; dev, when there, is the site's test split), an offline
+    corpus's file(s), or CoNLL files for a token task. `splits` says which file each row came
+    from ("train" for the training rows)."""
+    task = get_task(task)
+    root = Path(site_dir).expanduser()
+    if not root.is_dir():
+        raise UserError(f"site directory {str(root)!r} does not exist")
+    if task.objective.per_token:
+        raise UserError(
+            f"task {task.name} with --site-data: a token task's tag vocabulary would come from "
+            "the sites' own tags; use --data-dir for now"
+        )
+    if task.kind == "offline":
+        return _load_offline(task, root)
+    return _load_local_glue(task, root, site=True)
 
 
 # ---------------------------------------------------------------------------------------------

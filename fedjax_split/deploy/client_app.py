@@ -9,8 +9,8 @@ metrics: the local part never enters a message.
 
 Node config: `partition-id` (this client's id, 0..K-1), `state-dir` (where local parts live;
 default: `<cache>/flower_nodes`), `data-dir` (this node's copy of the task's files, overriding
-the run's --data-dir), `warm-worker` (default true; false runs each handler in its ClientApp
-process).
+the run's --data-dir; in a run with --site-data, this site's own files, the only data it reads),
+`warm-worker` (default true; false runs each handler in its ClientApp process).
 """
 
 from __future__ import annotations
@@ -41,17 +41,20 @@ def _node(context: Context) -> NodeSetup:
 
     logs.app_process()
     runtime.apply()
-    values = json.loads(str(context.run_config[protocol.EXPERIMENT]))
+    values = protocol.experiment_values(context.run_config)
     data_dir = context.node_config.get(protocol.DATA_DIR)
-    if data_dir:
-        values["data_dir"] = str(data_dir)
+    data_dir = str(data_dir) if data_dir else None
+    sites = values.get("site_data") is not None  # then data-dir is this site's own data
+    if data_dir and not sites:
+        values["data_dir"] = data_dir
     client = int(context.node_config[protocol.PARTITION_ID])
-    key = json.dumps([values, client, str(_state_dir(context))], sort_keys=True)
+    key = json.dumps([values, client, data_dir, str(_state_dir(context))], sort_keys=True)
     if key not in _PREPARED:
         config = resolve_config(overrides=values)
+        cache = _state_dir(context) / "tokenized"
         while len(_PREPARED) >= _KEEP_PREPARED:
             _PREPARED.pop(next(iter(_PREPARED)))
-        _PREPARED[key] = node.prepare(config, client, _state_dir(context) / "tokenized")
+        _PREPARED[key] = node.prepare(config, client, cache, site_dir=data_dir if sites else None)
     return _PREPARED[key]
 
 
@@ -102,7 +105,8 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 
 def _query(msg: Message, context: Context) -> Message:
-    """Who this node is: its client id and its share of the pool (indices and sizes only)."""
+    """Who this node is: its client id and its share of the pool (indices and sizes only; a
+    site with its own data: indices into its own rows, their count and its label shares)."""
     node = _node(context)
     tags = list(getattr(node.pool.examples, "tag_names", ()) or ())
     content = {

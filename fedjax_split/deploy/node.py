@@ -3,10 +3,12 @@ very computations the simulation runs for it.
 
 Nothing here imports Flower: the ClientApp (`client_app.py`) turns messages into these calls.
 A node derives its share exactly as the simulation does (`run.pieces`: the pool, the subsample,
-the partition, its client id = its partition id), trains with `fed.client_program.client_round`
-on its own examples' steps (the programs the one-at-a-time simulation runs for that client, with
-the same key), and evaluates with the simulation's per-client evaluation. So a node computes,
-bit for bit, what the simulation computes for its client.
+the partition, its client id = its partition id; with --site-data, its own site's files and
+nothing else, split as the simulation splits that site), trains with
+`fed.client_program.client_round` on its own examples' steps (the programs the one-at-a-time
+simulation runs for that client, with the same key), and evaluates with the simulation's
+per-client evaluation. So a node computes, bit for bit, what the simulation computes for its
+client.
 
 Its local (personal) part never leaves it: `store` keeps one file per round it trained in,
 under `<state-dir>/<run id>/client_<id>/`, so that a restarted server can resume from an older
@@ -91,10 +93,13 @@ def _tokenized(
     return packed
 
 
-def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None) -> NodeSetup:
+def prepare(
+    config: ExperimentConfig, client_id: int, cache: Path | None = None, site_dir: Any = None
+) -> NodeSetup:
     """This client's share and model, derived by `run.pieces` as the simulation derives them.
-    `cache`: a directory of the node's own for the tokenised pool (None: tokenise each time)."""
-    from fedjax_split.data import partition
+    `cache`: a directory of the node's own for the tokenised pool (None: tokenise each time);
+    `site_dir`: with --site-data, this site's own files (its node config's data-dir), the only
+    data the node reads."""
     from fedjax_split.fed.roles import flatten_paths
     from fedjax_split.run import pieces
     from fedjax_split.tasks import registry as tasks
@@ -105,27 +110,24 @@ def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None)
             f"{config.clients}); give each SuperNode one of those"
         )
     task = tasks.get_task(config.task)
-    examples = pieces.load_pool(config, task)
+    if config.site_data is not None:
+        share = _site_share(config, task, client_id, site_dir)
+    else:
+        share = _pool_share(config, task, client_id)
+    examples, split, shares, meta = share
     model = pieces.build_model(config, task, getattr(examples, "tag_names", ()))
     pool = pieces.make_pool(
         config, examples, _tokenized(config, task, examples, model.model_dir, cache)
     )
-    labels = pool.labels
-    part = pieces.make_partition(config, task, labels)
     return NodeSetup(
         config=config,
         task=task,
         client_id=client_id,
         pool=pool,
-        split=part.clients[client_id],
-        shares=None if part.target_shares is None else partition.client_shares(
-            part.clients[client_id], labels, part.target_shares.shape[1]).tolist(),
-        partition_meta={  # JSON-ready: what partition.json records besides the indices
-            f.name: _plain(getattr(part, f.name))
-            for f in dataclasses.fields(part)
-            if f.name != "clients"
-        },
-        pool_size=len(labels),
+        split=split,
+        shares=shares,
+        partition_meta=meta,
+        pool_size=len(pool.labels),
         apply=model.apply,
         round_spec=model.round_spec,
         local0=model.local0,
@@ -133,6 +135,52 @@ def prepare(config: ExperimentConfig, client_id: int, cache: Path | None = None)
         global_shapes={p: tuple(np.shape(x)) for p, x in flatten_paths(model.global0).items()},
         model_meta=pieces.model_meta(model),
     )
+
+
+Share = tuple[Any, Any, Any, dict[str, Any]]  # examples, split, label shares or None, settings
+
+
+def _pool_share(config: ExperimentConfig, task: Any, client_id: int) -> Share:
+    """The client's share of the pool every node loads and partitions alike: (the pool, its
+    split of it, its realised label shares, the partition's settings)."""
+    from fedjax_split.data import partition
+    from fedjax_split.run import pieces
+
+    examples = pieces.load_pool(config, task)
+    labels = np.asarray(examples.labels)
+    part = pieces.make_partition(config, task, labels)
+    split = part.clients[client_id]
+    shares = None if part.target_shares is None else partition.client_shares(
+        split, labels, part.target_shares.shape[1]).tolist()  # fmt: skip
+    return examples, split, shares, _meta(part, "clients")
+
+
+def _site_share(config: ExperimentConfig, task: Any, client_id: int, site_dir: Any) -> Share:
+    """A site's own data (--site-data): (its examples, its own split of them, its label
+    shares, the settings every site has alike; the server offsets each site's indices by the
+    sizes the sites report, `partition.sites_partition`)."""
+    from fedjax_split.data import partition
+    from fedjax_split.run import pieces
+
+    if site_dir is None:
+        raise UserError(
+            f"this run's sites read their own data: give SuperNode {client_id} its directory "
+            f"in its node config (--node-config 'partition-id={client_id} data-dir=DIR')"
+        )
+    examples = pieces.load_site(config, task, client_id, site_dir)
+    split = pieces.site_split(config, examples, client_id, site_dir)
+    labels = np.asarray(examples.labels)
+    names = () if task.is_regression else task.label_names
+    shares = partition.client_shares(split, labels, len(names)).tolist() if names else None
+    part = partition.sites_partition([split], [len(labels)], config.seed, task.name)
+    return examples, split, shares, _meta(part, "clients", "num_examples")
+
+
+def _meta(part: Any, *leave_out: str) -> dict[str, Any]:
+    """The partition's settings as JSON holds them (what partition.json records besides the
+    indices), less `leave_out`."""
+    return {f.name: _plain(getattr(part, f.name))
+            for f in dataclasses.fields(part) if f.name not in leave_out}  # fmt: skip
 
 
 def _plain(value: Any) -> Any:

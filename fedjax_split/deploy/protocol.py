@@ -60,6 +60,19 @@ STOP_AFTER_ROUND = "stop-after-round"
 RECORD_ENV = "FEDJAX_SPLIT_FLOWER_RECORD"  # a directory: every message sent is logged there
 
 
+def experiment_values(run_config: Any) -> dict[str, Any]:
+    """The run's settings (`EXPERIMENT`) as the ServerApp and a ClientApp resolve them. With
+    --site-data the sites' paths, were they there, are no one's business but their own site's:
+    the server and every node see `node-config` (each node's data-dir is its site), so that
+    neither looks at another site's directory."""
+    from fedjax_split.run.config import NODE_SITES
+
+    values = json.loads(str(run_config[EXPERIMENT]))
+    if values.get("site_data") is not None:
+        values["site_data"] = NODE_SITES
+    return dict(values)
+
+
 def record_sent(message: Any, sender: str) -> Any:
     """Logs what `message` carries (every array's record, path, dtype, shape and sha256 of its
     bytes; every config and metric key) to $FEDJAX_SPLIT_FLOWER_RECORD/<sender>-<pid>.jsonl when

@@ -22,8 +22,10 @@ without it. A round in which no sampled client replies stops the run with a one-
 last checkpoint stays and `--resume` continues from it.
 
 The server holds no client data and no local part: a node's query reply tells its client id, its
-share of the pool (indices, for partition.json) and sizes; checkpoints hold the server state and
-the run's id, by which each node finds its own local parts again after a restart.
+share of the pool (indices, for partition.json) and sizes (with --site-data: its count of its own
+rows and its label shares; the server never learns where a site's files are, let alone opens
+them); checkpoints hold the server state and the run's id, by which each node finds its own local
+parts again after a restart.
 """
 
 from __future__ import annotations
@@ -164,8 +166,10 @@ def connect(grid: Any, config: ExperimentConfig, options: DeployOptions) -> dict
 
 
 def partition_from_nodes(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> Any:
-    """The run's Partition as the nodes report it (pool indices, as partition.json holds them)."""
-    from fedjax_split.data.partition import ClientSplit, Partition
+    """The run's Partition as the nodes report it (pool indices, as partition.json holds them;
+    sites with their own data report indices into their own rows, which the server offsets by
+    the sizes the sites before them report, as the simulation concatenates them)."""
+    from fedjax_split.data.partition import SITES, ClientSplit, Partition, sites_partition
 
     metas = {json.dumps(json.loads(str(cfg[protocol.PARTITION])), sort_keys=True)
              for _, cfg in found.values()}  # fmt: skip
@@ -181,6 +185,9 @@ def partition_from_nodes(config: ExperimentConfig, found: Mapping[int, tuple[int
         )
         for i in range(config.clients)
     ]
+    if meta["scheme"] == SITES:
+        sizes = [int(found[i][1][protocol.POOL_SIZE]) for i in range(config.clients)]
+        return sites_partition(clients, sizes, meta["seed"], meta["task"])
     return Partition(clients=clients, **meta)
 
 

@@ -9,7 +9,6 @@ A user error ends the run with one line `error: ...` in the log (and the status 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ def main(grid: Grid, context: Context) -> None:
     status_file = str(rc.get(protocol.STATUS_FILE, ""))
     try:
         runtime.apply()
-        config = resolve_config(overrides=json.loads(str(rc[protocol.EXPERIMENT])))
+        config = resolve_config(overrides=protocol.experiment_values(rc))
         stop = int(rc.get(protocol.STOP_AFTER_ROUND, 0))
         options = DeployOptions(
             round_timeout=float(rc.get(protocol.ROUND_TIMEOUT, DeployOptions.round_timeout)),

@@ -21,8 +21,9 @@ from fedjax_split.run.settings import Schema, load_config_file, optional_int
 from fedjax_split.run.settings import setting as _setting
 
 __all__ = [
-    "ExperimentConfig", "FIELDS", "SCHEMA", "load_config_file", "nullable", "resolve_config",
-    "trajectory_mismatch", "validate", "validate_critical_layer", "value_type",
+    "ExperimentConfig", "FIELDS", "NODE_SITES", "SCHEMA", "load_config_file", "nullable",
+    "resolve_config", "site_dirs", "trajectory_mismatch", "validate", "validate_critical_layer",
+    "value_type",
 ]  # fmt: skip
 
 PARTITIONS = ("paper", "dirichlet", "quantity", "iid")
@@ -89,6 +90,17 @@ class ExperimentConfig:
         "Directory with the task's local files (GLUE TSV/parquet, CoNLL for ner); unset: the hub "
         "or the offline asset.",
         metavar="DIR",
+    )
+    site_data: str | None = _setting(
+        None,
+        "Sites with their own data: DIR0,DIR1,... one directory per client, each in a format "
+        "--data-dir reads (GLUE TSV/parquet, an offline corpus's file; not yet a token task's "
+        "CoNLL): client k trains on DIR_k's train file and tests on its dev file (else 80/20 of "
+        "its train file); no pool and no partition, so the sites are the clients and the "
+        "partition flags and --max-examples do not apply. On Flower (python -m "
+        "fedjax_split.flower) SuperNode k reads DIR_k alone; `node-config`: each SuperNode reads "
+        "the data-dir of its own node config (real sites with --write-app, docs/deployment.md).",
+        metavar="DIRS",
     )
     algorithm: str = _setting(
         "fedavg",
@@ -351,6 +363,7 @@ _NON_TRAJECTORY = {
     "process_id",
     "attention",  # the same attention by another kernel: rounding moves, as on another machine
     "data_dir",
+    "site_data",  # where the sites' files are (the partition check covers what they hold)
     "model",
 }
 SCHEMA = Schema(ExperimentConfig, _NON_TRAJECTORY)
@@ -359,11 +372,67 @@ value_type = SCHEMA.value_type
 nullable = SCHEMA.nullable
 
 
+NODE_SITES = "node-config"  # --site-data's value for real sites: each node's own data-dir
+
+
 def resolve_config(
     file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
 ) -> ExperimentConfig:
-    """Defaults <- config-file values <- explicit overrides, then `validate`."""
+    """Defaults <- config-file values <- explicit overrides, then `validate`. With --site-data
+    DIR0,DIR1,... and no --clients, the clients are the sites."""
+    given = {**(file_values or {}), **(overrides or {})}
+    sites = given.get("site_data")
+    if isinstance(sites, str) and sites != NODE_SITES and "clients" not in given:
+        overrides = {**(overrides or {}), "clients": len(sites.split(","))}
     return SCHEMA.resolve(file_values, overrides, validate)
+
+
+def site_dirs(config: ExperimentConfig) -> list[Path]:
+    """--site-data's directories, client k's at k ([] without --site-data or with
+    `node-config`, where each node knows its own)."""
+    if config.site_data is None or config.site_data == NODE_SITES:
+        return []
+    return [Path(d.strip()).expanduser() for d in config.site_data.split(",")]
+
+
+# settings that draw a partition from a pool: with --site-data there is none to draw
+_POOL_ONLY = ("partition", "paper_fill", "alpha", "beta", "max_examples", "data_dir")
+
+
+def validate_sites(config: ExperimentConfig) -> None:
+    """--site-data: one existing directory per client, none named twice, and none of the
+    settings that subsample or partition a pool (they would be silently ignored)."""
+    if config.site_data is None:
+        return
+    given = [n for n in _POOL_ONLY if getattr(config, n) != FIELDS[n].default]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise UserError(
+            f"{flag} with --site-data: each client's data are its own site's files, not drawn "
+            f"from a pool; leave {flag} out (or drop --site-data to partition one pool)"
+        )
+    if config.site_data == NODE_SITES:
+        return
+    texts = [d.strip() for d in config.site_data.split(",")]
+    if not all(texts):
+        raise UserError(
+            f"--site-data {config.site_data!r} has an empty entry; pass DIR0,DIR1,... with one "
+            "directory per client"
+        )
+    dirs = site_dirs(config)
+    if config.clients != len(dirs):
+        raise UserError(
+            f"--clients {config.clients} but --site-data names {len(dirs)} sites; leave "
+            "--clients out (each site is one client)"
+        )
+    seen: dict[Path, int] = {}
+    for k, d in enumerate(dirs):
+        if not d.is_dir():
+            raise UserError(f"--site-data: site {k}'s directory {str(d)!r} does not exist")
+        first = seen.setdefault(d.resolve(), k)
+        if first != k:
+            raise UserError(f"--site-data names {str(d)!r} twice (sites {first} and {k}); "
+                            "give each site its own directory")  # fmt: skip
 
 
 def validate(config: ExperimentConfig) -> None:
@@ -421,6 +490,7 @@ def validate(config: ExperimentConfig) -> None:
     validate_processes(config)
     if config.data_dir is not None and not Path(config.data_dir).is_dir():
         raise UserError(f"data dir {config.data_dir!r} does not exist; pass an existing --data-dir")
+    validate_sites(config)
     validate_aggregation(config)
 
 

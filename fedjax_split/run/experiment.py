@@ -43,13 +43,18 @@ def build(config: ExperimentConfig) -> Setup:
     from fedjax_split.tasks import registry as tasks
 
     task = tasks.get_task(config.task)
-    # the data first: a token task's tag vocabulary (from the whole pool) sizes the model's head
-    examples = pieces.load_pool(config, task)
+    # the data first: a token task's tag vocabulary (from the whole pool) sizes the model's head;
+    # sites with their own data are their clients' data as they are (no pool to partition)
+    if config.site_data is not None:
+        examples, part = pieces.load_sites(config, task)
+    else:
+        examples, part = pieces.load_pool(config, task), None
     model = pieces.build_model(config, task, getattr(examples, "tag_names", ()))
     pool = pieces.make_pool(
         config, examples, pieces.load_tokenized(config, task, examples, model.model_dir)
     )
-    part = pieces.make_partition(config, task, pool.labels)
+    if part is None:
+        part = pieces.make_partition(config, task, pool.labels)
     eval_batches = [pieces.client_eval_steps(config, task, pool, cs.test) for cs in part.clients]
     return Setup(config, model, pool, part, eval_batches)
 

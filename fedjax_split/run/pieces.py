@@ -97,6 +97,9 @@ def subsample_indices(n: int, max_examples: int | None, seed: int) -> np.ndarray
     return np.sort(rng.choice(n, size=max_examples, replace=False))
 
 
+_ROW_FIELDS = ("texts_a", "texts_b", "tokens", "tags", "labels", "groups", "splits")
+
+
 def subset_examples(examples: Any, idx: np.ndarray | None) -> Any:
     """The pool's rows `idx` (all of it for None), every per-row field taken alike."""
     if idx is None:
@@ -109,11 +112,7 @@ def subset_examples(examples: Any, idx: np.ndarray | None) -> Any:
             return seq[idx]
         return [seq[i] for i in idx]
 
-    changes = {
-        f: take(getattr(examples, f))
-        for f in ("texts_a", "texts_b", "tokens", "tags", "labels", "groups", "splits")
-        if hasattr(examples, f)
-    }
+    changes = {f: take(getattr(examples, f)) for f in _ROW_FIELDS if hasattr(examples, f)}
     if dataclasses.is_dataclass(examples):
         return dataclasses.replace(examples, **changes)
     return examples._replace(**changes)
@@ -141,6 +140,68 @@ def load_pool(config: ExperimentConfig, task: Any) -> Any:
     examples = sources.load_examples(task, data_dir=config.data_dir)
     idx = subsample_indices(len(examples.labels), config.max_examples, config.seed)
     return subset_examples(examples, idx)
+
+
+def concat_examples(parts: Sequence[Any]) -> Any:
+    """The sites' examples one after another, in client order (every per-row field alike; the
+    other fields, such as a token task's tag names, are the first part's)."""
+
+    def join(seqs: list[Any]) -> Any:
+        if all(x is None for x in seqs):
+            return None
+        if any(isinstance(x, np.ndarray) for x in seqs):
+            return np.concatenate([np.asarray(x) for x in seqs])
+        return [row for x in seqs for row in x]
+
+    first = parts[0]
+    changes = {f: join([getattr(p, f) for p in parts]) for f in _ROW_FIELDS if hasattr(first, f)}
+    if dataclasses.is_dataclass(first):
+        return dataclasses.replace(first, **changes)
+    return first._replace(**changes)
+
+
+def load_site(config: ExperimentConfig, task: Any, client_id: int, site_dir: Any) -> Any:
+    """Client `client_id`'s examples: its site's own files alone (`sources.load_site`), in the
+    task's label vocabulary; a bad file is one line naming the site and the file."""
+    from fedjax_split.data import sources
+
+    try:
+        return sources.load_site(task, site_dir)
+    except UserError as err:
+        raise UserError(f"site {client_id} ({site_dir}): {err}") from None
+
+
+def site_split(config: ExperimentConfig, examples: Any, client_id: int, site_dir: Any) -> Any:
+    """A site's own train/test split (`partition.site_split`, indices into its own rows); a site
+    without training examples is a UserError."""
+    from fedjax_split.data import partition
+
+    split = partition.site_split(getattr(examples, "splits", None), len(examples), config.seed,
+                                 client_id)  # fmt: skip
+    if split.train.size == 0:
+        raise UserError(
+            f"site {client_id} ({site_dir}) has no training examples; give it a train file "
+            "with at least one example"
+        )
+    return split
+
+
+def load_sites(config: ExperimentConfig, task: Any) -> tuple[Any, Any]:
+    """--site-data in one process (the simulation): (every site's examples in client order,
+    the `partition.sites_partition` whose client k holds exactly site k's rows)."""
+    from fedjax_split.data import partition
+    from fedjax_split.run.config import site_dirs
+
+    dirs = site_dirs(config)
+    if not dirs:
+        raise UserError(
+            f"--site-data {config.site_data}: the simulation reads every site itself; pass the "
+            "sites' directories DIR0,DIR1,..."
+        )
+    sites = [load_site(config, task, k, d) for k, d in enumerate(dirs)]
+    splits = [site_split(config, sites[k], k, d) for k, d in enumerate(dirs)]
+    part = partition.sites_partition(splits, [len(ex) for ex in sites], config.seed, task.name)
+    return concat_examples(sites), part
 
 
 def load_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = ()) -> Any:
@@ -311,10 +372,16 @@ def load_tokenized(config: ExperimentConfig, task: Any, examples: Any, model_dir
 
 
 def row_width(config: ExperimentConfig, tokenized: Any) -> int | None:
-    """Packed batches' attention rows: run-wide, from the pool's longest example (None: padded)."""
+    """Packed batches' attention rows: run-wide, from the pool's longest example (None: padded).
+    Sites with their own data see no pool: theirs come from --max-length, the longest any
+    example can be, so that every site cuts the same shapes without the others' data."""
     from fedjax_split.data import batching
 
-    return batching.default_row_width(tokenized) if config.packing else None
+    if not config.packing:
+        return None
+    if config.site_data is not None:
+        return batching.row_width_for(config.max_length)
+    return batching.default_row_width(tokenized)
 
 
 def eval_batch_size(config: ExperimentConfig) -> int:
