@@ -286,7 +286,7 @@ def bert_fl_flops(model_config: Any, segments: Sequence[Any]) -> int:
     return total
 
 
-def _client_costs(
+def client_costs(
     setup: Setup, params: Any, report: Any, bert_fl: int, down: int
 ) -> dict[str, Any]:
     """One client's line in a round's record (`report`: a pretrain_rounds.ClientReport;
@@ -367,7 +367,7 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None,
     t_train = time.perf_counter()
     down = bytes_down(setup, params, r)
     clients = [
-        _client_costs(setup, params, rep, bert_fl_flops(setup.model_config, segs), down)
+        client_costs(setup, params, rep, bert_fl_flops(setup.model_config, segs), down)
         for rep, segs in zip(outcome.clients, segments, strict=True)
     ]
     evaluated = evaluate(setup) if driver.due(r, config.eval_every, config.rounds) else None
@@ -384,7 +384,7 @@ def round_record(
     evaluated: dict[str, Any] | None,
     times: tuple[float, float, float],
 ) -> dict[str, Any]:
-    """Round r's record (metrics.jsonl's row) from its clients' lines (`_client_costs`) and the
+    """Round r's record (metrics.jsonl's row) from its clients' lines (`client_costs`) and the
     held-out evaluation (None: not due); `params`: the global model the round started from;
     `times`: (start, training done, evaluation done)."""
     from fedjax_split.fed import layerwise
