@@ -177,6 +177,17 @@ def _federate(
     return 0, status
 
 
+def _app_only(config: Any, deploy: dict[str, Any]) -> bool:
+    """With --write-app DIR: writes the Flower App there, says so, True (nothing else runs)."""
+    from fedjax_split.deploy.launch import write_app
+
+    if not deploy.get("write_app"):
+        return False
+    app = write_app(Path(deploy["write_app"]), run_config(config, deploy))
+    print(f"wrote the Flower App to {app}; run it with `flwr run {app} <superlink>`")
+    return True
+
+
 def _supernodes(config: Any, deploy: dict[str, Any]) -> int:
     """The SuperNodes to start (one per client), the federation's flags checked."""
     supernodes = deploy.get("supernodes") or config.clients
@@ -192,7 +203,6 @@ def _supernodes(config: Any, deploy: dict[str, Any]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fedjax_split.deploy.launch import write_app
     from fedjax_split.run import driver, pieces, safeguards
     from fedjax_split.run.config import trajectory_mismatch
 
@@ -202,9 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config, deploy = parse(argv)
         config = _absolute(config)
-        if deploy.get("write_app"):
-            app = write_app(Path(deploy["write_app"]), run_config(config, deploy))
-            print(f"wrote the Flower App to {app}; run it with `flwr run {app} <superlink>`")
+        if _app_only(config, deploy):
             return 0
         supernodes = _supernodes(config, deploy)
         pieces.check(config)
@@ -250,7 +258,6 @@ def main_pretrain(argv: Sequence[str]) -> int:
     """`python -m fedjax_split.flower pretrain [pretrain's flags] [the federation's flags]`:
     further pre-training (FedBFPT, bert-fl, truncated) through the Flower apps, equal to
     `python -m fedjax_split.pretrain` with the same flags."""
-    from fedjax_split.deploy.launch import write_app
     from fedjax_split.deploy.pretrain_node import check_deployable
     from fedjax_split.pretrain import done_line
     from fedjax_split.run import driver
@@ -260,9 +267,7 @@ def main_pretrain(argv: Sequence[str]) -> int:
     try:
         config, deploy = parse_pretrain(argv)
         config = _absolute(config)
-        if deploy.get("write_app"):
-            app = write_app(Path(deploy["write_app"]), run_config(config, deploy))
-            print(f"wrote the Flower App to {app}; run it with `flwr run {app} <superlink>`")
+        if _app_only(config, deploy):
             return 0
         supernodes = _supernodes(config, deploy)
         check(config)
