@@ -1,4 +1,5 @@
-"""`python -m fedjax_split.flower --config FILE [train flags] --supernodes N --output-dir DIR`.
+"""`python -m fedjax_split.flower --config FILE [train flags] --supernodes N --output-dir DIR`,
+and for further pre-training `python -m fedjax_split.flower pretrain [pretrain flags] ...`.
 
 A local federation of real processes: a Flower SuperLink and N SuperNodes on 127.0.0.1 (each
 given its partition id, a state directory under DIR/flower/nodes/ and, with --site-data, its own
@@ -8,6 +9,10 @@ ClientApp run on them with `flwr run`, then everything is stopped. The run direc
 DIR/flower/ (the processes' logs and the nodes' local parts). The flags are train's (the same
 config schema) plus the federation's own below. `--write-app DIR` only writes the Flower App
 (for `flwr run` against SuperNodes on other machines: docs/deployment.md) and exits.
+
+`pretrain` as the first argument runs `python -m fedjax_split.pretrain`'s run (its flags, the
+same federation flags) through the apps instead (`deploy.pretrain_server`, `deploy.pretrain_node`):
+the run directory `pretrain` writes, equal to it bit for bit but for times.
 """
 
 from __future__ import annotations
@@ -37,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
         "and one SuperNode per client as separate processes on 127.0.0.1. Writes the run "
         "directory `train` writes. " + (p.description or "")
     )
+    return add_deploy_flags(p)
+
+
+def add_deploy_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The federation's own flags (`DEPLOY_FLAGS`), fine-tuning's and pre-training's."""
     p.add_argument("--supernodes", type=int, metavar="N",
                    help="SuperNodes to start, one per client (default: --clients).")
     p.add_argument("--round-timeout", type=float, metavar="S",
@@ -92,8 +102,15 @@ def run_config(config: Any, deploy: dict[str, Any], status_file: str = "") -> di
     if config.site_data is not None:
         config = dataclasses.replace(config, site_data=NODE_SITES)
     stop = os.environ.get("FEDJAX_SPLIT_STOP_AFTER_ROUND", "")
-    values = {
-        protocol.EXPERIMENT: json.dumps(config.to_dict()),
+    from fedjax_split.run.pretrain_config import PretrainConfig
+
+    if isinstance(config, PretrainConfig):  # further pre-training: deploy.pretrain_server
+        values: dict[str, Any] = {
+            protocol.KIND: protocol.PRETRAIN, protocol.PRETRAIN_CONFIG: json.dumps(config.to_dict())
+        }
+    else:
+        values = {protocol.EXPERIMENT: json.dumps(config.to_dict())}
+    values |= {
         protocol.ROUND_TIMEOUT: float(deploy.get("round_timeout") or 600.0),
         protocol.CONNECT_TIMEOUT: float(deploy.get("connect_timeout") or 300.0),
         protocol.STATUS_FILE: status_file,
@@ -139,39 +156,22 @@ def _jax_cache_env() -> dict[str, str]:
     return env
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _federate(
+    run_dir: Path,
+    supernodes: int,
+    values: dict[str, Any],
+    deploy: dict[str, Any],
+    sites: Sequence[Path] | None = None,
+) -> tuple[int, dict[str, Any] | None]:
+    """Starts the federation (SuperNode i: partition id i, its state under
+    run_dir/flower/nodes/, with `sites` site i's directory as its data-dir), runs the App whose
+    run config is `values` on it, stops every process: (0, the ServerApp's status) when the run
+    ended with a result, else (the exit status, None) after saying why."""
     from fedjax_split.deploy.launch import Federation, write_app
-    from fedjax_split.deploy.protocol import DATA_DIR, PARTITION_ID, STATE_DIR
-    from fedjax_split.run import driver, outputs, pieces, safeguards
-    from fedjax_split.run.config import site_dirs, trajectory_mismatch
+    from fedjax_split.deploy.protocol import DATA_DIR, PARTITION_ID, STATE_DIR, STATUS_FILE
+    from fedjax_split.run import outputs
 
-    try:
-        config, deploy = parse(argv)
-        config = _absolute(config)
-        if deploy.get("write_app"):
-            app = write_app(Path(deploy["write_app"]), run_config(config, deploy))
-            print(f"wrote the Flower App to {app}; run it with `flwr run {app} <superlink>`")
-            return 0
-        supernodes = deploy.get("supernodes") or config.clients
-        if supernodes != config.clients:
-            raise UserError(
-                f"--supernodes {supernodes} but --clients {config.clients}: this federation runs "
-                "one client per SuperNode; pass the same number"
-            )
-        for name in ("round_timeout", "connect_timeout", "run_timeout"):
-            if deploy.get(name) is not None and not deploy[name] > 0:
-                raise UserError(f"--{name.replace('_', '-')} must be positive, got {deploy[name]}")
-        pieces.check(config)
-        safeguards.check_deployable(config)
-        driver.check_run_dir(config.run_dir, config.resume,  # before anything is written
-                             lambda saved: trajectory_mismatch(saved, config))
-        check_sites(config)
-    except UserError as err:
-        return report(err)
-
-    run_dir = config.run_dir
     flower_dir = run_dir / "flower"
-    sites = site_dirs(config)
     nodes = [
         {PARTITION_ID: i, STATE_DIR: str(flower_dir / "nodes" / f"node_{i}"),
          **({DATA_DIR: str(sites[i])} if sites else {})}
@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fedjax_split_app_") as tmp:
         status_path = Path(tmp) / "status.json"
-        app = write_app(Path(tmp) / "app", run_config(config, deploy, str(status_path)))
+        app = write_app(Path(tmp) / "app", {**values, STATUS_FILE: str(status_path)})
         # every process of the federation carries the run directory in its environment, so that
         # it can be found (tests check that none outlives the command)
         env = {**_jax_cache_env(), "FEDJAX_SPLIT_FLOWER_RUN": str(run_dir)}
@@ -189,26 +189,79 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = fed.submit(app, timeout=deploy.get("run_timeout") or 10**9, echo=sys.stderr)
             log = fed.run_log()
         except UserError as err:
-            return report(err)
+            return report(err), None
         except KeyboardInterrupt:
             print("interrupted; the federation was stopped", file=sys.stderr)
-            return 130
+            return 130, None
         finally:
             fed.close()
         status = outputs.read_json(status_path) if status_path.is_file() else None
     if status is None or status.get("status") == "crashed":
         why = status["message"] if status else f"`flwr run` ended with status {code}"
         print(f"error: the Flower run ended without a result ({why}); see {log}", file=sys.stderr)
-        return 1
+        return 1, None
     if status["status"] == "error":
-        return report(UserError(status["message"]))
+        return report(UserError(status["message"])), None
     if status["status"] == "stopped":
         print(
             f"interrupted (last checkpoint: round {status['round']}; continue with the same flags "
             f"plus --resume --output-dir {run_dir})",
             file=sys.stderr,
         )
-        return 130
+        return 130, None
+    return 0, status
+
+
+def _app_only(config: Any, deploy: dict[str, Any]) -> bool:
+    """With --write-app DIR: writes the Flower App there, says so, True (nothing else runs)."""
+    from fedjax_split.deploy.launch import write_app
+
+    if not deploy.get("write_app"):
+        return False
+    app = write_app(Path(deploy["write_app"]), run_config(config, deploy))
+    print(f"wrote the Flower App to {app}; run it with `flwr run {app} <superlink>`")
+    return True
+
+
+def _supernodes(config: Any, deploy: dict[str, Any]) -> int:
+    """The SuperNodes to start (one per client), the federation's flags checked."""
+    supernodes = deploy.get("supernodes") or config.clients
+    if supernodes != config.clients:
+        raise UserError(
+            f"--supernodes {supernodes} but --clients {config.clients}: this federation runs "
+            "one client per SuperNode; pass the same number"
+        )
+    for name in ("round_timeout", "connect_timeout", "run_timeout"):
+        if deploy.get(name) is not None and not deploy[name] > 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {deploy[name]}")
+    return int(supernodes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from fedjax_split.run import driver, pieces, safeguards
+    from fedjax_split.run.config import site_dirs, trajectory_mismatch
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["pretrain"]:
+        return main_pretrain(argv[1:])
+    try:
+        config, deploy = parse(argv)
+        config = _absolute(config)
+        if _app_only(config, deploy):
+            return 0
+        supernodes = _supernodes(config, deploy)
+        pieces.check(config)
+        safeguards.check_deployable(config)
+        driver.check_run_dir(config.run_dir, config.resume,  # before anything is written
+                             lambda saved: trajectory_mismatch(saved, config))
+        check_sites(config)
+    except UserError as err:
+        return report(err)
+
+    code, status = _federate(config.run_dir, supernodes, run_config(config, deploy), deploy,
+                             site_dirs(config))  # fmt: skip
+    if status is None:
+        return code
     summary = status["summary"]
     metric = summary["primary_metric"]
     value = summary["final"].get(metric)
@@ -217,6 +270,54 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"done: {summary['rounds']} rounds on {supernodes} SuperNodes, {figure} (mean over "
         f"clients); {summary['cum_bytes'] / 1e6:.1f} MB sent; results in {summary['run_dir']}"
     )
+    return 0
+
+
+def parse_pretrain(argv: Sequence[str]) -> tuple[Any, dict[str, Any]]:
+    """(PretrainConfig, the federation's flags) from `pretrain`'s flags plus the federation's."""
+    from fedjax_split.pretrain import DESCRIPTION
+    from fedjax_split.run.config import load_config_file
+    from fedjax_split.run.pretrain_config import SCHEMA, resolve
+
+    parser = SCHEMA.build_parser(
+        "python -m fedjax_split.flower pretrain",
+        "Run federated further pre-training as a real Flower federation on this machine: a "
+        "SuperLink and one SuperNode per client on 127.0.0.1, each node reading its own text. "
+        "Writes the run directory `pretrain` writes. " + DESCRIPTION,
+    )
+    given = vars(add_deploy_flags(parser).parse_args(argv))
+    deploy = {k: given.pop(k) for k in DEPLOY_FLAGS if k in given}
+    file_values = load_config_file(given["config"]) if "config" in given else {}
+    return resolve(file_values, given), deploy
+
+
+def main_pretrain(argv: Sequence[str]) -> int:
+    """`python -m fedjax_split.flower pretrain [pretrain's flags] [the federation's flags]`:
+    further pre-training (FedBFPT, bert-fl, truncated) through the Flower apps, equal to
+    `python -m fedjax_split.pretrain` with the same flags."""
+    from fedjax_split.deploy.pretrain_node import check_deployable
+    from fedjax_split.pretrain import done_line
+    from fedjax_split.run import driver
+    from fedjax_split.run.pretrain_config import SCHEMA
+    from fedjax_split.run.pretraining import check
+
+    try:
+        config, deploy = parse_pretrain(argv)
+        config = _absolute(config)
+        if _app_only(config, deploy):
+            return 0
+        supernodes = _supernodes(config, deploy)
+        check(config)
+        check_deployable(config)
+        driver.check_run_dir(config.run_dir, config.resume,  # before anything is written
+                             lambda saved: SCHEMA.trajectory_mismatch(saved, config),
+                             output_names=["model"])  # fmt: skip
+    except UserError as err:
+        return report(err)
+    code, status = _federate(config.run_dir, supernodes, run_config(config, deploy), deploy)
+    if status is None:
+        return code
+    print(done_line(status["summary"]).replace("done: ", f"done on {supernodes} SuperNodes: ", 1))
     return 0
 
 

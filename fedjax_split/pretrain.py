@@ -46,16 +46,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_pretraining(config, progress=True, on_round_end=driver.stop_hook_from_env())
 
-    def done(summary: dict) -> str:
-        initial, final = summary["initial"], summary["final"]
-        return (
-            f"done: {summary['method']}, {summary['rounds']} rounds, held-out MLM loss "
-            f"{initial['mlm_loss']:.4f} -> {final['mlm_loss']:.4f}, accuracy "
-            f"{initial['mlm_accuracy']:.4f} -> {final['mlm_accuracy']:.4f}, "
-            f"{summary['cum_bytes'] / 1e6:.1f} MB sent; model in {summary['run_dir']}/model"
-        )
+    return run_main(lambda: config_from_args(argv), run, done_line)
 
-    return run_main(lambda: config_from_args(argv), run, done)
+
+def done_line(summary: dict) -> str:
+    """The command's last line: the run's held-out MLM before and after, bytes, where."""
+    initial, final = summary["initial"], summary["final"]
+    return (
+        f"done: {summary['method']}, {summary['rounds']} rounds, held-out MLM loss "
+        f"{initial['mlm_loss']:.4f} -> {final['mlm_loss']:.4f}, accuracy "
+        f"{initial['mlm_accuracy']:.4f} -> {final['mlm_accuracy']:.4f}, "
+        f"{summary['cum_bytes'] / 1e6:.1f} MB sent; model in {summary['run_dir']}/model"
+    )
 
 
 def cli() -> None:

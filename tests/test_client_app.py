@@ -95,8 +95,11 @@ def _files(state_dir: Path) -> list[str]:
 
 
 def test_the_three_kinds_are_registered() -> None:
+    """Fine-tuning's (the default action) and further pre-training's (`*.pretrain`)."""
     kinds = (protocol.QUERY, protocol.TRAIN, protocol.EVALUATE)
-    assert set(client_app.app._registered_funcs) == {f"{kind}.default" for kind in kinds}
+    assert set(client_app.app._registered_funcs) == {
+        f"{kind}.{action}" for kind in kinds for action in ("default", protocol.PRETRAIN)
+    }
 
 
 def test_a_query_reply_carries_the_client_id_and_its_split(

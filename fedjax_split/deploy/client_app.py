@@ -181,4 +181,128 @@ def _evaluate(msg: Message, context: Context) -> Message:
     return _reply(msg, RecordDict({protocol.CONFIG: ConfigRecord(content)}))
 
 
-HANDLERS = {protocol.QUERY: _query, protocol.TRAIN: _train, protocol.EVALUATE: _evaluate}
+# Further pre-training ("query.pretrain", "train.pretrain", "evaluate.pretrain": the run config's
+# kind is "pretrain"): `deploy.pretrain_node` does the work; clients keep nothing between rounds.
+
+
+def _pretrain_node(context: Context) -> Any:
+    """This node's further pre-training client, in a process whose settings are applied first;
+    the node config's data-dir overrides the run's --data-dir."""
+    from fedjax_split import runtime
+    from fedjax_split.deploy import logs, pretrain_node
+    from fedjax_split.run.pretrain_config import resolve
+
+    logs.app_process()
+    runtime.apply()
+    values = json.loads(str(context.run_config[protocol.PRETRAIN_CONFIG]))
+    data_dir = context.node_config.get(protocol.DATA_DIR)
+    if data_dir:
+        values["data_dir"] = str(data_dir)
+    client_id = int(context.node_config[protocol.PARTITION_ID])
+    key = json.dumps(["pretrain", values, client_id], sort_keys=True)
+    if key not in _PREPARED:
+        while len(_PREPARED) >= _KEEP_PREPARED:
+            _PREPARED.pop(next(iter(_PREPARED)))
+        _PREPARED[key] = pretrain_node.prepare(resolve(overrides=values), client_id)
+    return _PREPARED[key]
+
+
+def _pretrain_received(msg: Message, node: Any, layers: Any) -> Any:
+    """The model the message carries (global layers `layers`, the embeddings and the head under
+    their global paths, fp32), checked against this node's model and decoded."""
+    import numpy as np
+
+    from fedjax_split.deploy import codec, pretrain_node
+
+    if int(msg.content[protocol.CONFIG][protocol.CLIENT]) != node.client_id:
+        raise ValueError(f"message for client {msg.content[protocol.CONFIG][protocol.CLIENT]} "
+                         f"reached {node.client_id}")  # fmt: skip
+    arrays = codec.from_record(msg.content[protocol.GLOBAL])
+    expected = pretrain_node.expected_shapes(node, layers)
+    codec.check_like(arrays, expected, "received model", {p: np.dtype("float32") for p in expected})
+    return codec.decode(arrays, node.trainer.wire_dtype)
+
+
+@app.query(protocol.PRETRAIN)
+def pretrain_query(msg: Message, context: Context) -> Message:
+    return worker.handle(f"{protocol.QUERY}.{protocol.PRETRAIN}", msg, context, _pretrain_query)
+
+
+@app.train(protocol.PRETRAIN)
+def pretrain_train(msg: Message, context: Context) -> Message:
+    return worker.handle(f"{protocol.TRAIN}.{protocol.PRETRAIN}", msg, context, _pretrain_train)
+
+
+@app.evaluate(protocol.PRETRAIN)
+def pretrain_evaluate(msg: Message, context: Context) -> Message:
+    return worker.handle(f"{protocol.EVALUATE}.{protocol.PRETRAIN}", msg, context,
+                         _pretrain_evaluate)  # fmt: skip
+
+
+def _pretrain_query(msg: Message, context: Context) -> Message:
+    """Who this node is: its client id, its training sequences, the split it derives."""
+    from fedjax_split.deploy import pretrain_node
+
+    node = _pretrain_node(context)
+    content = {
+        protocol.CLIENT: node.client_id,
+        protocol.SEQUENCES: pretrain_node.num_sequences(node),
+        protocol.SPLIT_JSON: json.dumps(node.split),
+        protocol.HELDOUT_BATCHES: len(node.heldout),
+    }
+    return _reply(msg, RecordDict({protocol.CONFIG: ConfigRecord(content)}))
+
+
+def _pretrain_train(msg: Message, context: Context) -> Message:
+    """One round of this client: its model as the round's plan says, its own MLM batches; the
+    reply carries the trained part only and the client's figures."""
+    from fedjax_split.deploy import codec, pretrain_node
+
+    node = _pretrain_node(context)
+    cfg = msg.content[protocol.CONFIG]
+    layers = [int(g) for g in cfg[protocol.LAYERS]]
+    pretrain_node.check_layers(node, layers)
+    received = _pretrain_received(msg, node, layers)
+    trained = frozenset(str(p) for p in cfg[protocol.TRAINED])
+    upload, report, bert_fl = pretrain_node.train(node, received, int(cfg[protocol.ROUND]),
+                                                  layers, trained)  # fmt: skip
+    metrics = {
+        protocol.TRAIN_LOSS: report.loss, protocol.TOKENS: report.tokens,
+        protocol.STEPS: report.steps, protocol.FLOPS: report.flops,
+        protocol.BERT_FL_FLOPS: bert_fl, protocol.SECONDS: report.seconds,
+        protocol.CPU_SECONDS: report.cpu_seconds,
+        protocol.SEQUENCES: pretrain_node.num_sequences(node),
+    }  # fmt: skip
+    content = RecordDict({
+        protocol.CONFIG: ConfigRecord({protocol.CLIENT: node.client_id}),
+        protocol.METRICS: MetricRecord(metrics),
+        protocol.UPLOAD: codec.to_record(codec.encode(upload, node.trainer.wire_dtype)),
+    })  # fmt: skip
+    return _reply(msg, content)
+
+
+def _pretrain_evaluate(msg: Message, context: Context) -> Message:
+    """This node's share of the held-out batches scored with the model received: per batch, its
+    index and [loss sum, predicted tokens, correct predictions]."""
+    from fedjax_split.deploy import codec, pretrain_node
+
+    node = _pretrain_node(context)
+    cfg = msg.content[protocol.CONFIG]
+    depth = int(cfg[protocol.DEPTH])
+    pretrain_node.check_layers(node, [depth], depth_only=True)
+    params = _pretrain_received(msg, node, range(depth))
+    index, sums = pretrain_node.evaluate(node, params, depth, int(cfg[protocol.PART]),
+                                         int(cfg[protocol.PARTS]))  # fmt: skip
+    content = RecordDict({
+        protocol.CONFIG: ConfigRecord({protocol.CLIENT: node.client_id}),
+        protocol.HELDOUT: codec.to_record({"batches": index, "sums": sums}),
+    })  # fmt: skip
+    return _reply(msg, content)
+
+
+HANDLERS = {
+    protocol.QUERY: _query, protocol.TRAIN: _train, protocol.EVALUATE: _evaluate,
+    f"{protocol.QUERY}.{protocol.PRETRAIN}": _pretrain_query,
+    f"{protocol.TRAIN}.{protocol.PRETRAIN}": _pretrain_train,
+    f"{protocol.EVALUATE}.{protocol.PRETRAIN}": _pretrain_evaluate,
+}  # fmt: skip

@@ -57,6 +57,23 @@ CONNECT_TIMEOUT = "connect-timeout"
 STATUS_FILE = "status-file"
 STOP_AFTER_ROUND = "stop-after-round"
 
+# Further pre-training (FedBFPT and its federated baselines; `deploy.pretrain_server`): its
+# messages are "query.pretrain", "train.pretrain" and "evaluate.pretrain" (Flower's action names)
+# and the run config says so
+PRETRAIN = "pretrain"  # the messages' action, and the run config's kind
+KIND = "kind"  # run config: "pretrain" for further pre-training (absent: fine-tuning)
+PRETRAIN_CONFIG = "pretrain-config"  # run config: the resolved PretrainConfig as JSON
+LAYERS = "layers"  # train: the global layer at each position of the client's model
+DEPTH = "depth"  # evaluate: the layers of the model evaluated
+PART, PARTS = "part", "parts"  # evaluate: score the held-out batches i with i % parts == part
+SEQUENCES = "sequences"  # query and train replies: the node's training sequences
+SPLIT_JSON = "split-json"  # query reply: the corpus split as the node derives it, JSON
+HELDOUT_BATCHES = "heldout-batches"  # query reply: how many held-out batches there are
+HELDOUT = "heldout"  # evaluate reply's ArrayRecord: "batches" (indices), "sums" [n, 3]
+# MetricRecord keys of a train.pretrain reply (besides STEPS)
+TRAIN_LOSS, TOKENS, FLOPS = "train-loss", "tokens", "flops"
+BERT_FL_FLOPS, SECONDS, CPU_SECONDS = "bert-fl-flops", "seconds", "cpu-seconds"
+
 RECORD_ENV = "FEDJAX_SPLIT_FLOWER_RECORD"  # a directory: every message sent is logged there
 
 

@@ -119,10 +119,13 @@ def _warn(line: str) -> None:
     print(f"warning: {line}", file=sys.stderr, flush=True)
 
 
-def connect(grid: Any, config: ExperimentConfig, options: DeployOptions) -> dict[int, Any]:
+def connect(
+    grid: Any, config: ExperimentConfig, options: DeployOptions, query: str = protocol.QUERY
+) -> dict[int, Any]:
     """Waits for the SuperNodes and asks each who it is: {client id: (node id, query reply)}.
 
-    Every client id 0..K-1 must answer exactly once within `connect_timeout`, else UserError."""
+    Every client id 0..K-1 must answer exactly once within `connect_timeout`, else UserError.
+    `query`: the message type that asks (further pre-training's is "query.pretrain")."""
     exchange = Exchange(grid, options)
     deadline = time.monotonic() + options.connect_timeout
     found: dict[int, tuple[int, Any]] = {}
@@ -132,7 +135,7 @@ def connect(grid: Any, config: ExperimentConfig, options: DeployOptions) -> dict
         nodes = [n for n in grid.get_node_ids() if n not in asked]
         if nodes:
             asked.update(nodes)
-            msgs = {n: _message({}, n, protocol.QUERY) for n in nodes}
+            msgs = {n: _message({}, n, query) for n in nodes}
             replies, failures = exchange.send(msgs, max(1.0, deadline - time.monotonic()))
             last_failures.update(failures)
             broken = {n: why for n, why in failures.items() if why.startswith("error")}

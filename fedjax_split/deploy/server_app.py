@@ -5,10 +5,13 @@ or by hand for real machines): `experiment` (the resolved ExperimentConfig as JS
 settings as `train`), `round-timeout` and `connect-timeout` (seconds), `status-file` (where the
 outcome goes as JSON, for the launcher; empty: nowhere), `stop-after-round` (tests; 0: never).
 A user error ends the run with one line `error: ...` in the log (and the status file).
+Further pre-training: `kind = "pretrain"` and `pretrain-config` (the resolved PretrainConfig as
+JSON: `pretrain`'s settings) instead of `experiment` (`deploy.pretrain_server`).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,15 @@ def _write_status(path: str, status: dict[str, Any]) -> None:
         outputs.write_json(Path(path), status)
 
 
+def _pretrain(grid: Grid, rc: Any, options: Any) -> dict[str, Any]:
+    """Further pre-training (run config kind "pretrain"): `deploy.pretrain_server`."""
+    from fedjax_split.deploy.pretrain_server import run_pretrain_server
+    from fedjax_split.run.pretrain_config import resolve
+
+    config = resolve(overrides=json.loads(str(rc[protocol.PRETRAIN_CONFIG])))
+    return run_pretrain_server(grid, config, options)
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     from fedjax_split import runtime
@@ -41,14 +53,17 @@ def main(grid: Grid, context: Context) -> None:
     status_file = str(rc.get(protocol.STATUS_FILE, ""))
     try:
         runtime.apply()
-        config = resolve_config(overrides=protocol.experiment_values(rc))
         stop = int(rc.get(protocol.STOP_AFTER_ROUND, 0))
         options = DeployOptions(
             round_timeout=float(rc.get(protocol.ROUND_TIMEOUT, DeployOptions.round_timeout)),
             connect_timeout=float(rc.get(protocol.CONNECT_TIMEOUT, DeployOptions.connect_timeout)),
             stop_after_round=stop or None,
         )
-        summary = run_server(grid, config, options)
+        if str(rc.get(protocol.KIND, "")) == protocol.PRETRAIN:
+            summary = _pretrain(grid, rc, options)
+        else:
+            config = resolve_config(overrides=protocol.experiment_values(rc))
+            summary = run_server(grid, config, options)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         _write_status(status_file, {"status": "error", "message": str(err)})

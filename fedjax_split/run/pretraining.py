@@ -57,6 +57,7 @@ class Setup:
     split: Any  # data.text.corpus_split.CorpusSplit
     clients: list[int]  # who trains: 0..K-1, or [0] holding all the text (centralised)
     sequences: list[Any]  # per training client: data.text.text_corpora.Sequences
+    sizes: list[int]  # per training client: its sequences (the weights; Flower: as nodes report)
     heldout: list[Any]  # masked held-out batches
     masking: Any
     pad_id: int
@@ -76,11 +77,10 @@ def check(config: PretrainConfig) -> tuple[int, int]:
     return check_depth(config, model_config.num_hidden_layers)
 
 
-def _client_text(config: PretrainConfig, tokenizer: Any, spec: Any) -> tuple[Any, ...]:
-    """(the split, the training clients, their sequences, the held-out masked batches): the
-    corpus tokenised and cut into sequences, documents over the clients (all of it on one client
-    for centralised training), the held-out documents on none."""
-    from fedjax_split.data.text import corpus_split, mlm_batching, text_corpora
+def load_split(config: PretrainConfig, tokenizer: Any) -> tuple[Any, Any]:
+    """(the corpus' token units, its split): the corpus tokenised, its documents over the
+    clients, the held-out documents on none."""
+    from fedjax_split.data.text import corpus_split, text_corpora
 
     corpus = text_corpora.load_corpus(config.corpus, data_dir=config.data_dir)
     units = text_corpora.tokenize_corpus(corpus, tokenizer, config.text_mode)
@@ -93,46 +93,107 @@ def _client_text(config: PretrainConfig, tokenizer: Any, spec: Any) -> tuple[Any
         sigma=config.sigma,
         max_documents=config.max_documents,
     )
-    ids = {"cls_id": tokenizer.cls_token_id, "sep_id": tokenizer.sep_token_id,
-           "pad_id": tokenizer.pad_token_id}  # fmt: skip
-    make = lambda docs: text_corpora.sequences(  # noqa: E731
-        units, docs, mode=config.text_mode, max_length=config.max_length, **ids
-    )
+    return units, split
+
+
+def text_sequences(config: PretrainConfig, tokenizer: Any, units: Any, docs: Any) -> Any:
+    """The sequences of documents `docs` (a client's, or the held-out ones)."""
+    from fedjax_split.data.text import text_corpora
+
+    return text_corpora.sequences(
+        units, docs, mode=config.text_mode, max_length=config.max_length,
+        cls_id=tokenizer.cls_token_id, sep_id=tokenizer.sep_token_id,
+        pad_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+
+
+def check_has_text(client: int, seqs: Any) -> None:
+    if seqs.input_ids.shape[0] == 0:
+        raise UserError(f"client {client} has no text; use more documents or fewer --clients")
+
+
+def heldout_batches(config: PretrainConfig, seqs: Any, spec: Any, pad_id: int) -> list[Any]:
+    """The masked held-out batches (their masks seeded by the seed alone)."""
+    from fedjax_split.data.text import mlm_batching
+
+    return mlm_batching.eval_batches(
+        seqs, batch_size=min(config.batch_size, 64), masking=spec,
+        seed=[config.seed, 0, HELDOUT], pad_id=pad_id,
+    )  # fmt: skip
+
+
+def _client_text(config: PretrainConfig, tokenizer: Any, spec: Any) -> tuple[Any, ...]:
+    """(the split, the training clients, their sequences, the held-out masked batches): the
+    corpus tokenised and cut into sequences, documents over the clients (all of it on one client
+    for centralised training), the held-out documents on none."""
+    units, split = load_split(config, tokenizer)
+    make = lambda docs: text_sequences(config, tokenizer, units, docs)  # noqa: E731
     if config.method == "centralised":
         clients, seqs = [0], [make(np.concatenate(split.clients))]
     else:
         clients, seqs = list(range(config.clients)), [make(d) for d in split.clients]
     for c, s in zip(clients, seqs, strict=True):
-        if s.input_ids.shape[0] == 0:
-            raise UserError(f"client {c} has no text; use more documents or fewer --clients")
-    heldout = mlm_batching.eval_batches(
-        make(split.heldout), batch_size=min(config.batch_size, 64), masking=spec,
-        seed=[config.seed, 0, HELDOUT], pad_id=ids["pad_id"],
-    )  # fmt: skip
+        check_has_text(c, s)
+    heldout = heldout_batches(config, make(split.heldout), spec, tokenizer.pad_token_id)
     return split, clients, seqs, heldout
+
+
+def load_model(config: PretrainConfig) -> Any:
+    """The start model with its MLM head (`hf_checkpoint.Pretrained`)."""
+    from fedjax_split.models import hf_checkpoint
+
+    return hf_checkpoint.load_pretrained(
+        config.model, num_labels=2, seed=config.seed, dtype=config.dtype, head="mlm"
+    )
+
+
+def masking_spec(config: PretrainConfig, tokenizer: Any, model_config: Any) -> Any:
+    """The MLM masking of `tokenizer`; UserError when its vocabulary outgrows the model's."""
+    from fedjax_split.data.text import masking
+
+    spec = masking.spec_from_tokenizer(tokenizer, config.mlm_probability)
+    if spec.vocab_size > model_config.vocab_size:
+        raise UserError(
+            f"the tokenizer has {spec.vocab_size} tokens, the model's vocabulary "
+            f"{model_config.vocab_size}; use the model's own tokenizer"
+        )
+    return spec
+
+
+def make_trainer(config: PretrainConfig, model_config: Any) -> Any:
+    """What the clients run (`sim.pretrain_rounds.Trainer`), with FedAvg at the server."""
+    from fedjax_split.fed import algorithms, client
+    from fedjax_split.sim.pretrain_rounds import Trainer
+
+    optimizer = client.default_client_optimizer(config.lr, config.weight_decay)
+    return Trainer(model_config, optimizer, algorithms.server_optimizer("fedavg"))
 
 
 def build(config: PretrainConfig) -> Setup:
     """Load the text and the model, split, tokenise, initialise. Writes nothing but caches."""
     from fedjax_split.data import tokenization
-    from fedjax_split.data.text import masking
-    from fedjax_split.fed import algorithms, client, layerwise, roles
+
+    pre = load_model(config)
+    tokenizer = tokenization.load_tokenizer(pre.model_dir)
+    spec = masking_spec(config, tokenizer, pre.config)
+    split, clients, seqs, heldout = _client_text(config, tokenizer, spec)
+    sizes = [int(s.input_ids.shape[0]) for s in seqs]
+    return dataclasses.replace(
+        model_setup(config, pre, split, clients, sizes),
+        sequences=seqs, heldout=heldout, masking=spec, pad_id=int(tokenizer.pad_token_id),
+    )  # fmt: skip
+
+
+def model_setup(
+    config: PretrainConfig, pre: Any, split: Any, clients: list[int], sizes: list[int]
+) -> Setup:
+    """The run's Setup without text (Flower's server holds none): the model, the server state,
+    the schedule, --freeze; `split` and `sizes` (each client's sequences) as given."""
+    from fedjax_split.fed import layerwise, roles
     from fedjax_split.fed.server import init_server_state
     from fedjax_split.models import hf_checkpoint
-    from fedjax_split.sim.pretrain_rounds import Trainer
 
     small, k = check(config)
-    pre = hf_checkpoint.load_pretrained(
-        config.model, num_labels=2, seed=config.seed, dtype=config.dtype, head="mlm"
-    )
-    tokenizer = tokenization.load_tokenizer(pre.model_dir)
-    spec = masking.spec_from_tokenizer(tokenizer, config.mlm_probability)
-    if spec.vocab_size > pre.config.vocab_size:
-        raise UserError(
-            f"the tokenizer has {spec.vocab_size} tokens, the model's vocabulary "
-            f"{pre.config.vocab_size}; use the model's own tokenizer"
-        )
-    split, clients, seqs, heldout = _client_text(config, tokenizer, spec)
     # --freeze chooses parameters by their Hugging Face names, as fine-tuning's does
     frozen = (
         roles.paths_where(
@@ -145,31 +206,20 @@ def build(config: PretrainConfig) -> Setup:
         first = [0] if config.method == "fedbfpt" else None
         if not layerwise.trained_paths(pre.params, first) - frozen:
             raise UserError(f"--freeze {config.freeze!r} leaves nothing to train; loosen it")
-    server_optimizer = algorithms.server_optimizer("fedavg")
-    optimizer = client.default_client_optimizer(config.lr, config.weight_decay)
+    trainer = make_trainer(config, pre.config)
     schedule = (
         layerwise.schedule_layers(config.schedule, config.rounds, config.schedule_period)
         if config.method == "fedbfpt"
         else []
     )
     return Setup(
-        config=config,
-        model_config=pre.config,
-        model_dir=Path(pre.model_dir),
-        small_layers=small,
-        truncated_layers=k,
-        split=split,
-        clients=clients,
-        sequences=seqs,
-        heldout=heldout,
-        masking=spec,
-        pad_id=int(tokenizer.pad_token_id),
-        trainer=Trainer(pre.config, optimizer, server_optimizer),
-        server_optimizer=server_optimizer,
-        server_state=init_server_state(pre.params, server_optimizer, "float32"),
-        schedule=schedule,
-        frozen=frozen,
-    )
+        config=config, model_config=pre.config, model_dir=Path(pre.model_dir),
+        small_layers=small, truncated_layers=k, split=split, clients=clients, sequences=[],
+        sizes=list(sizes), heldout=[], masking=None, pad_id=0, trainer=trainer,
+        server_optimizer=trainer.server_optimizer,
+        server_state=init_server_state(pre.params, trainer.server_optimizer, "float32"),
+        schedule=schedule, frozen=frozen,
+    )  # fmt: skip
 
 
 def model_depth(setup: Setup) -> int:
@@ -236,10 +286,11 @@ def bert_fl_flops(model_config: Any, segments: Sequence[Any]) -> int:
     return total
 
 
-def _client_costs(
-    setup: Setup, params: Any, report: Any, segments: Sequence[Any], down: int
+def client_costs(
+    setup: Setup, params: Any, report: Any, bert_fl: int, down: int
 ) -> dict[str, Any]:
-    """One client's line in a round's record (`report`: a pretrain_rounds.ClientReport)."""
+    """One client's line in a round's record (`report`: a pretrain_rounds.ClientReport;
+    `bert_fl`: BERT-FL's FLOPs on the same batches)."""
     from fedjax_split.fed import layerwise
     from fedjax_split.fed.wire import tree_bytes
 
@@ -256,8 +307,39 @@ def _client_costs(
         "bytes_up": report.bytes_up if sends else 0,
         "bytes_down": down if sends else 0,
         "bytes_down_full": tree_bytes(layerwise.assemble(params, report.layers)) if sends else 0,
-        "bert_fl_flops": bert_fl_flops(setup.model_config, segments),
+        "bert_fl_flops": bert_fl,
     }
+
+
+def client_segments(
+    config: PretrainConfig, masking: Any, pad_id: int, seqs: Any, r: int, client: int
+) -> list[Any]:
+    """Client `client`'s masked batches of round r, wherever it trains (seeded by the seed, the
+    round and the client only)."""
+    from fedjax_split.data.text import mlm_batching
+
+    return mlm_batching.train_segments(
+        seqs,
+        batch_size=config.batch_size,
+        epochs=config.local_epochs,
+        steps_per_segment=STEPS_PER_SEGMENT,
+        masking=masking,
+        seed=[config.seed, r, client],
+        pad_id=pad_id,
+    )
+
+
+def round_weights(config: PretrainConfig, sizes: Sequence[int]) -> list[float]:
+    """The server mean's weight of each client: its sequences, or 1 (--aggregation unweighted)."""
+    if config.aggregation == "weighted":
+        return [float(n) for n in sizes]
+    return [1.0] * len(sizes)
+
+
+def bytes_down(setup: Setup, params: Any, r: int) -> int:
+    """What a client receives in round r when it keeps the model: the parameters changed last
+    round (nothing in round 1: every client starts from the public checkpoint)."""
+    return 0 if r == 1 else _bytes_of(params, plan(setup, r - 1).trained)
 
 
 def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None,
@@ -266,45 +348,47 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None,
     `on_progress`: `sim.pretrain_rounds.run_round`'s (each client's end)."""
     import jax
 
-    from fedjax_split.data.text import mlm_batching
-    from fedjax_split.fed import layerwise
     from fedjax_split.sim.pretrain_rounds import run_round
 
     config = setup.config
     t0 = time.perf_counter()
     the_plan = plan(setup, r)
     segments = [
-        mlm_batching.train_segments(
-            seqs,
-            batch_size=config.batch_size,
-            epochs=config.local_epochs,
-            steps_per_segment=STEPS_PER_SEGMENT,
-            masking=setup.masking,
-            seed=[config.seed, r, c],
-            pad_id=setup.pad_id,
-        )  # fmt: skip
+        client_segments(config, setup.masking, setup.pad_id, seqs, r, c)
         for c, seqs in zip(setup.clients, setup.sequences, strict=True)
     ]
-    weights = (
-        [float(s.input_ids.shape[0]) for s in setup.sequences]
-        if config.aggregation == "weighted"
-        else [1.0] * len(setup.clients)
-    )
     params = setup.server_state.global_params
     outcome = run_round(
-        setup.trainer, setup.server_state, the_plan, setup.clients, segments, weights,
-        seed=config.seed, round_=r, on_progress=on_progress,
+        setup.trainer, setup.server_state, the_plan, setup.clients, segments,
+        round_weights(config, setup.sizes), seed=config.seed, round_=r, on_progress=on_progress,
     )  # fmt: skip
     setup.server_state = outcome.state
     jax.block_until_ready(setup.server_state.global_params)
     t_train = time.perf_counter()
-    # what a client receives: the parameters changed last round (it keeps the model), or all
-    # of its model (it keeps nothing); centralised training sends nothing
-    down = 0 if r == 1 else _bytes_of(params, plan(setup, r - 1).trained)
+    down = bytes_down(setup, params, r)
     clients = [
-        _client_costs(setup, params, rep, segs, down)
+        client_costs(setup, params, rep, bert_fl_flops(setup.model_config, segs), down)
         for rep, segs in zip(outcome.clients, segments, strict=True)
     ]
+    evaluated = evaluate(setup) if driver.due(r, config.eval_every, config.rounds) else None
+    return round_record(setup, r, previous, params, clients, evaluated,
+                        (t0, t_train, time.perf_counter()))  # fmt: skip
+
+
+def round_record(
+    setup: Setup,
+    r: int,
+    previous: dict[str, Any] | None,
+    params: Any,
+    clients: list[dict[str, Any]],
+    evaluated: dict[str, Any] | None,
+    times: tuple[float, float, float],
+) -> dict[str, Any]:
+    """Round r's record (metrics.jsonl's row) from its clients' lines (`client_costs`) and the
+    held-out evaluation (None: not due); `params`: the global model the round started from;
+    `times`: (start, training done, evaluation done)."""
+    from fedjax_split.fed import layerwise
+
     tokens = np.asarray([c["predicted_tokens"] for c in clients], np.float64)
     losses = np.asarray([c["train_loss"] for c in clients], np.float64)
     record: dict[str, Any] = {
@@ -312,9 +396,8 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None,
         "layer": setup.schedule[r - 1] if setup.schedule else None,
         "train_loss": float(np.sum(losses * tokens) / max(tokens.sum(), 1.0)),
     }
-    if driver.due(r, config.eval_every, config.rounds):
-        record.update(evaluate(setup))
-    t_eval = time.perf_counter()
+    if evaluated is not None:
+        record.update(evaluated)
     full_bytes = _bytes_of(params, layerwise.trained_paths(params, None))  # BERT-FL's upload
     k = len(setup.clients)
     totals = {
@@ -332,6 +415,7 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None,
     for key, value in totals.items():
         record[f"cum_{key}"] = value + (previous[f"cum_{key}"] if previous else 0)
     record["cum_bytes"] = record["cum_bytes_up"] + record["cum_bytes_down"]
+    t0, t_train, t_eval = times
     record.update(
         seconds=t_eval - t0, train_seconds=t_train - t0, eval_seconds=t_eval - t_train,
         clients=clients,
@@ -374,7 +458,7 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]], initial: dict[
         "schedule": setup.schedule or None,
         "initial": {k: initial[k] for k in ("mlm_loss", "mlm_accuracy")},
         "final": final,
-        "train_sequences": [int(s.input_ids.shape[0]) for s in setup.sequences],
+        "train_sequences": list(setup.sizes),
         "heldout_tokens": int(initial.get("predicted_tokens", 0)),
         **{f"cum_{k}": v for k, v in cum.items()},
         "cum_bytes": cum["bytes_up"] + cum["bytes_down"],
@@ -449,7 +533,7 @@ class Pretraining:
         setup, config = self.setup, self.setup.config
         outputs.write_json(self.run_dir / "split.json", setup.split.to_dict())
         note(method_line(setup))
-        sizes = [int(s.input_ids.shape[0]) for s in setup.sequences]
+        sizes = list(setup.sizes)
         note(
             f"{config.corpus}: {config.method}, {len(setup.clients)} client(s) with {sizes} "
             f"sequences of {config.max_length} tokens, {setup.model_config.num_hidden_layers}"
@@ -458,9 +542,13 @@ class Pretraining:
             + (f"; resuming after round {start_round}" if start_round else "")
         )  # fmt: skip
         if self.initial is None:
-            self.initial = evaluate(setup)
+            self.initial = self.evaluate()
             note(f"before: held-out MLM loss {self.initial['mlm_loss']:.4f}, "
                  f"accuracy {self.initial['mlm_accuracy']:.4f}")  # fmt: skip
+
+    def evaluate(self) -> dict[str, Any]:
+        """The held-out evaluation of the model as it stands (before round 1, here)."""
+        return evaluate(self.setup)
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
         # a round training other layers compiles its own programs again

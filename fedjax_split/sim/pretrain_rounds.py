@@ -142,6 +142,63 @@ class RoundOutcome(NamedTuple):
     bytes_up: int
 
 
+def client_key(seed: int, round_: int, client: int) -> jax.Array:
+    """Client `client`'s dropout key in round `round_`: fold_in(fold_in(key(seed), round), c)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), round_), client)
+
+
+def client_update(
+    trainer: Trainer,
+    global_wire: Mapping[str, Any],
+    layers: Sequence[int],
+    trained: frozenset[str],
+    segments: Sequence[MaskedBatch],
+    key: jax.Array,
+    client: int,
+) -> tuple[dict[str, Any], ClientReport]:
+    """One client's round as it runs wherever the client is (this process, or a Flower node):
+    (its upload under global paths, its report). `global_wire` needs only the layers the client
+    runs (`layerwise.assemble`), the embeddings and the head."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    new, loss_sum, count, steps = train_client(
+        trainer, global_wire, layers, trained, segments, key
+    )
+    sent = cast_to_wire(new, trainer.wire_dtype)  # what crosses the wire
+    jax.block_until_ready(sent)
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+    client_paths = layerwise.paths_to_client(trained, layers)
+    flops = sum(
+        int(np.sum(np.asarray(s.step_mask) & (np.asarray(s.example_mask).sum(-1) > 0)))
+        * step_flops(trainer.config, s, len(layers), client_paths)
+        for s in segments
+    )
+    report = ClientReport(
+        client=int(client),
+        layers=tuple(int(x) for x in layers),
+        loss=float(loss_sum / jnp.maximum(count, 1.0)),
+        tokens=int(count),
+        steps=steps,
+        seconds=seconds,
+        cpu_seconds=cpu_seconds,
+        flops=int(flops),
+        bytes_up=tree_bytes(sent),
+    )
+    return new, report
+
+
+def aggregate(
+    trainer: Trainer,
+    state: ServerState,
+    trained: frozenset[str],
+    uploads: Sequence[Any],
+    weights: Sequence[float],
+) -> ServerState:
+    """The server's step on a round's uploads (global paths, fp32): their mean with `weights`,
+    then the server optimizer on the `trained` paths only."""
+    mean = weighted_mean_each(list(uploads), jnp.asarray(weights, jnp.float32))
+    return _server_step(trainer.server_optimizer, trainer.wire_dtype, trained)(state, mean)
+
+
 def run_round(
     trainer: Trainer,
     state: ServerState,
@@ -158,47 +215,23 @@ def run_round(
     the server with the trainer's server optimizer (only the plan's trained paths move).
     `on_progress` hears each client's end (`sim.rounds.RoundProgress`; clients are waited for
     anyway, to time them)."""
-    round_key = jax.random.fold_in(jax.random.key(seed), round_)
     uploads, reports = [], []
     # (real steps, sequences) done after each client, for the hook only
     counts = None if on_progress is None else np.cumsum(
         [np.sum([real_counts(s) for s in segs] or [(0, 0)], axis=0) for segs in segments], axis=0
     )  # fmt: skip
     for c, layers, segs in zip(clients, plan.layers, segments, strict=True):
-        t0, c0 = time.perf_counter(), time.process_time()
-        key = jax.random.fold_in(round_key, c)
-        new, loss_sum, count, steps = train_client(
-            trainer, state.global_params, layers, plan.trained, segs, key
-        )
-        sent = cast_to_wire(new, trainer.wire_dtype)  # what crossed the wire
-        jax.block_until_ready(sent)
-        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-        client_paths = layerwise.paths_to_client(plan.trained, layers)
-        flops = sum(
-            int(np.sum(np.asarray(s.step_mask) & (np.asarray(s.example_mask).sum(-1) > 0)))
-            * step_flops(trainer.config, s, len(layers), client_paths)
-            for s in segs
+        key = client_key(seed, round_, c)
+        new, report = client_update(
+            trainer, state.global_params, layers, plan.trained, segs, key, c
         )
         uploads.append(new)
-        reports.append(
-            ClientReport(
-                client=int(c),
-                layers=tuple(int(x) for x in layers),
-                loss=float(loss_sum / jnp.maximum(count, 1.0)),
-                tokens=int(count),
-                steps=steps,
-                seconds=seconds,
-                cpu_seconds=cpu_seconds,
-                flops=int(flops),
-                bytes_up=tree_bytes(sent),
-            )
-        )
+        reports.append(report)
         if counts is not None:
             done, examples = counts[len(reports) - 1]
             on_progress(RoundProgress(len(reports), len(clients), int(done),
                                       int(counts[-1][0]), int(examples)))  # fmt: skip
-    mean = weighted_mean_each(uploads, jnp.asarray(weights, jnp.float32))
-    state = _server_step(trainer.server_optimizer, trainer.wire_dtype, plan.trained)(state, mean)
+    state = aggregate(trainer, state, plan.trained, uploads, weights)
     return RoundOutcome(state, reports, sum(r.bytes_up for r in reports))
 
 
@@ -228,15 +261,31 @@ def _eval_step(config: BertConfig) -> Callable[..., tuple[jax.Array, jax.Array, 
     return step
 
 
+def eval_sums(
+    config: BertConfig, params: Mapping[str, Any], batches: Sequence[MaskedBatch]
+) -> np.ndarray:
+    """Per held-out batch: [loss sum, predicted tokens, correct predictions] (float64 [n, 3]) of
+    `params` (a model of `config`'s depth). Batches may be scored in different places (Flower's
+    nodes) and their rows put together in batch order for `mlm_metrics`."""
+    step = _eval_step(config)
+    rows = [[float(x) for x in step(params, batch)] for batch in batches]
+    return np.asarray(rows, np.float64).reshape(len(rows), 3)
+
+
+def mlm_metrics(sums: np.ndarray) -> dict[str, float]:
+    """MLM loss (mean over predicted tokens) and masked-token accuracy from `eval_sums`' rows,
+    summed in batch order."""
+    totals = np.zeros(3)
+    for row in np.asarray(sums, np.float64).reshape(-1, 3):
+        totals += row
+    loss_sum, count, correct = totals
+    n = max(count, 1.0)
+    return {"mlm_loss": loss_sum / n, "mlm_accuracy": correct / n, "predicted_tokens": int(count)}
+
+
 def evaluate(
     config: BertConfig, params: Mapping[str, Any], batches: Sequence[MaskedBatch]
 ) -> dict[str, float]:
     """MLM loss (mean over predicted tokens) and masked-token accuracy of `params` (a model of
     `config`'s depth) on held-out batches."""
-    step = _eval_step(config)
-    totals = np.zeros(3)
-    for batch in batches:
-        totals += np.asarray([float(x) for x in step(params, batch)])
-    loss_sum, count, correct = totals
-    n = max(count, 1.0)
-    return {"mlm_loss": loss_sum / n, "mlm_accuracy": correct / n, "predicted_tokens": int(count)}
+    return mlm_metrics(eval_sums(config, params, batches))

@@ -1,0 +1,165 @@
+"""A client of further pre-training (FedBFPT, BERT-FL, the truncated baseline) on a real
+federation: its own text, its MLM batches, and the simulation's client program.
+
+Nothing here imports Flower: the ClientApp's pretrain handlers (`client_app.py`) turn messages
+into these calls. A node loads and tokenises text itself; the server never sees any. Today a node
+derives its text as the simulation derives each client's (`node_text`: the corpus under its
+--data-dir, split by `run.pretraining.load_split`, its own documents kept), so that it computes
+bit for bit what the simulation computes for its client: the same masked batches (seeded by the
+seed, the round and its id), the same dropout key, `sim.pretrain_rounds.client_update` on the
+model the round's plan gives it. A node whose site holds its own text replaces `node_text` and
+nothing else.
+
+The held-out evaluation is the nodes' too (docs/deployment.md, "Further pre-training (FedBFPT)
+on Flower"): each node derives the held-out documents as the simulation does and scores its
+share of the held-out batches (`evaluate`), and the server sums the batches' figures in order.
+Clients keep nothing between rounds, so a node has no state on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fedjax_split.errors import UserError
+from fedjax_split.run.pretrain_config import PretrainConfig
+
+# The methods a federation runs: centralised training has no federation, `none` no rounds.
+FLOWER_METHODS = ("fedbfpt", "bert-fl", "truncated")
+
+
+def check_deployable(config: PretrainConfig) -> None:
+    """UserError for a method that does not run on Flower."""
+    if config.method not in FLOWER_METHODS:
+        raise UserError(
+            f"--method {config.method} does not run on Flower (use one of "
+            f"{', '.join(FLOWER_METHODS)}); run it with `python -m fedjax_split.pretrain`"
+        )
+
+
+@dataclasses.dataclass
+class PretrainNode:
+    """What one client needs in memory (built anew by every ClientApp process)."""
+
+    config: PretrainConfig
+    client_id: int
+    sequences: Any  # its training sequences (data.text.text_corpora.Sequences)
+    heldout: list[Any]  # the masked held-out batches
+    split: dict[str, Any]  # the corpus split as this node derives it (split.json)
+    masking: Any
+    pad_id: int
+    trainer: Any  # sim.pretrain_rounds.Trainer
+    shapes: dict[str, tuple[int, ...]]  # the global model's flat paths -> shapes
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.trainer.config.num_hidden_layers)
+
+
+def node_text(config: PretrainConfig, client_id: int, tokenizer: Any, spec: Any) -> tuple:
+    """(the split, this client's sequences, the held-out batches): the corpus under --data-dir
+    (the node config's data-dir) split as the simulation splits it, this client's documents
+    kept. The one place a node's text comes from."""
+    from fedjax_split.run import pretraining
+
+    units, split = pretraining.load_split(config, tokenizer)
+    seqs = pretraining.text_sequences(config, tokenizer, units, split.clients[client_id])
+    pretraining.check_has_text(client_id, seqs)
+    held = pretraining.text_sequences(config, tokenizer, units, split.heldout)
+    heldout = pretraining.heldout_batches(config, held, spec, int(tokenizer.pad_token_id))
+    return split, seqs, heldout
+
+
+def prepare(config: PretrainConfig, client_id: int) -> PretrainNode:
+    """This client's text and model, as the simulation builds them for it."""
+    from fedjax_split.data import tokenization
+    from fedjax_split.fed.roles import flatten_paths
+    from fedjax_split.run import pretraining
+
+    check_deployable(config)
+    if not 0 <= client_id < config.clients:
+        raise UserError(
+            f"partition-id {client_id} is outside 0..{config.clients - 1} (--clients "
+            f"{config.clients}); give each SuperNode one of those"
+        )
+    pretraining.check(config)
+    pre = pretraining.load_model(config)
+    tokenizer = tokenization.load_tokenizer(pre.model_dir)
+    spec = pretraining.masking_spec(config, tokenizer, pre.config)
+    split, seqs, heldout = node_text(config, client_id, tokenizer, spec)
+    return PretrainNode(
+        config=config, client_id=client_id, sequences=seqs, heldout=heldout,
+        split=split.to_dict(), masking=spec, pad_id=int(tokenizer.pad_token_id),
+        trainer=pretraining.make_trainer(config, pre.config),
+        shapes={p: tuple(np.shape(x)) for p, x in flatten_paths(pre.params).items()},
+    )  # fmt: skip
+
+
+def num_sequences(node: PretrainNode) -> int:
+    return int(node.sequences.input_ids.shape[0])
+
+
+def check_layers(node: PretrainNode, layers: Sequence[int], depth_only: bool = False) -> None:
+    """ValueError unless `layers` are distinct global layers of this model (or, for a model
+    evaluated whole, `depth_only`: a depth 1..L)."""
+    if depth_only:
+        if len(layers) != 1 or not 1 <= int(layers[0]) <= node.num_layers:
+            raise ValueError(f"asked to evaluate a model of {list(layers)} layers")
+        return
+    if (
+        not layers
+        or len(set(layers)) != len(layers)
+        or not all(0 <= int(g) < node.num_layers for g in layers)
+    ):
+        raise ValueError(f"asked to run layers {list(layers)} of a {node.num_layers}-layer model")
+
+
+def expected_shapes(node: PretrainNode, layers: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """{path: shape} of what a node receives for a model of global layers `layers`: those
+    layers, the embeddings and the head, under their global paths."""
+    from fedjax_split.fed.roles import layer_index
+
+    keep = {int(g) for g in layers}
+    return {p: s for p, s in node.shapes.items() if layer_index(p) in keep or
+            (layer_index(p) is None and not p.startswith("encoder/"))}  # fmt: skip
+
+
+def train(
+    node: PretrainNode, received: Mapping[str, Any], r: int, layers: Sequence[int],
+    trained: frozenset[str],
+) -> tuple[dict[str, Any], Any, int]:  # fmt: skip
+    """Round r for this client: (its upload under global paths, its
+    `sim.pretrain_rounds.ClientReport`, BERT-FL's FLOPs on the same batches). `received`: the
+    global parameters of its model (`expected_shapes`), fp32."""
+    from fedjax_split.run import pretraining
+    from fedjax_split.sim.pretrain_rounds import client_key, client_update
+
+    unknown = sorted(set(trained) - set(node.shapes))[:3]
+    if unknown:
+        raise ValueError(f"asked to train paths the model does not have: {unknown}")
+    config = node.config
+    segments = pretraining.client_segments(
+        config, node.masking, node.pad_id, node.sequences, r, node.client_id
+    )
+    key = client_key(config.seed, r, node.client_id)
+    upload, report = client_update(
+        node.trainer, received, layers, trained, segments, key, node.client_id
+    )
+    return upload, report, pretraining.bert_fl_flops(node.trainer.config, segments)
+
+
+def evaluate(
+    node: PretrainNode, params: Mapping[str, Any], depth: int, part: int, parts: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, `eval_sums` rows) of the held-out batches i with i % parts == part, scored with
+    the `depth`-layer model `params` (fp32)."""
+    from fedjax_split.sim.pretrain_rounds import eval_sums
+
+    if not 0 <= part < parts:
+        raise ValueError(f"asked for part {part} of {parts}")
+    index = np.arange(part, len(node.heldout), parts, dtype=np.int64)
+    batches = [node.heldout[int(i)] for i in index]
+    return index, eval_sums(node.trainer.depth_config(depth), params, batches)

@@ -1,0 +1,308 @@
+"""The server of further pre-training (FedBFPT, BERT-FL, the truncated baseline) on a real
+federation: the rounds of `python -m fedjax_split.pretrain` over a Flower Grid, written to the
+run directory `pretrain` writes.
+
+The server holds the global model and no text. Each round it computes the simulation's plan
+(`run.pretraining.plan`: the trained layer, each client's layers, the trained paths), sends each
+client the parameters its model runs (its layers, the embeddings and the head: what the
+simulation's `bytes_down_full` counts) with the plan in the message's config, takes the replies
+whose uploads are exactly the trained paths' shapes and dtypes, finite, with finite figures and the
+node's own sequence count (as fine-tuning's server does: a reply is untrusted), and steps with the
+simulation's `sim.pretrain_rounds.aggregate`. A client that fails or is rejected is left out of
+the round (listed in `clients_failed` / `clients_rejected`); a round nobody answers stops the run
+(its last checkpoint stays; `--resume` continues).
+
+Held-out evaluation is at the nodes (the server opens no text): every node derives the held-out
+batches as the simulation does and scores its share of them (batch i goes to client i mod K) with
+the full model sent down; the server puts the per-batch figures together in batch order, so the
+held-out MLM loss and accuracy are the simulation's bit for bit. An evaluation that misses a
+batch records no figures that round (`eval_failed`); the one before round 1 must succeed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fedjax_split.deploy import codec, protocol
+from fedjax_split.deploy.server import (
+    DeployOptions,
+    Exchange,
+    Stopped,
+    _config_record,
+    _decode_upload,
+    _message,
+    _number,
+    _warn,
+    connect,
+)
+from fedjax_split.errors import UserError
+from fedjax_split.run import pretraining
+from fedjax_split.run.pretrain_config import PretrainConfig
+
+TRAIN = f"{protocol.TRAIN}.{protocol.PRETRAIN}"
+EVALUATE = f"{protocol.EVALUATE}.{protocol.PRETRAIN}"
+QUERY = f"{protocol.QUERY}.{protocol.PRETRAIN}"
+
+
+def setup_from_nodes(
+    config: PretrainConfig, found: Mapping[int, tuple[int, Any]]
+) -> tuple[pretraining.Setup, int]:
+    """(the run's text-free Setup, the held-out batch count) from the nodes' query replies:
+    the split they derive (all the same), each client's sequences."""
+    from fedjax_split.data.text.corpus_split import CorpusSplit
+
+    splits = {json.dumps(json.loads(str(cfg[protocol.SPLIT_JSON])), sort_keys=True)
+              for _, cfg in found.values()}  # fmt: skip
+    counts = {int(cfg[protocol.HELDOUT_BATCHES]) for _, cfg in found.values()}
+    if len(splits) != 1 or len(counts) != 1:
+        raise UserError("the SuperNodes split the text differently; give them the same text")
+    raw = json.loads(splits.pop())
+    split = CorpusSplit(
+        clients=tuple(np.asarray(c, np.int64) for c in raw["clients"]),
+        heldout=np.asarray(raw["heldout"], np.int64),
+        scheme=str(raw["scheme"]),
+        seed=int(raw["seed"]),
+    )
+    clients = list(range(config.clients))
+    sizes = [int(found[c][1][protocol.SEQUENCES]) for c in clients]
+    pre = pretraining.load_model(config)
+    return pretraining.model_setup(config, pre, split, clients, sizes), counts.pop()
+
+
+def _train_message(
+    node_id: int, r: int, client: int, layers: Sequence[int], trained: frozenset[str],
+    params: Any,
+) -> Any:  # fmt: skip
+    """Round r's message to `client`: the global parameters of its model, the plan's part."""
+    from fedjax_split.fed import layerwise
+
+    model = layerwise.assemble(params, layers)
+    sent = codec.encode(layerwise.to_global(model, layers), "float32")
+    cfg = {protocol.ROUND: r, protocol.CLIENT: client, protocol.LAYERS: [int(g) for g in layers],
+           protocol.TRAINED: sorted(trained)}  # fmt: skip
+    content = {protocol.CONFIG: _config_record(cfg), protocol.GLOBAL: codec.to_record(sent)}
+    return _message(content, node_id, TRAIN)
+
+
+def _count(metrics: Any, key: str) -> int:
+    """A reply's whole-number figure, checked: present, an integer (FLOPs pass 2**53: no float
+    on the way), >= 0."""
+    value = metrics[key] if key in metrics else None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{key} {value!r} is not a whole number >= 0")
+    return int(value)
+
+
+def take_upload(
+    setup: pretraining.Setup, reply: Any, client: int, layers: Sequence[int],
+    trained: frozenset[str],
+) -> tuple[Any, Any, int]:  # fmt: skip
+    """(upload in fp32, its `ClientReport`, BERT-FL's FLOPs) of a train reply, or ValueError:
+    the upload must be exactly the trained paths in fp32, finite; the figures finite numbers,
+    the sequence count the node's own (as it said when it joined)."""
+    from fedjax_split.fed.roles import flatten_paths, select
+    from fedjax_split.sim.pretrain_rounds import ClientReport
+
+    part = select(setup.server_state.global_params, trained)[0]
+    expected = {p: np.shape(x) for p, x in flatten_paths(part).items()}
+    upload, nbytes = _decode_upload(reply, expected, "float32", codec.sent_dtypes(part))
+    if protocol.METRICS not in reply.content.metric_records:
+        raise ValueError("no training metrics")
+    m = reply.content[protocol.METRICS]
+    whole = {k: _count(m, k) for k in (protocol.TOKENS, protocol.STEPS, protocol.FLOPS,
+                                       protocol.BERT_FL_FLOPS, protocol.SEQUENCES)}  # fmt: skip
+    if whole[protocol.SEQUENCES] != setup.sizes[client]:
+        raise ValueError(f"sequence count {whole[protocol.SEQUENCES]}, but the node reported "
+                         f"{setup.sizes[client]} when it joined")  # fmt: skip
+    report = ClientReport(
+        client=client, layers=tuple(int(g) for g in layers),
+        loss=_number(m, protocol.TRAIN_LOSS, "training loss"), tokens=whole[protocol.TOKENS],
+        steps=whole[protocol.STEPS], seconds=_number(m, protocol.SECONDS, "seconds"),
+        cpu_seconds=_number(m, protocol.CPU_SECONDS, "CPU seconds"),
+        flops=whole[protocol.FLOPS], bytes_up=nbytes,
+    )  # fmt: skip
+    return upload, report, whole[protocol.BERT_FL_FLOPS]
+
+
+def heldout_rows(reply: Any, part: int, parts: int, count: int) -> dict[int, np.ndarray]:
+    """{batch index: [loss sum, tokens, correct]} of an evaluate reply, or ValueError: indices
+    of this node's share, finite figures >= 0, correct <= tokens."""
+    if protocol.HELDOUT not in reply.content.array_records:
+        raise ValueError("no held-out figures")
+    arrays = codec.from_record(reply.content[protocol.HELDOUT])
+    index, sums = arrays.get("batches"), arrays.get("sums")
+    want = np.arange(part, count, parts, dtype=np.int64)
+    if set(arrays) != {"batches", "sums"} or index.dtype != np.int64 or sums.dtype != np.float64:
+        raise ValueError("held-out figures are not int64 batches and float64 sums")
+    if not np.array_equal(index, want) or sums.shape != (want.size, 3):
+        raise ValueError(f"held-out batches {index.tolist()[:4]}, expected {want.tolist()[:4]}")
+    if not (np.all(np.isfinite(sums)) and np.all(sums >= 0) and np.all(sums[:, 2] <= sums[:, 1])):
+        raise ValueError("held-out figures are not finite sums >= 0")
+    return {int(i): row for i, row in zip(index, sums, strict=True)}
+
+
+class FlowerPretraining(pretraining.Pretraining):
+    """Further pre-training's `driver.Run` over a federation: the simulation's `Pretraining`
+    (checkpoints, resume, summary, model/), its rounds and evaluations at the nodes."""
+
+    def __init__(
+        self,
+        setup: pretraining.Setup,
+        started: float,
+        grid: Any,
+        nodes: dict[int, int],
+        heldout_count: int,
+        options: DeployOptions,
+    ) -> None:
+        super().__init__(setup, started)
+        self.exchange = Exchange(grid, options)
+        self.nodes = nodes  # client id -> Flower node id
+        self.heldout_count = heldout_count
+        self.options = options
+        self.eval_failed: dict[int, str] = {}
+        self.eval_bytes = 0
+
+    def meta(self) -> dict[str, Any]:
+        return {**super().meta(), "deploy": "flower"}
+
+    def evaluate(self) -> dict[str, Any]:
+        """The held-out figures from the nodes; before round 1 they must all answer."""
+        metrics = self.evaluate_at_nodes()
+        if metrics is None:
+            raise UserError(
+                f"the held-out evaluation before round 1 failed ({self.eval_failed}); check the "
+                "SuperNodes' logs"
+            )
+        return metrics
+
+    def evaluate_at_nodes(self) -> dict[str, Any] | None:
+        """The model the run produces scored by the nodes on the held-out batches (client c
+        scores batches c, c + K, ...); None if a share is missing (`eval_failed` says why)."""
+        from fedjax_split.sim.pretrain_rounds import mlm_metrics
+
+        params, _ = pretraining.final_params(self.setup)
+        depth = pretraining.model_depth(self.setup)
+        sent = codec.to_record(codec.encode(params, "float32"))
+        parts = len(self.nodes)
+        msgs = {}
+        for c, node_id in sorted(self.nodes.items()):
+            cfg = {protocol.CLIENT: c, protocol.DEPTH: depth, protocol.PART: c,
+                   protocol.PARTS: parts}  # fmt: skip
+            msgs[c] = _message({protocol.CONFIG: _config_record(cfg), protocol.GLOBAL: sent},
+                               node_id, EVALUATE)  # fmt: skip
+        replies, failed = self.exchange.send(msgs, self.options.round_timeout)
+        self.eval_bytes = codec.nbytes(codec.from_record(sent)) * len(msgs)
+        rows: dict[int, np.ndarray] = {}
+        for c, reply in sorted(replies.items()):
+            try:
+                rows.update(heldout_rows(reply, c, parts, self.heldout_count))
+            except ValueError as err:
+                failed[c] = f"bad evaluation: {err}"
+        self.eval_failed = failed
+        for c, why in sorted(failed.items()):
+            _warn(f"client {c} failed to evaluate ({why})")
+        if failed:
+            return None
+        return mlm_metrics(np.asarray([rows[i] for i in range(self.heldout_count)]))
+
+    def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        return run_round(self, r, history[-1] if history else None)
+
+    def summary(self, history: Sequence[dict[str, Any]], stats: Any) -> dict[str, Any]:
+        return {**super().summary(history, stats), "deploy": "flower",
+                "supernodes": len(self.nodes)}  # fmt: skip
+
+
+def _send_round(run: FlowerPretraining, r: int, the_plan: Any) -> tuple[dict, dict, dict]:
+    """Round r's messages out, replies in: ({client: (upload, report, BERT-FL FLOPs)},
+    failed, rejected)."""
+    params = run.setup.server_state.global_params
+    msgs = {
+        c: _train_message(run.nodes[c], r, c, layers, the_plan.trained, params)
+        for c, layers in zip(run.setup.clients, the_plan.layers, strict=True)
+    }
+    layers_of = dict(zip(run.setup.clients, the_plan.layers, strict=True))
+    replies, failed = run.exchange.send(msgs, run.options.round_timeout)
+    taken, rejected = {}, {}
+    for c, reply in sorted(replies.items()):
+        try:
+            taken[c] = take_upload(run.setup, reply, c, layers_of[c], the_plan.trained)
+        except ValueError as err:
+            rejected[c] = f"bad upload: {err}"
+    for c, why in sorted(failed.items()):
+        _warn(f"round {r}: client {c} failed ({why})")
+    for c, why in sorted(rejected.items()):
+        _warn(f"round {r}: client {c}'s upload rejected ({why})")
+    return taken, failed, rejected
+
+
+def run_round(run: FlowerPretraining, r: int, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """Round r over the federation; its record, the simulation's plus who failed."""
+    import jax
+
+    from fedjax_split.run import driver
+    from fedjax_split.sim.pretrain_rounds import aggregate
+
+    setup, config = run.setup, run.setup.config
+    t0 = time.perf_counter()
+    the_plan = pretraining.plan(setup, r)
+    params = setup.server_state.global_params
+    taken, failed, rejected = _send_round(run, r, the_plan)
+    if not taken:
+        raise UserError(
+            f"round {r}: no client's upload was taken ({len(failed)} failed, {len(rejected)} "
+            "rejected); check the SuperNodes, then continue with --resume"
+        )
+    clients = sorted(taken)
+    weights = pretraining.round_weights(config, [setup.sizes[c] for c in clients])
+    setup.server_state = aggregate(setup.trainer, setup.server_state, the_plan.trained,
+                                   [taken[c][0] for c in clients], weights)  # fmt: skip
+    jax.block_until_ready(setup.server_state.global_params)
+    t_train = time.perf_counter()
+    down = pretraining.bytes_down(setup, params, r)
+    lines = [pretraining.client_costs(setup, params, taken[c][1], taken[c][2], down)
+             for c in clients]  # fmt: skip
+    evaluated, run.eval_failed, run.eval_bytes = None, {}, 0
+    if driver.due(r, config.eval_every, config.rounds):
+        evaluated = run.evaluate_at_nodes()
+    record = pretraining.round_record(setup, r, previous, params, lines, evaluated,
+                                      (t0, t_train, time.perf_counter()))  # fmt: skip
+    record.update(clients_failed=sorted(failed), clients_rejected=sorted(rejected),
+                  eval_failed=sorted(run.eval_failed), eval_bytes_down=run.eval_bytes)  # fmt: skip
+    return record
+
+
+def run_pretrain_server(
+    grid: Any, config: PretrainConfig, options: DeployOptions, *, progress: bool = True
+) -> dict[str, Any]:
+    """The whole further pre-training run (or with config.resume, its continuation) over
+    `grid`; the summary. Writes what `python -m fedjax_split.pretrain` writes (config.json,
+    split.json, metrics.jsonl, summary.json, checkpoints/, model/). Raises
+    `deploy.server.Stopped` after the checkpoint of `options.stop_after_round`."""
+    from fedjax_split.deploy.pretrain_node import check_deployable
+    from fedjax_split.run import driver
+    from fedjax_split.run.pretrain_config import SCHEMA
+
+    started = time.perf_counter()
+    pretraining.check(config)
+    check_deployable(config)
+    driver.check_run_dir(config.run_dir, config.resume,
+                         lambda saved: SCHEMA.trajectory_mismatch(saved, config),
+                         output_names=["model"])  # fmt: skip
+    found = connect(grid, config, options, query=QUERY)
+    setup, heldout_count = setup_from_nodes(config, found)
+    nodes = {c: node_id for c, (node_id, _) in found.items()}
+    run = FlowerPretraining(setup, started, grid, nodes, heldout_count, options)
+
+    def stop(round_: int, record: dict[str, Any]) -> None:
+        if options.stop_after_round == round_:
+            raise Stopped(round_)
+
+    return driver.drive(run, config.to_dict(), resume=config.resume,
+                        checkpoint_every=config.checkpoint_every, progress=progress,
+                        on_round_end=stop)  # fmt: skip
