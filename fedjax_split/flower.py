@@ -2,9 +2,10 @@
 and for further pre-training `python -m fedjax_split.flower pretrain [pretrain flags] ...`.
 
 A local federation of real processes: a Flower SuperLink and N SuperNodes on 127.0.0.1 (each
-given its partition id, a state directory under DIR/flower/nodes/ and, with --site-data, its own
-site's directory as its data-dir, which only it reads), our ServerApp and
-ClientApp run on them with `flwr run`, then everything is stopped. The run directory is the one
+given its partition id, or with fewer nodes than clients its block of them, a state directory
+under DIR/flower/nodes/ and, with --site-data, its own site's directory as its data-dir, which
+only it reads), our ServerApp and ClientApp run on them with `flwr run`, then everything is
+stopped. The run directory is the one
 `train` writes (config.json, partition.json, metrics.jsonl, summary.json, checkpoints/), plus
 DIR/flower/ (the processes' logs and the nodes' local parts). The flags are train's (the same
 config schema) plus the federation's own below. `--write-app DIR` only writes the Flower App
@@ -48,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 def add_deploy_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The federation's own flags (`DEPLOY_FLAGS`), fine-tuning's and pre-training's."""
     p.add_argument("--supernodes", type=int, metavar="N",
-                   help="SuperNodes to start, one per client (default: --clients).")
+                   help="SuperNodes to start (default: --clients, one per client). Fewer "
+                   "(fine-tuning without --site-data) gives each a block of clients, e.g. "
+                   "partition-ids=0-33.")
     p.add_argument("--round-timeout", type=float, metavar="S",
                    help="Seconds the server waits for a round's replies; a client that does not "
                    "answer is left out of the round and recorded in clients_failed (default 600).")
@@ -156,27 +159,37 @@ def _jax_cache_env() -> dict[str, str]:
     return env
 
 
+def node_configs(
+    flower_dir: Path, clients: int, supernodes: int, sites: Sequence[Path] | None = None
+) -> list[dict[str, Any]]:
+    """SuperNode j's node config: its client (`partition-id`), or its block of clients
+    (`partition-ids=A-B`) when there are fewer nodes than clients; its state under
+    flower_dir/nodes/node_j; with `sites`, site j's directory as its data-dir."""
+    from fedjax_split.deploy.protocol import DATA_DIR, PARTITION_ID, PARTITION_IDS, STATE_DIR
+
+    out = []
+    for j, block in enumerate(node_blocks(clients, supernodes)):
+        ids = {PARTITION_ID: block[0]} if len(block) == 1 else {
+            PARTITION_IDS: f"{block[0]}-{block[-1]}"}  # fmt: skip
+        out.append({**ids, STATE_DIR: str(flower_dir / "nodes" / f"node_{j}"),
+                    **({DATA_DIR: str(sites[j])} if sites else {})})  # fmt: skip
+    return out
+
+
 def _federate(
     run_dir: Path,
-    supernodes: int,
+    nodes: list[dict[str, Any]],
     values: dict[str, Any],
     deploy: dict[str, Any],
-    sites: Sequence[Path] | None = None,
 ) -> tuple[int, dict[str, Any] | None]:
-    """Starts the federation (SuperNode i: partition id i, its state under
-    run_dir/flower/nodes/, with `sites` site i's directory as its data-dir), runs the App whose
-    run config is `values` on it, stops every process: (0, the ServerApp's status) when the run
+    """Starts the federation (`nodes`: the SuperNodes' node configs), runs the App whose run
+    config is `values` on it, stops every process: (0, the ServerApp's status) when the run
     ended with a result, else (the exit status, None) after saying why."""
     from fedjax_split.deploy.launch import Federation, write_app
-    from fedjax_split.deploy.protocol import DATA_DIR, PARTITION_ID, STATE_DIR, STATUS_FILE
+    from fedjax_split.deploy.protocol import STATUS_FILE
     from fedjax_split.run import outputs
 
     flower_dir = run_dir / "flower"
-    nodes = [
-        {PARTITION_ID: i, STATE_DIR: str(flower_dir / "nodes" / f"node_{i}"),
-         **({DATA_DIR: str(sites[i])} if sites else {})}
-        for i in range(supernodes)
-    ]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fedjax_split_app_") as tmp:
         status_path = Path(tmp) / "status.json"
         app = write_app(Path(tmp) / "app", {**values, STATUS_FILE: str(status_path)})
@@ -223,18 +236,32 @@ def _app_only(config: Any, deploy: dict[str, Any]) -> bool:
     return True
 
 
-def _supernodes(config: Any, deploy: dict[str, Any]) -> int:
-    """The SuperNodes to start (one per client), the federation's flags checked."""
-    supernodes = deploy.get("supernodes") or config.clients
-    if supernodes != config.clients:
+def _supernodes(config: Any, deploy: dict[str, Any], several: bool = False) -> int:
+    """The SuperNodes to start, the federation's flags checked: one per client, or with
+    `several` (fine-tuning on one pool) between 1 and --clients, each holding a block of them."""
+    supernodes = config.clients if deploy.get("supernodes") is None else deploy["supernodes"]
+    allowed = 1 <= supernodes <= config.clients if several else supernodes == config.clients
+    if not allowed:
         raise UserError(
-            f"--supernodes {supernodes} but --clients {config.clients}: this federation runs "
-            "one client per SuperNode; pass the same number"
-        )
+            f"--supernodes {supernodes} but --clients {config.clients}: "
+            + ("pass 1 to --clients" if several else
+               "this federation runs one client per SuperNode; pass the same number")
+        )  # fmt: skip
     for name in ("round_timeout", "connect_timeout", "run_timeout"):
         if deploy.get(name) is not None and not deploy[name] > 0:
             raise UserError(f"--{name.replace('_', '-')} must be positive, got {deploy[name]}")
     return int(supernodes)
+
+
+def node_blocks(clients: int, supernodes: int) -> list[list[int]]:
+    """Clients 0..clients-1 in `supernodes` contiguous blocks, the first ones a client longer."""
+    base, extra = divmod(clients, supernodes)
+    blocks, start = [], 0
+    for j in range(supernodes):
+        size = base + (j < extra)
+        blocks.append(list(range(start, start + size)))
+        start += size
+    return blocks
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -249,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _absolute(config)
         if _app_only(config, deploy):
             return 0
-        supernodes = _supernodes(config, deploy)
+        supernodes = _supernodes(config, deploy, several=config.site_data is None)
         pieces.check(config)
         safeguards.check_deployable(config)
         driver.check_run_dir(config.run_dir, config.resume,  # before anything is written
@@ -258,8 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as err:
         return report(err)
 
-    code, status = _federate(config.run_dir, supernodes, run_config(config, deploy), deploy,
-                             site_dirs(config))  # fmt: skip
+    nodes = node_configs(config.run_dir / "flower", config.clients, supernodes, site_dirs(config))
+    code, status = _federate(config.run_dir, nodes, run_config(config, deploy), deploy)
     if status is None:
         return code
     summary = status["summary"]
@@ -314,7 +341,8 @@ def main_pretrain(argv: Sequence[str]) -> int:
                              output_names=["model"])  # fmt: skip
     except UserError as err:
         return report(err)
-    code, status = _federate(config.run_dir, supernodes, run_config(config, deploy), deploy)
+    nodes = node_configs(config.run_dir / "flower", config.clients, supernodes)
+    code, status = _federate(config.run_dir, nodes, run_config(config, deploy), deploy)
     if status is None:
         return code
     print(done_line(status["summary"]).replace("done: ", f"done on {supernodes} SuperNodes: ", 1))

@@ -110,7 +110,8 @@ def test_a_query_reply_carries_the_client_id_and_its_split(
     assert reply.metadata.reply_to_message_id == msg.metadata.message_id
     assert reply.metadata.message_type == protocol.QUERY
     assert not reply.content.array_records  # indices and sizes only
-    cfg = reply.content[protocol.CONFIG]
+    assert list(reply.content[protocol.CONFIG][protocol.CLIENTS]) == [CLIENT]
+    cfg = reply.content[protocol.client_record(CLIENT)]
     split = fed.partition.clients[CLIENT]
     assert cfg[protocol.CLIENT] == CLIENT
     assert cfg[protocol.SPLIT_TRAIN] == [int(i) for i in split.train]
@@ -122,9 +123,39 @@ def test_a_query_reply_carries_the_client_id_and_its_split(
     partition = json.loads(str(cfg[protocol.PARTITION]))
     assert partition["scheme"] == fed.config.partition and "clients" not in partition
     assert protocol.TAG_NAMES not in cfg  # sst2 has no tags
-    other = client_app.app(msg, _context(fed, tmp_path, client=0)).content[protocol.CONFIG]
+    other = client_app.app(msg, _context(fed, tmp_path, client=0)).content[
+        protocol.client_record(0)]  # fmt: skip
     assert other[protocol.CLIENT] == 0
     assert other[protocol.SPLIT_TRAIN] == [int(i) for i in fed.partition.clients[0].train]
+
+
+def test_a_node_of_several_clients_answers_for_each_and_trains_each_alone(
+    fed: SimpleNamespace, tmp_path: Path
+) -> None:
+    """partition-ids=0-2: the query reply has each client's own record, exactly what a node of
+    that client alone replies; a train message for client 2 gives the upload a node of client 2
+    alone gives; a client the node does not hold is refused."""
+    many = _context(fed, tmp_path / "many")
+    many.node_config.pop(protocol.PARTITION_ID)
+    many.node_config[protocol.PARTITION_IDS] = "0-2"
+    reply = client_app.app(_message(protocol.QUERY, {}), many).content
+    assert list(reply[protocol.CONFIG][protocol.CLIENTS]) == [0, 1, 2]
+    for c in range(3):
+        alone = client_app.app(_message(protocol.QUERY, {}), _context(fed, tmp_path / f"a{c}", c))
+        key = protocol.client_record(c)
+        assert dict(reply[key]) == dict(alone.content[key])
+    msg = _round_message(fed, protocol.TRAIN, client=2)
+    got = codec.from_record(client_app.app(msg, many).content[protocol.UPLOAD])
+    alone = _context(fed, tmp_path / "a2", 2)
+    want = codec.from_record(client_app.app(msg, alone).content[protocol.UPLOAD])
+    assert got.keys() == want.keys()
+    assert all(np.array_equal(got[k], x) and got[k].dtype == x.dtype for k, x in want.items())
+    assert (tmp_path / "many" / RUN / "client_2").is_dir()
+    few = _context(fed, tmp_path / "few")
+    few.node_config.pop(protocol.PARTITION_ID)
+    few.node_config[protocol.PARTITION_IDS] = "0-1"
+    with pytest.raises(ValueError, match="message for client 2 reached 0,1"):
+        client_app.app(_round_message(fed, protocol.TRAIN, client=2), few)
 
 
 def test_a_partition_id_outside_the_clients_is_a_user_error(

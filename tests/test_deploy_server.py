@@ -126,3 +126,60 @@ def test_sites_partition_is_rebuilt_from_the_counts_and_own_indices_the_nodes_re
     assert [(c.train.tolist(), c.test.tolist()) for c in part.clients] == [
         ([1, 3, 4], [0]), ([5, 7], [6])]  # fmt: skip
     assert (part.scheme, part.num_examples, part.seed, part.task) == (SITES, 8, 4, "sst2")
+
+
+class _Grid:
+    """A Flower Grid whose nodes answer a query at once with the given reply contents."""
+
+    def __init__(self, replies: dict[int, RecordDict]) -> None:
+        self.replies, self.sent = replies, {}
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.replies)
+
+    def push_messages(self, messages: list) -> list[str]:
+        ids = []
+        for m in messages:
+            ids.append(f"m{m.metadata.dst_node_id}")
+            self.sent[ids[-1]] = m.metadata.dst_node_id
+        return ids
+
+    def pull_messages(self, ids: list[str]) -> list:
+        return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=i),
+                                has_error=lambda: False, content=self.replies[self.sent[i]])
+                for i in ids]  # fmt: skip
+
+
+def _query_reply(*clients: int, single: bool = False, drop: int | None = None) -> RecordDict:
+    from flwr.app import ConfigRecord
+
+    if single:
+        return RecordDict({protocol.CONFIG: ConfigRecord({protocol.CLIENT: clients[0]})})
+    records = {protocol.CONFIG: ConfigRecord({protocol.CLIENTS: list(clients)})}
+    for c in clients:
+        if c != drop:
+            records[protocol.client_record(c)] = ConfigRecord({protocol.CLIENT: c,
+                                                               protocol.POOL_SIZE: 100 + c})
+    return RecordDict(records)
+
+
+def test_connect_maps_each_client_to_the_node_that_holds_it(monkeypatch) -> None:
+    """A node of clients 0 and 1 and a node of client 2 (a one-client reply, as pre-training's
+    query gives): every client maps to its node and its own record; a client claimed twice, or
+    named without its record, stops the run with one line."""
+    from fedjax_split.errors import UserError
+
+    # a Flower Message needs a run's task identity: the query is only addressed here
+    monkeypatch.setattr(server, "_message", lambda content, node, kind: SimpleNamespace(
+        metadata=SimpleNamespace(dst_node_id=node, message_type=kind)))  # fmt: skip
+
+    config = SimpleNamespace(clients=3)
+    options = server.DeployOptions(connect_timeout=5, poll_interval=0.01)
+    grid = _Grid({11: _query_reply(0, 1), 12: _query_reply(2, single=True)})
+    found = server.connect(grid, config, options)
+    assert {c: node for c, (node, _) in found.items()} == {0: 11, 1: 11, 2: 12}
+    assert found[1][1][protocol.POOL_SIZE] == 101 and found[2][1][protocol.CLIENT] == 2
+    with pytest.raises(UserError, match="two SuperNodes say partition-id 1"):
+        server.connect(_Grid({11: _query_reply(0, 1), 12: _query_reply(1, 2)}), config, options)
+    with pytest.raises(UserError, match="SuperNode 11 answered the query for client 1 without"):
+        server.connect(_Grid({11: _query_reply(0, 1, 2, drop=1)}), config, options)

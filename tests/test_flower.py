@@ -379,6 +379,41 @@ def test_sites_with_their_own_data_federation_equals_simulation(env: dict) -> No
     assert trains and all(protocol.NUM_TRAIN in e["metrics"]["metrics"] for e in trains)
 
 
+def test_two_supernodes_of_two_clients_each_equal_the_simulation(env: dict) -> None:
+    """--supernodes 2 for 4 clients: SuperNode j holds a block of clients (partition-ids=0-1,
+    2-3), trains each of them when sampled and keeps each one's local part; every round equals
+    the simulation's, and a client's model exports as the simulation's does."""
+    flags = {"clients": 4, "eval_every": 2, "quantize": "fp16"}
+    out = env["base"] / "blocks"
+    res = _run(env, "fedjax_split.flower", [*_args(env, out, **flags), "--supernodes=2"])
+    assert res.returncode == 0, res.stderr
+    assert " on 2 SuperNodes, " in res.stdout
+    _no_processes_left(str(out))
+    sim = _simulate(env, "blocks_sim", **flags)
+    got = _metrics(out)
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in _metrics(sim)]
+    assert all(r["clients_failed"] == [] and len(r["clients_sampled"]) == 4 for r in got)
+    nodes = out / "flower" / "nodes"
+    assert sorted(p.name for p in nodes.iterdir()) == ["node_0", "node_1"]
+    for j, clients in enumerate(([0, 1], [2, 3])):
+        kept = sorted(d.name for d in nodes.glob(f"node_{j}/*/client_*"))
+        assert kept == [f"client_{c}" for c in clients]
+    _same_exports(env, out, sim, client=3, node=1)
+
+
+def test_clients_in_blocks_over_fewer_supernodes() -> None:
+    from fedjax_split.flower import node_blocks, node_configs
+
+    assert node_blocks(4, 2) == [[0, 1], [2, 3]]
+    assert node_blocks(5, 3) == [[0, 1], [2, 3], [4]]
+    assert node_blocks(3, 3) == [[0], [1], [2]]
+    assert node_blocks(100, 3)[0] == list(range(34)) and node_blocks(100, 3)[2][-1] == 99
+    nodes = node_configs(Path("/f"), 5, 3)
+    assert [n.get(protocol.PARTITION_IDS, n.get(protocol.PARTITION_ID)) for n in nodes] == [
+        "0-1", "2-3", 4]  # fmt: skip
+    assert nodes[2][protocol.STATE_DIR] == "/f/nodes/node_2"
+
+
 def _kill_supernode(state_dir: str) -> None:
     """SIGKILL the SuperNode whose node config names `state_dir`, and all it started."""
     import psutil
@@ -394,7 +429,8 @@ def _kill_supernode(state_dir: str) -> None:
 
 
 BAD = [
-    (["--supernodes", "2"], "--supernodes 2 but --clients 3"),
+    (["--supernodes", "4"], "--supernodes 4 but --clients 3"),
+    (["--supernodes", "0"], "--supernodes 0 but --clients 3"),
     (["--round-timeout", "0"], "--round-timeout must be positive"),
     (["--critical-layer", "5"], "outside 0..2"),
     (["--attack", "scale"], "--attack simulates attacking clients in the simulation only"),

@@ -151,3 +151,20 @@ def test_a_site_node_without_its_data_dir_is_one_line(sites: dict) -> None:
     with pytest.raises(UserError, match="data-dir=DIR") as err:
         node.prepare(_site_config(sites, NODE_SITES), 1, None)
     assert "partition-id=1" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_nodes_clients_from_its_node_config() -> None:
+    from fedjax_split.deploy.node import node_clients
+
+    assert node_clients({"partition-id": 4}) == [4]
+    assert node_clients({"partition-ids": "0-3"}) == [0, 1, 2, 3]
+    assert node_clients({"partition-ids": "7, 0,4-5"}) == [7, 0, 4, 5]
+    assert node_clients({"partition-ids": "2"}) == [2]
+    for bad, why in (("3-1", "write ids and ranges"), ("a-b", "write ids and ranges"),
+                     ("0-2,2", "names a client twice"), ("", "write ids and ranges")):  # fmt: skip
+        with pytest.raises(UserError, match=why):
+            node_clients({"partition-ids": bad})
+    with pytest.raises(UserError, match="not both"):
+        node_clients({"partition-id": 0, "partition-ids": "0-1"})
+    with pytest.raises(UserError, match="give the SuperNode its client"):
+        node_clients({"state-dir": "/x"})

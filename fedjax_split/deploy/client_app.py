@@ -7,7 +7,8 @@ client's local part from the node's disk (`node.store`, under the node config's 
 The reply carries only the trained global part, in the wire dtype as bits (`codec`), and scalar
 metrics: the local part never enters a message.
 
-Node config: `partition-id` (this client's id, 0..K-1), `state-dir` (where local parts live;
+Node config: `partition-id` (this client's id, 0..K-1) or `partition-ids` (several clients, e.g.
+`0-33`: the node answers for each), `state-dir` (where local parts live;
 default: `<cache>/flower_nodes`), `data-dir` (this node's copy of the task's files, overriding
 the run's --data-dir; in a run with --site-data, this site's own files, the only data it reads),
 `warm-worker` (default true; false runs each handler in its ClientApp process).
@@ -27,14 +28,14 @@ from fedjax_split.deploy import protocol, worker
 from fedjax_split.deploy.node import NodeSetup, local_part
 
 app = ClientApp()
-_PREPARED: dict[str, NodeSetup] = {}  # a warm worker's clients, by what they were built from
+_PREPARED: dict[str, Any] = {}  # a warm worker's clients, by what they were built from
 _KEEP_PREPARED = 4
 
 
-def _node(context: Context) -> NodeSetup:
-    """This node's client, in a process whose settings are applied first (`logs.app_process`,
-    `runtime.apply`). A warm worker keeps the few it built last: the same run config and node
-    config give the same client."""
+def _nodes(context: Context) -> dict[int, NodeSetup]:
+    """This node's clients (`node.node_clients`), in a process whose settings are applied first
+    (`logs.app_process`, `runtime.apply`). A warm worker keeps the few it built last: the same
+    run config and node config give the same clients."""
     from fedjax_split import runtime
     from fedjax_split.deploy import logs, node
     from fedjax_split.run.config import resolve_config
@@ -47,15 +48,25 @@ def _node(context: Context) -> NodeSetup:
     sites = values.get("site_data") is not None  # then data-dir is this site's own data
     if data_dir and not sites:
         values["data_dir"] = data_dir
-    client = int(context.node_config[protocol.PARTITION_ID])
-    key = json.dumps([values, client, data_dir, str(_state_dir(context))], sort_keys=True)
+    clients = node.node_clients(context.node_config)
+    key = json.dumps([values, clients, data_dir, str(_state_dir(context))], sort_keys=True)
     if key not in _PREPARED:
         config = resolve_config(overrides=values)
         cache = _state_dir(context) / "tokenized"
         while len(_PREPARED) >= _KEEP_PREPARED:
             _PREPARED.pop(next(iter(_PREPARED)))
-        _PREPARED[key] = node.prepare(config, client, cache, site_dir=data_dir if sites else None)
+        _PREPARED[key] = node.prepare_many(config, clients, cache,
+                                           site_dir=data_dir if sites else None)  # fmt: skip
     return _PREPARED[key]
+
+
+def _node(context: Context, msg: Message) -> NodeSetup:
+    """The client of this node that `msg` is for (its config's client id)."""
+    nodes = _nodes(context)
+    client = int(msg.content[protocol.CONFIG][protocol.CLIENT])
+    if client not in nodes:
+        raise ValueError(f"message for client {client} reached {','.join(map(str, nodes))}")
+    return nodes[client]
 
 
 def _state_dir(context: Context) -> Path:
@@ -80,8 +91,6 @@ def _received(msg: Message, node: NodeSetup) -> tuple[Any, Any]:
     from fedjax_split.fed.roles import unflatten_paths
 
     cfg = msg.content[protocol.CONFIG]
-    if int(cfg[protocol.CLIENT]) != node.client_id:
-        raise ValueError(f"message for client {cfg[protocol.CLIENT]} reached {node.client_id}")
     arrays = codec.from_record(msg.content[protocol.GLOBAL]) if node.global_shapes else {}
     codec.check_like(arrays, node.global_shapes, "received global part")
     if not arrays:
@@ -105,21 +114,25 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 
 def _query(msg: Message, context: Context) -> Message:
-    """Who this node is: its client id and its share of the pool (indices and sizes only; a
-    site with its own data: indices into its own rows, their count and its label shares)."""
-    node = _node(context)
-    tags = list(getattr(node.pool.examples, "tag_names", ()) or ())
-    content = {
-        protocol.CLIENT: node.client_id,
-        protocol.SPLIT_TRAIN: [int(i) for i in node.split.train],
-        protocol.SPLIT_TEST: [int(i) for i in node.split.test],
-        protocol.SHARES: json.dumps(node.shares),
-        protocol.POOL_SIZE: node.pool_size,
-        protocol.PARTITION: json.dumps(node.partition_meta),
-    }
-    if tags:
-        content[protocol.TAG_NAMES] = tags
-    return _reply(msg, RecordDict({protocol.CONFIG: ConfigRecord(content)}))
+    """Who this node is: its clients, and for each its share of the pool (indices and sizes
+    only; a site with its own data: indices into its own rows, their count and its label
+    shares)."""
+    nodes = _nodes(context)
+    records = {protocol.CONFIG: ConfigRecord({protocol.CLIENTS: list(nodes)})}
+    for cid, node in nodes.items():
+        tags = list(getattr(node.pool.examples, "tag_names", ()) or ())
+        content = {
+            protocol.CLIENT: cid,
+            protocol.SPLIT_TRAIN: [int(i) for i in node.split.train],
+            protocol.SPLIT_TEST: [int(i) for i in node.split.test],
+            protocol.SHARES: json.dumps(node.shares),
+            protocol.POOL_SIZE: node.pool_size,
+            protocol.PARTITION: json.dumps(node.partition_meta),
+        }
+        if tags:
+            content[protocol.TAG_NAMES] = tags
+        records[protocol.client_record(cid)] = ConfigRecord(content)
+    return _reply(msg, RecordDict(records))
 
 
 def _train(msg: Message, context: Context) -> Message:
@@ -129,7 +142,7 @@ def _train(msg: Message, context: Context) -> Message:
     from fedjax_split.deploy import node as node_mod
     from fedjax_split.fed.roles import select
 
-    node = _node(context)
+    node = _node(context, msg)
     global_wire, cfg = _received(msg, node)
     run_id, r = str(cfg[protocol.RUN]), int(cfg[protocol.ROUND])
     state_round = int(cfg[protocol.STATE_ROUND])
@@ -170,7 +183,7 @@ def _evaluate(msg: Message, context: Context) -> Message:
     """This client's metrics on its own test split, with its local part after the round."""
     from fedjax_split.deploy import node as node_mod
 
-    node = _node(context)
+    node = _node(context, msg)
     global_wire, cfg = _received(msg, node)
     store = _store(context, str(cfg[protocol.RUN]), node)
     r = int(cfg[protocol.ROUND])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,34 @@ def _tokenized(
     return packed
 
 
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def node_clients(node_config: Mapping[str, Any]) -> list[int]:
+    """The clients a SuperNode holds, from its node config: `partition-id=K` (one), or
+    `partition-ids="0-33"` / `"0,4,7-9"` (several, so that a few nodes can run a federation of
+    many clients)."""
+    from fedjax_split.deploy import protocol
+
+    if protocol.PARTITION_IDS in node_config:
+        if protocol.PARTITION_ID in node_config:
+            raise UserError("give a SuperNode partition-id or partition-ids, not both")
+        text = str(node_config[protocol.PARTITION_IDS])
+        ids: list[int] = []
+        for part in text.replace(" ", "").split(","):
+            m = _RANGE.match(part)
+            if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+                raise UserError(f"partition-ids {text!r}: write ids and ranges like '0-33' or "
+                                "'0,4,7-9'")  # fmt: skip
+            ids.extend(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
+        if len(set(ids)) != len(ids):
+            raise UserError(f"partition-ids {text!r} names a client twice")
+        return ids
+    if protocol.PARTITION_ID not in node_config:
+        raise UserError("give the SuperNode its client: --node-config 'partition-id=K'")
+    return [int(node_config[protocol.PARTITION_ID])]
+
+
 def prepare(
     config: ExperimentConfig, client_id: int, cache: Path | None = None, site_dir: Any = None
 ) -> NodeSetup:
@@ -100,48 +128,56 @@ def prepare(
     `cache`: a directory of the node's own for the tokenised pool (None: tokenise each time);
     `site_dir`: with --site-data, this site's own files (its node config's data-dir), the only
     data the node reads."""
+    return prepare_many(config, [client_id], cache, site_dir)[client_id]
+
+
+def prepare_many(
+    config: ExperimentConfig, client_ids: Sequence[int], cache: Path | None = None,
+    site_dir: Any = None,
+) -> dict[int, NodeSetup]:  # fmt: skip
+    """`prepare` for each of a node's clients, the data, the partition and the model loaded once
+    and shared by them (a site is one client)."""
     from fedjax_split.fed.roles import flatten_paths
     from fedjax_split.run import pieces
     from fedjax_split.tasks import registry as tasks
 
-    if not 0 <= client_id < config.clients:
+    bad = [c for c in client_ids if not 0 <= c < config.clients]
+    if bad:
         raise UserError(
-            f"partition-id {client_id} is outside 0..{config.clients - 1} (--clients "
+            f"partition-id {bad[0]} is outside 0..{config.clients - 1} (--clients "
             f"{config.clients}); give each SuperNode one of those"
         )
     task = tasks.get_task(config.task)
     if config.site_data is not None:
-        share = _site_share(config, task, client_id, site_dir)
+        if len(client_ids) != 1:
+            raise UserError("a site is one client: give its SuperNode one partition-id")
+        shares = {client_ids[0]: _site_share(config, task, client_ids[0], site_dir)}
     else:
-        share = _pool_share(config, task, client_id)
-    examples, split, shares, meta = share
+        shares = _pool_shares(config, task, client_ids)
+    examples = next(iter(shares.values()))[0]
     model = pieces.build_model(config, task, getattr(examples, "tag_names", ()))
     pool = pieces.make_pool(
         config, examples, _tokenized(config, task, examples, model.model_dir, cache)
     )
-    return NodeSetup(
-        config=config,
-        task=task,
-        client_id=client_id,
-        pool=pool,
-        split=split,
-        shares=shares,
-        partition_meta=meta,
-        pool_size=len(pool.labels),
-        apply=model.apply,
-        round_spec=model.round_spec,
-        local0=model.local0,
-        frozen=model.frozen,
+    common = dict(
+        config=config, task=task, pool=pool, pool_size=len(pool.labels), apply=model.apply,
+        round_spec=model.round_spec, local0=model.local0, frozen=model.frozen,
         global_shapes={p: tuple(np.shape(x)) for p, x in flatten_paths(model.global0).items()},
         model_meta=pieces.model_meta(model),
-    )
+    )  # fmt: skip
+    return {
+        cid: NodeSetup(client_id=cid, split=split, shares=sh, partition_meta=meta, **common)
+        for cid, (_, split, sh, meta) in shares.items()
+    }
 
 
 Share = tuple[Any, Any, Any, dict[str, Any]]  # examples, split, label shares or None, settings
 
 
-def _pool_share(config: ExperimentConfig, task: Any, client_id: int) -> Share:
-    """The client's share of the pool every node loads and partitions alike: (the pool, its
+def _pool_shares(
+    config: ExperimentConfig, task: Any, client_ids: Sequence[int]
+) -> dict[int, Share]:
+    """Each client's share of the pool every node loads and partitions alike: (the pool, its
     split of it, its realised label shares, the partition's settings)."""
     from fedjax_split.data import partition
     from fedjax_split.run import pieces
@@ -149,10 +185,14 @@ def _pool_share(config: ExperimentConfig, task: Any, client_id: int) -> Share:
     examples = pieces.load_pool(config, task)
     labels = np.asarray(examples.labels)
     part = pieces.make_partition(config, task, labels)
-    split = part.clients[client_id]
-    shares = None if part.target_shares is None else partition.client_shares(
-        split, labels, part.target_shares.shape[1]).tolist()  # fmt: skip
-    return examples, split, shares, _meta(part, "clients")
+    meta = _meta(part, "clients")
+    out = {}
+    for cid in client_ids:
+        split = part.clients[cid]
+        shares = None if part.target_shares is None else partition.client_shares(
+            split, labels, part.target_shares.shape[1]).tolist()  # fmt: skip
+        out[cid] = (examples, split, shares, meta)
+    return out
 
 
 def _site_share(config: ExperimentConfig, task: Any, client_id: int, site_dir: Any) -> Share:

@@ -39,6 +39,7 @@ SHARES = "shares"  # a node's realised label shares, JSON (query reply; null: no
 POOL_SIZE = "pool-size"
 PARTITION = "partition"  # the partition's settings as JSON (scheme, seed, sizes, ...)
 TAG_NAMES = "tag-names"
+CLIENTS = "client-ids"  # query reply: the node's clients, each with a record `client_record(id)`
 EVAL_JSON = "metrics-json"  # evaluate reply: the client's metrics as JSON (NaN allowed)
 
 # MetricRecord keys of a train reply
@@ -47,6 +48,7 @@ UPDATE_NORM = "update-norm"  # DP: the update's L2 norm before the client clippe
 
 # Node config keys (flower-supernode --node-config)
 PARTITION_ID = "partition-id"
+PARTITION_IDS = "partition-ids"  # several clients on one SuperNode: "0-33" or "0,4,7-9"
 STATE_DIR = "state-dir"
 DATA_DIR = "data-dir"
 
@@ -122,3 +124,8 @@ def record_sent(message: Any, sender: str) -> Any:
     with open(Path(where) / f"{sender}-{os.getpid()}.jsonl", "a") as f:
         f.write(json.dumps(entry) + "\n")
     return message
+
+
+def client_record(client: int) -> str:
+    """The query reply's record of one of the node's clients (its id, split and sizes)."""
+    return f"client-{int(client)}"

@@ -145,12 +145,12 @@ def connect(
                     f"SuperNode {node} could not set up its client ({why}); see its log"
                 )
             for node_id, reply in replies.items():
-                cid = int(reply.content[protocol.CONFIG][protocol.CLIENT])
-                if cid in found:
-                    raise UserError(
-                        f"two SuperNodes say partition-id {cid}; give each a different one"
-                    )
-                found[cid] = (node_id, reply.content[protocol.CONFIG])
+                for cid, cfg in _clients_of(node_id, reply):
+                    if cid in found:
+                        raise UserError(
+                            f"two SuperNodes say partition-id {cid}; give each a different one"
+                        )
+                    found[cid] = (node_id, cfg)
         missing = sorted(set(range(config.clients)) - set(found))
         if not missing:
             break
@@ -158,14 +158,32 @@ def connect(
             why = f" ({next(iter(last_failures.values()))})" if last_failures else ""
             raise UserError(
                 f"clients {missing} did not connect within {options.connect_timeout:g} s{why}; "
-                f"start one SuperNode per client with --node-config 'partition-id=<0..."
-                f"{config.clients - 1}>'"
+                f"start SuperNodes that hold them, with --node-config 'partition-id=<0..."
+                f"{config.clients - 1}>' or 'partition-ids=A-B'"
             )
         time.sleep(options.poll_interval)
     extra = sorted(set(found) - set(range(config.clients)))
     if extra:
         raise UserError(f"SuperNodes with partition-id {extra} but --clients {config.clients}")
     return found
+
+
+def _clients_of(node_id: int, reply: Any) -> list[tuple[int, Any]]:
+    """[(client id, its query record)] of one node's query reply: the clients the node holds
+    (`client-ids`, each with its own record), or the one client of a single-client reply."""
+    cfg = reply.content[protocol.CONFIG]
+    if protocol.CLIENTS not in cfg:
+        return [(int(cfg[protocol.CLIENT]), cfg)]
+    out = []
+    for cid in (int(c) for c in cfg[protocol.CLIENTS]):
+        record = reply.content.config_records.get(protocol.client_record(cid))
+        if record is None or int(record.get(protocol.CLIENT, -1)) != cid:
+            raise UserError(f"SuperNode {node_id} answered the query for client {cid} without "
+                            "its record; is it running this version of fedjax_split?")  # fmt: skip
+        out.append((cid, record))
+    if not out:
+        raise UserError(f"SuperNode {node_id} holds no client; give it a partition-id")
+    return out
 
 
 def partition_from_nodes(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> Any:
