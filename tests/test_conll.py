@@ -44,3 +44,17 @@ def test_split_files(tmp_path: Path) -> None:
     assert {k: v.name for k, v in found.items()} == {
         "train": "train.conll", "dev": "validation.txt", "test": "test",
     }  # fmt: skip
+
+
+def test_a_tag_outside_the_vocabulary_names_its_file_and_line(tmp_path: Path) -> None:
+    """Given the run's tags, the first one outside them stops the reading at its line (blank
+    lines and -DOCSTART- counted: the line a person's editor shows)."""
+    path = tmp_path / "train.txt"
+    path.write_text("-DOCSTART- O\n\nAnn B-PER\nmet O\n\nBo B-PER\nin O\nParis B-LOC\n")
+    tags = ("O", "B-PER", "I-PER")
+    with pytest.raises(UserError) as err:
+        read_conll(path, tags, "; add it")
+    assert str(err.value) == f"{path}:8: tag 'B-LOC' is not in the tag vocabulary; add it"
+    assert read_conll(path) == [(["Ann", "met"], ["B-PER", "O"]),
+                                (["Bo", "in", "Paris"], ["B-PER", "O", "B-LOC"])]  # fmt: skip
+    assert read_conll(path, (*tags, "B-LOC")) == read_conll(path)

