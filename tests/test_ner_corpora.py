@@ -12,6 +12,7 @@ from run_fixtures import private_cache  # noqa: F401 (autouse)
 from fedjax_split.data.tokens import ner_corpora as nc
 from fedjax_split.errors import UserError
 from fedjax_split.tasks.bio import spans
+from fedjax_split.tasks.registry import get_task
 
 HEADER = ["amId", "entity1", "semantic_class_entity1", "sentenceText", "pmid", "procset"]
 
@@ -96,6 +97,7 @@ def test_real_wnut16_counts() -> None:
     assert len(sentences) == 2394 and sum(len(t) for t, _ in sentences) == 46469
     assert len(entities) == 1496 and entities.count("person") == 449
     assert entities.count("geo-loc") == 276 and len(set(entities)) == 10
+    assert tuple(sorted(set(entities))) == get_task("wnut16").entity_types  # the task's own
 
 
 @pytest.mark.slow
@@ -108,6 +110,6 @@ def test_real_nero_derivation_counts() -> None:
     assert stats.classes_kept == (
         "BiologicalProcess", "Chemical", "MedicalFinding", "MolecularProcess", "Process",
         "Protein", "Quantity", "ResearchActivity",
-    )  # fmt: skip
+    ) == get_task("nero").entity_types  # fmt: skip
     assert stats.entities == 70454 and stats.mentions_other_class == 73523
     assert stats.strings_not_found == 2242 and stats.occurrences_overlapping == 1128

