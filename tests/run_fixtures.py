@@ -132,6 +132,8 @@ def write_tiny_conll(
     rng = np.random.default_rng(seed)
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, n in (("train.txt", n_train), ("test.txt", n_test)):
+        if n == 0:  # no such file (a site without one tests on a fifth of its train file)
+            continue
         sentences = []
         for _ in range(n):
             words = list(rng.choice(FILLER, size=int(rng.integers(2, 6))))
@@ -145,6 +147,23 @@ def write_tiny_conll(
             sentences.append((words, tags))
         write_conll(data_dir / name, sentences)
     return data_dir
+
+
+# three NER sites of their own: different sizes, one without a test file (80/20)
+NER_SITES = ({"n_train": 30, "n_test": 10}, {"n_train": 14, "n_test": 0},
+             {"n_train": 45, "n_test": 12})  # fmt: skip
+NER_TYPES = "neg,pos"  # write_tiny_conll's entity types: the sites' --entity-types
+
+
+def write_tiny_ner_sites(base: Path) -> list[Path]:
+    """NER_SITES as CoNLL directories base/ner_site_<k> (each its own seed)."""
+    return [write_tiny_conll(base / f"ner_site_{k}", seed=20 + k, **site)
+            for k, site in enumerate(NER_SITES)]  # fmt: skip
+
+
+def conll_sentences(path: Path) -> int:
+    """The sentences of a CoNLL file as write_conll writes it (a blank line after each)."""
+    return path.read_text().count("\n\n")
 
 
 def write_tiny_text(data_dir: Path, *, seed: int = 0) -> Path:

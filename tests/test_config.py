@@ -15,6 +15,7 @@ import pytest
 from fedjax_split.errors import UserError
 from fedjax_split.run.config import (
     ExperimentConfig,
+    entity_type_list,
     load_config_file,
     resolve_config,
     trajectory_mismatch,
@@ -69,12 +70,23 @@ def test_file_then_flags_later_wins(tmp_path: Path) -> None:
         ({"cpu_devices": 1.5}, "must be int"),
         ({"attention": "flash"}, "unknown attention"),
         ({"keep_checkpoints": 0}, "--keep-checkpoints must be at least 1"),
+        ({"entity_types": "PER,,LOC"}, "--entity-types 'PER,,LOC': '' is not an entity type"),
+        ({"entity_types": "B-PER,LOC"}, "'B-PER' is not an entity type; pass TYPE1,TYPE2"),
+        ({"entity_types": "O,LOC"}, "'O' is not an entity type"),
+        ({"entity_types": "new york"}, "'new york' is not an entity type"),
+        ({"entity_types": "LOC,PER,LOC"}, "--entity-types names 'LOC' twice"),
     ],
 )
 def test_bad_values_are_one_line_user_errors(values: dict, needle: str) -> None:
     with pytest.raises(UserError) as err:
         resolve_config(overrides=values)
     assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_entity_types_are_read_sorted_and_none_when_unset() -> None:
+    assert entity_type_list(resolve_config(overrides={"entity_types": " PER, LOC,ORG"})) == (
+        "LOC", "ORG", "PER")  # fmt: skip
+    assert entity_type_list(ExperimentConfig()) is None
 
 
 def test_bad_config_files(tmp_path: Path) -> None:

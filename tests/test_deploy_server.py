@@ -15,6 +15,7 @@ from flwr.app import MetricRecord, RecordDict
 
 from fedjax_split.data.partition import ClientSplit
 from fedjax_split.deploy import codec, protocol, server
+from fedjax_split.errors import UserError
 from fedjax_split.fed import privacy
 from fedjax_split.fed.aggregation import Aggregator
 from fedjax_split.fed.server import init_server_state
@@ -126,6 +127,30 @@ def test_sites_partition_is_rebuilt_from_the_counts_and_own_indices_the_nodes_re
     assert [(c.train.tolist(), c.test.tolist()) for c in part.clients] == [
         ([1, 3, 4], [0]), ([5, 7], [6])]  # fmt: skip
     assert (part.scheme, part.num_examples, part.seed, part.task) == (SITES, 8, 4, "sst2")
+
+
+def test_the_tag_names_are_the_configs_and_every_node_must_report_them() -> None:
+    """A token task's vocabulary comes from the run config; the nodes' reports are checked
+    against it, and only without one (a pool's own tags) do they decide it."""
+    tags = ["O", "B-x", "I-x"]
+    found = {0: (10, {protocol.TAG_NAMES: tags}), 1: (11, {protocol.TAG_NAMES: tags})}
+    assert server._tag_names(found, tuple(tags)) == tuple(tags) == server._tag_names(found)
+    with pytest.raises(UserError, match="report the tags O,B-x,I-x, the run's are O,B-y,I-y"):
+        server._tag_names(found, ("O", "B-y", "I-y"))
+    found[1] = (11, {protocol.TAG_NAMES: ["O", "B-y", "I-y"]})
+    with pytest.raises(UserError, match="different tag vocabularies"):
+        server._tag_names(found, tuple(tags))
+
+
+def test_partition_names_of_a_token_task_come_from_the_config() -> None:
+    from fedjax_split.run.config import resolve_config
+    from fedjax_split.tasks.registry import get_task
+
+    config = resolve_config(overrides={"task": "ner", "entity_types": "pos,neg"})
+    assert server.partition_names(config, get_task("ner")) == ("neg", "pos", "(none)")
+    assert server.partition_names(resolve_config(), get_task("ner")) is None
+    assert server.partition_names(resolve_config(), get_task("sst2")) == ("negative", "positive")
+    assert server.partition_names(resolve_config(), get_task("stsb")) is None
 
 
 class _Grid:

@@ -154,6 +154,46 @@ def test_a_bad_site_is_one_line_naming_the_site_and_its_file(tmp_path) -> None:
         pieces.load_sites(real, get_task("sst2"))
 
 
+def test_a_token_tasks_vocabulary_comes_from_the_task_or_the_config_never_the_sites() -> None:
+    from fedjax_split.run.config import NODE_SITES, resolve_config
+    from fedjax_split.tasks.registry import get_task
+
+    def types(task: str, **values: object) -> object:
+        return pieces.entity_types(resolve_config(overrides=values), get_task(task))
+
+    assert types("ner") is None  # a pool's own tags
+    assert types("ner", entity_types="PER,LOC") == ("LOC", "PER")
+    assert pieces.tag_names(resolve_config(overrides={"entity_types": "PER"}),
+                            get_task("ner")) == ("O", "B-PER", "I-PER")  # fmt: skip
+    wnut16 = get_task("wnut16").entity_types
+    assert types("wnut16") == types("wnut16", site_data=NODE_SITES) == wnut16
+    assert types("sst2") is None and pieces.tag_names(resolve_config(), get_task("sst2")) == ()
+    with pytest.raises(UserError, match="^task ner with --site-data needs .*pass --entity-types"):
+        types("ner", site_data=NODE_SITES)
+    with pytest.raises(UserError, match="task wnut16 has its own types company,facility"):
+        types("wnut16", entity_types="PER")
+    with pytest.raises(UserError, match="--entity-types with task sst2: only a token task"):
+        types("sst2", entity_types="PER")
+
+
+def test_load_sites_of_a_token_task_in_the_configs_vocabulary(tmp_path) -> None:
+    from run_fixtures import write_tiny_conll
+
+    from fedjax_split.run.config import resolve_config
+    from fedjax_split.tasks.registry import get_task
+
+    a = write_tiny_conll(tmp_path / "a", n_train=5, n_test=2, seed=1)
+    b = write_tiny_conll(tmp_path / "b", n_train=4, n_test=0, seed=2)
+    config = resolve_config(overrides={"site_data": f"{a},{b}", "entity_types": "pos,neg,misc"})
+    examples, part = pieces.load_sites(config, get_task("ner"))
+    assert examples.tag_names == ("O", "B-misc", "I-misc", "B-neg", "I-neg", "B-pos", "I-pos")
+    assert [(len(c.train), len(c.test)) for c in part.clients] == [(5, 2), (3, 1)]
+    (b / "train.txt").write_text("w O\n\nv B-loc\n")
+    with pytest.raises(UserError) as err:
+        pieces.load_sites(config, get_task("ner"))
+    assert str(err.value).startswith(f"site 1 ({b}): {b / 'train.txt'}:3: tag 'B-loc' is not")
+
+
 def test_concat_examples_joins_every_per_row_field_in_order() -> None:
     from fedjax_split.data.sources import Examples
 

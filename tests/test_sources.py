@@ -358,8 +358,25 @@ def test_a_sites_unknown_label_or_missing_train_file_is_one_line_naming_the_file
         sources.load_site("sst2", tmp_path / "b")
     with pytest.raises(UserError, match="does not exist"):
         sources.load_site("sst2", tmp_path / "nope")
-    with pytest.raises(UserError, match="task ner with --site-data"):
+    with pytest.raises(UserError, match="task ner with --site-data: pass --entity-types"):
         sources.load_site("ner", tmp_path / "a")
+
+
+def test_a_ner_sites_conll_files_in_the_runs_vocabulary(tmp_path):
+    """A token task's site: its CoNLL train file trains, its dev and test files test, every
+    tag in the run's vocabulary (a type the site lacks still has its tags)."""
+    from fedjax_split.data.tokens.conll import write_conll
+
+    write_conll(tmp_path / "train.txt", [(["Ann", "left"], ["B-per", "O"]), (["hi"], ["O"])])
+    write_conll(tmp_path / "dev.txt", [(["Bo"], ["B-per"])])
+    write_conll(tmp_path / "test.txt", [(["ok"], ["O"])])
+    ex = sources.load_site("ner", tmp_path, entity_types=("per", "org"))
+    assert ex.splits.tolist() == ["train", "train", "dev", "test"]
+    assert ex.tag_names == ("O", "B-org", "I-org", "B-per", "I-per")
+    assert ex.tokens[0] == ["Ann", "left"] and ex.labels.tolist() == [1, 2, 1, 2]
+    write_conll(tmp_path / "test.txt", [(["ok"], ["O"]), (["IBM"], ["B-org"]), (["x"], ["I-loc"])])
+    with pytest.raises(UserError, match=r"test.txt:5: tag 'I-loc' is not in the tag vocabulary"):
+        sources.load_site("ner", tmp_path, entity_types=("per", "org"))
 
 
 def test_a_site_of_an_offline_corpus_keeps_its_files_splits(tmp_path):

@@ -457,14 +457,19 @@ def _load_offline(task: Task, root: Path | None) -> Examples:
 
 
 def load_examples(
-    task: str | Task, *, data_dir: str | os.PathLike | None = None, source: str = "auto"
+    task: str | Task,
+    *,
+    data_dir: str | os.PathLike | None = None,
+    source: str = "auto",
+    entity_types: Sequence[str] | None = None,
 ) -> Examples:
-    """The task's example pool (train + validation merged) from the chosen source."""
+    """The task's example pool (train + validation merged) from the chosen source;
+    `entity_types`: a token task's (its tag vocabulary; None: the pool's own tags)."""
     task = get_task(task)
     if task.objective.per_token:  # BIO-tagged sentences: CoNLL files or an offline corpus
         from fedjax_split.data.tokens import tagged
 
-        return tagged.load_tagged(task, data_dir)
+        return tagged.load_tagged(task, data_dir, entity_types)
     if source not in SOURCES:
         raise UserError(f"unknown data source {source!r}; choose one of {', '.join(SOURCES)}")
     if source == "local" and data_dir is None:
@@ -483,20 +488,28 @@ def load_examples(
     return _load_local_glue(task, root)
 
 
-def load_site(task: str | Task, site_dir: str | os.PathLike) -> Any:
+def load_site(
+    task: str | Task, site_dir: str | os.PathLike, entity_types: Sequence[str] | None = None
+) -> Any:
     """One site's own examples (`--site-data`), labelled in the task's vocabulary: GLUE TSV or
     parquet files (train required; dev, when there, is the site's test split), an offline
-    corpus's file(s), or CoNLL files for a token task. `splits` says which file each row came
-    from ("train" for the training rows)."""
+    corpus's file(s), or CoNLL files for a token task (train required; dev and test test),
+    whose tags must be O or B-/I- of `entity_types` (the run's: never the site's own, so that
+    every site has the same vocabulary). `splits` says which file each row came from ("train"
+    for the training rows)."""
     task = get_task(task)
     root = Path(site_dir).expanduser()
     if not root.is_dir():
         raise UserError(f"site directory {str(root)!r} does not exist")
     if task.objective.per_token:
-        raise UserError(
-            f"task {task.name} with --site-data: a token task's tag vocabulary would come from "
-            "the sites' own tags; use --data-dir for now"
-        )
+        from fedjax_split.data.tokens import tagged
+
+        if not entity_types:
+            raise UserError(
+                f"task {task.name} with --site-data: pass --entity-types TYPE1,TYPE2,... (the "
+                "sites' tags do not decide the vocabulary)"
+            )
+        return tagged.load_tagged(task, root, entity_types)
     if task.kind == "offline":
         return _load_offline(task, root)
     return _load_local_glue(task, root, site=True)

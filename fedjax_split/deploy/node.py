@@ -199,7 +199,7 @@ def _site_share(config: ExperimentConfig, task: Any, client_id: int, site_dir: A
     """A site's own data (--site-data): (its examples, its own split of them, its label
     shares, the settings every site has alike; the server offsets each site's indices by the
     sizes the sites report, `partition.sites_partition`)."""
-    from fedjax_split.data import partition
+    from fedjax_split.data import partition, sources
     from fedjax_split.run import pieces
 
     if site_dir is None:
@@ -210,7 +210,8 @@ def _site_share(config: ExperimentConfig, task: Any, client_id: int, site_dir: A
     examples = pieces.load_site(config, task, client_id, site_dir)
     split = pieces.site_split(config, examples, client_id, site_dir)
     labels = np.asarray(examples.labels)
-    names = () if task.is_regression else task.label_names
+    # a token task's shares are of each sentence's dominant entity type, as the simulation's
+    names = sources.label_names_or_none(task, examples) or ()
     shares = partition.client_shares(split, labels, len(names)).tolist() if names else None
     part = partition.sites_partition([split], [len(labels)], config.seed, task.name)
     return examples, split, shares, _meta(part, "clients", "num_examples")

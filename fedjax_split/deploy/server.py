@@ -212,12 +212,35 @@ def partition_from_nodes(config: ExperimentConfig, found: Mapping[int, tuple[int
     return Partition(clients=clients, **meta)
 
 
-def _tag_names(found: Mapping[int, tuple[int, Any]]) -> tuple[str, ...]:
+def _tag_names(
+    found: Mapping[int, tuple[int, Any]], configured: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """A token task's tag vocabulary: the run config's (`configured`, pieces.tag_names), which
+    every node must report too; without one (a pool's own tags), the one the nodes agree on."""
     names = {tuple(cfg[protocol.TAG_NAMES]) if protocol.TAG_NAMES in cfg else ()
              for _, cfg in found.values()}  # fmt: skip
     if len(names) != 1:
         raise UserError("the SuperNodes report different tag vocabularies; give them the same data")
-    return names.pop()
+    reported = names.pop()
+    if configured and reported != configured:
+        raise UserError(
+            f"the SuperNodes report the tags {','.join(reported)}, the run's are "
+            f"{','.join(configured)}; give every node this run's fedjax_split and config"
+        )
+    return configured or reported
+
+
+def partition_names(config: ExperimentConfig, task: Any) -> tuple[str, ...] | None:
+    """The names of partition.json's share columns: the task's labels, or a token task's
+    entity types from the config (each sentence's dominant type, then "(none)", as the pool's
+    `partition_names`); None where no one knows them here (a pool's own types)."""
+    from fedjax_split.data.tokens.tagged import NO_ENTITY
+    from fedjax_split.run import pieces
+
+    if task.objective.per_token:
+        types = pieces.entity_types(config, task)
+        return None if types is None else (*types, NO_ENTITY)
+    return task.label_names or None
 
 
 @dataclasses.dataclass
@@ -245,7 +268,8 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
     from fedjax_split.sim import rounds
     from fedjax_split.tasks import registry as tasks
 
-    model = pieces.build_model(config, tasks.get_task(config.task), _tag_names(found))
+    task = tasks.get_task(config.task)
+    model = pieces.build_model(config, task, _tag_names(found, pieces.tag_names(config, task)))
     spec = model.round_spec
 
     def step(state: Any, uploads: tuple, weights: Any, rng: Any, norms: Any) -> Any:
@@ -538,7 +562,7 @@ class FlowerServer:
 
         run, config, model = self.run, self.run.config, self.run.model
         self.saved_round = start_round
-        names = model.task.label_names or None  # a token task's partition names: the nodes'
+        names = partition_names(config, model.task)
         partition_mod.save_partition(run.partition, self.run_dir / "partition.json",
                                      realised=run.shares, label_names=names)  # fmt: skip
         note(pieces.method_line(config, model))

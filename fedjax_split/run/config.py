@@ -21,7 +21,8 @@ from fedjax_split.run.settings import Schema, load_config_file, optional_int
 from fedjax_split.run.settings import setting as _setting
 
 __all__ = [
-    "ExperimentConfig", "FIELDS", "NODE_SITES", "SCHEMA", "load_config_file", "nullable",
+    "ExperimentConfig", "FIELDS", "NODE_SITES", "SCHEMA", "entity_type_list", "load_config_file",
+    "nullable",
     "resolve_config", "site_dirs", "trajectory_mismatch", "validate", "validate_critical_layer",
     "value_type",
 ]  # fmt: skip
@@ -94,13 +95,22 @@ class ExperimentConfig:
     site_data: str | None = _setting(
         None,
         "Sites with their own data: DIR0,DIR1,... one directory per client, each in a format "
-        "--data-dir reads (GLUE TSV/parquet, an offline corpus's file; not yet a token task's "
-        "CoNLL): client k trains on DIR_k's train file and tests on its dev file (else 80/20 of "
+        "--data-dir reads (GLUE TSV/parquet, an offline corpus's file, CoNLL for a token task, "
+        "whose tags are checked against the task's entity types or --entity-types): client k "
+        "trains on DIR_k's train file and tests on its dev (and test) file (else 80/20 of "
         "its train file); no pool and no partition, so the sites are the clients and the "
         "partition flags and --max-examples do not apply. On Flower (python -m "
         "fedjax_split.flower) SuperNode k reads DIR_k alone; `node-config`: each SuperNode reads "
         "the data-dir of its own node config (real sites with --write-app, docs/deployment.md).",
         metavar="DIRS",
+    )
+    entity_types: str | None = _setting(
+        None,
+        "A token task's entity types, TYPE1,TYPE2,...: its tags are O and B-/I- of each, a tag "
+        "outside them stops the run naming its file and line. Needed by `ner` with --site-data "
+        "(no site's tags decide the vocabulary); the offline corpora (wnut16, nero) have their "
+        "own; unset for a `ner` pool: the pool's own tags.",
+        metavar="TYPES",
     )
     algorithm: str = _setting(
         "fedavg",
@@ -435,6 +445,24 @@ def validate_sites(config: ExperimentConfig) -> None:
                             "give each site its own directory")  # fmt: skip
 
 
+def entity_type_list(config: ExperimentConfig) -> tuple[str, ...] | None:
+    """--entity-types as sorted types (None when unset); a UserError for an empty entry, a
+    duplicate, a space (CoNLL columns are split on spaces) or a tag given for a type."""
+    if config.entity_types is None:
+        return None
+    types = [t.strip() for t in config.entity_types.split(",")]
+    for t in types:
+        if not t or any(c.isspace() for c in t) or t == "O" or t[:2] in ("B-", "I-"):
+            raise UserError(
+                f"--entity-types {config.entity_types!r}: {t!r} is not an entity type; pass "
+                "TYPE1,TYPE2,... (e.g. PER,LOC,ORG: the tags are O and B-/I- of each)"
+            )
+    twice = sorted({t for t in types if types.count(t) > 1})
+    if twice:
+        raise UserError(f"--entity-types names {twice[0]!r} twice; name each type once")
+    return tuple(sorted(types))
+
+
 def validate(config: ExperimentConfig) -> None:
     """Checks that need no data or model; `validate_critical_layer` needs the model's depth."""
     SCHEMA.check_choices(config)
@@ -491,6 +519,7 @@ def validate(config: ExperimentConfig) -> None:
     if config.data_dir is not None and not Path(config.data_dir).is_dir():
         raise UserError(f"data dir {config.data_dir!r} does not exist; pass an existing --data-dir")
     validate_sites(config)
+    entity_type_list(config)
     validate_aggregation(config)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 from fedjax_split.errors import UserError
 from fedjax_split.run.config import (
     ExperimentConfig,
+    entity_type_list,
     lora_settings,
     validate,
     validate_critical_layer,
@@ -126,18 +127,56 @@ def check(config: ExperimentConfig) -> int:
 
     validate(config)
     task = tasks.get_task(config.task)
+    entity_types(config, task)  # a token task's vocabulary, before any file is read
     model_config = hf_checkpoint.load_config(hf_checkpoint.resolve_model(config.model))
     head = dataclasses.replace(model_config, head=task.objective.head)
     lora.configure(head, lora_settings(config))  # e.g. a --lora-targets that chooses no layer
     return validate_critical_layer(config, model_config.num_hidden_layers)
 
 
+def entity_types(config: ExperimentConfig, task: Any) -> tuple[str, ...] | None:
+    """A token task's entity types, its tag vocabulary "O" and B-/I- of each: the task's own
+    (the offline corpora), else --entity-types, else None: a pool's own tags decide. Sites
+    (--site-data) never decide it, so that every site's head and the server's agree without
+    any of them seeing another site's tags; None for other tasks."""
+    given = entity_type_list(config)
+    if not task.objective.per_token:
+        if given is not None:
+            raise UserError(f"--entity-types with task {task.name}: only a token task (ner, "
+                            "wnut16, nero) has entity types; leave it out")  # fmt: skip
+        return None
+    if task.entity_types:
+        if given is not None and given != task.entity_types:
+            raise UserError(
+                f"--entity-types {config.entity_types} but task {task.name} has its own types "
+                f"{','.join(task.entity_types)}; leave --entity-types out"
+            )
+        return task.entity_types
+    if given is None and config.site_data is not None:
+        raise UserError(
+            f"task {task.name} with --site-data needs its tag vocabulary from the run, not from "
+            "the sites' tags: pass --entity-types TYPE1,TYPE2,... (e.g. PER,LOC,ORG)"
+        )
+    return given
+
+
+def tag_names(config: ExperimentConfig, task: Any) -> tuple[str, ...]:
+    """The run's tag vocabulary as the config gives it (`entity_types`); () where the pool's
+    own tags decide it, or for a task without tags."""
+    from fedjax_split.tasks import bio
+
+    types = entity_types(config, task)
+    return () if types is None else tuple(bio.tag_vocabulary(types))
+
+
 def load_pool(config: ExperimentConfig, task: Any) -> Any:
     """The task's example pool as every client sees it: loaded, then subsampled (--max-examples).
-    A token task's tag vocabulary (`tag_names`) is the whole pool's, taken before subsampling."""
+    A token task's tag vocabulary (`tag_names`) is the run's (`entity_types`), else the whole
+    pool's, taken before subsampling."""
     from fedjax_split.data import sources
 
-    examples = sources.load_examples(task, data_dir=config.data_dir)
+    examples = sources.load_examples(task, data_dir=config.data_dir,
+                                     entity_types=entity_types(config, task))  # fmt: skip
     idx = subsample_indices(len(examples.labels), config.max_examples, config.seed)
     return subset_examples(examples, idx)
 
@@ -166,7 +205,7 @@ def load_site(config: ExperimentConfig, task: Any, client_id: int, site_dir: Any
     from fedjax_split.data import sources
 
     try:
-        return sources.load_site(task, site_dir)
+        return sources.load_site(task, site_dir, entity_types=entity_types(config, task))
     except UserError as err:
         raise UserError(f"site {client_id} ({site_dir}): {err}") from None
 
