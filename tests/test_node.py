@@ -144,6 +144,55 @@ def test_a_site_node_reading_only_its_dir_builds_the_simulations_batches_for_it(
         offset += n.pool_size
 
 
+def test_a_ner_site_node_builds_the_simulations_batches_in_the_configs_vocabulary(
+    sites: dict, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NER sites (CoNLL, --entity-types): node k, given only site k's directory, has the run's
+    tag vocabulary (a head as wide as the simulation's), its dominant-type shares, and every
+    training and test batch the simulation derives for client k."""
+    import jax
+    from run_fixtures import NER_TYPES, conll_sentences, write_tiny_ner_sites
+
+    from fedjax_split.deploy import node
+    from fedjax_split.deploy.protocol import experiment_values
+    from fedjax_split.run import experiment, pieces
+    from fedjax_split.run.config import resolve_config
+
+    monkeypatch.setenv("FEDJAX_SPLIT_CACHE", str(tmp_path / "cache"))
+    dirs = write_tiny_ner_sites(tmp_path / "ner")
+    setup = experiment.build(resolve_config(overrides={
+        "task": "ner", "model": str(sites["model"]), "site_data": ",".join(map(str, dirs)),
+        "entity_types": NER_TYPES, "critical_layer": 1, "batch_size": 8,
+        "max_length": 16}))  # fmt: skip
+    config = resolve_config(
+        overrides=experiment_values({"experiment": json.dumps(setup.config.to_dict())})
+    )
+    assert setup.pool.examples.tag_names == ("O", "B-neg", "I-neg", "B-pos", "I-pos")
+    labels, offset = setup.pool.labels, 0
+    for k, d in enumerate(dirs):
+        n = node.prepare(config, k, tmp_path / f"cache_{k}", site_dir=d)
+        sim = setup.partition.clients[k]
+        assert n.pool.examples.tag_names == setup.pool.examples.tag_names
+        rows, test = conll_sentences(d / "train.txt"), d / "test.txt"
+        held = conll_sentences(test) if test.exists() else int(rows / 5 + 0.5)  # else 80/20
+        assert len(n.split.train) == rows - (0 if test.exists() else held) == len(sim.train)
+        assert len(n.split.test) == held
+        np.testing.assert_array_equal(n.split.train + offset, sim.train)
+        np.testing.assert_array_equal(n.split.test + offset, sim.test)
+        counts = np.bincount(labels[sim.all], minlength=3)  # neg, pos, (none)
+        np.testing.assert_allclose(n.shares, counts / counts.sum(), atol=1e-6)
+        got = pieces.client_steps(config, n.task, n.pool, n.split.train, k, 1)
+        want = experiment.round_batches(setup, 1)[k]
+        assert len(got) == len(want) > 0
+        for a, b in zip(got, want, strict=True):
+            jax.tree.map(np.testing.assert_array_equal, _without_index(a), _without_index(b))
+        evals = pieces.client_eval_steps(config, n.task, n.pool, n.split.test)
+        assert len(evals) == len(setup.eval_batches[k]) > 0
+        for a, b in zip(evals, setup.eval_batches[k], strict=True):
+            jax.tree.map(np.testing.assert_array_equal, _without_index(a), _without_index(b))
+        offset += n.pool_size
+
+
 def test_a_site_node_without_its_data_dir_is_one_line(sites: dict) -> None:
     from fedjax_split.deploy import node
     from fedjax_split.run.config import NODE_SITES

@@ -22,12 +22,17 @@ from pathlib import Path
 
 import pytest
 from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
+    NER_SITES,
+    NER_TYPES,
     SITES,
     cli_env,
+    conll_sentences,
     private_cache,
     tiny_args,
     tsv_rows,
+    write_tiny_conll,
     write_tiny_model,
+    write_tiny_ner_sites,
     write_tiny_sites,
     write_tiny_sst2,
 )
@@ -302,6 +307,59 @@ def test_a_sites_unknown_label_is_one_line_naming_file_and_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: site 1 ({bad}): task sst2: 1 invalid")
     assert "train.tsv:5 (label 'neutral')" in err[0]
+    assert not out.exists()  # nothing written
+
+
+def _ner_site_args(env: dict, out: Path, dirs: list[Path], **extra: object) -> list[str]:
+    flags = {**FAST, "batch_size": 64, "entity_types": NER_TYPES, **extra}
+    return tiny_args(env["model"], env["data"], out, task="ner", data_dir=None, clients=None,
+                     site_data=",".join(map(str, dirs)), **flags)  # fmt: skip
+
+
+def test_ner_sites_train_on_exactly_their_own_conll_files(env: dict) -> None:
+    """--task ner --site-data with --entity-types: three CoNLL sites of different sizes are
+    the three clients; each trains on its train file's sentences and tests on its test file
+    (the site without one on a fifth of its train file), in the run's tag vocabulary."""
+    dirs = write_tiny_ner_sites(env["base"] / "ner_sites")
+    out = env["base"] / "ner_sites_run"
+    res = _cli(env, _ner_site_args(env, out, dirs, rounds=1))
+    assert res.returncode == 0, res.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["clients"] == 3 and config["entity_types"] == NER_TYPES
+    doc = json.loads((out / "partition.json").read_text())
+    assert doc["scheme"] == "sites" and doc["label_names"] == ["neg", "pos", "(none)"]
+    for k, (c, d) in enumerate(zip(doc["clients"], dirs, strict=True)):
+        rows = conll_sentences(d / "train.txt")
+        assert rows == NER_SITES[k]["n_train"]
+        if NER_SITES[k]["n_test"]:
+            assert (len(c["train"]), len(c["test"])) == (rows, conll_sentences(d / "test.txt"))
+        else:
+            assert (len(c["train"]), len(c["test"])) == (rows - int(rows / 5 + 0.5),
+                                                         int(rows / 5 + 0.5)), k  # fmt: skip
+    (final,) = [r for r in _metrics(out) if r.get("round") == 1 and "f1" in r]
+    assert len(final["clients"]) == 3  # every site scored on its own test sentences
+
+
+def test_ner_site_with_an_unknown_tag_or_without_entity_types_is_one_line(
+    env: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    good = write_tiny_conll(tmp_path / "good", n_train=6, n_test=0)
+    bad = write_tiny_conll(tmp_path / "bad", n_train=6, n_test=0)
+    lines = (bad / "train.txt").read_text().splitlines()
+    at = next(i for i, x in enumerate(lines) if x.endswith("\tO"))
+    lines[at] = lines[at].replace("\tO", "\tB-MISC")
+    (bad / "train.txt").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "run"
+    assert train.main(_ner_site_args(env, out, [good, bad])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0] == (
+        f"error: site 1 ({bad}): {bad / 'train.txt'}:{at + 1}: tag 'B-MISC' is not in the tag "
+        "vocabulary (O, B-/I- of --entity-types neg,pos); add its type to --entity-types or fix "
+        "the tag"
+    )
+    assert train.main(_ner_site_args(env, out, [good, bad], entity_types=None)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pass --entity-types TYPE1,TYPE2" in err[0]
     assert not out.exists()  # nothing written
 
 
