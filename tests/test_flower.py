@@ -23,12 +23,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
+    NER_TYPES,
     SITES,
     cli_env,
+    conll_sentences,
     private_cache,
     tiny_args,
     tsv_rows,
     write_tiny_model,
+    write_tiny_ner_sites,
     write_tiny_sites,
     write_tiny_sst2,
 )
@@ -377,6 +380,21 @@ def test_sites_with_their_own_data_federation_equals_simulation(env: dict) -> No
             assert len(cached) == 1 and z["lengths"].size == train + test, k
     trains = [e for e in sent if e["type"] == "train" and e["sender"] == "client"]
     assert trains and all(protocol.NUM_TRAIN in e["metrics"]["metrics"] for e in trains)
+
+
+def test_ner_sites_federation_equals_simulation(env: dict) -> None:
+    """NER sites (CoNLL files, --entity-types): every round equals the simulation's,
+    partition.json too (its share columns named from the config), and the tag names are the
+    config's: the server's head is as wide as the nodes'."""
+    dirs = write_tiny_ner_sites(env["base"] / "ner_sites")
+    flags = {"task": "ner", "entity_types": NER_TYPES, "data_dir": None, "clients": None,
+             "site_data": ",".join(map(str, dirs)), "critical_layer": 1, "rounds": 1}  # fmt: skip
+    out, sim, _ = _federation_equals_simulation(env, "ner_sites", flags)
+    assert (out / "partition.json").read_text() == (sim / "partition.json").read_text()
+    doc = json.loads((out / "partition.json").read_text())
+    assert doc["label_names"] == ["neg", "pos", "(none)"] and doc["realised_shares"]
+    assert [len(c["train"]) for c in doc["clients"][::2]] == [
+        conll_sentences(d / "train.txt") for d in dirs[::2]]  # the sites with a test file
 
 
 def test_two_supernodes_of_two_clients_each_equal_the_simulation(env: dict) -> None:
