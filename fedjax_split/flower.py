@@ -123,10 +123,12 @@ def run_config(config: Any, deploy: dict[str, Any], status_file: str = "") -> di
 
 
 def check_sites(config: Any) -> None:
-    """With --site-data, each site's files read as its SuperNode will read them, so that a bad
-    file is one line before any process starts (the local federation's sites are all here)."""
+    """With --site-data, each site's files read as its SuperNode will read them (pre-training:
+    its *.txt, its held-out documents drawn), so that a bad file is one line before any process
+    starts (the local federation's sites are all here)."""
     from fedjax_split.run import pieces
     from fedjax_split.run.config import site_dirs
+    from fedjax_split.run.pretrain_config import PretrainConfig
     from fedjax_split.tasks.registry import get_task
 
     if config.site_data is not None and not site_dirs(config):
@@ -135,6 +137,12 @@ def check_sites(config: Any) -> None:
             "with its own data-dir); this local federation needs the sites' directories "
             "DIR0,DIR1,..."
         )
+    if isinstance(config, PretrainConfig):
+        from fedjax_split.run.pretraining import site_documents
+
+        for k, d in enumerate(site_dirs(config)):
+            site_documents(config, k, d)
+        return
     task = get_task(config.task)
     for k, d in enumerate(site_dirs(config)):
         pieces.site_split(config, pieces.load_site(config, task, k, d), k, d)
@@ -325,6 +333,7 @@ def main_pretrain(argv: Sequence[str]) -> int:
     from fedjax_split.deploy.pretrain_node import check_deployable
     from fedjax_split.pretrain import done_line
     from fedjax_split.run import driver
+    from fedjax_split.run.config import site_dirs
     from fedjax_split.run.pretrain_config import SCHEMA
     from fedjax_split.run.pretraining import check
 
@@ -339,9 +348,10 @@ def main_pretrain(argv: Sequence[str]) -> int:
         driver.check_run_dir(config.run_dir, config.resume,  # before anything is written
                              lambda saved: SCHEMA.trajectory_mismatch(saved, config),
                              output_names=["model"])  # fmt: skip
+        check_sites(config)
     except UserError as err:
         return report(err)
-    nodes = node_configs(config.run_dir / "flower", config.clients, supernodes)
+    nodes = node_configs(config.run_dir / "flower", config.clients, supernodes, site_dirs(config))
     code, status = _federate(config.run_dir, nodes, run_config(config, deploy), deploy)
     if status is None:
         return code

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, validate
+from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, resolve
 
 DESCRIPTION = (
     "Federated further pre-training (masked LM) of a BERT encoder on text that stays on the "
@@ -31,9 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> PretrainConfig:
-    config = SCHEMA.from_args(build_parser(), argv)
-    validate(config)
-    return config
+    """Parse flags and resolve them against defaults and the --config file, then validate
+    (`resolve`: with --site-data the corpus is local and the sites are the clients unless
+    given)."""
+    from fedjax_split.run.config import load_config_file
+
+    given = vars(build_parser().parse_args(argv))
+    file_values = load_config_file(given["config"]) if "config" in given else {}
+    return resolve(file_values, given)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -182,6 +182,14 @@ def write_tiny_text(data_dir: Path, *, seed: int = 0) -> Path:
     return data_dir
 
 
+def write_text_sites(base: Path) -> list[Path]:
+    """Two sites of further pre-training text, base/site_<k>, each its own seed: site 0 two
+    .txt files (60 documents), site 1 one (30), so that the sites differ in size and text."""
+    dirs = [write_tiny_text(base / f"site_{k}", seed=20 + k) for k in range(2)]
+    (dirs[1] / "new.txt").unlink()
+    return dirs
+
+
 # Parameter counts of write_tiny_model's BERT (hidden 32, intermediate 64, positions 64), which a
 # further pre-training client sends: one encoder layer, the MLM head (transform, LayerNorm,
 # output bias), the embeddings (word, position, token type, LayerNorm).

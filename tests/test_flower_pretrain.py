@@ -23,6 +23,7 @@ from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
     TINY_MLM_HEAD,
     cli_env,
     private_cache,
+    write_text_sites,
     write_tiny_model,
     write_tiny_text,
 )
@@ -115,6 +116,36 @@ def test_fedbfpt_through_flower_equals_the_simulation_and_sends_only_the_trained
     )
     sent = [json.loads(x) for f in record.glob("*.jsonl") for x in f.read_text().splitlines()]
     _check_wire(sent, got)
+
+
+def test_sites_through_flower_equal_the_simulation_and_no_site_path_is_written(
+    env: dict,
+) -> None:
+    """--site-data: SuperNode k is given site k's directory alone (its node config's data-dir)
+    and the server none (the run config says `node-config`); one FedBFPT round, the held-out
+    figures before and after it each site's own batches scored where they live and summed by
+    the server in site order. metrics.jsonl but times, split.json (the sites' counts) and the
+    model's bytes equal `pretrain --site-data`'s; no site's path is in the run's files."""
+    dirs = write_text_sites(env["base"] / "sites")
+    flags = {k: v for k, v in FLAGS.items() if k not in ("corpus", "clients", "split")}
+    flags |= {"rounds": 1, "site-data": ",".join(map(str, dirs)), "model": env["model"]}
+    out, sim = env["base"] / "sites_flower", env["base"] / "sites_sim"
+    args = lambda run: [f"--{k}={v}" for k, v in {**flags, "output-dir": run}.items()]  # noqa: E731
+    res = _run(env, ["fedjax_split.flower", "pretrain", *args(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    _no_processes_left(str(out))
+    res = _run(env, ["fedjax_split.pretrain", *args(sim)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    got, want = _metrics(out), _metrics(sim)
+    assert _timeless(got) == _timeless(want) and got[0]["mlm_loss"] is not None
+    assert all(r["eval_failed"] == [] == r["clients_failed"] for r in got)
+    assert (out / "split.json").read_text() == (sim / "split.json").read_text()
+    split = json.loads((out / "split.json").read_text())
+    assert split["scheme"] == "sites" and [s["documents"] for s in split["sites"]] == [60, 30]
+    assert _sha(out / "model" / "model.safetensors") == _sha(sim / "model" / "model.safetensors")
+    assert json.loads((out / "config.json").read_text())["site_data"] == "node-config"
+    for name in ("config.json", "split.json", "metrics.jsonl", "summary.json"):
+        assert not any(str(d) in (out / name).read_text() for d in dirs), name
 
 
 def _check_wire(sent: list[dict], got: list[dict]) -> None:
@@ -235,6 +266,7 @@ def test_held_out_figures_must_be_the_nodes_share_and_finite() -> None:
 
 BAD_FLAGS = [
     (["--method=centralised"], "does not run on Flower"),
+    (["--site-data=node-config"], "--split with --site-data"),
     (["--supernodes=3"], "--supernodes 3 but --clients 2"),
     (["--small-layers=9"], "outside 1..4"),
 ]
@@ -251,3 +283,28 @@ def test_bad_input_exits_2_with_one_line_before_starting_anything(
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
     assert not out.exists()
+
+
+def test_a_bad_site_is_one_line_before_starting_anything(
+    env: dict, capsys: pytest.CaptureFixture
+) -> None:
+    """The local federation reads each site's text as its SuperNode would before it starts one;
+    `node-config` is for real sites (--write-app), whose App names no site's path."""
+    from fedjax_split import flower
+
+    good = write_text_sites(env["base"] / "bad_sites")[0]
+    empty = env["base"] / "bad_sites" / "empty"
+    empty.mkdir()
+    out, app = env["base"] / "bad_sites_out", env["base"] / "bad_sites_app"
+    common = [f"--model={env['model']}", "--method=bert-fl", f"--output-dir={out}"]
+    cases = {f"--site-data={good},{empty}": f"site 1 ({empty}): no *.txt files",
+             "--site-data=node-config": "is for `--write-app`"}  # fmt: skip
+    for flag, needle in cases.items():
+        assert flower.main(["pretrain", *common, flag, "--clients=2"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], lines
+        assert not out.exists()
+    assert flower.main(["pretrain", *common, f"--site-data={good},{empty}",
+                        f"--write-app={app}"]) == 0  # fmt: skip
+    text = (app / "pyproject.toml").read_text()
+    assert "node-config" in text and str(good) not in text and str(empty) not in text

@@ -65,3 +65,34 @@ def test_depth_checks() -> None:
     assert check_depth(resolve(overrides={"rounds": 20, "method": "bert-fl"}), 6) == (3, 3)
     with pytest.raises(UserError, match="--truncated-layers 7 is outside 1..6"):
         check_depth(resolve(overrides={"method": "truncated", "truncated_layers": 7}), 6)
+
+
+def test_site_data_implies_local_text_and_one_client_per_site(tmp_path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    got = resolve(overrides={"site_data": f"{a},{b}"})
+    assert (got.corpus, got.clients, got.data_dir) == ("local", 2, None)
+    # real sites (--write-app): each SuperNode knows its own directory, --clients is given
+    assert resolve(overrides={"site_data": "node-config", "clients": 3}).clients == 3
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"corpus": "pubmed"}, "--corpus pubmed with --site-data"),
+        ({"split": "quantity"}, "--split with --site-data"),
+        ({"sigma": 0.9}, "--sigma with --site-data"),
+        ({"max_documents": 10}, "--max-documents with --site-data"),
+        ({"data_dir": "."}, "--data-dir with --site-data"),
+        ({"clients": 3}, "--clients 3 but --site-data names 2 sites"),
+        ({"site_data": "{a},/no/such/site"}, "site 1's directory '/no/such/site' does not exist"),
+        ({"site_data": "{a},{a}"}, "names .* twice"),
+        ({"site_data": "{a},"}, "has an empty entry"),
+    ],
+)
+def test_bad_site_settings(tmp_path, change: dict, needle: str) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    sites = change.pop("site_data", "{a},{b}").format(a=a, b=b)
+    with pytest.raises(UserError, match=needle):
+        resolve(overrides={"site_data": sites, **change})

@@ -8,6 +8,7 @@ client with all the clients' text and sends nothing; --freeze. The command line 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import jax
@@ -18,6 +19,7 @@ from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
     TINY_LAYER,
     TINY_MLM_HEAD,
     private_cache,
+    write_text_sites,
     write_tiny_model,
     write_tiny_text,
 )
@@ -183,3 +185,102 @@ def test_freeze_leaves_parameters_out_of_every_plan(base: dict) -> None:
     }  # fmt: skip
     with pytest.warns(UserWarning), pytest.raises(UserError, match="leaves nothing to train"):
         pretraining.build(resolve(overrides={**settings, "freeze": "."}))
+
+
+# --- sites with their own text (--site-data) ---
+
+
+def _site_setup(base: dict, dirs: list[Path], **extra: object) -> object:
+    from fedjax_split.run import pretraining
+    from fedjax_split.run.pretrain_config import resolve
+
+    settings = {
+        "site_data": ",".join(map(str, dirs)), "model": str(base["model"]), "max_length": 24,
+        "batch_size": 8, "heldout_fraction": 0.1, "method": "bert-fl", **extra,
+    }  # fmt: skip
+    with pytest.warns(UserWarning, match="freshly initialised"):
+        return pretraining.build(resolve(overrides=settings))
+
+
+def _documents(site: Path) -> list[str]:
+    """A site's documents read here, independently: blank-line blocks of its files, by name."""
+    return [b.strip() for f in sorted(site.glob("*.txt"))
+            for b in f.read_text().split("\n\n") if b.strip()]  # fmt: skip
+
+
+def _content(rows: np.ndarray, lengths: np.ndarray, special: set[int]) -> Counter:
+    return Counter(int(t) for row, n in zip(rows, lengths, strict=True)
+                   for t in row[:n] if int(t) not in special)  # fmt: skip
+
+
+def test_each_sites_client_trains_on_exactly_its_sites_text(base: dict) -> None:
+    """Client k's training sequences hold exactly the tokens of site k's documents but its
+    held-out ones (a tenth, drawn from the seed and k), nothing of the other site; split.json
+    gives the sites' counts."""
+    from fedjax_split.data import tokenization
+    from fedjax_split.data.text.corpus_split import site_heldout
+
+    dirs = write_text_sites(base["root"] / "sites")
+    setup = _site_setup(base, dirs)
+    assert setup.clients == [0, 1] and setup.config.corpus == "local"
+    tok = tokenization.load_tokenizer(base["model"])
+    special = {tok.cls_token_id, tok.sep_token_id}
+    counts = []
+    for k, site in enumerate(dirs):
+        docs = _documents(site)
+        train, held = site_heldout(len(docs), client=k, seed=0, heldout_fraction=0.1)
+        assert held.size == round(0.1 * len(docs)) and np.intersect1d(train, held).size == 0
+        ids = tok([docs[i] for i in train], add_special_tokens=False)["input_ids"]
+        seqs = setup.sequences[k]
+        assert _content(seqs.input_ids, seqs.lengths, special) == Counter(
+            t for x in ids for t in x
+        ), k
+        assert setup.sizes[k] == seqs.input_ids.shape[0]
+        counts.append({"documents": len(docs), "train": train.size, "heldout": held.size})
+    assert setup.split.to_dict() == {"scheme": "sites", "seed": 0, "sites": counts}
+    assert [c["documents"] for c in counts] == [60, 30]
+
+
+def test_each_site_holds_out_its_own_documents(base: dict) -> None:
+    """The held-out batches are site 0's own, then site 1's: another site 1 changes neither
+    site 0's training text nor its held-out batches (draws and masks seeded by the seed and
+    the client id); sites draw different documents of equal text."""
+    from fedjax_split.data.text.corpus_split import site_heldout
+
+    dirs = write_text_sites(base["root"] / "held")
+    other = write_tiny_text(base["root"] / "held" / "other", seed=7)
+    a, b = _site_setup(base, dirs), _site_setup(base, [dirs[0], other])
+    one = _site_setup(base, dirs[:1])  # site 0 alone: its batches, as its node derives them
+    n0 = len(one.heldout)
+    assert 0 < n0 < len(a.heldout) and 0 < n0 < len(b.heldout)
+    assert a.heldout[n0].input_ids.tolist() != b.heldout[n0].input_ids.tolist()  # site 1's
+    for x, y in zip(a.heldout[:n0] + b.heldout[:n0], one.heldout * 2, strict=True):
+        for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    np.testing.assert_array_equal(a.sequences[0].input_ids, b.sequences[0].input_ids)
+    draws = [site_heldout(60, client=k, seed=0, heldout_fraction=0.1)[1] for k in (0, 1)]
+    assert draws[0].tolist() != draws[1].tolist()
+    central = _site_setup(base, dirs, method="centralised")
+    assert central.clients == [0] and central.sizes == [sum(a.sizes)]
+
+
+@pytest.mark.parametrize("bad", ["empty", "one document"])
+def test_a_bad_site_is_one_line_exit_2_nothing_written(
+    base: dict, bad: str, capsys: pytest.CaptureFixture
+) -> None:
+    from fedjax_split import pretrain
+
+    good = write_text_sites(base["root"] / f"bad_{bad}")[0]
+    site = base["root"] / f"bad_{bad}" / "site_x"
+    site.mkdir()
+    if bad == "one document":
+        (site / "a.txt").write_text("the movie was good\nvery good\n")
+    out = base["root"] / f"bad_{bad}_out"
+    args = [f"--site-data={good},{site}", f"--model={base['model']}", f"--output-dir={out}",
+            "--max-length=24", "--method=bert-fl"]  # fmt: skip
+    with pytest.warns(UserWarning, match="freshly initialised"):
+        assert pretrain.main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    needle = "no *.txt files" if bad == "empty" else "has 1 document(s), 1 held out"
+    assert len(lines) == 1 and lines[0].startswith(f"error: site 1 ({site}): "), lines
+    assert needle in lines[0] and not out.exists()

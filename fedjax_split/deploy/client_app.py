@@ -200,23 +200,31 @@ def _evaluate(msg: Message, context: Context) -> Message:
 
 def _pretrain_node(context: Context) -> Any:
     """This node's further pre-training client, in a process whose settings are applied first;
-    the node config's data-dir overrides the run's --data-dir."""
+    the node config's data-dir overrides the run's --data-dir, or in a --site-data run is this
+    site's own text, the only text it reads (the run config says `node-config`, whatever paths
+    an App's author left in it)."""
     from fedjax_split import runtime
     from fedjax_split.deploy import logs, pretrain_node
+    from fedjax_split.run.config import NODE_SITES
     from fedjax_split.run.pretrain_config import resolve
 
     logs.app_process()
     runtime.apply()
     values = json.loads(str(context.run_config[protocol.PRETRAIN_CONFIG]))
     data_dir = context.node_config.get(protocol.DATA_DIR)
-    if data_dir:
-        values["data_dir"] = str(data_dir)
+    data_dir = str(data_dir) if data_dir else None
+    sites = values.get("site_data") is not None
+    if sites:
+        values["site_data"] = NODE_SITES
+    elif data_dir:
+        values["data_dir"] = data_dir
     client_id = int(context.node_config[protocol.PARTITION_ID])
-    key = json.dumps(["pretrain", values, client_id], sort_keys=True)
+    key = json.dumps(["pretrain", values, client_id, data_dir], sort_keys=True)
     if key not in _PREPARED:
         while len(_PREPARED) >= _KEEP_PREPARED:
             _PREPARED.pop(next(iter(_PREPARED)))
-        _PREPARED[key] = pretrain_node.prepare(resolve(overrides=values), client_id)
+        _PREPARED[key] = pretrain_node.prepare(resolve(overrides=values), client_id,
+                                               data_dir if sites else None)  # fmt: skip
     return _PREPARED[key]
 
 
@@ -253,7 +261,8 @@ def pretrain_evaluate(msg: Message, context: Context) -> Message:
 
 
 def _pretrain_query(msg: Message, context: Context) -> Message:
-    """Who this node is: its client id, its training sequences, the split it derives."""
+    """Who this node is: its client id, its training sequences, the split it derives (a site:
+    its counts), its held-out batches."""
     from fedjax_split.deploy import pretrain_node
 
     node = _pretrain_node(context)

@@ -2,17 +2,18 @@
 federation: its own text, its MLM batches, and the simulation's client program.
 
 Nothing here imports Flower: the ClientApp's pretrain handlers (`client_app.py`) turn messages
-into these calls. A node loads and tokenises text itself; the server never sees any. Today a node
-derives its text as the simulation derives each client's (`node_text`: the corpus under its
---data-dir, split by `run.pretraining.load_split`, its own documents kept), so that it computes
-bit for bit what the simulation computes for its client: the same masked batches (seeded by the
-seed, the round and its id), the same dropout key, `sim.pretrain_rounds.client_update` on the
-model the round's plan gives it. A node whose site holds its own text replaces `node_text` and
-nothing else.
+into these calls. A node loads and tokenises text itself; the server never sees any. A node
+derives its text as the simulation derives its client's (`node_text`): either the corpus under
+its --data-dir split by `run.pretraining.load_split`, its own documents kept, or with
+--site-data its site's own *.txt alone (its node config's data-dir, `run.pretraining.site_text`),
+so that it computes bit for bit what the simulation computes for its client: the same masked
+batches (seeded by the seed, the round and its id), the same dropout key,
+`sim.pretrain_rounds.client_update` on the model the round's plan gives it.
 
 The held-out evaluation is the nodes' too (docs/deployment.md, "Further pre-training (FedBFPT)
 on Flower"): each node derives the held-out documents as the simulation does and scores its
-share of the held-out batches (`evaluate`), and the server sums the batches' figures in order.
+share of the held-out batches (`evaluate`), and the server sums the batches' figures in order;
+a site scores all of its own held-out batches, and the server adds the sites' up in site order.
 Clients keep nothing between rounds, so a node has no state on disk.
 """
 
@@ -47,8 +48,8 @@ class PretrainNode:
     config: PretrainConfig
     client_id: int
     sequences: Any  # its training sequences (data.text.text_corpora.Sequences)
-    heldout: list[Any]  # the masked held-out batches
-    split: dict[str, Any]  # the corpus split as this node derives it (split.json)
+    heldout: list[Any]  # the masked held-out batches (a site's: its own)
+    split: dict[str, Any]  # the corpus split as this node derives it, or its site's counts
     masking: Any
     pad_id: int
     trainer: Any  # sim.pretrain_rounds.Trainer
@@ -59,22 +60,34 @@ class PretrainNode:
         return int(self.trainer.config.num_hidden_layers)
 
 
-def node_text(config: PretrainConfig, client_id: int, tokenizer: Any, spec: Any) -> tuple:
-    """(the split, this client's sequences, the held-out batches): the corpus under --data-dir
-    (the node config's data-dir) split as the simulation splits it, this client's documents
-    kept. The one place a node's text comes from."""
+def node_text(
+    config: PretrainConfig, client_id: int, tokenizer: Any, spec: Any, site_dir: Any = None
+) -> tuple:
+    """(what split.json records as this node knows it, this client's sequences, its held-out
+    batches). One corpus (the node config's data-dir, else --data-dir): split as the simulation
+    splits it, this client's documents kept, all the held-out batches. --site-data: `site_dir`'s
+    text alone, this site's counts and its own held-out batches. The one place a node's text
+    comes from."""
     from fedjax_split.run import pretraining
 
+    if config.site_data is not None:
+        if site_dir is None:
+            raise UserError(
+                f"this run's sites read their own text: give SuperNode {client_id} its directory "
+                f"in its node config (--node-config 'partition-id={client_id} data-dir=DIR')"
+            )
+        return pretraining.site_text(config, tokenizer, spec, client_id, site_dir)
     units, split = pretraining.load_split(config, tokenizer)
     seqs = pretraining.text_sequences(config, tokenizer, units, split.clients[client_id])
     pretraining.check_has_text(client_id, seqs)
     held = pretraining.text_sequences(config, tokenizer, units, split.heldout)
     heldout = pretraining.heldout_batches(config, held, spec, int(tokenizer.pad_token_id))
-    return split, seqs, heldout
+    return split.to_dict(), seqs, heldout
 
 
-def prepare(config: PretrainConfig, client_id: int) -> PretrainNode:
-    """This client's text and model, as the simulation builds them for it."""
+def prepare(config: PretrainConfig, client_id: int, site_dir: Any = None) -> PretrainNode:
+    """This client's text and model, as the simulation builds them for it (`site_dir`: its own
+    directory in a --site-data run)."""
     from fedjax_split.data import tokenization
     from fedjax_split.fed.roles import flatten_paths
     from fedjax_split.run import pretraining
@@ -89,10 +102,10 @@ def prepare(config: PretrainConfig, client_id: int) -> PretrainNode:
     pre = pretraining.load_model(config)
     tokenizer = tokenization.load_tokenizer(pre.model_dir)
     spec = pretraining.masking_spec(config, tokenizer, pre.config)
-    split, seqs, heldout = node_text(config, client_id, tokenizer, spec)
+    split, seqs, heldout = node_text(config, client_id, tokenizer, spec, site_dir)
     return PretrainNode(
-        config=config, client_id=client_id, sequences=seqs, heldout=heldout,
-        split=split.to_dict(), masking=spec, pad_id=int(tokenizer.pad_token_id),
+        config=config, client_id=client_id, sequences=seqs, heldout=heldout, split=split,
+        masking=spec, pad_id=int(tokenizer.pad_token_id),
         trainer=pretraining.make_trainer(config, pre.config),
         shapes={p: tuple(np.shape(x)) for p, x in flatten_paths(pre.params).items()},
     )  # fmt: skip

@@ -13,9 +13,10 @@ the round (listed in `clients_failed` / `clients_rejected`); a round nobody answ
 (its last checkpoint stays; `--resume` continues).
 
 Held-out evaluation is at the nodes (the server opens no text): every node derives the held-out
-batches as the simulation does and scores its share of them (batch i goes to client i mod K) with
-the full model sent down; the server puts the per-batch figures together in batch order, so the
-held-out MLM loss and accuracy are the simulation's bit for bit. An evaluation that misses a
+batches as the simulation does and scores its share of them (batch i goes to client i mod K;
+with --site-data each site scores its own, the run's batches being site 0's, then site 1's, ...)
+with the full model sent down; the server puts the per-batch figures together in batch order, so
+the held-out MLM loss and accuracy are the simulation's bit for bit. An evaluation that misses a
 batch records no figures that round (`eval_failed`); the one before round 1 must succeed.
 """
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -49,11 +50,35 @@ EVALUATE = f"{protocol.EVALUATE}.{protocol.PRETRAIN}"
 QUERY = f"{protocol.QUERY}.{protocol.PRETRAIN}"
 
 
+class HeldoutShare(NamedTuple):
+    """What one client scores of the held-out batches: batches i with i % parts == part of its
+    `count`, the run's batch `offset + i` (one corpus: batches c, c + K, ... of them all; a
+    site: all of its own, after the sites before it)."""
+
+    part: int
+    parts: int
+    count: int
+    offset: int
+
+
 def setup_from_nodes(
     config: PretrainConfig, found: Mapping[int, tuple[int, Any]]
-) -> tuple[pretraining.Setup, int]:
-    """(the run's text-free Setup, the held-out batch count) from the nodes' query replies:
-    the split they derive (all the same), each client's sequences."""
+) -> tuple[pretraining.Setup, list[HeldoutShare]]:
+    """(the run's text-free Setup, each client's `HeldoutShare`) from the nodes' query replies:
+    the split they derive (all the same; sites: each its own counts), each client's sequences."""
+    clients = list(range(config.clients))
+    if config.site_data is not None:
+        split, shares = _sites_from_nodes(config, found)
+    else:
+        split, count = _split_from_nodes(found)
+        shares = [HeldoutShare(c, len(clients), count, 0) for c in clients]
+    sizes = [int(found[c][1][protocol.SEQUENCES]) for c in clients]
+    pre = pretraining.load_model(config)
+    return pretraining.model_setup(config, pre, split, clients, sizes), shares
+
+
+def _split_from_nodes(found: Mapping[int, tuple[int, Any]]) -> tuple[Any, int]:
+    """(the corpus split, the held-out batch count) every node derives from one corpus."""
     from fedjax_split.data.text.corpus_split import CorpusSplit
 
     splits = {json.dumps(json.loads(str(cfg[protocol.SPLIT_JSON])), sort_keys=True)
@@ -68,10 +93,31 @@ def setup_from_nodes(
         scheme=str(raw["scheme"]),
         seed=int(raw["seed"]),
     )
-    clients = list(range(config.clients))
-    sizes = [int(found[c][1][protocol.SEQUENCES]) for c in clients]
-    pre = pretraining.load_model(config)
-    return pretraining.model_setup(config, pre, split, clients, sizes), counts.pop()
+    return split, counts.pop()
+
+
+def _sites_from_nodes(
+    config: PretrainConfig, found: Mapping[int, tuple[int, Any]]
+) -> tuple[Any, list[HeldoutShare]]:
+    """(the sites' split.json record, each site's held-out share) from what each site says of
+    itself: its counts (whole numbers, train + held out = documents) and held-out batches."""
+    from fedjax_split.data.text.corpus_split import SitesSplit
+
+    sites, shares, offset = [], [], 0
+    for c in range(config.clients):
+        cfg = found[c][1]
+        counts = json.loads(str(cfg[protocol.SPLIT_JSON]))
+        keys = ("documents", "train", "heldout")
+        if (not isinstance(counts, dict) or set(counts) != set(keys)
+                or not all(type(counts[k]) is int and counts[k] >= 0 for k in keys)
+                or counts["train"] + counts["heldout"] != counts["documents"]):  # fmt: skip
+            raise UserError(f"site {c} reported {str(counts)[:80]} as its counts; is its "
+                            "SuperNode running this version of fedjax_split?")  # fmt: skip
+        count = int(cfg[protocol.HELDOUT_BATCHES])
+        sites.append({k: counts[k] for k in keys})
+        shares.append(HeldoutShare(0, 1, count, offset))
+        offset += count
+    return SitesSplit(tuple(sites), config.seed), shares
 
 
 def _train_message(
@@ -156,13 +202,13 @@ class FlowerPretraining(pretraining.Pretraining):
         started: float,
         grid: Any,
         nodes: dict[int, int],
-        heldout_count: int,
+        heldout: Sequence[HeldoutShare],
         options: DeployOptions,
     ) -> None:
         super().__init__(setup, started)
         self.exchange = Exchange(grid, options)
         self.nodes = nodes  # client id -> Flower node id
-        self.heldout_count = heldout_count
+        self.heldout = list(heldout)  # client id -> what it scores
         self.options = options
         self.eval_failed: dict[int, str] = {}
         self.eval_bytes = 0
@@ -182,33 +228,38 @@ class FlowerPretraining(pretraining.Pretraining):
 
     def evaluate_at_nodes(self) -> dict[str, Any] | None:
         """The model the run produces scored by the nodes on the held-out batches (client c
-        scores batches c, c + K, ...); None if a share is missing (`eval_failed` says why)."""
+        scores its `HeldoutShare`), their figures added up in the run's batch order; None if a
+        share is missing (`eval_failed` says why)."""
         from fedjax_split.sim.pretrain_rounds import mlm_metrics
 
         params, _ = pretraining.final_params(self.setup)
         depth = pretraining.model_depth(self.setup)
         sent = codec.to_record(codec.encode(params, "float32"))
-        parts = len(self.nodes)
         msgs = {}
         for c, node_id in sorted(self.nodes.items()):
-            cfg = {protocol.CLIENT: c, protocol.DEPTH: depth, protocol.PART: c,
-                   protocol.PARTS: parts}  # fmt: skip
+            share = self.heldout[c]
+            cfg = {protocol.CLIENT: c, protocol.DEPTH: depth, protocol.PART: share.part,
+                   protocol.PARTS: share.parts}  # fmt: skip
             msgs[c] = _message({protocol.CONFIG: _config_record(cfg), protocol.GLOBAL: sent},
                                node_id, EVALUATE)  # fmt: skip
         replies, failed = self.exchange.send(msgs, self.options.round_timeout)
         self.eval_bytes = codec.nbytes(codec.from_record(sent)) * len(msgs)
         rows: dict[int, np.ndarray] = {}
         for c, reply in sorted(replies.items()):
+            share = self.heldout[c]
             try:
-                rows.update(heldout_rows(reply, c, parts, self.heldout_count))
+                got = heldout_rows(reply, share.part, share.parts, share.count)
             except ValueError as err:
                 failed[c] = f"bad evaluation: {err}"
+                continue
+            rows.update({share.offset + i: row for i, row in got.items()})
         self.eval_failed = failed
         for c, why in sorted(failed.items()):
             _warn(f"client {c} failed to evaluate ({why})")
         if failed:
             return None
-        return mlm_metrics(np.asarray([rows[i] for i in range(self.heldout_count)]))
+        total = max((s.offset + s.count for s in self.heldout), default=0)
+        return mlm_metrics(np.asarray([rows[i] for i in range(total)]).reshape(-1, 3))
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return run_round(self, r, history[-1] if history else None)
@@ -295,9 +346,9 @@ def run_pretrain_server(
                          lambda saved: SCHEMA.trajectory_mismatch(saved, config),
                          output_names=["model"])  # fmt: skip
     found = connect(grid, config, options, query=QUERY)
-    setup, heldout_count = setup_from_nodes(config, found)
+    setup, heldout = setup_from_nodes(config, found)
     nodes = {c: node_id for c, (node_id, _) in found.items()}
-    run = FlowerPretraining(setup, started, grid, nodes, heldout_count, options)
+    run = FlowerPretraining(setup, started, grid, nodes, heldout, options)
 
     def stop(round_: int, record: dict[str, Any]) -> None:
         if options.stop_after_round == round_:

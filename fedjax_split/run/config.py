@@ -21,10 +21,9 @@ from fedjax_split.run.settings import Schema, load_config_file, optional_int
 from fedjax_split.run.settings import setting as _setting
 
 __all__ = [
-    "ExperimentConfig", "FIELDS", "NODE_SITES", "SCHEMA", "entity_type_list", "load_config_file",
-    "nullable",
-    "resolve_config", "site_dirs", "trajectory_mismatch", "validate", "validate_critical_layer",
-    "value_type",
+    "ExperimentConfig", "FIELDS", "NODE_SITES", "SCHEMA", "check_site_dirs", "entity_type_list",
+    "load_config_file", "nullable", "refuse_with_sites", "resolve_config", "site_dirs",
+    "trajectory_mismatch", "validate", "validate_critical_layer", "value_type",
 ]  # fmt: skip
 
 PARTITIONS = ("paper", "dirichlet", "quantity", "iid")
@@ -397,9 +396,9 @@ def resolve_config(
     return SCHEMA.resolve(file_values, overrides, validate)
 
 
-def site_dirs(config: ExperimentConfig) -> list[Path]:
-    """--site-data's directories, client k's at k ([] without --site-data or with
-    `node-config`, where each node knows its own)."""
+def site_dirs(config: Any) -> list[Path]:
+    """--site-data's directories (train's or pretrain's config), client k's at k ([] without
+    --site-data or with `node-config`, where each node knows its own)."""
     if config.site_data is None or config.site_data == NODE_SITES:
         return []
     return [Path(d.strip()).expanduser() for d in config.site_data.split(",")]
@@ -414,14 +413,28 @@ def validate_sites(config: ExperimentConfig) -> None:
     settings that subsample or partition a pool (they would be silently ignored)."""
     if config.site_data is None:
         return
-    given = [n for n in _POOL_ONLY if getattr(config, n) != FIELDS[n].default]
+    refuse_with_sites(config, _POOL_ONLY, FIELDS, "data are its own site's files, not drawn "
+                      "from a pool", "partition one pool")  # fmt: skip
+    check_site_dirs(config)
+
+
+def refuse_with_sites(
+    config: Any, names: tuple[str, ...], fields: Any, what: str, instead: str
+) -> None:
+    """UserError naming the first of `names` set to other than its default (`fields`: the
+    schema's) in a --site-data run, where it would be silently ignored: "each client's
+    {what}", "drop --site-data to {instead}"."""
+    given = [n for n in names if getattr(config, n) != fields[n].default]
     if given:
         flag = "--" + given[0].replace("_", "-")
-        raise UserError(
-            f"{flag} with --site-data: each client's data are its own site's files, not drawn "
-            f"from a pool; leave {flag} out (or drop --site-data to partition one pool)"
-        )
-    if config.site_data == NODE_SITES:
+        raise UserError(f"{flag} with --site-data: each client's {what}; leave {flag} out (or "
+                        f"drop --site-data to {instead})")  # fmt: skip
+
+
+def check_site_dirs(config: Any) -> None:
+    """--site-data DIR0,DIR1,... of train's or pretrain's config: one existing directory per
+    client, none empty or named twice (`node-config`: nothing to check here)."""
+    if config.site_data is None or config.site_data == NODE_SITES:
         return
     texts = [d.strip() for d in config.site_data.split(",")]
     if not all(texts):

@@ -42,6 +42,17 @@ class PretrainConfig:
     data_dir: str | None = _setting(
         None, "Directory with the corpus' files (local .txt, or MEDLINE .xml.gz).", metavar="DIR"
     )
+    site_data: str | None = _setting(
+        None,
+        "Sites with their own text: DIR0,DIR1,... one directory per client, each holding *.txt "
+        "read as --corpus local reads --data-dir: client k's text is exactly DIR_k's files (no "
+        "split of one corpus), and each site holds out --heldout-fraction of its own documents "
+        "for the held-out MLM figures. Implies --corpus local and --clients = the sites; "
+        "--split, --sigma, --max-documents and --data-dir do not apply. On Flower (python -m "
+        "fedjax_split.flower pretrain) SuperNode k reads DIR_k alone; `node-config`: each "
+        "SuperNode reads the data-dir of its own node config (real sites, --write-app).",
+        metavar="DIRS",
+    )
     text_mode: str = _setting(
         "document",
         "document: each client's documents as one token stream cut into full sequences; line: "
@@ -73,7 +84,9 @@ class PretrainConfig:
         None, "Subsample the corpus to this many documents first (CPU runs).", metavar="N"
     )
     heldout_fraction: float = _setting(
-        0.05, "Share of the documents held out (on no client) for the MLM loss/accuracy."
+        0.05,
+        "Share of the documents held out (on no client) for the MLM loss/accuracy; with "
+        "--site-data, of each site's own documents (held out, and scored, where they live).",
     )
     rounds: int = _setting(5, "Federated rounds (centralised: epochs over all the text).")
     local_epochs: int = _setting(1, "Epochs each client trains on its text per round.")
@@ -143,6 +156,7 @@ SCHEMA = Schema(
     PretrainConfig,
     non_trajectory=(
         "output_dir", "resume", "config", "eval_every", "checkpoint_every", "data_dir", "model",
+        "site_data",  # where the sites' files are (split.json's counts cover what they hold)
     ),
 )  # fmt: skip
 FIELDS = SCHEMA.fields
@@ -151,8 +165,39 @@ FIELDS = SCHEMA.fields
 def resolve(
     file_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None
 ) -> PretrainConfig:
-    """Defaults <- config-file values <- explicit overrides, then `validate`."""
+    """Defaults <- config-file values <- explicit overrides, then `validate`. With --site-data
+    DIR0,DIR1,... the corpus is local and the clients are the sites unless given."""
+    from fedjax_split.run.config import NODE_SITES
+
+    given = {**(file_values or {}), **(overrides or {})}
+    sites = given.get("site_data")
+    if isinstance(sites, str):
+        implied = {"corpus": "local"}
+        if sites != NODE_SITES:
+            implied["clients"] = len(sites.split(","))
+        overrides = {**{k: v for k, v in implied.items() if k not in given}, **(overrides or {})}
     return SCHEMA.resolve(file_values, overrides, validate)
+
+
+# settings that split one corpus: with --site-data there is none to split
+_CORPUS_ONLY = ("split", "sigma", "max_documents", "data_dir")
+
+
+def validate_sites(config: PretrainConfig) -> None:
+    """--site-data: local text, one existing directory per client (`run.config.check_site_dirs`),
+    and none of the settings that split one corpus (they would be silently ignored)."""
+    from fedjax_split.run.config import check_site_dirs, refuse_with_sites
+
+    if config.site_data is None:
+        return
+    if config.corpus != "local":
+        raise UserError(
+            f"--corpus {config.corpus} with --site-data: each site's text is its *.txt files; "
+            "leave --corpus out (or pass local), or drop --site-data"
+        )
+    refuse_with_sites(config, _CORPUS_ONLY, FIELDS, "text is its own site's files, not split "
+                      "from one corpus", "split one corpus")  # fmt: skip
+    check_site_dirs(config)
 
 
 def validate(config: PretrainConfig) -> None:
@@ -189,8 +234,9 @@ def validate(config: PretrainConfig) -> None:
             re.compile(config.freeze)
         except re.error as e:
             raise UserError(f"--freeze {config.freeze!r} is not a valid regex ({e})") from None
-    if config.corpus == "local" and config.data_dir is None:
-        raise UserError("--corpus local needs --data-dir DIR holding *.txt files")
+    validate_sites(config)
+    if config.corpus == "local" and config.data_dir is None and config.site_data is None:
+        raise UserError("--corpus local needs --data-dir DIR holding *.txt files (or --site-data)")
 
 
 def check_depth(config: PretrainConfig, num_layers: int) -> tuple[int, int]:

@@ -2,7 +2,8 @@
 
 Importable (the study and notebooks call it); `python -m fedjax_split.pretrain` is a thin
 wrapper. Everything a user can get wrong is checked before the first byte is written. The run
-directory holds config.json, split.json (each client's and the held-out documents),
+directory holds config.json, split.json (each client's and the held-out documents; with
+--site-data each site's counts: its text is its own *.txt, a share of it held out there),
 metrics.jsonl (one record per round: held-out MLM loss and masked-token accuracy, training loss,
 bytes, FLOPs, seconds, per client too), summary.json, checkpoints/ (orbax) and, at the end,
 model/: the further pre-trained model as a Hugging Face `BertForMaskedLM` directory with the
@@ -54,7 +55,7 @@ class Setup:
     model_dir: Path
     small_layers: int
     truncated_layers: int
-    split: Any  # data.text.corpus_split.CorpusSplit
+    split: Any  # data.text.corpus_split.CorpusSplit, or SitesSplit (--site-data)
     clients: list[int]  # who trains: 0..K-1, or [0] holding all the text (centralised)
     sequences: list[Any]  # per training client: data.text.text_corpora.Sequences
     sizes: list[int]  # per training client: its sequences (the weights; Flower: as nodes report)
@@ -107,25 +108,90 @@ def text_sequences(config: PretrainConfig, tokenizer: Any, units: Any, docs: Any
     )  # fmt: skip
 
 
-def check_has_text(client: int, seqs: Any) -> None:
+def check_has_text(client: int, seqs: Any, site: bool = False) -> None:
     if seqs.input_ids.shape[0] == 0:
-        raise UserError(f"client {client} has no text; use more documents or fewer --clients")
+        raise UserError(
+            f"site {client} has no text to train on; give it more *.txt text" if site else
+            f"client {client} has no text; use more documents or fewer --clients"
+        )  # fmt: skip
 
 
-def heldout_batches(config: PretrainConfig, seqs: Any, spec: Any, pad_id: int) -> list[Any]:
-    """The masked held-out batches (their masks seeded by the seed alone)."""
+def heldout_batches(
+    config: PretrainConfig, seqs: Any, spec: Any, pad_id: int, site: int | None = None
+) -> list[Any]:
+    """The masked held-out batches (their masks seeded by the seed alone, or for a site's own
+    held-out text by the seed and its client id)."""
     from fedjax_split.data.text import mlm_batching
 
+    seed = [config.seed, 0, HELDOUT] + ([] if site is None else [int(site)])
     return mlm_batching.eval_batches(
-        seqs, batch_size=min(config.batch_size, 64), masking=spec,
-        seed=[config.seed, 0, HELDOUT], pad_id=pad_id,
-    )  # fmt: skip
+        seqs, batch_size=min(config.batch_size, 64), masking=spec, seed=seed, pad_id=pad_id
+    )
+
+
+def site_documents(config: PretrainConfig, client: int, site_dir: Any) -> tuple[Any, Any, Any]:
+    """(site `client`'s corpus, its training documents, its held-out documents): the *.txt
+    under `site_dir` read as --corpus local reads --data-dir, a problem named by the site. No
+    tokenizer: the Flower launcher checks every site with it before it starts a process."""
+    from fedjax_split.data.text import corpus_split, text_corpora
+
+    try:
+        corpus = text_corpora.load_corpus("local", data_dir=site_dir)
+        train, held = corpus_split.site_heldout(
+            len(corpus), client=client, seed=config.seed, heldout_fraction=config.heldout_fraction
+        )
+    except UserError as err:
+        raise UserError(f"site {client} ({site_dir}): {err}") from None
+    return corpus, train, held
+
+
+def site_text(
+    config: PretrainConfig, tokenizer: Any, spec: Any, client: int, site_dir: Any
+) -> tuple[dict[str, int], Any, list[Any]]:
+    """Site `client`'s part of the run, computed where its text lives (its SuperNode, or the
+    simulation for every site in turn), from its own files alone: (its counts for split.json,
+    its training sequences, its held-out masked batches)."""
+    from fedjax_split.data.text import corpus_split, text_corpora
+
+    corpus, train, held = site_documents(config, client, site_dir)
+    units = text_corpora.tokenize_corpus(corpus, tokenizer, config.text_mode)
+    seqs = text_sequences(config, tokenizer, units, train)
+    check_has_text(client, seqs, site=True)
+    held_seqs = text_sequences(config, tokenizer, units, held)
+    heldout = heldout_batches(config, held_seqs, spec, int(tokenizer.pad_token_id), site=client)
+    return corpus_split.site_counts(train, held), seqs, heldout
+
+
+def _sites_text(config: PretrainConfig, tokenizer: Any, spec: Any) -> tuple[Any, ...]:
+    """--site-data in one process: `_client_text`'s tuple from every site's `site_text` in
+    client order; the held-out batches are the sites' own, site 0's first (the order in which
+    Flower's server adds up the sites' figures); centralised training holds every site's
+    training sequences on one client."""
+    from fedjax_split.data.text import corpus_split, text_corpora
+    from fedjax_split.run.config import site_dirs
+
+    dirs = site_dirs(config)
+    if not dirs:
+        raise UserError(f"--site-data {config.site_data}: the simulation reads every site "
+                        "itself; pass the sites' directories DIR0,DIR1,...")  # fmt: skip
+    parts = [site_text(config, tokenizer, spec, k, d) for k, d in enumerate(dirs)]
+    split = corpus_split.SitesSplit(tuple(p[0] for p in parts), config.seed)
+    seqs = [p[1] for p in parts]
+    heldout = [batch for p in parts for batch in p[2]]
+    if config.method == "centralised":
+        joined = text_corpora.Sequences(np.concatenate([s.input_ids for s in seqs]),
+                                        np.concatenate([s.lengths for s in seqs]))  # fmt: skip
+        return split, [0], [joined], heldout
+    return split, list(range(len(dirs))), seqs, heldout
 
 
 def _client_text(config: PretrainConfig, tokenizer: Any, spec: Any) -> tuple[Any, ...]:
     """(the split, the training clients, their sequences, the held-out masked batches): the
     corpus tokenised and cut into sequences, documents over the clients (all of it on one client
-    for centralised training), the held-out documents on none."""
+    for centralised training), the held-out documents on none; with --site-data, each site's own
+    (`_sites_text`)."""
+    if config.site_data is not None:
+        return _sites_text(config, tokenizer, spec)
     units, split = load_split(config, tokenizer)
     make = lambda docs: text_sequences(config, tokenizer, units, docs)  # noqa: E731
     if config.method == "centralised":
@@ -524,7 +590,7 @@ class Pretraining:
         if meta.get("split") != self.setup.split.to_dict():
             raise UserError(
                 "--resume: the text or its split differ from the checkpoint's; use the same "
-                "--data-dir/--max-documents/--seed or another --output-dir"
+                "--data-dir/--site-data/--max-documents/--seed or another --output-dir"
             )
         self.setup.server_state = arrays["server_state"]
         self.initial = meta["initial"]

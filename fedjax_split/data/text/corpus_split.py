@@ -11,6 +11,11 @@ least one; the server's evaluation text, on no client), then the rest over the c
   corpus' files): client i takes documents of source i mod S (S sources, K >= S), each source's
   documents split uniformly among its clients.
 Randomness: `np.random.default_rng([seed, 0, purpose])` objects only.
+
+Sites with their own text (`--site-data`) are not split from one corpus: site k's documents are
+client k's. Each site holds out `heldout_fraction` of its own documents (`site_heldout`, drawn
+from the seed and its client id alone, so that it needs nothing of the other sites), and
+`SitesSplit` records each site's counts only: no text, no paths, nothing a site would not say.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import numpy as np
 from fedjax_split.errors import UserError
 
 SCHEMES = ("iid", "quantity", "source")
-_SUBSAMPLE, _HELDOUT, _CLIENTS = 11, 12, 13  # `purpose` parts of the numpy seeds
+SITES = "sites"  # split.json's scheme for sites with their own text
+_SUBSAMPLE, _HELDOUT, _CLIENTS, _SITE_HELDOUT = 11, 12, 13, 14  # `purpose` parts of the seeds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,3 +124,43 @@ def split_corpus(
             for owner, part in zip(owners, _equal_parts(mine, len(owners)), strict=True):
                 clients[owner] = part
     return CorpusSplit(tuple(clients), heldout, scheme, seed)
+
+
+def site_heldout(
+    num_documents: int, *, client: int, seed: int, heldout_fraction: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) document ids (sorted) of one site's own documents 0..n-1: a
+    `heldout_fraction` of them, at least one and never all, drawn from
+    `default_rng([seed, 0, _SITE_HELDOUT, client])`, so that every site draws its own part
+    where it lives and the simulation draws the same."""
+    if not 0.0 < heldout_fraction < 1.0:
+        raise UserError(f"--heldout-fraction must be in (0, 1), got {heldout_fraction}")
+    n = int(num_documents)
+    n_held = max(1, int(round(heldout_fraction * n)))
+    if n - n_held < 1:
+        raise UserError(
+            f"site {client} has {n} document(s), {n_held} held out, none left to train on; give "
+            "it more documents (blank lines separate them) or lower --heldout-fraction"
+        )
+    shuffled = np.random.default_rng([int(seed), 0, _SITE_HELDOUT, int(client)]).permutation(n)
+    return np.sort(shuffled[n_held:]), np.sort(shuffled[:n_held])
+
+
+def site_counts(train: np.ndarray, heldout: np.ndarray) -> dict[str, int]:
+    """What split.json says of one site: its documents, those it trains on, those it holds out."""
+    return {"documents": int(train.size + heldout.size), "train": int(train.size),
+            "heldout": int(heldout.size)}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class SitesSplit:
+    """Sites with their own text: each site's `site_counts`, in client order (split.json)."""
+
+    sites: tuple[dict[str, int], ...]
+    seed: int
+
+    def sizes(self) -> list[int]:
+        return [int(s["train"]) for s in self.sites]
+
+    def to_dict(self) -> dict:
+        return {"scheme": SITES, "seed": self.seed, "sites": [dict(s) for s in self.sites]}
