@@ -91,17 +91,16 @@ def site_params(
     from fedjax_split.fed.wire import cast_from_wire
     from fedjax_split.models import lora
     from fedjax_split.models.bert import BertConfig
-    from fedjax_split.sim.client_store import ClientStore, load_tree
+    from fedjax_split.sim.client_store import load_tree
 
     d = _site_run(Path(state_dir), run_id)
     if not (d / f"client_{client}").is_dir() or not (d / node.MODEL_FILE).is_file():
         raise UserError(f"client {client} has not been evaluated at this node ({d}); pass one "
                         "of its clients, after a round that evaluated")  # fmt: skip
-    global_wire, r = node.received_global(d)
+    global_wire, local, r = node.exported_pair(d, client)
     if round_ is not None and round_ != r:
         raise UserError(f"this node holds the global part after round {r} only; drop --round")
     frozen = load_tree(d / node.FROZEN_FILE) if (d / node.FROZEN_FILE).is_file() else {}
-    local = ClientStore(d).load(client, at_most=r)
     params = merge_params(cast_from_wire(global_wire, jnp.float32), local, frozen)
     meta = json.loads((d / node.MODEL_FILE).read_text())
     config = lora.from_fields(BertConfig.from_hf_dict(meta["model_config"]), meta.get("lora"))

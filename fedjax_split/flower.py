@@ -252,7 +252,7 @@ def _supernodes(config: Any, deploy: dict[str, Any], several: bool = False) -> i
     if not allowed:
         raise UserError(
             f"--supernodes {supernodes} but --clients {config.clients}: "
-            + ("pass 1 to --clients" if several else
+            + (f"pass 1 to {config.clients}" if several else
                "this federation runs one client per SuperNode; pass the same number")
         )  # fmt: skip
     for name in ("round_timeout", "connect_timeout", "run_timeout"):

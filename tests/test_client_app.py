@@ -293,7 +293,9 @@ def _bad_globals(fed: SimpleNamespace) -> dict[str, tuple[dict, str]]:
         "a missing path": (missing, "missing paths"),
         "a local path": (extra, "unexpected paths \\['classifier/kernel'\\]"),
         "a wrong shape": (reshaped, "has shape"),
-        "fp16 not as bits": (as_floats, "not as the bits of float16"),
+        "fp16 not as bits": (as_floats, "arrived as float16, expected uint16"),
+        "int32 for fp16": ({**fed.sent, first: fed.sent[first].astype(np.int32)},
+                           "arrived as int32, expected uint16"),
     }
 
 
@@ -308,6 +310,8 @@ def test_a_message_for_another_client_or_a_malformed_global_part_is_refused(
         with pytest.raises(ValueError, match=why):
             client_app.app(_round_message(fed, kind, arrays=arrays), ctx)
         assert _files(tmp_path) == [], name  # refused before anything was stored
+    with pytest.raises(ValueError, match="wire dtype float32; this run's is float16"):
+        client_app.app(_round_message(fed, kind, **{protocol.WIRE: "float32"}), ctx)
     no_global = _round_message(fed, kind)
     del no_global.content[protocol.GLOBAL]
     with pytest.raises(KeyError):

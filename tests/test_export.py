@@ -345,7 +345,8 @@ def _site(run: Path, state_dir: Path, client: int, round_: int, run_id: str) -> 
     store = node.store(state_dir, run_id, site)
     for r in sim_store.rounds(client):
         store.save_one(r, client, sim_store.load(client, at_most=r))
-    node.keep_for_export(store, site, state["server_state"]["global_params"], round_)
+    node.keep_for_export(store, site, state["server_state"]["global_params"], round_,
+                         sim_store.load(client, at_most=round_))  # fmt: skip
     return state_dir
 
 

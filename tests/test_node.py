@@ -46,13 +46,15 @@ def test_a_part_of_another_model_or_a_bad_run_id_is_refused(tmp_path) -> None:
         store(tmp_path, "../elsewhere", node)
 
 
-def test_a_node_keeps_for_export_the_latest_global_part_it_received(tmp_path) -> None:
+def test_a_node_keeps_for_export_the_latest_global_part_and_its_local_pair(tmp_path) -> None:
     """keep_for_export: the model's description, the initial and the frozen part once, and only
-    the global part of the latest evaluation, in its wire dtype (after a resumed server sends an
-    older round, that one: it is the run's present)."""
+    the latest evaluation's pair (the global part in its wire dtype, the client's local part it
+    was evaluated with; after a resumed server sends an older round, that one: it is the run's
+    present). The pair outlives the store's pruning, which follows checkpoints, not evaluations
+    (the reviewer's case: evaluated after round 5, round_5.npz pruned at round 7)."""
     import json
 
-    from fedjax_split.deploy.node import FROZEN_FILE, MODEL_FILE, keep_for_export, received_global
+    from fedjax_split.deploy.node import FROZEN_FILE, MODEL_FILE, exported_pair, keep_for_export
 
     frozen = {"encoder": {"w": np.ones((2, 2), np.float32)}}
     node = SimpleNamespace(client_id=2, local0=_part(0.0), frozen=frozen, model_meta={"m": 1})
@@ -60,14 +62,25 @@ def test_a_node_keeps_for_export_the_latest_global_part_it_received(tmp_path) ->
     d = tmp_path / RUN
     d.mkdir()
     with pytest.raises(UserError, match="holds no global part"):
-        received_global(d)
-    for r, value in ((1, 1.0), (3, 3.0), (2, 2.0)):
+        exported_pair(d, 2)
+    for r, value in ((1, 1.0), (5, 5.0), (3, 3.0), (5, 5.0)):
+        s.save_one(r, 2, _part(value + 0.5))
         glob = {"embeddings": {"w": np.full((3,), value, np.float16)}}
-        keep_for_export(s, node, glob, r)
-        got, after = received_global(d)
+        keep_for_export(s, node, glob, r, _part(value + 0.5))
+        got, local, after = exported_pair(d, 2)
         assert after == r and got["embeddings"]["w"].dtype == np.float16
         np.testing.assert_array_equal(got["embeddings"]["w"], value)
-        assert len(list(d.glob("global_after_*.npz"))) == 1
+        np.testing.assert_array_equal(local["classifier"]["bias"], _part(value + 0.5)[
+            "classifier"]["bias"])  # fmt: skip
+        assert len(list((d / "export").glob("*.npz"))) == 2
+    s.save_one(6, 2, _part(6.5))
+    s.save_one(7, 2, _part(7.5))
+    s.prune(6)  # checkpoint 6 needs round 6's version: the store drops round 5's, the pair not
+    assert 5 not in s.rounds(2)
+    _, local, after = exported_pair(d, 2)
+    assert after == 5 and float(local["classifier"]["kernel"][0, 0]) == 5.5
+    with pytest.raises(UserError, match="client 1 was not evaluated at this node after round 5"):
+        exported_pair(d, 1)
     assert json.loads((d / MODEL_FILE).read_text()) == {"m": 1}
     assert (d / FROZEN_FILE).is_file() and (d / "client_2").is_dir()
     from fedjax_split.sim.client_store import ClientStore
@@ -217,3 +230,13 @@ def test_a_nodes_clients_from_its_node_config() -> None:
         node_clients({"partition-id": 0, "partition-ids": "0-1"})
     with pytest.raises(UserError, match="give the SuperNode its client"):
         node_clients({"state-dir": "/x"})
+
+
+def test_a_node_config_naming_no_whole_client_id_or_too_many_is_refused() -> None:
+    from fedjax_split.deploy.node import node_clients
+
+    for bad in ("1.5", "-1", "one"):
+        with pytest.raises(UserError, match="is not a client id"):
+            node_clients({"partition-id": bad})
+    with pytest.raises(UserError, match="more clients than a node can hold"):
+        node_clients({"partition-ids": "0-1000000000"})

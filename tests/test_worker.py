@@ -207,3 +207,25 @@ def test_the_clientapp_process_imports_no_jax() -> None:
     out = subprocess.run([sys.executable, "-c", "import json; " + code], capture_output=True,
                          text=True, check=True).stdout  # fmt: skip
     assert json.loads(out) == [False, False]
+
+
+def test_stop_never_kills_a_process_that_is_not_that_nodes_worker(short_tmp: Path) -> None:
+    """A pid file left by a killed worker may name a pid reused by another process: stop checks
+    the process's command line first."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        node = short_tmp / "node"
+        Path(f"{worker.socket_path(node)}.pid").write_text(str(other.pid))
+        worker.stop(node)
+        time.sleep(0.2)
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_the_socket_is_per_node_and_per_version_of_the_code(short_tmp: Path, monkeypatch) -> None:
+    a, b = worker.socket_path(short_tmp / "a"), worker.socket_path(short_tmp / "b")
+    assert a != b and a == worker.socket_path(short_tmp / "a")
+    monkeypatch.setattr(worker, "_code_version", lambda: "an upgrade")
+    assert worker.socket_path(short_tmp / "a") != a

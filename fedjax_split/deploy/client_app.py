@@ -26,10 +26,11 @@ from flwr.clientapp import ClientApp
 
 from fedjax_split.deploy import protocol, worker
 from fedjax_split.deploy.node import NodeSetup, local_part
+from fedjax_split.errors import UserError
 
 app = ClientApp()
 _PREPARED: dict[str, Any] = {}  # a warm worker's clients, by what they were built from
-_KEEP_PREPARED = 4
+_KEEP_PREPARED = 2  # a run's clients (a later run's replace them: models hold memory)
 
 
 def _nodes(context: Context) -> dict[int, NodeSetup]:
@@ -87,15 +88,24 @@ def _reply(msg: Message, content: RecordDict) -> Message:
 
 def _received(msg: Message, node: NodeSetup) -> tuple[Any, Any]:
     """(the global part in the wire dtype, the message's config), checked against the model."""
+    import numpy as np
+
     from fedjax_split.deploy import codec
     from fedjax_split.fed.roles import unflatten_paths
+    from fedjax_split.fed.wire import wire_dtype
 
     cfg = msg.content[protocol.CONFIG]
+    wire = wire_dtype(node.round_spec.wire_dtype)
+    if str(cfg[protocol.WIRE]) != wire.name:
+        raise ValueError(f"the message says wire dtype {cfg[protocol.WIRE]}; this run's is "
+                         f"{wire.name}")  # fmt: skip
+    sent_as = np.dtype(np.uint16) if wire.itemsize == 2 else np.dtype(wire)  # 16-bit as bits
     arrays = codec.from_record(msg.content[protocol.GLOBAL]) if node.global_shapes else {}
-    codec.check_like(arrays, node.global_shapes, "received global part")
+    codec.check_like(arrays, node.global_shapes, "received global part",
+                     dict.fromkeys(node.global_shapes, sent_as))  # fmt: skip
     if not arrays:
         return unflatten_paths({}), cfg
-    return codec.decode(arrays, str(cfg[protocol.WIRE])), cfg
+    return codec.decode(arrays, wire.name), cfg
 
 
 @app.query()
@@ -188,7 +198,7 @@ def _evaluate(msg: Message, context: Context) -> Message:
     store = _store(context, str(cfg[protocol.RUN]), node)
     r = int(cfg[protocol.ROUND])
     local = local_part(node, store, r)
-    node_mod.keep_for_export(store, node, global_wire, r)
+    node_mod.keep_for_export(store, node, global_wire, r, local)
     metrics = node_mod.evaluate(node, global_wire, local)
     content = {protocol.CLIENT: node.client_id, protocol.EVAL_JSON: json.dumps(metrics)}
     return _reply(msg, RecordDict({protocol.CONFIG: ConfigRecord(content)}))
@@ -218,7 +228,13 @@ def _pretrain_node(context: Context) -> Any:
         values["site_data"] = NODE_SITES
     elif data_dir:
         values["data_dir"] = data_dir
-    client_id = int(context.node_config[protocol.PARTITION_ID])
+    from fedjax_split.deploy.node import node_clients
+
+    ids = node_clients(context.node_config)
+    if len(ids) != 1:
+        raise UserError("further pre-training runs one client per SuperNode: give it one "
+                        "partition-id")  # fmt: skip
+    client_id = ids[0]
     key = json.dumps(["pretrain", values, client_id, data_dir], sort_keys=True)
     if key not in _PREPARED:
         while len(_PREPARED) >= _KEEP_PREPARED:

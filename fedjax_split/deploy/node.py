@@ -112,13 +112,19 @@ def node_clients(node_config: Mapping[str, Any]) -> list[int]:
             if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
                 raise UserError(f"partition-ids {text!r}: write ids and ranges like '0-33' or "
                                 "'0,4,7-9'")  # fmt: skip
-            ids.extend(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
+            lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+            if hi - lo >= 100_000:
+                raise UserError(f"partition-ids {text!r}: more clients than a node can hold")
+            ids.extend(range(lo, hi + 1))
         if len(set(ids)) != len(ids):
             raise UserError(f"partition-ids {text!r} names a client twice")
         return ids
     if protocol.PARTITION_ID not in node_config:
         raise UserError("give the SuperNode its client: --node-config 'partition-id=K'")
-    return [int(node_config[protocol.PARTITION_ID])]
+    value = str(node_config[protocol.PARTITION_ID])
+    if not value.isdigit():
+        raise UserError(f"partition-id {value!r} is not a client id; give a whole number")
+    return [int(value)]
 
 
 def prepare(
@@ -297,16 +303,20 @@ def store(state_dir: str | Path, run_id: str, node: NodeSetup) -> Any:
 
 MODEL_FILE = "model.json"
 FROZEN_FILE = "frozen.npz"
+EXPORT_DIR = "export"  # under the run's directory on the node: what the export at the site reads
 _GLOBAL_FILE = re.compile(r"^global_after_(\d+)\.npz$")
 
 
-def keep_for_export(store: Any, node: NodeSetup, global_wire: Any, after_round: int) -> None:
-    """What `python -m fedjax_split.export --state-dir` needs at this site beside the local parts,
-    in the run's directory on the node's disk, so that the personal model is assembled where it
-    lives and never travels: the model's description, the initial and the frozen part (once),
-    and the global part as this node last received it, after round `after_round`, in the wire
-    dtype (only the latest: it is the run's present, even after a server resumed from an older
-    checkpoint)."""
+def keep_for_export(
+    store: Any, node: NodeSetup, global_wire: Any, after_round: int, local: Any
+) -> None:
+    """What `python -m fedjax_split.export --state-dir` needs at this site, so that the personal
+    model is assembled where it lives and never travels: the model's description, the initial
+    and the frozen part (once), and, as one pair, the global part this node last received (after
+    round `after_round`, in the wire dtype) and this client's local part it was evaluated with.
+    Only the latest pair is kept (the run's present, even after a server resumed from an older
+    checkpoint); the local part is copied because the node's store prunes its versions by the
+    server's checkpoints, not by evaluations."""
     import json
 
     from fedjax_split.sim.client_store import save_tree
@@ -319,27 +329,40 @@ def keep_for_export(store: Any, node: NodeSetup, global_wire: Any, after_round: 
         save_tree(d / "initial.npz", node.local0)
     if node.frozen and not (d / FROZEN_FILE).is_file():
         save_tree(d / FROZEN_FILE, node.frozen)
-    name = f"global_after_{after_round}.npz"
-    save_tree(d / name, global_wire)
-    for f in d.iterdir():
-        if _GLOBAL_FILE.match(f.name) and f.name != name:
+    out = d / EXPORT_DIR
+    name, mine = f"global_after_{after_round}.npz", f"client_{node.client_id}_after_"
+    save_tree(out / f"{mine}{after_round}.npz", local)
+    save_tree(out / name, global_wire)
+    for f in out.iterdir():
+        if (_GLOBAL_FILE.match(f.name) and f.name != name) or (
+            f.name.startswith(mine) and f.name != f"{mine}{after_round}.npz"
+        ):
             f.unlink(missing_ok=True)
 
 
-def received_global(directory: Path) -> tuple[Any, int]:
-    """(the global part a node kept for export, in the wire dtype, the round it is after)."""
+def exported_pair(directory: Path, client: int) -> tuple[Any, Any, int]:
+    """(the global part a node kept for export, in the wire dtype, client `client`'s local part
+    evaluated with it, the round both are after)."""
     from fedjax_split.sim.client_store import load_tree
 
+    out = directory / EXPORT_DIR
     found = sorted(
-        (int(m.group(1)), f) for f in directory.iterdir() if (m := _GLOBAL_FILE.match(f.name))
-    )
+        (int(m.group(1)), f) for f in (out.iterdir() if out.is_dir() else [])
+        if (m := _GLOBAL_FILE.match(f.name))
+    )  # fmt: skip
     if not found:
         raise UserError(
             f"{directory} holds no global part: the node keeps one from its first evaluation "
             "on; export after a round that evaluated"
         )
     r, f = found[-1]
-    return load_tree(f), r
+    try:
+        return load_tree(f), load_tree(out / f"client_{int(client)}_after_{r}.npz"), r
+    except FileNotFoundError:
+        raise UserError(
+            f"client {client} was not evaluated at this node after round {r} (or an evaluation "
+            "is writing now); export after the run, with one of its clients"
+        ) from None
 
 
 def local_part(node: NodeSetup, store: Any, at_most: int) -> Any:

@@ -10,9 +10,11 @@ which runs the very handler the ClientApp would run (`client_app.HANDLERS`) and 
 back the same way. Nothing in Flower is patched: the ClientApp is still the process Flower
 started, and it returns the reply Flower expects.
 
-- One worker per state dir (a node). The first message starts it (`python -m
-  fedjax_split.deploy.worker`, in its own session so that the ClientApp process may end), under a
-  lock so that two messages at once start one worker. It serves one message at a time.
+- One worker per state dir (a node; two SuperNodes given the same state dir share one) and per
+  version of this package's code (an upgrade starts a new one). The first message starts it
+  (`python -m fedjax_split.deploy.worker`, in its own session so that the ClientApp process may
+  end), under a lock so that two messages at once start one worker. It serves one message at a
+  time; a message that finds it ending starts a new one. It takes no GPU memory up front.
 - It ends when the SuperNode that started it ends (it watches that process), after
   `IDLE_SECONDS` without a message, or when `stop` asks (the local launcher does at its end).
 - The socket lives in a directory of this user's only (mode 0700): only this user's processes
@@ -44,6 +46,7 @@ from fedjax_split.errors import UserError
 
 IDLE_SECONDS = 1800.0  # a worker with no message for this long ends
 START_SECONDS = 120.0  # how long a ClientApp waits for a worker it started to listen
+REQUEST_SECONDS = 300.0  # how long the worker waits for a request's bytes, or to send a reply
 ENV = "FEDJAX_SPLIT_WARM_WORKER"  # "0": no worker (each handler in its ClientApp process)
 NODE_CONFIG_KEY = "warm-worker"
 _RAISED = {"UserError": UserError, "ValueError": ValueError, "KeyError": KeyError,
@@ -63,8 +66,17 @@ def socket_path(state_dir: str | Path) -> Path:
     base.mkdir(mode=0o700, exist_ok=True)
     if base.stat().st_uid != os.getuid() or base.stat().st_mode & 0o077:
         raise UserError(f"{base} is not this user's alone; remove it and run again")
-    key = hashlib.sha256(str(Path(state_dir).resolve()).encode()).hexdigest()[:24]
-    return base / f"{key}.sock"
+    key = hashlib.sha256(f"{Path(state_dir).resolve()}|{_code_version()}".encode())
+    return base / f"{key.hexdigest()[:24]}.sock"
+
+
+def _code_version() -> str:
+    """What distinguishes this package's code from another install or an upgrade: a worker
+    started by older code is never handed a message by newer code (each gets its own socket)."""
+    root = Path(__file__).resolve().parent.parent
+    stamps = sorted((str(f.relative_to(root)), f.stat().st_mtime_ns, f.stat().st_size)
+                    for f in root.rglob("*.py"))  # fmt: skip
+    return hashlib.sha256(repr(stamps).encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,14 +118,20 @@ def handle(kind: str, msg: Any, context: Any, run_here: Callable[[Any, Any], Any
     from flwr.common import serde
 
     state_dir = _state_dir(context)
-    if not enabled(context.node_config) or state_dir is None:
+    if not enabled(context.node_config):
         return run_here(msg, context)
     path = socket_path(state_dir)
     request = [kind.encode(), serde.message_to_proto(msg).SerializeToString(),
                serde.context_to_proto(context).SerializeToString()]  # fmt: skip
-    with _connect(path, state_dir) as conn:
-        _send_parts(conn, request)
-        status, payload = _recv_parts(conn)
+    for attempt in (1, 2):
+        try:
+            with _connect(path, state_dir) as conn:
+                _send_parts(conn, request)
+                status, payload = _recv_parts(conn)
+            break
+        except ConnectionError:  # the worker ended as this message came: start a new one, once
+            if attempt == 2:
+                raise
     if status == b"ok":
         from flwr.proto.message_pb2 import Message as ProtoMessage
 
@@ -122,7 +140,7 @@ def handle(kind: str, msg: Any, context: Any, run_here: Callable[[Any, Any], Any
     raise _RAISED.get(name, RuntimeError)(text.strip() if name in _RAISED else payload.decode())
 
 
-def _state_dir(context: Any) -> Path | None:
+def _state_dir(context: Any) -> Path:
     from fedjax_split.deploy import protocol
 
     value = context.node_config.get(protocol.STATE_DIR)
@@ -184,8 +202,10 @@ def _start(path: Path, state_dir: Path) -> socket.socket:
     args = [sys.executable, "-m", "fedjax_split.deploy.worker", "--socket", str(path)]
     if watched is not None:
         args += ["--watch-pid", str(watched)]
+    # several nodes' workers may share a host and its GPU: none takes its memory up front
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ}
     with open(state_dir / "worker.log", "ab") as log:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                                 start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + START_SECONDS
     while time.monotonic() < deadline:
@@ -203,13 +223,18 @@ def stop(state_dir: str | Path) -> None:
     """Ends the worker of `state_dir`, if one runs (the local launcher, at its end)."""
     import signal
 
-    pid_file = Path(f"{socket_path(state_dir)}.pid")
+    import psutil
+
+    path = socket_path(state_dir)
+    pid_file = Path(f"{path}.pid")
     try:
         pid = int(pid_file.read_text())
-    except (OSError, ValueError):
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGKILL)
+        cmdline = psutil.Process(pid).cmdline()
+    except (OSError, ValueError, psutil.Error):
+        cmdline = []
+    if "fedjax_split.deploy.worker" in cmdline and str(path) in cmdline:  # not a reused pid
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(FileNotFoundError):
         pid_file.unlink()
     with contextlib.suppress(FileNotFoundError):
@@ -260,6 +285,7 @@ def serve(path: Path, watch_pid: int | None, idle_seconds: float = IDLE_SECONDS)
         path.unlink()
     server.bind(str(path))
     os.chmod(path, 0o600)
+    bound = path.stat().st_ino
     Path(f"{path}.pid").write_text(str(os.getpid()))
     server.listen(16)
     server.settimeout(1.0)
@@ -271,7 +297,7 @@ def serve(path: Path, watch_pid: int | None, idle_seconds: float = IDLE_SECONDS)
             except TimeoutError:
                 continue
             with conn:
-                conn.settimeout(None)
+                conn.settimeout(REQUEST_SECONDS)  # a client stalled mid-frame does not block it
                 try:
                     _send_parts(conn, _answer(_recv_parts(conn), client_app.HANDLERS))
                 except (ConnectionError, struct.error, OSError) as e:
@@ -279,9 +305,10 @@ def serve(path: Path, watch_pid: int | None, idle_seconds: float = IDLE_SECONDS)
             last = time.monotonic()
     finally:
         server.close()
-        for leftover in (path, Path(f"{path}.pid")):
-            with contextlib.suppress(FileNotFoundError):
-                leftover.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_ino == bound:  # not the socket of a worker started after it
+                path.unlink()
+                Path(f"{path}.pid").unlink(missing_ok=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
