@@ -6,7 +6,9 @@ whole server over real Flower processes is tests/test_flower.py's."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -208,3 +210,74 @@ def test_connect_maps_each_client_to_the_node_that_holds_it(monkeypatch) -> None
         server.connect(_Grid({11: _query_reply(0, 1), 12: _query_reply(1, 2)}), config, options)
     with pytest.raises(UserError, match="SuperNode 11 answered the query for client 1 without"):
         server.connect(_Grid({11: _query_reply(0, 1, 2, drop=1)}), config, options)
+
+
+def _eval_reply(client: object, text: object = None, *, no_config: bool = False) -> Any:
+    """An EVALUATE reply's content as a node's ClientApp writes it (its id, its metrics' JSON)."""
+    from flwr.app import ConfigRecord
+
+    if no_config:
+        return SimpleNamespace(content=RecordDict({}))
+    values = {protocol.CLIENT: client}
+    if text is not None:
+        values[protocol.EVAL_JSON] = text
+    return SimpleNamespace(content=RecordDict({protocol.CONFIG: ConfigRecord(values)}))
+
+
+class _Exchange:
+    """An Exchange whose clients answer an evaluation at once with the given replies."""
+
+    def __init__(self, replies: dict[int, Any]) -> None:
+        self.replies = replies
+
+    def send(self, messages: dict, timeout: float) -> tuple[dict, dict]:
+        return {c: self.replies[c] for c in messages}, {}
+
+
+def test_evaluate_leaves_out_a_reply_that_is_not_the_clients_own_metrics(monkeypatch) -> None:
+    """An evaluate reply is untrusted: no record, bad JSON, a list, a string or infinite value, a
+    "client" key (claiming another's row), a metric the task does not score, another client's id,
+    or an oversized text is left out (eval_failed, warned) and the server goes on; NaN (a metric
+    undefined on a split) and {} (no test examples) are taken as before."""
+    from fedjax_split.tasks.registry import get_task
+
+    monkeypatch.setattr(server, "_message", lambda content, node, kind: content)
+    nan = float("nan")
+    replies = {
+        0: _eval_reply(0, json.dumps({"accuracy": 0.75})),
+        1: _eval_reply(1, json.dumps({"accuracy": nan})),
+        2: _eval_reply(2, "{}"),
+        3: _eval_reply(3, no_config=True),
+        4: _eval_reply(4),
+        5: _eval_reply(5, "{not json"),
+        6: _eval_reply(6, "[0.5]"),
+        7: _eval_reply(7, json.dumps({"accuracy": "high"})),
+        8: _eval_reply(8, json.dumps({"accuracy": 0.5, "client": 0})),
+        9: _eval_reply(9, json.dumps({"accuracy": 0.5, "note": "x"})),
+        10: _eval_reply(0, json.dumps({"accuracy": 0.5})),
+        11: _eval_reply(11, json.dumps({"accuracy": float("inf")})),
+        12: _eval_reply(12, json.dumps({"accuracy": 0.5, "pad": "x" * 10**6})),
+        13: _eval_reply(13, "[" * 10**4),
+        14: _eval_reply(14, json.dumps({"accuracy": True})),
+        15: _eval_reply(15, json.dumps({"f1": 0.5})),
+    }
+    run = _run("float32")
+    run.model.task, run.tag_names, run.run_id = get_task("qnli"), (), "ab" * 8
+    run.config, run.nodes = SimpleNamespace(clients=len(replies)), {c: c for c in replies}
+    record, failed, _ = server.evaluate(run, _Exchange(replies), 1, server.DeployOptions(), {},
+                                        set(range(16)))  # fmt: skip
+    assert sorted(failed) == list(range(3, 16))
+    assert all(why.startswith("bad evaluation: ") for why in failed.values())
+    assert "client 0" in failed[10] and "not a real number" in failed[7]
+    assert [pc["client"] for pc in record["clients"]] == [0, 1]
+    assert record["accuracy"] == 0.75 and np.isnan(record["clients"][1]["accuracy"])
+    assert set(record["clients"][0]) == {"client", "accuracy"}
+
+
+def test_the_metric_names_are_the_tasks_with_groups_and_entity_types() -> None:
+    from fedjax_split.tasks.registry import get_task
+
+    assert server.metric_names(get_task("mnli")) == {"accuracy", "accuracy_matched",
+                                                     "accuracy_mismatched"}  # fmt: skip
+    names = server.metric_names(get_task("ner"), ("O", "B-PER", "I-PER", "B-LOC", "I-LOC"))
+    assert names == {"precision", "recall", "f1", "f1_PER", "f1_LOC"}

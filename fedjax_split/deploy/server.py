@@ -256,6 +256,7 @@ class ServerRun:
     server_state: Any
     shares: list[Any] | None = None  # each client's realised label shares, as its node reported
     rounds: int = 0  # the rounds to run: --rounds, or fewer where DP's --dp-max-epsilon stops it
+    tag_names: tuple[str, ...] = ()  # a token task's tag vocabulary (its metrics' names)
 
 
 def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> ServerRun:
@@ -269,7 +270,8 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
     from fedjax_split.tasks import registry as tasks
 
     task = tasks.get_task(config.task)
-    model = pieces.build_model(config, task, _tag_names(found, pieces.tag_names(config, task)))
+    tag_names = _tag_names(found, pieces.tag_names(config, task))
+    model = pieces.build_model(config, task, tag_names)
     spec = model.round_spec
 
     def step(state: Any, uploads: tuple, weights: Any, rng: Any, norms: Any) -> Any:
@@ -290,6 +292,7 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
                                        init_state(spec.aggregator)),  # fmt: skip
         shares=None if any(x is None for x in shares) else shares,
         rounds=safeguards.rounds_allowed(config),
+        tag_names=tag_names,
     )
 
 
@@ -477,6 +480,45 @@ def run_round(
     return record
 
 
+def metric_names(task: Any, tag_names: Sequence[str] = ()) -> frozenset[str]:
+    """Every metric name the task's scoring (`run.pieces.score`) can give a client: the task's
+    metrics, MNLI's per group, a token task's `f1_<type>` of each entity type of its tags."""
+    names = set(task.metrics)
+    names.update(f"{m}_{g}" for m in task.metrics for g in task.groups)
+    if task.objective.per_token:
+        names.update(f"f1_{t[2:]}" for t in tag_names if t[:2] in ("B-", "I-"))
+    return frozenset(names)
+
+
+def eval_metrics(reply: Any, cid: int, names: frozenset[str], task: Any) -> dict[str, float]:
+    """A client's evaluate reply's metrics, or ValueError: the reply is untrusted (one bad
+    value would crash the server or skew the mean, a "client" key would claim another's row),
+    so it must be the client's own JSON object of the task's metrics, each a real number or NaN
+    (a metric undefined on its split); {} where it has no test examples."""
+    if protocol.CONFIG not in reply.content.config_records:
+        raise ValueError("no config record")
+    cfg = reply.content[protocol.CONFIG]
+    if cfg.get(protocol.CLIENT) != cid:
+        raise ValueError(f"answered as client {cfg.get(protocol.CLIENT)!r}")
+    text = cfg.get(protocol.EVAL_JSON)
+    if not isinstance(text, str) or len(text) > 64 * (len(names) + 1) + sum(map(len, names)):
+        raise ValueError(f"metrics are not a JSON text of at most {len(names)} metrics")
+    try:
+        metrics = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise ValueError(f"metrics are not JSON ({str(err)[:60]})") from None
+    if not isinstance(metrics, dict):
+        raise ValueError(f"metrics are a {type(metrics).__name__}, not an object")
+    unknown = sorted(set(metrics) - names)
+    if unknown or (metrics and not set(task.metrics) <= set(metrics)):
+        bad = unknown or sorted(set(task.metrics) - set(metrics))
+        raise ValueError(f"metrics {bad[:3]} are not the task's {sorted(task.metrics)}")
+    for key, value in metrics.items():
+        if type(value) not in (int, float) or np.isinf(value):
+            raise ValueError(f"metric {key} {str(value)[:40]!r} is not a real number")
+    return {k: float(v) for k, v in metrics.items()}
+
+
 def evaluate(
     run: ServerRun,
     exchange: Exchange,
@@ -507,8 +549,13 @@ def evaluate(
     replies, failed = exchange.send(msgs, options.round_timeout)
     failed.update({cid: why for cid, why in skip.items()})
     per_client = []
+    names = metric_names(run.model.task, run.tag_names)
     for cid in sorted(replies):
-        metrics = json.loads(str(replies[cid].content[protocol.CONFIG][protocol.EVAL_JSON]))
+        try:
+            metrics = eval_metrics(replies[cid], cid, names, run.model.task)
+        except ValueError as err:
+            failed[cid] = f"bad evaluation: {err}"
+            continue
         if metrics:
             per_client.append({"client": cid, **metrics})
     for cid, why in sorted(failed.items()):
