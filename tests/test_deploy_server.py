@@ -281,3 +281,102 @@ def test_the_metric_names_are_the_tasks_with_groups_and_entity_types() -> None:
                                                      "accuracy_mismatched"}  # fmt: skip
     names = server.metric_names(get_task("ner"), ("O", "B-PER", "I-PER", "B-LOC", "I-LOC"))
     assert names == {"precision", "recall", "f1", "f1_PER", "f1_LOC"}
+
+
+POOL_META = {"scheme": "iid", "num_clients": 2, "seed": 4, "num_examples": 10, "alpha": None,
+             "beta": None, "task": "sst2", "test_fraction": 0.2, "fill": None,
+             "target_shares": None, "dropped": 0}  # fmt: skip
+
+
+def _pool_found(**changes: dict) -> dict:
+    """Two clients' query records of a 10-example pool; `changes`: client ("c0", "c1") -> keys
+    to replace (None: leave the key out)."""
+    records = {
+        0: {protocol.SPLIT_TRAIN: [0, 1, 2, 3], protocol.SPLIT_TEST: [4], protocol.POOL_SIZE: 10,
+            protocol.PARTITION: json.dumps(POOL_META), protocol.SHARES: "[0.5, 0.5]"},
+        1: {protocol.SPLIT_TRAIN: [5, 6, 7, 8], protocol.SPLIT_TEST: [9], protocol.POOL_SIZE: 10,
+            protocol.PARTITION: json.dumps(POOL_META), protocol.SHARES: "null"},
+    }  # fmt: skip
+    for key, values in changes.items():
+        record = records[int(key[1:])]
+        record.update(values)
+        for k in [k for k, v in record.items() if v is None]:
+            del record[k]
+    return {c: (10 + c, record) for c, record in records.items()}
+
+
+BAD_QUERIES = {
+    "index past the pool": ({"c1": {protocol.SPLIT_TEST: [10]}}, "SuperNode 11 .*outside 0..9"),
+    "negative index": ({"c0": {protocol.SPLIT_TRAIN: [-1, 1]}}, "SuperNode 10 .*outside"),
+    "float index": ({"c0": {protocol.SPLIT_TRAIN: [0.5]}}, "SuperNode 10 .*whole numbers"),
+    "no test split": ({"c1": {protocol.SPLIT_TEST: None}}, "SuperNode 11 .*test indices"),
+    "repeated index": ({"c0": {protocol.SPLIT_TRAIN: [0, 0, 1]}}, "SuperNode 10 .*repeated"),
+    "train and test": ({"c0": {protocol.SPLIT_TEST: [3]}}, "SuperNode 10 .*repeated"),
+    "another's example": ({"c1": {protocol.SPLIT_TEST: [4]}},
+                          "SuperNodes 10 and 11 both report pool example 4"),
+    "other pool size": ({"c1": {protocol.POOL_SIZE: 12}}, "pools of \\[10, 12\\] examples"),
+    "no pool size": ({"c0": {protocol.POOL_SIZE: None}}, "SuperNode 10 .*pool size"),
+    "no partition": ({"c0": {protocol.PARTITION: None}, "c1": {protocol.PARTITION: None}},
+                     "SuperNode 1. .*partition settings"),
+    "not JSON": ({"c0": {protocol.PARTITION: "{"}}, "SuperNode 10 .*partition settings"),
+    "unknown setting": ({"c0": {protocol.PARTITION: json.dumps({**POOL_META, "evil": 1})},
+                         "c1": {protocol.PARTITION: json.dumps({**POOL_META, "evil": 1})}},
+                        "SuperNode 1. .*partition settings"),
+    "no scheme": ({"c0": {protocol.PARTITION: json.dumps({"seed": 1})},
+                   "c1": {protocol.PARTITION: json.dumps({"seed": 1})}},
+                  "SuperNode 1. .*partition settings"),
+    "missing setting": ({"c0": {protocol.PARTITION: json.dumps({"scheme": "iid"})},
+                         "c1": {protocol.PARTITION: json.dumps({"scheme": "iid"})}},
+                        "SuperNode 10 .*lacks or mistypes"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_QUERIES))
+def test_a_malformed_query_reply_is_one_line_naming_the_supernode(case: str) -> None:
+    """The nodes' reported splits are untrusted too: indices outside the pool, repeated, shared
+    with another client, another pool's size or settings the server cannot read stop the run
+    with one line that says which SuperNode to look at, never a traceback."""
+    changes, needle = BAD_QUERIES[case]
+    found = _pool_found(**changes)
+    with pytest.raises(UserError, match=needle):
+        server.partition_from_nodes(SimpleNamespace(clients=2), found)
+
+
+def test_a_good_pool_query_is_the_partition_and_bad_shares_are_one_line() -> None:
+    found = _pool_found()
+    part = server.partition_from_nodes(SimpleNamespace(clients=2), found)
+    assert [(c.train.tolist(), c.test.tolist()) for c in part.clients] == [
+        ([0, 1, 2, 3], [4]), ([5, 6, 7, 8], [9])]  # fmt: skip
+    assert (part.scheme, part.num_examples, part.seed) == ("iid", 10, 4)
+    assert server._shares(*found[0], 0) == [0.5, 0.5] and server._shares(*found[1], 1) is None
+    for bad in ("[0.5,", '{"a": 1}', '["x"]', "[NaN]", "[2.0]"):
+        with pytest.raises(UserError, match="SuperNode 11 .*client 1's label shares"):
+            server._shares(11, {protocol.SHARES: bad}, 1)
+
+
+def test_a_site_reports_indices_within_its_own_rows() -> None:
+    """--site-data: a site's indices are into its own rows (POOL_SIZE its row count)."""
+    meta = json.dumps({"scheme": "sites", "num_clients": 1, "seed": 4, "alpha": None,
+                       "beta": None, "task": "sst2", "test_fraction": 0.2, "fill": None,
+                       "target_shares": None, "dropped": 0})  # fmt: skip
+    site = {protocol.SPLIT_TRAIN: [0, 1], protocol.SPLIT_TEST: [2], protocol.PARTITION: meta}
+    found = {0: (10, {**site, protocol.POOL_SIZE: 3}), 1: (11, {**site, protocol.POOL_SIZE: 5})}
+    assert server.partition_from_nodes(SimpleNamespace(clients=2), found).num_examples == 8
+    for size, needle in ((2, "outside 0..1"), (-1, "pool size -1"), (2.5, "pool size 2.5")):
+        found[1] = (11, {**site, protocol.POOL_SIZE: size})
+        with pytest.raises(UserError, match=f"SuperNode 11 .*{needle}"):
+            server.partition_from_nodes(SimpleNamespace(clients=2), found)
+
+
+def test_a_query_reply_without_a_client_id_is_one_line(monkeypatch) -> None:
+    from flwr.app import ConfigRecord
+
+    monkeypatch.setattr(server, "_message", lambda content, node, kind: SimpleNamespace(
+        metadata=SimpleNamespace(dst_node_id=node, message_type=kind)))  # fmt: skip
+    options = server.DeployOptions(connect_timeout=5, poll_interval=0.01)
+    for content, needle in ((RecordDict({}), "no config record"),
+                            (RecordDict({protocol.CONFIG: ConfigRecord({})}), "no client id"),
+                            (RecordDict({protocol.CONFIG: ConfigRecord({protocol.CLIENTS: "x"})}),
+                             "client ids")):  # fmt: skip
+        with pytest.raises(UserError, match=f"SuperNode 12 answered the query with {needle}"):
+            server.connect(_Grid({12: content}), SimpleNamespace(clients=1), options)

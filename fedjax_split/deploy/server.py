@@ -168,16 +168,38 @@ def connect(
     return found
 
 
+def _whole(value: Any) -> int | None:
+    """`value` as an int where it is a whole number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value)
+
+
+def _bad_reply(node_id: int, what: str) -> UserError:
+    """The one line for a query reply the server cannot use (a node of another version, or one
+    that lies): a traceback would say nothing of which node to look at."""
+    return UserError(f"SuperNode {node_id} answered the query with {what}; is it running this "
+                     "version of fedjax_split?")  # fmt: skip
+
+
 def _clients_of(node_id: int, reply: Any) -> list[tuple[int, Any]]:
     """[(client id, its query record)] of one node's query reply: the clients the node holds
     (`client-ids`, each with its own record), or the one client of a single-client reply."""
+    if protocol.CONFIG not in reply.content.config_records:
+        raise _bad_reply(node_id, "no config record")
     cfg = reply.content[protocol.CONFIG]
     if protocol.CLIENTS not in cfg:
-        return [(int(cfg[protocol.CLIENT]), cfg)]
+        cid = _whole(cfg.get(protocol.CLIENT))
+        if cid is None:
+            raise _bad_reply(node_id, f"no client id ({protocol.CLIENT!r})")
+        return [(cid, cfg)]
+    ids = cfg[protocol.CLIENTS]
+    if not isinstance(ids, list) or any(_whole(c) is None for c in ids):
+        raise _bad_reply(node_id, f"client ids {str(ids)[:60]} that are not whole numbers")
     out = []
-    for cid in (int(c) for c in cfg[protocol.CLIENTS]):
+    for cid in (int(c) for c in ids):
         record = reply.content.config_records.get(protocol.client_record(cid))
-        if record is None or int(record.get(protocol.CLIENT, -1)) != cid:
+        if record is None or _whole(record.get(protocol.CLIENT)) != cid:
             raise UserError(f"SuperNode {node_id} answered the query for client {cid} without "
                             "its record; is it running this version of fedjax_split?")  # fmt: skip
         out.append((cid, record))
@@ -186,30 +208,90 @@ def _clients_of(node_id: int, reply: Any) -> list[tuple[int, Any]]:
     return out
 
 
+def _partition_meta(node_id: int, cfg: Any) -> dict[str, Any]:
+    """One node's partition settings (its query's JSON), checked: an object of `Partition`'s
+    settings with a scheme and whole-number counts (anything else would reach `Partition(**)`)."""
+    from fedjax_split.data.partition import Partition
+
+    fields = {f.name for f in dataclasses.fields(Partition)} - {"clients"}
+    try:
+        meta = json.loads(str(cfg[protocol.PARTITION]))
+    except (KeyError, ValueError, RecursionError):
+        raise _bad_reply(node_id, "no partition settings as JSON") from None
+    if (not isinstance(meta, dict) or not set(meta) <= fields
+            or not isinstance(meta.get("scheme"), str)
+            or any(_whole(meta[k]) is None or meta[k] < 0 for k in
+                   ("num_clients", "seed", "num_examples", "dropped") if k in meta)):  # fmt: skip
+        raise _bad_reply(node_id, f"the partition settings {str(meta)[:80]}")
+    return meta
+
+
+def _client_split(node_id: int, cid: int, cfg: Any, size: int) -> Any:
+    """One client's reported train and test indices, checked: whole numbers in [0, size), none
+    twice (a repeat or one in both would count an example twice, or test on what it trained)."""
+    from fedjax_split.data.partition import ClientSplit
+
+    parts = []
+    for key in (protocol.SPLIT_TRAIN, protocol.SPLIT_TEST):
+        value = cfg.get(key)
+        if not isinstance(value, list) or any(_whole(i) is None for i in value):
+            raise _bad_reply(node_id, f"client {cid}'s {key} indices not as whole numbers")
+        if value and not (0 <= min(value) and max(value) < size):
+            raise _bad_reply(node_id, f"client {cid}'s {key} indices outside 0..{size - 1}")
+        parts.append(np.asarray(value, np.int64).reshape(-1))
+    if np.unique(np.concatenate(parts)).size != sum(p.size for p in parts):
+        raise _bad_reply(node_id, f"client {cid}'s indices repeated (or both train and test)")
+    return ClientSplit(*parts)
+
+
+def _check_disjoint(clients: Sequence[Any], found: Mapping[int, tuple[int, Any]]) -> None:
+    """No pool example is two clients' (the simulation's partition shares none out)."""
+    every = np.concatenate([np.concatenate([c.train, c.test]) for c in clients])
+    owner = np.repeat(np.arange(len(clients)), [c.train.size + c.test.size for c in clients])
+    order = np.argsort(every, kind="stable")
+    twice = np.flatnonzero(every[order][1:] == every[order][:-1])
+    if twice.size:
+        a, b = (int(owner[order[twice[0] + j]]) for j in (0, 1))
+        raise UserError(
+            f"SuperNodes {found[a][0]} and {found[b][0]} both report pool example "
+            f"{int(every[order][twice[0]])} (clients {a} and {b}); give them the same data"
+        )
+
+
 def partition_from_nodes(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> Any:
     """The run's Partition as the nodes report it (pool indices, as partition.json holds them;
     sites with their own data report indices into their own rows, which the server offsets by
-    the sizes the sites before them report, as the simulation concatenates them)."""
-    from fedjax_split.data.partition import SITES, ClientSplit, Partition, sites_partition
+    the sizes the sites before them report, as the simulation concatenates them). Checked: one
+    pool size (sites: each its own row count), indices within it, disjoint."""
+    from fedjax_split.data.partition import SITES, Partition, sites_partition
 
-    metas = {json.dumps(json.loads(str(cfg[protocol.PARTITION])), sort_keys=True)
-             for _, cfg in found.values()}  # fmt: skip
+    metas = {json.dumps(_partition_meta(node_id, cfg), sort_keys=True)
+             for node_id, cfg in found.values()}  # fmt: skip
     if len(metas) != 1:
         raise UserError("the SuperNodes partition the data differently; give them the same data")
     meta = json.loads(metas.pop())
-    if meta.get("target_shares") is not None:
-        meta["target_shares"] = np.asarray(meta["target_shares"], np.float64)
-    clients = [
-        ClientSplit(
-            np.asarray(found[i][1][protocol.SPLIT_TRAIN], np.int64),
-            np.asarray(found[i][1][protocol.SPLIT_TEST], np.int64),
-        )
-        for i in range(config.clients)
-    ]
-    if meta["scheme"] == SITES:
-        sizes = [int(found[i][1][protocol.POOL_SIZE]) for i in range(config.clients)]
-        return sites_partition(clients, sizes, meta["seed"], meta["task"])
-    return Partition(clients=clients, **meta)
+    sizes = []
+    for i in range(config.clients):
+        node_id, cfg = found[i]
+        size = _whole(cfg.get(protocol.POOL_SIZE))
+        if size is None or size < 0:
+            raise _bad_reply(node_id, f"client {i}'s pool size {cfg.get(protocol.POOL_SIZE)!r}")
+        sizes.append(size)
+    sites = meta["scheme"] == SITES
+    if not sites and len(set(sizes)) > 1:
+        raise UserError(f"the SuperNodes report pools of {sorted(set(sizes))} examples; give "
+                        "them the same data")  # fmt: skip
+    clients = [_client_split(found[i][0], i, found[i][1], sizes[i]) for i in range(config.clients)]
+    if not sites:
+        _check_disjoint(clients, found)
+    try:
+        if sites:
+            return sites_partition(clients, sizes, int(meta["seed"]), meta["task"])
+        if meta.get("target_shares") is not None:
+            meta["target_shares"] = np.asarray(meta["target_shares"], np.float64)
+        return Partition(clients=clients, **meta)
+    except (KeyError, TypeError, ValueError) as err:
+        raise _bad_reply(found[0][0], f"partition settings it lacks or mistypes ({err})") from None
 
 
 def _tag_names(
@@ -217,8 +299,11 @@ def _tag_names(
 ) -> tuple[str, ...]:
     """A token task's tag vocabulary: the run config's (`configured`, pieces.tag_names), which
     every node must report too; without one (a pool's own tags), the one the nodes agree on."""
-    names = {tuple(cfg[protocol.TAG_NAMES]) if protocol.TAG_NAMES in cfg else ()
-             for _, cfg in found.values()}  # fmt: skip
+    for node_id, cfg in found.values():
+        tags = cfg.get(protocol.TAG_NAMES, [])
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise _bad_reply(node_id, f"tag names {str(tags)[:60]} that are not strings")
+    names = {tuple(cfg.get(protocol.TAG_NAMES, ())) for _, cfg in found.values()}
     if len(names) != 1:
         raise UserError("the SuperNodes report different tag vocabularies; give them the same data")
     reported = names.pop()
@@ -259,6 +344,19 @@ class ServerRun:
     tag_names: tuple[str, ...] = ()  # a token task's tag vocabulary (its metrics' names)
 
 
+def _shares(node_id: int, cfg: Any, cid: int) -> list[float] | None:
+    """A client's realised label shares as its node reports them (JSON: null, or fractions),
+    checked before partition.json records them."""
+    try:
+        value = json.loads(str(cfg[protocol.SHARES]))
+    except (KeyError, ValueError, RecursionError):
+        raise _bad_reply(node_id, f"client {cid}'s label shares not as JSON") from None
+    if value is not None and (not isinstance(value, list) or not all(
+            type(x) in (int, float) and 0 <= x <= 1 for x in value)):  # fmt: skip
+        raise _bad_reply(node_id, f"client {cid}'s label shares {str(value)[:60]}")
+    return value
+
+
 def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> ServerRun:
     """Model, roles and server state, as `run.pieces` makes them for every node, without data."""
     import jax
@@ -280,7 +378,7 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
         return rounds.server_step(spec, state, agg), (agg.valid, agg.norms)
 
     nodes = {cid: node_id for cid, (node_id, _) in found.items()}
-    shares = [json.loads(str(found[i][1][protocol.SHARES])) for i in range(config.clients)]
+    shares = [_shares(*found[i], i) for i in range(config.clients)]
     return ServerRun(
         config=config,
         model=model,
