@@ -380,3 +380,31 @@ def test_a_query_reply_without_a_client_id_is_one_line(monkeypatch) -> None:
                              "client ids")):  # fmt: skip
         with pytest.raises(UserError, match=f"SuperNode 12 answered the query with {needle}"):
             server.connect(_Grid({12: content}), SimpleNamespace(clients=1), options)
+
+
+def test_the_nodes_keep_the_local_parts_of_the_oldest_kept_checkpoint(
+    tmp_path, monkeypatch
+) -> None:
+    """KEEP_FROM is the oldest kept checkpoint's round, as the simulation prunes its client
+    store to min(kept): `export --round` and `--resume` from an older kept checkpoint find the
+    nodes' local parts. After a resume, the checkpoints on disk say which is oldest."""
+    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+
+    sent: list[int] = []
+    monkeypatch.setattr(server, "run_round", lambda run, ex, r, h, o, keep: sent.append(keep))
+    task = SimpleNamespace(primary_metric="f1")
+    run = SimpleNamespace(config=SimpleNamespace(run_dir=tmp_path), rounds=9,
+                          model=SimpleNamespace(task=task))  # fmt: skip
+    flower = server.FlowerServer(run, None, server.DeployOptions())
+    flower.step(1, [])
+    flower.checkpointed(2, [2])
+    flower.step(3, [])
+    flower.checkpointed(4, [2, 4])
+    flower.step(5, [])
+    assert sent == [0, 2, 2]
+    checkpoints = RunCheckpointer(checkpoint_dir(tmp_path))
+    for r in (2, 4):
+        checkpoints.save(r, {"x": np.zeros(1)}, {})
+    assert server.oldest_checkpoint(tmp_path, 4) == 2
+    assert server.oldest_checkpoint(tmp_path / "none", 4) == 4
+    assert server.oldest_checkpoint(tmp_path, 0) == 0

@@ -412,7 +412,7 @@ def _train_messages(
     r: int,
     sampled: Any,
     sent: Mapping[str, np.ndarray],
-    checkpoint_round: int,
+    keep_from: int,
     clip: float | None = None,
 ) -> dict[int, Any]:
     """Round r's TRAIN message for each sampled client: the global part as sent, the round's
@@ -424,7 +424,7 @@ def _train_messages(
         protocol.STATE_ROUND: int(state.round),
         protocol.WIRE: spec.wire_dtype,
         protocol.RUN: run.run_id,
-        protocol.KEEP_FROM: checkpoint_round,
+        protocol.KEEP_FROM: keep_from,
     }
     if spec.trained is not None:
         cfg[protocol.TRAINED] = sorted(spec.trained)
@@ -511,9 +511,10 @@ def _take_uploads(
 
 def run_round(
     run: ServerRun, exchange: Exchange, r: int, history: list[dict[str, Any]],
-    options: DeployOptions, checkpoint_round: int,
+    options: DeployOptions, keep_from: int,
 ) -> dict[str, Any]:  # fmt: skip
-    """Round r over the federation; the round's record (metrics.jsonl's row)."""
+    """Round r over the federation; the round's record (metrics.jsonl's row). `keep_from`: the
+    oldest kept checkpoint's round (the nodes keep the local parts it and later ones need)."""
     import jax
 
     from fedjax_split.run import driver, pieces, safeguards
@@ -525,7 +526,7 @@ def run_round(
     state = run.server_state
     sent = codec.encode(state.global_params, run.model.round_spec.wire_dtype)
     clip = float(state.aggregator["clip"]) if config.dp else None  # this round's clip norm
-    msgs = _train_messages(run, r, sampled, sent, checkpoint_round, clip)
+    msgs = _train_messages(run, r, sampled, sent, keep_from, clip)
     replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
     rejected: dict[int, str] = {}
     taken = _take_uploads(run, replies, rejected)
@@ -662,6 +663,17 @@ def evaluate(
     return pieces.personalised_record(per_client, trained), failed, codec.nbytes(sent) * len(msgs)
 
 
+def oldest_checkpoint(run_dir: Any, start_round: int) -> int:
+    """The oldest checkpoint's round in `run_dir` when a run resumes after `start_round` (the
+    older checkpoints it kept may be resumed from or exported too, so the nodes must keep their
+    local parts), else `start_round`."""
+    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+
+    if not start_round or not checkpoint_dir(run_dir).is_dir():
+        return start_round
+    return min(RunCheckpointer(checkpoint_dir(run_dir)).all_rounds(), default=start_round)
+
+
 class FlowerServer:
     """The Flower server's `driver.Run`: rounds over the federation; checkpoints hold the server
     state and the run's id, by which each node finds its own local parts again."""
@@ -673,7 +685,9 @@ class FlowerServer:
         self.run_dir = run.config.run_dir
         self.rounds = run.rounds
         self.metric = run.model.task.primary_metric
-        self.saved_round = 0  # the last checkpoint's round: nodes keep the versions it needs
+        # the oldest kept checkpoint's round: nodes keep the local parts every kept checkpoint
+        # needs (`sim.client_store.prune`, as the simulation prunes its store to min(kept))
+        self.keep_from = 0
 
     def arrays(self) -> dict[str, Any]:
         """The server state and, as the simulation's checkpoint has it, the frozen part (when
@@ -706,7 +720,7 @@ class FlowerServer:
         from fedjax_split.run import pieces, safeguards
 
         run, config, model = self.run, self.run.config, self.run.model
-        self.saved_round = start_round
+        self.keep_from = oldest_checkpoint(self.run_dir, start_round)
         names = partition_names(config, model.task)
         partition_mod.save_partition(run.partition, self.run_dir / "partition.json",
                                      realised=run.shares, label_names=names)  # fmt: skip
@@ -720,10 +734,10 @@ class FlowerServer:
         )
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        return run_round(self.run, self.exchange, r, list(history), self.options, self.saved_round)
+        return run_round(self.run, self.exchange, r, list(history), self.options, self.keep_from)
 
     def checkpointed(self, r: int, kept: Sequence[int]) -> None:
-        self.saved_round = r
+        self.keep_from = min(kept, default=r)
 
     def summary(self, history: Sequence[dict[str, Any]], stats: Any) -> dict[str, Any]:
         from fedjax_split import runtime
