@@ -18,14 +18,17 @@ weighted by their example counts, and the round's record lists it in `clients_fa
 `eval_failed` when it failed to evaluate). A reply whose upload is malformed (paths, shapes,
 dtypes), not finite, or whose figures are not (its example count must be the one its node
 reported when it joined) is left out too and listed in `clients_rejected`; the round goes on
-without it. A round in which no sampled client replies stops the run with a one-line error; its
-last checkpoint stays and `--resume` continues from it.
+without it. An evaluate reply that is not the client's own metrics (the task's names, real
+numbers or NaN) is left out of the evaluation and listed in `eval_failed`. A query reply whose
+indices, sizes or settings are not a share of the data (`partition_from_nodes`) stops the run
+before round 1 with one line naming the SuperNode. A round in which no sampled client replies
+stops the run with a one-line error; its last checkpoint stays and `--resume` continues from it.
 
 The server holds no client data and no local part: a node's query reply tells its client id, its
 share of the pool (indices, for partition.json) and sizes (with --site-data: its count of its own
 rows and its label shares; the server never learns where a site's files are, let alone opens
 them); checkpoints hold the server state and the run's id, by which each node finds its own local
-parts again after a restart.
+parts again after a restart (it keeps those of the oldest kept checkpoint on).
 """
 
 from __future__ import annotations
