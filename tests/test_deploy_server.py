@@ -6,7 +6,9 @@ whole server over real Flower processes is tests/test_flower.py's."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -208,3 +210,201 @@ def test_connect_maps_each_client_to_the_node_that_holds_it(monkeypatch) -> None
         server.connect(_Grid({11: _query_reply(0, 1), 12: _query_reply(1, 2)}), config, options)
     with pytest.raises(UserError, match="SuperNode 11 answered the query for client 1 without"):
         server.connect(_Grid({11: _query_reply(0, 1, 2, drop=1)}), config, options)
+
+
+def _eval_reply(client: object, text: object = None, *, no_config: bool = False) -> Any:
+    """An EVALUATE reply's content as a node's ClientApp writes it (its id, its metrics' JSON)."""
+    from flwr.app import ConfigRecord
+
+    if no_config:
+        return SimpleNamespace(content=RecordDict({}))
+    values = {protocol.CLIENT: client}
+    if text is not None:
+        values[protocol.EVAL_JSON] = text
+    return SimpleNamespace(content=RecordDict({protocol.CONFIG: ConfigRecord(values)}))
+
+
+class _Exchange:
+    """An Exchange whose clients answer an evaluation at once with the given replies."""
+
+    def __init__(self, replies: dict[int, Any]) -> None:
+        self.replies = replies
+
+    def send(self, messages: dict, timeout: float) -> tuple[dict, dict]:
+        return {c: self.replies[c] for c in messages}, {}
+
+
+def test_evaluate_leaves_out_a_reply_that_is_not_the_clients_own_metrics(monkeypatch) -> None:
+    """An evaluate reply is untrusted: no record, bad JSON, a list, a string or infinite value, a
+    "client" key (claiming another's row), a metric the task does not score, another client's id,
+    or an oversized text is left out (eval_failed, warned) and the server goes on; NaN (a metric
+    undefined on a split) and {} (no test examples) are taken as before."""
+    from fedjax_split.tasks.registry import get_task
+
+    monkeypatch.setattr(server, "_message", lambda content, node, kind: content)
+    nan = float("nan")
+    replies = {
+        0: _eval_reply(0, json.dumps({"accuracy": 0.75})),
+        1: _eval_reply(1, json.dumps({"accuracy": nan})),
+        2: _eval_reply(2, "{}"),
+        3: _eval_reply(3, no_config=True),
+        4: _eval_reply(4),
+        5: _eval_reply(5, "{not json"),
+        6: _eval_reply(6, "[0.5]"),
+        7: _eval_reply(7, json.dumps({"accuracy": "high"})),
+        8: _eval_reply(8, json.dumps({"accuracy": 0.5, "client": 0})),
+        9: _eval_reply(9, json.dumps({"accuracy": 0.5, "note": "x"})),
+        10: _eval_reply(0, json.dumps({"accuracy": 0.5})),
+        11: _eval_reply(11, json.dumps({"accuracy": float("inf")})),
+        12: _eval_reply(12, json.dumps({"accuracy": 0.5, "pad": "x" * 10**6})),
+        13: _eval_reply(13, "[" * 10**4),
+        14: _eval_reply(14, json.dumps({"accuracy": True})),
+        15: _eval_reply(15, json.dumps({"f1": 0.5})),
+    }
+    run = _run("float32")
+    run.model.task, run.tag_names, run.run_id = get_task("qnli"), (), "ab" * 8
+    run.config, run.nodes = SimpleNamespace(clients=len(replies)), {c: c for c in replies}
+    record, failed, _ = server.evaluate(run, _Exchange(replies), 1, server.DeployOptions(), {},
+                                        set(range(16)))  # fmt: skip
+    assert sorted(failed) == list(range(3, 16))
+    assert all(why.startswith("bad evaluation: ") for why in failed.values())
+    assert "client 0" in failed[10] and "not a real number" in failed[7]
+    assert [pc["client"] for pc in record["clients"]] == [0, 1]
+    assert record["accuracy"] == 0.75 and np.isnan(record["clients"][1]["accuracy"])
+    assert set(record["clients"][0]) == {"client", "accuracy"}
+
+
+def test_the_metric_names_are_the_tasks_with_groups_and_entity_types() -> None:
+    from fedjax_split.tasks.registry import get_task
+
+    assert server.metric_names(get_task("mnli")) == {"accuracy", "accuracy_matched",
+                                                     "accuracy_mismatched"}  # fmt: skip
+    names = server.metric_names(get_task("ner"), ("O", "B-PER", "I-PER", "B-LOC", "I-LOC"))
+    assert names == {"precision", "recall", "f1", "f1_PER", "f1_LOC"}
+
+
+POOL_META = {"scheme": "iid", "num_clients": 2, "seed": 4, "num_examples": 10, "alpha": None,
+             "beta": None, "task": "sst2", "test_fraction": 0.2, "fill": None,
+             "target_shares": None, "dropped": 0}  # fmt: skip
+
+
+def _pool_found(**changes: dict) -> dict:
+    """Two clients' query records of a 10-example pool; `changes`: client ("c0", "c1") -> keys
+    to replace (None: leave the key out)."""
+    records = {
+        0: {protocol.SPLIT_TRAIN: [0, 1, 2, 3], protocol.SPLIT_TEST: [4], protocol.POOL_SIZE: 10,
+            protocol.PARTITION: json.dumps(POOL_META), protocol.SHARES: "[0.5, 0.5]"},
+        1: {protocol.SPLIT_TRAIN: [5, 6, 7, 8], protocol.SPLIT_TEST: [9], protocol.POOL_SIZE: 10,
+            protocol.PARTITION: json.dumps(POOL_META), protocol.SHARES: "null"},
+    }  # fmt: skip
+    for key, values in changes.items():
+        record = records[int(key[1:])]
+        record.update(values)
+        for k in [k for k, v in record.items() if v is None]:
+            del record[k]
+    return {c: (10 + c, record) for c, record in records.items()}
+
+
+BAD_QUERIES = {
+    "index past the pool": ({"c1": {protocol.SPLIT_TEST: [10]}}, "SuperNode 11 .*outside 0..9"),
+    "negative index": ({"c0": {protocol.SPLIT_TRAIN: [-1, 1]}}, "SuperNode 10 .*outside"),
+    "float index": ({"c0": {protocol.SPLIT_TRAIN: [0.5]}}, "SuperNode 10 .*whole numbers"),
+    "no test split": ({"c1": {protocol.SPLIT_TEST: None}}, "SuperNode 11 .*test indices"),
+    "repeated index": ({"c0": {protocol.SPLIT_TRAIN: [0, 0, 1]}}, "SuperNode 10 .*repeated"),
+    "train and test": ({"c0": {protocol.SPLIT_TEST: [3]}}, "SuperNode 10 .*repeated"),
+    "another's example": ({"c1": {protocol.SPLIT_TEST: [4]}},
+                          "SuperNodes 10 and 11 both report pool example 4"),
+    "other pool size": ({"c1": {protocol.POOL_SIZE: 12}}, "pools of \\[10, 12\\] examples"),
+    "no pool size": ({"c0": {protocol.POOL_SIZE: None}}, "SuperNode 10 .*pool size"),
+    "no partition": ({"c0": {protocol.PARTITION: None}, "c1": {protocol.PARTITION: None}},
+                     "SuperNode 1. .*partition settings"),
+    "not JSON": ({"c0": {protocol.PARTITION: "{"}}, "SuperNode 10 .*partition settings"),
+    "unknown setting": ({"c0": {protocol.PARTITION: json.dumps({**POOL_META, "evil": 1})},
+                         "c1": {protocol.PARTITION: json.dumps({**POOL_META, "evil": 1})}},
+                        "SuperNode 1. .*partition settings"),
+    "no scheme": ({"c0": {protocol.PARTITION: json.dumps({"seed": 1})},
+                   "c1": {protocol.PARTITION: json.dumps({"seed": 1})}},
+                  "SuperNode 1. .*partition settings"),
+    "missing setting": ({"c0": {protocol.PARTITION: json.dumps({"scheme": "iid"})},
+                         "c1": {protocol.PARTITION: json.dumps({"scheme": "iid"})}},
+                        "SuperNode 10 .*lacks or mistypes"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_QUERIES))
+def test_a_malformed_query_reply_is_one_line_naming_the_supernode(case: str) -> None:
+    """The nodes' reported splits are untrusted too: indices outside the pool, repeated, shared
+    with another client, another pool's size or settings the server cannot read stop the run
+    with one line that says which SuperNode to look at, never a traceback."""
+    changes, needle = BAD_QUERIES[case]
+    found = _pool_found(**changes)
+    with pytest.raises(UserError, match=needle):
+        server.partition_from_nodes(SimpleNamespace(clients=2), found)
+
+
+def test_a_good_pool_query_is_the_partition_and_bad_shares_are_one_line() -> None:
+    found = _pool_found()
+    part = server.partition_from_nodes(SimpleNamespace(clients=2), found)
+    assert [(c.train.tolist(), c.test.tolist()) for c in part.clients] == [
+        ([0, 1, 2, 3], [4]), ([5, 6, 7, 8], [9])]  # fmt: skip
+    assert (part.scheme, part.num_examples, part.seed) == ("iid", 10, 4)
+    assert server._shares(*found[0], 0) == [0.5, 0.5] and server._shares(*found[1], 1) is None
+    for bad in ("[0.5,", '{"a": 1}', '["x"]', "[NaN]", "[2.0]"):
+        with pytest.raises(UserError, match="SuperNode 11 .*client 1's label shares"):
+            server._shares(11, {protocol.SHARES: bad}, 1)
+
+
+def test_a_site_reports_indices_within_its_own_rows() -> None:
+    """--site-data: a site's indices are into its own rows (POOL_SIZE its row count)."""
+    meta = json.dumps({"scheme": "sites", "num_clients": 1, "seed": 4, "alpha": None,
+                       "beta": None, "task": "sst2", "test_fraction": 0.2, "fill": None,
+                       "target_shares": None, "dropped": 0})  # fmt: skip
+    site = {protocol.SPLIT_TRAIN: [0, 1], protocol.SPLIT_TEST: [2], protocol.PARTITION: meta}
+    found = {0: (10, {**site, protocol.POOL_SIZE: 3}), 1: (11, {**site, protocol.POOL_SIZE: 5})}
+    assert server.partition_from_nodes(SimpleNamespace(clients=2), found).num_examples == 8
+    for size, needle in ((2, "outside 0..1"), (-1, "pool size -1"), (2.5, "pool size 2.5")):
+        found[1] = (11, {**site, protocol.POOL_SIZE: size})
+        with pytest.raises(UserError, match=f"SuperNode 11 .*{needle}"):
+            server.partition_from_nodes(SimpleNamespace(clients=2), found)
+
+
+def test_a_query_reply_without_a_client_id_is_one_line(monkeypatch) -> None:
+    from flwr.app import ConfigRecord
+
+    monkeypatch.setattr(server, "_message", lambda content, node, kind: SimpleNamespace(
+        metadata=SimpleNamespace(dst_node_id=node, message_type=kind)))  # fmt: skip
+    options = server.DeployOptions(connect_timeout=5, poll_interval=0.01)
+    for content, needle in ((RecordDict({}), "no config record"),
+                            (RecordDict({protocol.CONFIG: ConfigRecord({})}), "no client id"),
+                            (RecordDict({protocol.CONFIG: ConfigRecord({protocol.CLIENTS: "x"})}),
+                             "client ids")):  # fmt: skip
+        with pytest.raises(UserError, match=f"SuperNode 12 answered the query with {needle}"):
+            server.connect(_Grid({12: content}), SimpleNamespace(clients=1), options)
+
+
+def test_the_nodes_keep_the_local_parts_of_the_oldest_kept_checkpoint(
+    tmp_path, monkeypatch
+) -> None:
+    """KEEP_FROM is the oldest kept checkpoint's round, as the simulation prunes its client
+    store to min(kept): `export --round` and `--resume` from an older kept checkpoint find the
+    nodes' local parts. After a resume, the checkpoints on disk say which is oldest."""
+    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+
+    sent: list[int] = []
+    monkeypatch.setattr(server, "run_round", lambda run, ex, r, h, o, keep: sent.append(keep))
+    task = SimpleNamespace(primary_metric="f1")
+    run = SimpleNamespace(config=SimpleNamespace(run_dir=tmp_path), rounds=9,
+                          model=SimpleNamespace(task=task))  # fmt: skip
+    flower = server.FlowerServer(run, None, server.DeployOptions())
+    flower.step(1, [])
+    flower.checkpointed(2, [2])
+    flower.step(3, [])
+    flower.checkpointed(4, [2, 4])
+    flower.step(5, [])
+    assert sent == [0, 2, 2]
+    checkpoints = RunCheckpointer(checkpoint_dir(tmp_path))
+    for r in (2, 4):
+        checkpoints.save(r, {"x": np.zeros(1)}, {})
+    assert server.oldest_checkpoint(tmp_path, 4) == 2
+    assert server.oldest_checkpoint(tmp_path / "none", 4) == 4
+    assert server.oldest_checkpoint(tmp_path, 0) == 0

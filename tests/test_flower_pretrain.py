@@ -31,6 +31,7 @@ from test_flower import _kill_marked, _no_processes_left
 
 from fedjax_split.deploy import codec, protocol
 from fedjax_split.deploy.pretrain_server import heldout_rows, take_upload
+from fedjax_split.errors import UserError
 
 TIMEOUT = 300  # seconds for one command; the CLI kills its federation when it ends
 # two rounds training layers 0 then 1 of 4 on 2-layer small models; held-out evaluation before
@@ -308,3 +309,58 @@ def test_a_bad_site_is_one_line_before_starting_anything(
                         f"--write-app={app}"]) == 0  # fmt: skip
     text = (app / "pyproject.toml").read_text()
     assert "node-config" in text and str(good) not in text and str(empty) not in text
+
+
+def _sites_found(**heldout: object) -> dict:
+    """Two sites' query records (site 0: 3 held-out batches of 2 held-out documents)."""
+    found = {}
+    for c, (docs, held) in enumerate([(10, 2), (6, 1)]):
+        counts = {"documents": docs, "train": docs - held, "heldout": held}
+        found[c] = (20 + c, {protocol.SPLIT_JSON: json.dumps(counts),
+                             protocol.HELDOUT_BATCHES: heldout.get(f"h{c}", 3 - c),
+                             protocol.SEQUENCES: heldout.get(f"s{c}", 40 + c)})  # fmt: skip
+    return found
+
+
+def test_the_join_counts_are_whole_numbers_within_bounds_else_one_line_naming_the_site() -> None:
+    """A site's held-out batches and sequences are taken as reported, but a negative count
+    (which would shift the next site's batches onto its rows), a fraction, a string or one
+    beyond any corpus (which would make np.arange exhaust the server's memory) stops the run
+    with one line naming the site."""
+    from fedjax_split.deploy import pretrain_server
+
+    config = SimpleNamespace(clients=2, site_data="node-config", seed=3)
+    split, shares, sizes = pretrain_server.join_counts(config, _sites_found())
+    assert [(s.count, s.offset) for s in shares] == [(3, 0), (2, 3)] and sizes == [40, 41]
+    bad = {
+        "h0": (-1, "site 0 \\(SuperNode 20\\) reported heldout-batches -1"),
+        "h1": (10**12, "site 1 \\(SuperNode 21\\) reported heldout-batches 1000000000000"),
+        "s1": (2.5, "site 1 .*sequences 2.5"),
+        "s0": ("7", "site 0 .*sequences 7"),
+    }
+    for key, (value, needle) in bad.items():
+        with pytest.raises(UserError, match=needle):
+            pretrain_server.join_counts(config, _sites_found(**{key: value}))
+    found = _sites_found()
+    found[1][1][protocol.SPLIT_JSON] = json.dumps({"documents": 6, "train": 6, "heldout": 0})
+    with pytest.raises(UserError, match="site 1 reported 2 held-out batches of no held-out"):
+        pretrain_server.join_counts(config, found)
+
+
+def test_one_corpus_join_counts_are_checked_too() -> None:
+    from fedjax_split.deploy import pretrain_server
+
+    split = json.dumps({"clients": [[0, 1], [2]], "heldout": [3], "scheme": "source", "seed": 3})
+    config = SimpleNamespace(clients=2, site_data=None, seed=3)
+
+    def found(heldout: object, text: str = split) -> dict:
+        return {c: (20 + c, {protocol.SPLIT_JSON: text, protocol.HELDOUT_BATCHES: heldout,
+                             protocol.SEQUENCES: 5}) for c in range(2)}  # fmt: skip
+
+    _, shares, _ = pretrain_server.join_counts(config, found(4))
+    assert [(s.part, s.parts, s.count) for s in shares] == [(0, 2, 4), (1, 2, 4)]
+    for value in (-4, 10**9, 1.0):
+        with pytest.raises(UserError, match="client [01] .*heldout-batches"):
+            pretrain_server.join_counts(config, found(value))
+    with pytest.raises(UserError, match="the split"):
+        pretrain_server.join_counts(config, found(4, json.dumps({"clients": 3})))

@@ -215,3 +215,31 @@ def test_a_whole_round_over_an_in_process_federation_is_done(
     assert not grid.replies  # every reply was pulled
     for i in range(3):  # each node kept its own local part
         assert len(list((tmp_path / f"node_{i}").rglob(f"client_{i}/round_1.npz"))) == 1
+
+
+def test_a_pretrain_run_config_with_the_sites_paths_never_makes_the_server_look_at_them(
+    files: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Further pre-training's ServerApp sees the sites as `node-config`, as fine-tuning's does:
+    the sites' paths left in a run config are none of the server's business (here they do not
+    exist on the server's machine, which is no error)."""
+    from fedjax_split.deploy import pretrain_server
+    from fedjax_split.run.config import NODE_SITES
+    from fedjax_split.run.pretrain_config import resolve
+
+    seen: list[Any] = []
+    monkeypatch.setattr(pretrain_server, "run_pretrain_server",
+                        lambda grid, config, options: seen.append(config) or {"ok": 1})  # fmt: skip
+    sites = [tmp_path / "site_0", tmp_path / "site_1"]
+    for d in sites:
+        d.mkdir()
+    values = resolve(overrides={"site_data": ",".join(map(str, sites)), "model": str(files.model),
+                                "output_dir": str(tmp_path / "run")}).to_dict()  # fmt: skip
+    for d in sites:
+        d.rmdir()  # the server's machine has no such directories
+    status = tmp_path / "status.json"
+    run_config = {protocol.KIND: protocol.PRETRAIN, protocol.PRETRAIN_CONFIG: json.dumps(values),
+                  protocol.STATUS_FILE: str(status)}  # fmt: skip
+    server_app.main(NoGrid(), _context(run_config))
+    assert _status(status) == {"status": "done", "summary": {"ok": 1}}
+    assert seen[0].site_data == NODE_SITES and seen[0].clients == 2

@@ -61,19 +61,54 @@ class HeldoutShare(NamedTuple):
     offset: int
 
 
-def setup_from_nodes(
+# The most held-out batches (all sites' together) and training sequences a node may report
+# when it joins. The server never sees the text, so it cannot count them; the bound keeps a
+# wrong or lying count from exhausting the server's memory (`heldout_rows`' np.arange, the rows
+# it adds up): 10**6 batches of 64 sequences is some 10**10 held-out tokens at 128 a sequence.
+MAX_HELDOUT_BATCHES = 10**6
+MAX_SEQUENCES = 10**9
+
+
+def join_count(
+    found: Mapping[int, tuple[int, Any]], client: int, key: str, limit: int, who: str = "client"
+) -> int:
+    """A count client `client`'s node (`who`: "site" with --site-data) reported when it joined,
+    checked: a whole number from 0 to `limit` (a negative held-out count would shift the sites
+    after it onto its rows)."""
+    node_id, cfg = found[client]
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not (
+            0 <= value <= limit):  # fmt: skip
+        raise UserError(f"{who} {client} (SuperNode {node_id}) reported {key} {str(value)[:40]}, "
+                        f"not a whole number from 0 to {limit:,}; is it running this version "
+                        "of fedjax_split?")  # fmt: skip
+    return int(value)
+
+
+def join_counts(
     config: PretrainConfig, found: Mapping[int, tuple[int, Any]]
-) -> tuple[pretraining.Setup, list[HeldoutShare]]:
-    """(the run's text-free Setup, each client's `HeldoutShare`) from the nodes' query replies:
-    the split they derive (all the same; sites: each its own counts), each client's sequences."""
+) -> tuple[Any, list[HeldoutShare], list[int]]:
+    """(the corpus split or the sites' split.json record, each client's `HeldoutShare`, each
+    client's training sequences) from the nodes' query replies, checked."""
     clients = list(range(config.clients))
     if config.site_data is not None:
         split, shares = _sites_from_nodes(config, found)
     else:
         split, count = _split_from_nodes(found)
         shares = [HeldoutShare(c, len(clients), count, 0) for c in clients]
-    sizes = [int(found[c][1][protocol.SEQUENCES]) for c in clients]
+    who = "client" if config.site_data is None else "site"
+    sizes = [join_count(found, c, protocol.SEQUENCES, MAX_SEQUENCES, who) for c in clients]
+    return split, shares, sizes
+
+
+def setup_from_nodes(
+    config: PretrainConfig, found: Mapping[int, tuple[int, Any]]
+) -> tuple[pretraining.Setup, list[HeldoutShare]]:
+    """(the run's text-free Setup, each client's `HeldoutShare`) from the nodes' query replies:
+    the split they derive (all the same; sites: each its own counts), each client's sequences."""
+    split, shares, sizes = join_counts(config, found)
     pre = pretraining.load_model(config)
+    clients = list(range(config.clients))
     return pretraining.model_setup(config, pre, split, clients, sizes), shares
 
 
@@ -81,18 +116,29 @@ def _split_from_nodes(found: Mapping[int, tuple[int, Any]]) -> tuple[Any, int]:
     """(the corpus split, the held-out batch count) every node derives from one corpus."""
     from fedjax_split.data.text.corpus_split import CorpusSplit
 
-    splits = {json.dumps(json.loads(str(cfg[protocol.SPLIT_JSON])), sort_keys=True)
-              for _, cfg in found.values()}  # fmt: skip
-    counts = {int(cfg[protocol.HELDOUT_BATCHES]) for _, cfg in found.values()}
+    try:
+        splits = {json.dumps(json.loads(str(cfg[protocol.SPLIT_JSON])), sort_keys=True)
+                  for _, cfg in found.values()}  # fmt: skip
+    except (KeyError, ValueError, RecursionError):
+        raise UserError("a SuperNode answered the query without its split as JSON; is it "
+                        "running this version of fedjax_split?") from None  # fmt: skip
+    counts = {join_count(found, c, protocol.HELDOUT_BATCHES, MAX_HELDOUT_BATCHES) for c in found}
     if len(splits) != 1 or len(counts) != 1:
         raise UserError("the SuperNodes split the text differently; give them the same text")
     raw = json.loads(splits.pop())
-    split = CorpusSplit(
-        clients=tuple(np.asarray(c, np.int64) for c in raw["clients"]),
-        heldout=np.asarray(raw["heldout"], np.int64),
-        scheme=str(raw["scheme"]),
-        seed=int(raw["seed"]),
-    )
+    try:
+        split = CorpusSplit(
+            clients=tuple(np.asarray(c, np.int64) for c in raw["clients"]),
+            heldout=np.asarray(raw["heldout"], np.int64),
+            scheme=str(raw["scheme"]),
+            seed=int(raw["seed"]),
+        )
+    except (KeyError, TypeError, ValueError, OverflowError) as err:
+        raise UserError(f"the SuperNodes report the split {str(raw)[:60]} ({err}); is each "
+                        "running this version of fedjax_split?") from None  # fmt: skip
+    if counts and split.heldout.size == 0 and max(counts) > 0:
+        raise UserError(f"the SuperNodes report {max(counts)} held-out batches of no held-out "
+                        "document; is each running this version of fedjax_split?")  # fmt: skip
     return split, counts.pop()
 
 
@@ -106,14 +152,20 @@ def _sites_from_nodes(
     sites, shares, offset = [], [], 0
     for c in range(config.clients):
         cfg = found[c][1]
-        counts = json.loads(str(cfg[protocol.SPLIT_JSON]))
+        try:
+            counts = json.loads(str(cfg[protocol.SPLIT_JSON]))
+        except (KeyError, ValueError, RecursionError):
+            counts = None
         keys = ("documents", "train", "heldout")
         if (not isinstance(counts, dict) or set(counts) != set(keys)
                 or not all(type(counts[k]) is int and counts[k] >= 0 for k in keys)
                 or counts["train"] + counts["heldout"] != counts["documents"]):  # fmt: skip
             raise UserError(f"site {c} reported {str(counts)[:80]} as its counts; is its "
                             "SuperNode running this version of fedjax_split?")  # fmt: skip
-        count = int(cfg[protocol.HELDOUT_BATCHES])
+        count = join_count(found, c, protocol.HELDOUT_BATCHES, MAX_HELDOUT_BATCHES - offset, "site")
+        if count and not counts["heldout"]:
+            raise UserError(f"site {c} reported {count} held-out batches of no held-out "
+                            "document; is its SuperNode running this version of fedjax_split?")
         sites.append({k: counts[k] for k in keys})
         shares.append(HeldoutShare(0, 1, count, offset))
         offset += count

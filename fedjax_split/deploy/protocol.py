@@ -31,7 +31,7 @@ STATE_ROUND = "state-round"  # rounds the server state has completed (the keys f
 WIRE = "wire-dtype"
 CLIENT = "client-id"
 RUN = "run-id"  # our run's id (survives a server restart), not Flower's run id
-KEEP_FROM = "keep-from"  # the server's latest checkpoint round: older local parts may go
+KEEP_FROM = "keep-from"  # the oldest kept checkpoint's round: parts none of them needs may go
 TRAINED = "trained"  # the trained global paths, when a schedule chooses (absent: all)
 DP_CLIP = "dp-clip"  # client-level DP: the round's clip norm, the client clips its update to it
 SPLIT_TRAIN, SPLIT_TEST = "train", "test"  # a node's pool indices (query reply)
@@ -79,14 +79,14 @@ BERT_FL_FLOPS, SECONDS, CPU_SECONDS = "bert-fl-flops", "seconds", "cpu-seconds"
 RECORD_ENV = "FEDJAX_SPLIT_FLOWER_RECORD"  # a directory: every message sent is logged there
 
 
-def experiment_values(run_config: Any) -> dict[str, Any]:
-    """The run's settings (`EXPERIMENT`) as the ServerApp and a ClientApp resolve them. With
-    --site-data the sites' paths, were they there, are no one's business but their own site's:
-    the server and every node see `node-config` (each node's data-dir is its site), so that
-    neither looks at another site's directory."""
+def experiment_values(run_config: Any, key: str = EXPERIMENT) -> dict[str, Any]:
+    """The run's settings (`EXPERIMENT`, or further pre-training's `PRETRAIN_CONFIG`) as the
+    ServerApp and a ClientApp resolve them. With --site-data the sites' paths, were they there,
+    are no one's business but their own site's: the server and every node see `node-config`
+    (each node's data-dir is its site), so that neither looks at another site's directory."""
     from fedjax_split.run.config import NODE_SITES
 
-    values = json.loads(str(run_config[EXPERIMENT]))
+    values = json.loads(str(run_config[key]))
     if values.get("site_data") is not None:
         values["site_data"] = NODE_SITES
     return dict(values)

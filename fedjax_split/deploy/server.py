@@ -18,14 +18,17 @@ weighted by their example counts, and the round's record lists it in `clients_fa
 `eval_failed` when it failed to evaluate). A reply whose upload is malformed (paths, shapes,
 dtypes), not finite, or whose figures are not (its example count must be the one its node
 reported when it joined) is left out too and listed in `clients_rejected`; the round goes on
-without it. A round in which no sampled client replies stops the run with a one-line error; its
-last checkpoint stays and `--resume` continues from it.
+without it. An evaluate reply that is not the client's own metrics (the task's names, real
+numbers or NaN) is left out of the evaluation and listed in `eval_failed`. A query reply whose
+indices, sizes or settings are not a share of the data (`partition_from_nodes`) stops the run
+before round 1 with one line naming the SuperNode. A round in which no sampled client replies
+stops the run with a one-line error; its last checkpoint stays and `--resume` continues from it.
 
 The server holds no client data and no local part: a node's query reply tells its client id, its
 share of the pool (indices, for partition.json) and sizes (with --site-data: its count of its own
 rows and its label shares; the server never learns where a site's files are, let alone opens
 them); checkpoints hold the server state and the run's id, by which each node finds its own local
-parts again after a restart.
+parts again after a restart (it keeps those of the oldest kept checkpoint on).
 """
 
 from __future__ import annotations
@@ -168,16 +171,38 @@ def connect(
     return found
 
 
+def _whole(value: Any) -> int | None:
+    """`value` as an int where it is a whole number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value)
+
+
+def _bad_reply(node_id: int, what: str) -> UserError:
+    """The one line for a query reply the server cannot use (a node of another version, or one
+    that lies): a traceback would say nothing of which node to look at."""
+    return UserError(f"SuperNode {node_id} answered the query with {what}; is it running this "
+                     "version of fedjax_split?")  # fmt: skip
+
+
 def _clients_of(node_id: int, reply: Any) -> list[tuple[int, Any]]:
     """[(client id, its query record)] of one node's query reply: the clients the node holds
     (`client-ids`, each with its own record), or the one client of a single-client reply."""
+    if protocol.CONFIG not in reply.content.config_records:
+        raise _bad_reply(node_id, "no config record")
     cfg = reply.content[protocol.CONFIG]
     if protocol.CLIENTS not in cfg:
-        return [(int(cfg[protocol.CLIENT]), cfg)]
+        cid = _whole(cfg.get(protocol.CLIENT))
+        if cid is None:
+            raise _bad_reply(node_id, f"no client id ({protocol.CLIENT!r})")
+        return [(cid, cfg)]
+    ids = cfg[protocol.CLIENTS]
+    if not isinstance(ids, list) or any(_whole(c) is None for c in ids):
+        raise _bad_reply(node_id, f"client ids {str(ids)[:60]} that are not whole numbers")
     out = []
-    for cid in (int(c) for c in cfg[protocol.CLIENTS]):
+    for cid in (int(c) for c in ids):
         record = reply.content.config_records.get(protocol.client_record(cid))
-        if record is None or int(record.get(protocol.CLIENT, -1)) != cid:
+        if record is None or _whole(record.get(protocol.CLIENT)) != cid:
             raise UserError(f"SuperNode {node_id} answered the query for client {cid} without "
                             "its record; is it running this version of fedjax_split?")  # fmt: skip
         out.append((cid, record))
@@ -186,30 +211,90 @@ def _clients_of(node_id: int, reply: Any) -> list[tuple[int, Any]]:
     return out
 
 
+def _partition_meta(node_id: int, cfg: Any) -> dict[str, Any]:
+    """One node's partition settings (its query's JSON), checked: an object of `Partition`'s
+    settings with a scheme and whole-number counts (anything else would reach `Partition(**)`)."""
+    from fedjax_split.data.partition import Partition
+
+    fields = {f.name for f in dataclasses.fields(Partition)} - {"clients"}
+    try:
+        meta = json.loads(str(cfg[protocol.PARTITION]))
+    except (KeyError, ValueError, RecursionError):
+        raise _bad_reply(node_id, "no partition settings as JSON") from None
+    if (not isinstance(meta, dict) or not set(meta) <= fields
+            or not isinstance(meta.get("scheme"), str)
+            or any(_whole(meta[k]) is None or meta[k] < 0 for k in
+                   ("num_clients", "seed", "num_examples", "dropped") if k in meta)):  # fmt: skip
+        raise _bad_reply(node_id, f"the partition settings {str(meta)[:80]}")
+    return meta
+
+
+def _client_split(node_id: int, cid: int, cfg: Any, size: int) -> Any:
+    """One client's reported train and test indices, checked: whole numbers in [0, size), none
+    twice (a repeat or one in both would count an example twice, or test on what it trained)."""
+    from fedjax_split.data.partition import ClientSplit
+
+    parts = []
+    for key in (protocol.SPLIT_TRAIN, protocol.SPLIT_TEST):
+        value = cfg.get(key)
+        if not isinstance(value, list) or any(_whole(i) is None for i in value):
+            raise _bad_reply(node_id, f"client {cid}'s {key} indices not as whole numbers")
+        if value and not (0 <= min(value) and max(value) < size):
+            raise _bad_reply(node_id, f"client {cid}'s {key} indices outside 0..{size - 1}")
+        parts.append(np.asarray(value, np.int64).reshape(-1))
+    if np.unique(np.concatenate(parts)).size != sum(p.size for p in parts):
+        raise _bad_reply(node_id, f"client {cid}'s indices repeated (or both train and test)")
+    return ClientSplit(*parts)
+
+
+def _check_disjoint(clients: Sequence[Any], found: Mapping[int, tuple[int, Any]]) -> None:
+    """No pool example is two clients' (the simulation's partition shares none out)."""
+    every = np.concatenate([np.concatenate([c.train, c.test]) for c in clients])
+    owner = np.repeat(np.arange(len(clients)), [c.train.size + c.test.size for c in clients])
+    order = np.argsort(every, kind="stable")
+    twice = np.flatnonzero(every[order][1:] == every[order][:-1])
+    if twice.size:
+        a, b = (int(owner[order[twice[0] + j]]) for j in (0, 1))
+        raise UserError(
+            f"SuperNodes {found[a][0]} and {found[b][0]} both report pool example "
+            f"{int(every[order][twice[0]])} (clients {a} and {b}); give them the same data"
+        )
+
+
 def partition_from_nodes(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> Any:
     """The run's Partition as the nodes report it (pool indices, as partition.json holds them;
     sites with their own data report indices into their own rows, which the server offsets by
-    the sizes the sites before them report, as the simulation concatenates them)."""
-    from fedjax_split.data.partition import SITES, ClientSplit, Partition, sites_partition
+    the sizes the sites before them report, as the simulation concatenates them). Checked: one
+    pool size (sites: each its own row count), indices within it, disjoint."""
+    from fedjax_split.data.partition import SITES, Partition, sites_partition
 
-    metas = {json.dumps(json.loads(str(cfg[protocol.PARTITION])), sort_keys=True)
-             for _, cfg in found.values()}  # fmt: skip
+    metas = {json.dumps(_partition_meta(node_id, cfg), sort_keys=True)
+             for node_id, cfg in found.values()}  # fmt: skip
     if len(metas) != 1:
         raise UserError("the SuperNodes partition the data differently; give them the same data")
     meta = json.loads(metas.pop())
-    if meta.get("target_shares") is not None:
-        meta["target_shares"] = np.asarray(meta["target_shares"], np.float64)
-    clients = [
-        ClientSplit(
-            np.asarray(found[i][1][protocol.SPLIT_TRAIN], np.int64),
-            np.asarray(found[i][1][protocol.SPLIT_TEST], np.int64),
-        )
-        for i in range(config.clients)
-    ]
-    if meta["scheme"] == SITES:
-        sizes = [int(found[i][1][protocol.POOL_SIZE]) for i in range(config.clients)]
-        return sites_partition(clients, sizes, meta["seed"], meta["task"])
-    return Partition(clients=clients, **meta)
+    sizes = []
+    for i in range(config.clients):
+        node_id, cfg = found[i]
+        size = _whole(cfg.get(protocol.POOL_SIZE))
+        if size is None or size < 0:
+            raise _bad_reply(node_id, f"client {i}'s pool size {cfg.get(protocol.POOL_SIZE)!r}")
+        sizes.append(size)
+    sites = meta["scheme"] == SITES
+    if not sites and len(set(sizes)) > 1:
+        raise UserError(f"the SuperNodes report pools of {sorted(set(sizes))} examples; give "
+                        "them the same data")  # fmt: skip
+    clients = [_client_split(found[i][0], i, found[i][1], sizes[i]) for i in range(config.clients)]
+    if not sites:
+        _check_disjoint(clients, found)
+    try:
+        if sites:
+            return sites_partition(clients, sizes, int(meta["seed"]), meta["task"])
+        if meta.get("target_shares") is not None:
+            meta["target_shares"] = np.asarray(meta["target_shares"], np.float64)
+        return Partition(clients=clients, **meta)
+    except (KeyError, TypeError, ValueError) as err:
+        raise _bad_reply(found[0][0], f"partition settings it lacks or mistypes ({err})") from None
 
 
 def _tag_names(
@@ -217,8 +302,11 @@ def _tag_names(
 ) -> tuple[str, ...]:
     """A token task's tag vocabulary: the run config's (`configured`, pieces.tag_names), which
     every node must report too; without one (a pool's own tags), the one the nodes agree on."""
-    names = {tuple(cfg[protocol.TAG_NAMES]) if protocol.TAG_NAMES in cfg else ()
-             for _, cfg in found.values()}  # fmt: skip
+    for node_id, cfg in found.values():
+        tags = cfg.get(protocol.TAG_NAMES, [])
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise _bad_reply(node_id, f"tag names {str(tags)[:60]} that are not strings")
+    names = {tuple(cfg.get(protocol.TAG_NAMES, ())) for _, cfg in found.values()}
     if len(names) != 1:
         raise UserError("the SuperNodes report different tag vocabularies; give them the same data")
     reported = names.pop()
@@ -256,6 +344,20 @@ class ServerRun:
     server_state: Any
     shares: list[Any] | None = None  # each client's realised label shares, as its node reported
     rounds: int = 0  # the rounds to run: --rounds, or fewer where DP's --dp-max-epsilon stops it
+    tag_names: tuple[str, ...] = ()  # a token task's tag vocabulary (its metrics' names)
+
+
+def _shares(node_id: int, cfg: Any, cid: int) -> list[float] | None:
+    """A client's realised label shares as its node reports them (JSON: null, or fractions),
+    checked before partition.json records them."""
+    try:
+        value = json.loads(str(cfg[protocol.SHARES]))
+    except (KeyError, ValueError, RecursionError):
+        raise _bad_reply(node_id, f"client {cid}'s label shares not as JSON") from None
+    if value is not None and (not isinstance(value, list) or not all(
+            type(x) in (int, float) and 0 <= x <= 1 for x in value)):  # fmt: skip
+        raise _bad_reply(node_id, f"client {cid}'s label shares {str(value)[:60]}")
+    return value
 
 
 def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> ServerRun:
@@ -269,7 +371,8 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
     from fedjax_split.tasks import registry as tasks
 
     task = tasks.get_task(config.task)
-    model = pieces.build_model(config, task, _tag_names(found, pieces.tag_names(config, task)))
+    tag_names = _tag_names(found, pieces.tag_names(config, task))
+    model = pieces.build_model(config, task, tag_names)
     spec = model.round_spec
 
     def step(state: Any, uploads: tuple, weights: Any, rng: Any, norms: Any) -> Any:
@@ -278,7 +381,7 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
         return rounds.server_step(spec, state, agg), (agg.valid, agg.norms)
 
     nodes = {cid: node_id for cid, (node_id, _) in found.items()}
-    shares = [json.loads(str(found[i][1][protocol.SHARES])) for i in range(config.clients)]
+    shares = [_shares(*found[i], i) for i in range(config.clients)]
     return ServerRun(
         config=config,
         model=model,
@@ -290,6 +393,7 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
                                        init_state(spec.aggregator)),  # fmt: skip
         shares=None if any(x is None for x in shares) else shares,
         rounds=safeguards.rounds_allowed(config),
+        tag_names=tag_names,
     )
 
 
@@ -311,7 +415,7 @@ def _train_messages(
     r: int,
     sampled: Any,
     sent: Mapping[str, np.ndarray],
-    checkpoint_round: int,
+    keep_from: int,
     clip: float | None = None,
 ) -> dict[int, Any]:
     """Round r's TRAIN message for each sampled client: the global part as sent, the round's
@@ -323,7 +427,7 @@ def _train_messages(
         protocol.STATE_ROUND: int(state.round),
         protocol.WIRE: spec.wire_dtype,
         protocol.RUN: run.run_id,
-        protocol.KEEP_FROM: checkpoint_round,
+        protocol.KEEP_FROM: keep_from,
     }
     if spec.trained is not None:
         cfg[protocol.TRAINED] = sorted(spec.trained)
@@ -410,9 +514,10 @@ def _take_uploads(
 
 def run_round(
     run: ServerRun, exchange: Exchange, r: int, history: list[dict[str, Any]],
-    options: DeployOptions, checkpoint_round: int,
+    options: DeployOptions, keep_from: int,
 ) -> dict[str, Any]:  # fmt: skip
-    """Round r over the federation; the round's record (metrics.jsonl's row)."""
+    """Round r over the federation; the round's record (metrics.jsonl's row). `keep_from`: the
+    oldest kept checkpoint's round (the nodes keep the local parts it and later ones need)."""
     import jax
 
     from fedjax_split.run import driver, pieces, safeguards
@@ -424,7 +529,7 @@ def run_round(
     state = run.server_state
     sent = codec.encode(state.global_params, run.model.round_spec.wire_dtype)
     clip = float(state.aggregator["clip"]) if config.dp else None  # this round's clip norm
-    msgs = _train_messages(run, r, sampled, sent, checkpoint_round, clip)
+    msgs = _train_messages(run, r, sampled, sent, keep_from, clip)
     replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
     rejected: dict[int, str] = {}
     taken = _take_uploads(run, replies, rejected)
@@ -477,6 +582,45 @@ def run_round(
     return record
 
 
+def metric_names(task: Any, tag_names: Sequence[str] = ()) -> frozenset[str]:
+    """Every metric name the task's scoring (`run.pieces.score`) can give a client: the task's
+    metrics, MNLI's per group, a token task's `f1_<type>` of each entity type of its tags."""
+    names = set(task.metrics)
+    names.update(f"{m}_{g}" for m in task.metrics for g in task.groups)
+    if task.objective.per_token:
+        names.update(f"f1_{t[2:]}" for t in tag_names if t[:2] in ("B-", "I-"))
+    return frozenset(names)
+
+
+def eval_metrics(reply: Any, cid: int, names: frozenset[str], task: Any) -> dict[str, float]:
+    """A client's evaluate reply's metrics, or ValueError: the reply is untrusted (one bad
+    value would crash the server or skew the mean, a "client" key would claim another's row),
+    so it must be the client's own JSON object of the task's metrics, each a real number or NaN
+    (a metric undefined on its split); {} where it has no test examples."""
+    if protocol.CONFIG not in reply.content.config_records:
+        raise ValueError("no config record")
+    cfg = reply.content[protocol.CONFIG]
+    if cfg.get(protocol.CLIENT) != cid:
+        raise ValueError(f"answered as client {cfg.get(protocol.CLIENT)!r}")
+    text = cfg.get(protocol.EVAL_JSON)
+    if not isinstance(text, str) or len(text) > 64 * (len(names) + 1) + sum(map(len, names)):
+        raise ValueError(f"metrics are not a JSON text of at most {len(names)} metrics")
+    try:
+        metrics = json.loads(text)
+    except (ValueError, RecursionError) as err:
+        raise ValueError(f"metrics are not JSON ({str(err)[:60]})") from None
+    if not isinstance(metrics, dict):
+        raise ValueError(f"metrics are a {type(metrics).__name__}, not an object")
+    unknown = sorted(set(metrics) - names)
+    if unknown or (metrics and not set(task.metrics) <= set(metrics)):
+        bad = unknown or sorted(set(task.metrics) - set(metrics))
+        raise ValueError(f"metrics {bad[:3]} are not the task's {sorted(task.metrics)}")
+    for key, value in metrics.items():
+        if type(value) not in (int, float) or np.isinf(value):
+            raise ValueError(f"metric {key} {str(value)[:40]!r} is not a real number")
+    return {k: float(v) for k, v in metrics.items()}
+
+
 def evaluate(
     run: ServerRun,
     exchange: Exchange,
@@ -507,14 +651,30 @@ def evaluate(
     replies, failed = exchange.send(msgs, options.round_timeout)
     failed.update({cid: why for cid, why in skip.items()})
     per_client = []
+    names = metric_names(run.model.task, run.tag_names)
     for cid in sorted(replies):
-        metrics = json.loads(str(replies[cid].content[protocol.CONFIG][protocol.EVAL_JSON]))
+        try:
+            metrics = eval_metrics(replies[cid], cid, names, run.model.task)
+        except ValueError as err:
+            failed[cid] = f"bad evaluation: {err}"
+            continue
         if metrics:
             per_client.append({"client": cid, **metrics})
     for cid, why in sorted(failed.items()):
         if cid not in skip:
             _warn(f"round {r}: client {cid} failed to evaluate ({why})")
     return pieces.personalised_record(per_client, trained), failed, codec.nbytes(sent) * len(msgs)
+
+
+def oldest_checkpoint(run_dir: Any, start_round: int) -> int:
+    """The oldest checkpoint's round in `run_dir` when a run resumes after `start_round` (the
+    older checkpoints it kept may be resumed from or exported too, so the nodes must keep their
+    local parts), else `start_round`."""
+    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+
+    if not start_round or not checkpoint_dir(run_dir).is_dir():
+        return start_round
+    return min(RunCheckpointer(checkpoint_dir(run_dir)).all_rounds(), default=start_round)
 
 
 class FlowerServer:
@@ -528,7 +688,9 @@ class FlowerServer:
         self.run_dir = run.config.run_dir
         self.rounds = run.rounds
         self.metric = run.model.task.primary_metric
-        self.saved_round = 0  # the last checkpoint's round: nodes keep the versions it needs
+        # the oldest kept checkpoint's round: nodes keep the local parts every kept checkpoint
+        # needs (`sim.client_store.prune`, as the simulation prunes its store to min(kept))
+        self.keep_from = 0
 
     def arrays(self) -> dict[str, Any]:
         """The server state and, as the simulation's checkpoint has it, the frozen part (when
@@ -561,7 +723,7 @@ class FlowerServer:
         from fedjax_split.run import pieces, safeguards
 
         run, config, model = self.run, self.run.config, self.run.model
-        self.saved_round = start_round
+        self.keep_from = oldest_checkpoint(self.run_dir, start_round)
         names = partition_names(config, model.task)
         partition_mod.save_partition(run.partition, self.run_dir / "partition.json",
                                      realised=run.shares, label_names=names)  # fmt: skip
@@ -575,10 +737,10 @@ class FlowerServer:
         )
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        return run_round(self.run, self.exchange, r, list(history), self.options, self.saved_round)
+        return run_round(self.run, self.exchange, r, list(history), self.options, self.keep_from)
 
     def checkpointed(self, r: int, kept: Sequence[int]) -> None:
-        self.saved_round = r
+        self.keep_from = min(kept, default=r)
 
     def summary(self, history: Sequence[dict[str, Any]], stats: Any) -> dict[str, Any]:
         from fedjax_split import runtime

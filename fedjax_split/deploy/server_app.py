@@ -11,7 +11,6 @@ JSON: `pretrain`'s settings) instead of `experiment` (`deploy.pretrain_server`).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,11 +31,13 @@ def _write_status(path: str, status: dict[str, Any]) -> None:
 
 
 def _pretrain(grid: Grid, rc: Any, options: Any) -> dict[str, Any]:
-    """Further pre-training (run config kind "pretrain"): `deploy.pretrain_server`."""
+    """Further pre-training (run config kind "pretrain"): `deploy.pretrain_server`, its sites'
+    paths (were the run config to hold them) replaced by `node-config` as fine-tuning's are, so
+    that the server never looks at a site's directory."""
     from fedjax_split.deploy.pretrain_server import run_pretrain_server
     from fedjax_split.run.pretrain_config import resolve
 
-    config = resolve(overrides=json.loads(str(rc[protocol.PRETRAIN_CONFIG])))
+    config = resolve(overrides=protocol.experiment_values(rc, protocol.PRETRAIN_CONFIG))
     return run_pretrain_server(grid, config, options)
 
 
