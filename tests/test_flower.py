@@ -380,6 +380,7 @@ def test_sites_with_their_own_data_federation_equals_simulation(env: dict) -> No
             assert len(cached) == 1 and z["lengths"].size == train + test, k
     trains = [e for e in sent if e["type"] == "train" and e["sender"] == "client"]
     assert trains and all(protocol.NUM_TRAIN in e["metrics"]["metrics"] for e in trains)
+    _same_exports(env, out, sim, client=2, node=2)  # a site's model, exported at the site too
 
 
 def test_ner_sites_federation_equals_simulation(env: dict) -> None:
