@@ -1,4 +1,4 @@
-"""The Flower ClientApp: each SuperNode runs one client, its partition id from the node config.
+"""The Flower ClientApp: a SuperNode runs one client or several, named in its node config.
 
 Flower starts a fresh ClientApp process for every message; that process hands the message to the
 node's warm worker (`deploy.worker`), which runs the handler below and keeps the node's client
