@@ -1,7 +1,8 @@
 """FedBFPT's claim on real data, offline: further pre-train MiniLM-L6 on PubMed abstracts with
 FedBFPT and its baselines, fine-tune each result federatedly on NERO's biomedical NER, and report
-F1 against the further pre-training's computation and communication (the paper's Table 3 and
-Figure 8) in docs/fedbfpt.md with its plots.
+F1 against the further pre-training's computation and communication (the IJCAI paper's 46.70%
+and 7.04%, its Figure 8; the journal version's Table 1: 34.31% and 7.04%) in docs/fedbfpt.md with
+its plots.
 
 MiniLM-L6 ships without an MLM head, so a first run (`warmup`) trains a fresh head alone, the
 encoder frozen, on general-domain text (rotten-tomatoes movie-review snippets), centrally: the
