@@ -25,12 +25,6 @@ from fedjax_split.errors import UserError, report
 
 def personalised_params(run_dir: str | Path, client: int, round_: int | None = None) -> Any:
     """(params, BertConfig, model_dir) of client `client` from the run's checkpoint."""
-    import jax.numpy as jnp
-
-    from fedjax_split.fed.roles import merge_params
-    from fedjax_split.fed.wire import cast_from_wire
-    from fedjax_split.models import lora
-    from fedjax_split.models.bert import BertConfig
     from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
     from fedjax_split.run.experiment import CLIENTS_DIR
     from fedjax_split.sim.client_store import ClientStore
@@ -47,7 +41,6 @@ def personalised_params(run_dir: str | Path, client: int, round_: int | None = N
     num_clients = len(meta["partition"])
     if not 0 <= client < num_clients:
         raise UserError(f"--client {client} is outside 0..{num_clients - 1} for this run")
-    global_params = cast_from_wire(state["server_state"]["global_params"], jnp.float32)
     if meta.get("deploy") == "flower":
         store = _launcher_store(Path(run_dir), str(meta["run_id"]), client)
     else:
@@ -55,7 +48,21 @@ def personalised_params(run_dir: str | Path, client: int, round_: int | None = N
     if not (store.directory / "initial.npz").is_file():
         raise UserError(f"{str(run_dir)!r} has no client store ({CLIENTS_DIR}/) to export from")
     local = store.load(client, at_most=int(meta["round"]))
-    params = merge_params(global_params, local, state.get("frozen", {}))  # saved when there is one
+    # the frozen part is saved when there is one
+    return _assemble(state["server_state"]["global_params"], local, state.get("frozen", {}), meta)
+
+
+def _assemble(global_wire: Any, local: Any, frozen: Any, meta: dict[str, Any]) -> Any:
+    """(params, BertConfig, model_dir): the global part as the client received it (cast to fp32)
+    merged with its local and the frozen part, the model as `pieces.model_meta` describes it."""
+    import jax.numpy as jnp
+
+    from fedjax_split.fed.roles import merge_params
+    from fedjax_split.fed.wire import cast_from_wire
+    from fedjax_split.models import lora
+    from fedjax_split.models.bert import BertConfig
+
+    params = merge_params(cast_from_wire(global_wire, jnp.float32), local, frozen)
     config = lora.from_fields(BertConfig.from_hf_dict(meta["model_config"]), meta.get("lora"))
     return params, config, meta["model_dir"]
 
@@ -84,13 +91,7 @@ def site_params(
     client's local part after round r (`deploy.node.keep_for_export`)."""
     import json
 
-    import jax.numpy as jnp
-
     from fedjax_split.deploy import node
-    from fedjax_split.fed.roles import merge_params
-    from fedjax_split.fed.wire import cast_from_wire
-    from fedjax_split.models import lora
-    from fedjax_split.models.bert import BertConfig
     from fedjax_split.sim.client_store import load_tree
 
     d = _site_run(Path(state_dir), run_id)
@@ -101,10 +102,7 @@ def site_params(
     if round_ is not None and round_ != r:
         raise UserError(f"this node holds the global part after round {r} only; drop --round")
     frozen = load_tree(d / node.FROZEN_FILE) if (d / node.FROZEN_FILE).is_file() else {}
-    params = merge_params(cast_from_wire(global_wire, jnp.float32), local, frozen)
-    meta = json.loads((d / node.MODEL_FILE).read_text())
-    config = lora.from_fields(BertConfig.from_hf_dict(meta["model_config"]), meta.get("lora"))
-    return params, config, meta["model_dir"]
+    return _assemble(global_wire, local, frozen, json.loads((d / node.MODEL_FILE).read_text()))
 
 
 def _site_run(state_dir: Path, run_id: str | None) -> Path:

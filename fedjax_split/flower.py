@@ -233,6 +233,16 @@ def _federate(
     return 0, status
 
 
+def _launch(config: Any, deploy: dict[str, Any], supernodes: int) -> tuple[int, Any]:
+    """The run of `config` (fine-tuning or pre-training) on a federation of `supernodes` nodes
+    on this machine, each given its clients and, with --site-data, its site: `_federate`'s
+    (exit status, the ServerApp's status)."""
+    from fedjax_split.run.config import site_dirs
+
+    nodes = node_configs(config.run_dir / "flower", config.clients, supernodes, site_dirs(config))
+    return _federate(config.run_dir, nodes, run_config(config, deploy), deploy)
+
+
 def _app_only(config: Any, deploy: dict[str, Any]) -> bool:
     """With --write-app DIR: writes the Flower App there, says so, True (nothing else runs)."""
     from fedjax_split.deploy.launch import write_app
@@ -274,7 +284,7 @@ def node_blocks(clients: int, supernodes: int) -> list[list[int]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from fedjax_split.run import driver, pieces, safeguards
-    from fedjax_split.run.config import site_dirs, trajectory_mismatch
+    from fedjax_split.run.config import trajectory_mismatch
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["pretrain"]:
@@ -293,8 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as err:
         return report(err)
 
-    nodes = node_configs(config.run_dir / "flower", config.clients, supernodes, site_dirs(config))
-    code, status = _federate(config.run_dir, nodes, run_config(config, deploy), deploy)
+    code, status = _launch(config, deploy, supernodes)
     if status is None:
         return code
     summary = status["summary"]
@@ -333,7 +342,6 @@ def main_pretrain(argv: Sequence[str]) -> int:
     from fedjax_split.deploy.pretrain_node import check_deployable
     from fedjax_split.pretrain import done_line
     from fedjax_split.run import driver
-    from fedjax_split.run.config import site_dirs
     from fedjax_split.run.pretrain_config import SCHEMA
     from fedjax_split.run.pretraining import check
 
@@ -351,8 +359,7 @@ def main_pretrain(argv: Sequence[str]) -> int:
         check_sites(config)
     except UserError as err:
         return report(err)
-    nodes = node_configs(config.run_dir / "flower", config.clients, supernodes, site_dirs(config))
-    code, status = _federate(config.run_dir, nodes, run_config(config, deploy), deploy)
+    code, status = _launch(config, deploy, supernodes)
     if status is None:
         return code
     print(done_line(status["summary"]).replace("done: ", f"done on {supernodes} SuperNodes: ", 1))

@@ -117,12 +117,21 @@ def _certificate(
     )
 
 
+_KEY_USES = ("digital_signature", "content_commitment", "key_encipherment", "data_encipherment",
+             "key_agreement", "key_cert_sign", "crl_sign", "encipher_only", "decipher_only")
+
+
+def _key_usage(*allowed: str) -> x509.KeyUsage:
+    """X.509 key usage with exactly the `allowed` uses on (x509.KeyUsage takes all nine)."""
+    unknown = set(allowed) - set(_KEY_USES)
+    if unknown:
+        raise ValueError(f"unknown key uses {sorted(unknown)}")
+    return x509.KeyUsage(**{use: use in allowed for use in _KEY_USES})
+
+
 def _make_ca(days: int) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = ec.generate_private_key(CURVE())
-    usage = x509.KeyUsage(digital_signature=True, content_commitment=False,
-                          key_encipherment=False, data_encipherment=False, key_agreement=False,
-                          key_cert_sign=True, crl_sign=True, encipher_only=False,
-                          decipher_only=False)  # fmt: skip
+    usage = _key_usage("digital_signature", "key_cert_sign", "crl_sign")
     cert = (
         _certificate("fedjax_split consortium CA", key, None, key, days)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
@@ -143,10 +152,7 @@ def make_server(out_dir: Path, hosts: Sequence[str] = (), *, days: int = 365) ->
     _refuse_existing([out_dir / n for n in ("ca.crt", "ca.key", "server.pem", "server.key")])
     ca_cert, ca_key = _make_ca(days)
     key = ec.generate_private_key(CURVE())
-    usage = x509.KeyUsage(digital_signature=True, content_commitment=False,
-                          key_encipherment=False, data_encipherment=False, key_agreement=True,
-                          key_cert_sign=False, crl_sign=False, encipher_only=False,
-                          decipher_only=False)  # fmt: skip
+    usage = _key_usage("digital_signature", "key_agreement")
     cert = (
         _certificate(hosts[0], key, ca_cert, ca_key, days)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,13 +52,18 @@ def _nodes(context: Context) -> dict[int, NodeSetup]:
         values["data_dir"] = data_dir
     clients = node.node_clients(context.node_config)
     key = json.dumps([values, clients, data_dir, str(_state_dir(context))], sort_keys=True)
+    return _prepared(key, lambda: node.prepare_many(
+        resolve_config(overrides=values), clients, _state_dir(context) / "tokenized",
+        site_dir=data_dir if sites else None))  # fmt: skip
+
+
+def _prepared(key: str, build: Callable[[], Any]) -> Any:
+    """`build()`, or what it built for the same `key` before: a warm worker keeps the last
+    `_KEEP_PREPARED` (a ClientApp process without a worker builds once and ends)."""
     if key not in _PREPARED:
-        config = resolve_config(overrides=values)
-        cache = _state_dir(context) / "tokenized"
         while len(_PREPARED) >= _KEEP_PREPARED:
             _PREPARED.pop(next(iter(_PREPARED)))
-        _PREPARED[key] = node.prepare_many(config, clients, cache,
-                                           site_dir=data_dir if sites else None)  # fmt: skip
+        _PREPARED[key] = build()
     return _PREPARED[key]
 
 
@@ -215,6 +221,7 @@ def _pretrain_node(context: Context) -> Any:
     an App's author left in it)."""
     from fedjax_split import runtime
     from fedjax_split.deploy import logs, pretrain_node
+    from fedjax_split.deploy.node import node_clients
     from fedjax_split.run.config import NODE_SITES
     from fedjax_split.run.pretrain_config import resolve
 
@@ -228,20 +235,13 @@ def _pretrain_node(context: Context) -> Any:
         values["site_data"] = NODE_SITES
     elif data_dir:
         values["data_dir"] = data_dir
-    from fedjax_split.deploy.node import node_clients
-
     ids = node_clients(context.node_config)
     if len(ids) != 1:
         raise UserError("further pre-training runs one client per SuperNode: give it one "
                         "partition-id")  # fmt: skip
-    client_id = ids[0]
-    key = json.dumps(["pretrain", values, client_id, data_dir], sort_keys=True)
-    if key not in _PREPARED:
-        while len(_PREPARED) >= _KEEP_PREPARED:
-            _PREPARED.pop(next(iter(_PREPARED)))
-        _PREPARED[key] = pretrain_node.prepare(resolve(overrides=values), client_id,
-                                               data_dir if sites else None)  # fmt: skip
-    return _PREPARED[key]
+    key = json.dumps(["pretrain", values, ids[0], data_dir], sort_keys=True)
+    return _prepared(key, lambda: pretrain_node.prepare(
+        resolve(overrides=values), ids[0], data_dir if sites else None))  # fmt: skip
 
 
 def _pretrain_received(msg: Message, node: Any, layers: Any) -> Any:
