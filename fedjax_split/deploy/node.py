@@ -332,7 +332,8 @@ def keep_for_export(
     out = d / EXPORT_DIR
     name, mine = f"global_after_{after_round}.npz", f"client_{node.client_id}_after_"
     save_tree(out / f"{mine}{after_round}.npz", local)
-    save_tree(out / name, global_wire)
+    if not (out / name).is_file():  # a node's other clients evaluated with the same global part
+        save_tree(out / name, global_wire)
     for f in out.iterdir():
         if (_GLOBAL_FILE.match(f.name) and f.name != name) or (
             f.name.startswith(mine) and f.name != f"{mine}{after_round}.npz"

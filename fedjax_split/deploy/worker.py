@@ -74,8 +74,8 @@ def _code_version() -> str:
     """What distinguishes this package's code from another install or an upgrade: a worker
     started by older code is never handed a message by newer code (each gets its own socket)."""
     root = Path(__file__).resolve().parent.parent
-    stamps = sorted((str(f.relative_to(root)), f.stat().st_mtime_ns, f.stat().st_size)
-                    for f in root.rglob("*.py"))  # fmt: skip
+    stamps = sorted((str(f.relative_to(root)), st.st_mtime_ns, st.st_size)
+                    for f in root.rglob("*.py") for st in (f.stat(),))  # fmt: skip
     return hashlib.sha256(repr(stamps).encode()).hexdigest()
 
 
