@@ -224,6 +224,23 @@ def test_stop_never_kills_a_process_that_is_not_that_nodes_worker(short_tmp: Pat
         other.wait()
 
 
+def test_stop_ends_a_worker_that_has_not_written_its_pid_file_and_waits_for_it(
+        short_tmp: Path) -> None:
+    """A worker just started (no pid file yet: the launcher may stop a node as a message starts
+    its worker) is found by its command line, and stop returns once it has ended."""
+    path = worker.socket_path(short_tmp / "node")
+    proc = subprocess.Popen([sys.executable, "-m", "fedjax_split.deploy.worker", "--socket",
+                             str(path)])  # fmt: skip
+    try:
+        assert not Path(f"{path}.pid").exists()
+        worker.stop(short_tmp / "node")
+        assert proc.poll() == -signal.SIGKILL  # ended before stop returned (a zombie till now)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_the_socket_is_per_node_and_per_version_of_the_code(short_tmp: Path, monkeypatch) -> None:
     a, b = worker.socket_path(short_tmp / "a"), worker.socket_path(short_tmp / "b")
     assert a != b and a == worker.socket_path(short_tmp / "a")

@@ -77,20 +77,23 @@ def write_app(app_dir: Path, run_config: Mapping[str, Any]) -> Path:
     return app_dir
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children first found, then theirs)."""
+def _descendants(pid: int) -> list:
+    """Every process below `pid` (children first found, then theirs), as psutil processes."""
     try:
         import psutil
 
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+        return psutil.Process(pid).children(recursive=True)
     except Exception:  # noqa: BLE001 - gone already, or no psutil: nothing to add
         return []
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL `proc`, its session and every descendant (even those in other sessions)."""
-    pids = _descendants(proc.pid)
-    for pid in [proc.pid, *pids]:
+    """SIGKILL `proc`, its session and every descendant (even those in other sessions), and wait
+    until they have ended."""
+    from fedjax_split.deploy import worker
+
+    below = _descendants(proc.pid)
+    for pid in [proc.pid, *(p.pid for p in below)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -103,6 +106,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+    worker.wait_ended(below, 10)
 
 
 def process_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -219,26 +219,40 @@ def _start(path: Path, state_dir: Path) -> socket.socket:
     raise RuntimeError(f"the node's worker did not listen within {START_SECONDS:g} s")
 
 
-def stop(state_dir: str | Path) -> None:
-    """Ends the worker of `state_dir`, if one runs (the local launcher, at its end)."""
+def wait_ended(procs: Sequence[Any], seconds: float) -> None:
+    """Waits (at most `seconds` in all) until each psutil process in `procs` has ended: gone, or
+    a zombie that its parent has yet to reap (a SIGKILLed process takes a moment to exit)."""
+    import psutil
+
+    deadline = time.monotonic() + seconds
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):  # gone already
+            while proc.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+
+def stop(state_dir: str | Path, wait_seconds: float = 10.0) -> None:
+    """Ends the worker of `state_dir`, if one runs (the local launcher, at its end), and waits
+    until it has ended: a caller that stops a node's processes may count on none being left.
+
+    The worker is found by its command line, not by its pid file: a worker writes that a moment
+    after it starts, and a stale one may name another process."""
     import signal
 
     import psutil
 
     path = socket_path(state_dir)
-    pid_file = Path(f"{path}.pid")
-    try:
-        pid = int(pid_file.read_text())
-        cmdline = psutil.Process(pid).cmdline()
-    except (OSError, ValueError, psutil.Error):
-        cmdline = []
-    if "fedjax_split.deploy.worker" in cmdline and str(path) in cmdline:  # not a reused pid
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(FileNotFoundError):
-        pid_file.unlink()
-    with contextlib.suppress(FileNotFoundError):
-        socket_path(state_dir).unlink()
+    doomed = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "fedjax_split.deploy.worker" in cmdline and str(path) in cmdline:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGKILL)
+                doomed.append(proc)
+    wait_ended(doomed, wait_seconds)
+    for stale in (Path(f"{path}.pid"), path):
+        with contextlib.suppress(FileNotFoundError):
+            stale.unlink()
 
 
 # ---------------------------------------------------------------------------------------------
