@@ -192,7 +192,7 @@ def test_a_train_reply_carries_only_the_trained_global_part_in_the_wire_dtype(
     assert _files(tmp_path) == [f"client_{CLIENT}/round_1.npz"]
 
     node = node_mod.prepare(fed.config, CLIENT)
-    want, new_local, _, norm = node_mod.train(node, codec.decode(fed.sent, fed.wire), 1, 0,
+    want, new_local, _, norm, _ = node_mod.train(node, codec.decode(fed.sent, fed.wire), 1, 0,
                                               node.local0)  # fmt: skip
     assert norm is None and protocol.UPDATE_NORM not in m  # no DP: nothing clipped or reported
     want_sent = codec.encode(select(want, None)[0], fed.wire)
@@ -225,7 +225,7 @@ def test_with_dp_the_node_clips_its_update_and_reports_its_norm(
 
     node = node_mod.prepare(fed.config, CLIENT)
     received = codec.decode(fed.sent, fed.wire)
-    unclipped, _, _, none = node_mod.train(node, received, 1, 0, node.local0)
+    unclipped, _, _, none, _ = node_mod.train(node, received, 1, 0, node.local0)
     assert none is None
     norm = float(global_norm(_minus(unclipped, received)))
     assert reported == pytest.approx(norm, rel=1e-6) and norm > clip  # it had to clip

@@ -75,6 +75,10 @@ def test_file_then_flags_later_wins(tmp_path: Path) -> None:
         ({"entity_types": "O,LOC"}, "'O' is not an entity type"),
         ({"entity_types": "new york"}, "'new york' is not an entity type"),
         ({"entity_types": "LOC,PER,LOC"}, "--entity-types names 'LOC' twice"),
+        ({"layer_schedule": "fedbfpt"}, "unknown layer_schedule"),
+        ({"cycle_factor": 3}, "--cycle-factor needs --layer-schedule fedbt"),
+        ({"layer_schedule": "fedbt", "cycle_factor": 0}, "--cycle-factor must be at least 1"),
+        ({"layer_schedule": "fedbt", "lora_rank": 4}, "trains whole layers; drop --lora-rank"),
     ],
 )
 def test_bad_values_are_one_line_user_errors(values: dict, needle: str) -> None:
@@ -243,3 +247,17 @@ def test_site_data_makes_the_sites_the_clients_and_refuses_pool_settings(tmp_pat
         with pytest.raises(UserError) as err:
             resolve_config(overrides={"site_data": listed, **change})
         assert needle in str(err.value) and "\n" not in str(err.value), change
+
+
+def test_fedbt_shares_the_whole_model_and_names_its_run_dir() -> None:
+    """FedBT's one shared model: the default 'half' and 'L' become L, another c is an error;
+    the default run directory says the schedule."""
+    fedbt = {"layer_schedule": "fedbt"}
+    assert validate_critical_layer(resolve_config(overrides=fedbt), 6) == 6
+    for c in (None, 6):
+        assert validate_critical_layer(resolve_config(overrides={**fedbt, "critical_layer": c}),
+                                       6) == 6  # fmt: skip
+    with pytest.raises(UserError, match="drop --critical-layer 3 .*c = L = 6"):
+        validate_critical_layer(resolve_config(overrides={**fedbt, "critical_layer": 3}), 6)
+    assert resolve_config(overrides=fedbt).run_dir.name == "sst2_fedavg_fedbt_K3_s0"
+    assert resolve_config().run_dir.name == "sst2_fedavg_chalf_K3_s0"

@@ -79,7 +79,8 @@ def test_bad_uploads_are_rejected_and_the_rest_is_taken_in_order(wire: str) -> N
                                         protocol.LOSS_UNITS: 10.0}),
     }))  # fmt: skip
     rejected: dict[int, str] = {}
-    taken = server._take_uploads(_run(wire), replies, rejected)
+    run = _run(wire)
+    taken = server._take_uploads(run, run.model.round_spec, replies, rejected)
     assert sorted(rejected) == [1, 2, 3, 5, 6, 8, 9]
     assert "non-finite" in rejected[1] and "non-finite" in rejected[2] and "shape" in rejected[3]
     assert "example count" in rejected[5] and "loss sum" in rejected[6]
@@ -104,7 +105,8 @@ def test_with_dp_a_reply_must_report_a_finite_update_norm() -> None:
         4: _reply(good, "float32", 30.0, 1.0, **{norm: 0.25}),
     }
     rejected: dict[int, str] = {}
-    taken = server._take_uploads(_run("float32", dp=True), replies, rejected)
+    run = _run("float32", dp=True)
+    taken = server._take_uploads(run, run.model.round_spec, replies, rejected)
     assert sorted(rejected) == [1, 2] and "update norm" in rejected[1]
     assert taken.clients == [0, 4] and taken.norms == [3.5, 0.25]
 

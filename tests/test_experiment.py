@@ -582,3 +582,76 @@ def test_lora_with_client_level_dp_clips_and_noises_the_adapters(files: dict[str
     assert summary["frozen_params"] > 0 and summary["global_params"] == _lora_count_by_hand(
         files["model"], 1, 2
     )
+
+
+def test_fedbt_trains_from_layer_l_up_sends_only_that_and_keeps_the_rest_bit_identical(
+    files: dict[str, Path],
+) -> None:
+    """--layer-schedule fedbt --cycle-factor 2 on the 2-layer model with FedAdam and an fp16 wire,
+    3 rounds: rounds 1 and 3 train layer 2 + head, round 2 both layers + head (l = 1, 0, 1).
+    Bytes by hand from config.json: down, both layers + head; up, only the round's trained part.
+    A parameter a round does not train leaves it bit-identical (FedAdam's moments would move it
+    otherwise), and the embeddings are the checkpoint's after every round."""
+    from fedjax_split.fed.roles import flatten_paths
+    from fedjax_split.models.hf_checkpoint import load_pretrained
+
+    out = files["base"] / "fedbt"
+    cfg = _config(files, "fedbt", layer_schedule="fedbt", cycle_factor=2, algorithm="fedadam",
+                  quantize="fp16", rounds=3, keep_checkpoints=3, server_lr=1e-2)  # fmt: skip
+    summary = experiment.run_experiment(cfg, progress=False)
+    h = json.loads((files["model"] / "config.json").read_text())["hidden_size"]
+    embeddings = _global_count_by_hand(files["model"], 0)
+    layer = _global_count_by_hand(files["model"], 1) - embeddings
+    head = (h * h + h) + (h * 2 + 2)  # pooler, classifier (2 labels)
+    assert summary["global_params"] == 2 * layer + head
+    assert summary["frozen_params"] == embeddings and summary["local_params_per_client"] == 0
+    whole = embeddings + 2 * layer + head
+    uploads = (layer + head, 2 * layer + head, layer + head)
+    for r, trained in zip(_records(out), uploads, strict=True):
+        assert r["bytes_down"] == 3 * 2 * (2 * layer + head)
+        assert r["bytes_up"] == 3 * 2 * trained, r["round"]
+        assert r["bert_fl_bytes_up"] == r["bert_fl_bytes_down"] == 3 * 2 * whole
+        assert 0 < r["flops"] < r["bert_fl_flops"]
+    assert summary["bytes_up_share_of_bert_fl"] == pytest.approx(
+        (4 * layer + 3 * head) / (3 * whole))  # fmt: skip
+    ckpt = RunCheckpointer(checkpoint_dir(out), max_to_keep=3)
+    pretrained = flatten_paths(load_pretrained(files["model"], num_labels=2, seed=0).params)
+    masters = {r: flatten_paths(ckpt.restore_untyped(r)[0]["server_state"]["master"])
+               for r in (1, 2, 3)}  # fmt: skip
+    masters[0] = {p: pretrained[p] for p in masters[1]}
+
+    def same(a: int, b: int, prefix: str) -> bool:
+        paths = [p for p in masters[a] if p.startswith(prefix)]
+        return bool(paths) and all(
+            np.array_equal(np.asarray(masters[a][p]), np.asarray(masters[b][p])) for p in paths)
+
+    assert same(0, 1, "encoder/layer_0/") and same(2, 3, "encoder/layer_0/")  # not trained
+    assert not same(1, 2, "encoder/layer_0/")  # round 2 trains it
+    for r in (1, 2, 3):
+        assert not same(r - 1, r, "encoder/layer_1/") and not same(r - 1, r, "classifier/")
+    frozen = flatten_paths(ckpt.restore_untyped(3)[0]["frozen"])
+    assert set(frozen) == {p for p in pretrained if p.startswith("embeddings/")}
+    for path, value in frozen.items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(pretrained[path]), path)
+
+
+def test_a_fedavg_rounds_flops_are_three_forward_passes_of_its_real_steps(
+    files: dict[str, Path], straight: Path
+) -> None:
+    """With every parameter trained (c = 1 here: the global and the local part both train), the
+    backward pass costs two forward passes: the record's FLOPs are 3x the forward matmuls of the
+    clients' real steps (`segment_train_flops`, the benchmarks' count), rebuilt from the config."""
+    from fedjax_split.models.flops import segment_train_flops
+    from fedjax_split.run import pieces
+    from fedjax_split.sim.rounds import real_counts
+
+    setup = experiment.build(experiment.resolve_config(overrides=_config(
+        files, "straight", rounds=4, local_epochs=2, critical_layer=1, seed=0)))  # fmt: skip
+    for r in _records(straight):
+        want = 0
+        for c in r["clients_sampled"]:
+            for seg in pieces.client_steps(setup.config, setup.model.task, setup.pool,
+                                           setup.partition.clients[c].train, c, r["round"]):
+                steps = real_counts(seg)[0]
+                want += segment_train_flops(setup.model.config, seg) // seg.step_mask.size * steps
+        assert r["flops"] == want and "bert_fl_flops" not in r

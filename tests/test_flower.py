@@ -41,6 +41,8 @@ from fedjax_split.deploy import protocol
 # one batch per client and epoch (clients hold ~32 examples): one shape, few compilations
 FAST = {"batch_size": 32, "local_epochs": 2, "rounds": 2}
 FLOWER_ONLY = {"clients_failed", "eval_failed", "eval_bytes_down"}
+SIMULATION_ONLY = {"pooled"}  # c = L: the global model on every client's test set (no node sends
+# its predictions, only its metrics)
 TIMEOUT = 240  # seconds for one command; the CLI kills its federation when it ends
 
 
@@ -84,7 +86,8 @@ def _metrics(run: Path) -> list[dict]:
 
 
 def _comparable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.endswith("seconds") and k not in FLOWER_ONLY}
+    return {k: v for k, v in record.items()
+            if not k.endswith("seconds") and k not in FLOWER_ONLY | SIMULATION_ONLY}  # fmt: skip
 
 
 def _simulate(env: dict, name: str, **flags: object) -> Path:
@@ -352,6 +355,32 @@ def test_lora_run_equals_simulation_and_sends_only_the_shared_adapters(env: dict
     assert local_paths - {"__dtypes__"} == {
         f"encoder/layer_1/attention/{m}_lora/{x}" for m in ("query", "value") for x in "ab"
     } | {"classifier/kernel", "classifier/bias"}  # fmt: skip
+
+
+def test_fedbt_run_equals_simulation_and_uploads_only_the_rounds_layers(env: dict) -> None:
+    """FedBT (cycle 2 of 2 layers) with FedAdam and an fp16 wire: every round equals the
+    simulation's, its FLOP counts and BERT-FL's included; each round's TRAIN message says the
+    paths it trains, a node uploads exactly those (layer 2 + head in rounds 1 and 3, both layers
+    + head in round 2), and the frozen embeddings never travel."""
+    flags = {"layer_schedule": "fedbt", "cycle_factor": 2, "critical_layer": "L", "rounds": 3,
+             "eval_every": 3,
+             "algorithm": "fedadam", "quantize": "fp16"}  # fmt: skip
+    out, sim, sent = _federation_equals_simulation(env, "fedbt", flags)
+    _same_exports(env, out, sim, client=1, node=1)
+    got = _metrics(out)
+    assert all(r["flops"] < r["bert_fl_flops"] for r in got)
+    uploads = [e for e in sent if e["type"] == "train" and e["sender"] == "client"]
+    layers = []  # each upload's encoder layers (the record does not say its round)
+    for e in uploads:
+        paths = {a["path"] for a in e["arrays"]}
+        assert all(p.startswith(("encoder/", "pooler/", "classifier/")) for p in paths), e
+        assert {"pooler/dense/kernel", "classifier/kernel"} <= paths
+        layers.append(tuple(sorted({int(p.split("/")[1][6:]) for p in paths if "/layer_" in p})))
+    assert sorted(layers) == [(0, 1)] * 3 + [(1,)] * 6  # rounds 1 and 3: layer 2; round 2: both
+    wire = sum(int(np.prod(a["shape"])) * np.dtype(a["dtype"]).itemsize
+               for e in uploads for a in e["arrays"])  # fmt: skip
+    assert wire == sum(r["bytes_up"] for r in got)
+    assert not any(a["path"].startswith("embeddings/") for e in sent for a in e["arrays"])
 
 
 def test_sites_with_their_own_data_federation_equals_simulation(env: dict) -> None:

@@ -4,6 +4,7 @@ small model's assembly and its way back, and the plans of a round."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -121,3 +122,30 @@ def test_plans() -> None:
     assert truncated.layers == ((0, 1),)
     assert not any(p.startswith(("encoder/layer_2", "encoder/layer_3")) for p in truncated.trained)
     assert "embeddings/word_embeddings/embedding" in truncated.trained
+
+
+def test_fedbt_cycles_down_from_the_top_layer() -> None:
+    """The journal's example (Algorithm 2, c = 6 of 12): l = 11, 10, 9, 8, 7, 6, 11, 10, ...;
+    MiniLM's 6 layers with the default c = 3: 5, 4, 3, 5, ..."""
+    assert [layerwise.fedbt_layer(r, 12, 6) for r in range(1, 15)] == [
+        11, 10, 9, 8, 7, 6, 11, 10, 9, 8, 7, 6, 11, 10]  # fmt: skip
+    assert [layerwise.fedbt_layer(r, 6, 3) for r in range(1, 8)] == [5, 4, 3, 5, 4, 3, 5]
+    assert [layerwise.fedbt_layer(r, 6, 1) for r in range(1, 4)] == [5, 5, 5]
+    assert [layerwise.fedbt_layer(r, 6, 6) for r in range(1, 8)] == [5, 4, 3, 2, 1, 0, 5]
+    for bad in (0, 7):
+        with pytest.raises(UserError, match="--cycle-factor"):
+            layerwise.fedbt_layer(1, 6, bad)
+
+
+def test_fedbt_trains_the_layers_from_l_up_and_the_head() -> None:
+    config = dataclasses.replace(tiny_config(), num_hidden_layers=4)
+    params = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+    paths = set(flatten_paths(params))
+    for r, low in ((1, 3), (2, 2), (3, 3)):
+        trained = layerwise.fedbt_trained(params, r, 4, 2)
+        want = {p for p in paths if p.startswith(("pooler/", "classifier/"))
+                or any(p.startswith(f"encoder/layer_{i}/") for i in range(low, 4))}  # fmt: skip
+        assert trained == want, r
+    ever = layerwise.fedbt_cycled(4, 2)
+    assert {p for p in paths if ever(p)} == layerwise.fedbt_trained(params, 2, 4, 2)
+    assert not any(ever(p) for p in paths if p.startswith(("embeddings/", "encoder/layer_1/")))

@@ -51,3 +51,27 @@ def test_describe_lora_says_adapters_are_what_is_shared(c: int, targets: str, wa
     config = lora.configure(SIX, lora.LoraSettings(8, None, targets))
     line = describe("fedavg", c, 6, quantize="fp16", num_frozen=10**6, lora=config)
     assert line == want
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "cycle", "layers", "want"),
+    [
+        ("fedavg", 3, 6,
+         "FedBT fine-tuning, cycle of 3 of 6 layers: round 1 trains layer 6 + head, round 2 "
+         "trains layers 5-6 + head, round 3 trains layers 4-6 + head, then again; embeddings + "
+         "layers 1-3 frozen; only the trained part is uploaded; sent as float16"),
+        ("fedadam", 6, 12,
+         "FedBT fine-tuning with FedAdam, cycle of 6 of 12 layers: round 1 trains layer 12 + "
+         "head, ..., round 6 trains layers 7-12 + head, then again; embeddings + layers 1-6 "
+         "frozen; only the trained part is uploaded; sent as float16"),
+        ("fedavg", 2, 2,
+         "FedBT fine-tuning, cycle of 2 of 2 layers: round 1 trains layer 2 + head, round 2 "
+         "trains layers 1-2 + head, then again; embeddings frozen; only the trained part is "
+         "uploaded; sent as float16"),
+    ],
+)  # fmt: skip
+def test_describe_fedbt_says_which_layers_each_round_trains(
+    algorithm: str, cycle: int, layers: int, want: str
+) -> None:
+    assert describe(algorithm, layers, layers, quantize="fp16", num_frozen=10**6,
+                    cycle=cycle) == want  # fmt: skip

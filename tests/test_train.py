@@ -231,6 +231,10 @@ BAD = [
     ({"lora_alpha": 4.0}, "--lora-alpha needs --lora-rank"),
     ({"lora_targets": "key"}, "--lora-targets needs --lora-rank"),
     ({"lora_rank": 0}, "--lora-rank must be an integer >= 1"),
+    # FedBT's schedule: a cycle inside the model, one shared model
+    ({"layer_schedule": "fedbt", "critical_layer": "L", "cycle_factor": 3},
+     "--cycle-factor 3 is outside 1..2"),
+    ({"layer_schedule": "fedbt"}, "drop --critical-layer 1 (FedBT shares every layer: c = L = 2)"),
     ({"num_processes": 0}, "--num-processes must be at least 1"),
     ({"num_processes": 2, "process_id": 2}, "--process-id must be in 0..1"),
     ({"num_processes": 2, "process_id": 0, "chunk_size": 4}, "several processes train one"),

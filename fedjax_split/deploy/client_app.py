@@ -162,16 +162,20 @@ def _train(msg: Message, context: Context) -> Message:
     global_wire, cfg = _received(msg, node)
     run_id, r = str(cfg[protocol.RUN]), int(cfg[protocol.ROUND])
     state_round = int(cfg[protocol.STATE_ROUND])
-    trained = frozenset(cfg[protocol.TRAINED]) if protocol.TRAINED in cfg else None
+    trained = frozenset(str(p) for p in cfg[protocol.TRAINED]) if protocol.TRAINED in cfg else None
     if trained is not None:
+        unknown = sorted(trained - set(node.global_shapes))[:3]
+        if unknown or not trained:
+            raise ValueError(f"the server asked to train {unknown or 'nothing'}: not this "
+                             "node's global parameters; refusing to train")  # fmt: skip
         node = dataclasses.replace(
             node, round_spec=dataclasses.replace(node.round_spec, trained=trained)
         )
     store = _store(context, run_id, node)
     local = local_part(node, store, r - 1)
     clip = float(cfg[protocol.DP_CLIP]) if protocol.DP_CLIP in cfg else None
-    upload, new_local, metrics, norm = node_mod.train(node, global_wire, r, state_round, local,
-                                                      clip)  # fmt: skip
+    upload, new_local, metrics, norm, spent = node_mod.train(node, global_wire, r, state_round,
+                                                             local, clip)  # fmt: skip
     store.save_one(r, node.client_id, new_local)
     store.prune(int(cfg[protocol.KEEP_FROM]))
     wire = str(cfg[protocol.WIRE])
@@ -184,6 +188,9 @@ def _train(msg: Message, context: Context) -> Message:
     }
     if norm is not None:  # DP: the update's norm before clipping (adaptive clipping's count)
         reported[protocol.UPDATE_NORM] = norm
+    for name, key in (("flops", protocol.FLOPS), ("bert_fl_flops", protocol.BERT_FL_FLOPS)):
+        if name in spent:  # run.costs: the steps' matmul FLOPs (BERT-FL's too with a schedule)
+            reported[key] = spent[name]
     content = RecordDict(
         {
             protocol.CONFIG: ConfigRecord({protocol.CLIENT: node.client_id, protocol.WIRE: wire}),

@@ -27,6 +27,7 @@ import numpy as np
 
 from fedjax_split import atomic
 from fedjax_split.errors import UserError
+from fedjax_split.run import costs
 from fedjax_split.run.config import ExperimentConfig
 
 
@@ -48,6 +49,7 @@ class NodeSetup:
     local0: Any  # the pretrained local part every client starts from
     frozen: Any
     global_shapes: dict[str, tuple[int, ...]]  # flat paths of the global part -> shapes
+    paths: Any  # run.costs.ModelPaths: the architecture and the roles' paths (its FLOP counts)
     model_meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # pieces.model_meta
 
 
@@ -169,6 +171,7 @@ def prepare_many(
         config=config, task=task, pool=pool, pool_size=len(pool.labels), apply=model.apply,
         round_spec=model.round_spec, local0=model.local0, frozen=model.frozen,
         global_shapes={p: tuple(np.shape(x)) for p, x in flatten_paths(model.global0).items()},
+        paths=costs.paths_of(model),
         model_meta=pieces.model_meta(model),
     )  # fmt: skip
     return {
@@ -242,9 +245,10 @@ def train(
     state_round: int,
     local: Any,
     clip: float | None = None,
-) -> tuple[Any, Any, Any, float | None]:
+) -> tuple[Any, Any, Any, float | None, dict[str, int]]:
     """Round `round_index` for this client: (upload in fp32 as the server receives it, new local
-    part, ClientMetrics, the update's norm before clipping or None). `global_wire`: the received
+    part, ClientMetrics, the update's norm before clipping or None, its FLOPs as
+    `run.costs.client_costs` counts them). `global_wire`: the received
     global part in the wire dtype; `state_round`: the rounds the server's state had completed
     (the key folds it in); `clip`: client-level DP's clip norm for this round (the server's
     state holds it), None without DP. With it the client clips its own update, as the
@@ -265,11 +269,13 @@ def train(
     key = client_key(jax.random.key(node.config.seed), state_round, node.client_id)
     upload, new_local, metrics = client_round(node.round_spec, global_wire, local, steps, key,
                                               node.frozen)  # fmt: skip
+    schedule = node.config.layer_schedule != "none"
+    spent = costs.client_costs(node.paths, node.round_spec.trained, steps, schedule)
     if clip is None:
-        return upload, new_local, metrics, None
+        return upload, new_local, metrics, None, spent
     clip_one = client_functions(node.round_spec).clip_one
     upload, norm = clip_one(upload, global_wire, jnp.asarray(clip, jnp.float32))
-    return upload, new_local, metrics, float(norm)
+    return upload, new_local, metrics, float(norm), spent
 
 
 def evaluate(node: NodeSetup, global_wire: Any, local: Any) -> dict[str, Any]:

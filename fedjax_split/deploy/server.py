@@ -34,6 +34,7 @@ parts again after a restart (it keeps those of the oldest kept checkpoint on).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import secrets
 import sys
@@ -340,11 +341,11 @@ class ServerRun:
     partition: Any  # the nodes' shares as they report them (pool indices, for partition.json)
     nodes: dict[int, int]  # client id -> Flower node id
     run_id: str  # ours: survives a restart (checkpoint meta), names the nodes' local parts
-    step: Callable[..., Any]  # jitted: (state, uploads, weights) -> state
     server_state: Any
     shares: list[Any] | None = None  # each client's realised label shares, as its node reported
     rounds: int = 0  # the rounds to run: --rounds, or fewer where DP's --dp-max-epsilon stops it
     tag_names: tuple[str, ...] = ()  # a token task's tag vocabulary (its metrics' names)
+    bert_fl_bytes: int | None = None  # with a layer schedule: the whole model's bytes (run.costs)
 
 
 def _shares(node_id: int, cfg: Any, cid: int) -> list[float] | None:
@@ -362,24 +363,15 @@ def _shares(node_id: int, cfg: Any, cid: int) -> list[float] | None:
 
 def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> ServerRun:
     """Model, roles and server state, as `run.pieces` makes them for every node, without data."""
-    import jax
-
     from fedjax_split.fed.aggregation import init_state
     from fedjax_split.fed.server import init_server_state
-    from fedjax_split.run import pieces, safeguards
-    from fedjax_split.sim import rounds
+    from fedjax_split.run import costs, pieces, safeguards
     from fedjax_split.tasks import registry as tasks
 
     task = tasks.get_task(config.task)
     tag_names = _tag_names(found, pieces.tag_names(config, task))
     model = pieces.build_model(config, task, tag_names)
     spec = model.round_spec
-
-    def step(state: Any, uploads: tuple, weights: Any, rng: Any, norms: Any) -> Any:
-        # the simulation's one-at-a-time combine, minus the local parts the server never sees
-        agg = rounds.aggregate_uploads(spec, state, list(uploads), weights, rng, norms)
-        return rounds.server_step(spec, state, agg), (agg.valid, agg.norms)
-
     nodes = {cid: node_id for cid, (node_id, _) in found.items()}
     shares = [_shares(*found[i], i) for i in range(config.clients)]
     return ServerRun(
@@ -388,13 +380,29 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
         partition=partition_from_nodes(config, found),
         nodes=nodes,
         run_id=secrets.token_hex(16),
-        step=jax.jit(step),
         server_state=init_server_state(model.global0, spec.server_optimizer, spec.wire_dtype,
                                        init_state(spec.aggregator)),  # fmt: skip
         shares=None if any(x is None for x in shares) else shares,
         rounds=safeguards.rounds_allowed(config),
         tag_names=tag_names,
+        bert_fl_bytes=(None if model.cycle_factor is None
+                       else costs.model_bytes(model, spec.wire_dtype)),  # fmt: skip
     )
+
+
+@functools.lru_cache(maxsize=32)
+def server_step(spec: Any) -> Callable[..., Any]:
+    """(state, uploads, weights, run key, norms) -> (state, (accepted, norms)), jitted per round
+    spec: the simulation's one-at-a-time combine, minus the local parts the server never sees."""
+    import jax
+
+    from fedjax_split.sim import rounds
+
+    def step(state: Any, uploads: tuple, weights: Any, rng: Any, norms: Any) -> Any:
+        agg = rounds.aggregate_uploads(spec, state, list(uploads), weights, rng, norms)
+        return rounds.server_step(spec, state, agg), (agg.valid, agg.norms)
+
+    return jax.jit(step)
 
 
 def _decode_upload(
@@ -419,9 +427,10 @@ def _train_messages(
     clip: float | None = None,
 ) -> dict[int, Any]:
     """Round r's TRAIN message for each sampled client: the global part as sent, the round's
-    config (the server state's round for the keys, the rounds whose local parts to keep, and
-    with client-level DP the clip norm the client clips its update to)."""
-    spec, state = run.model.round_spec, run.server_state
+    config (the server state's round for the keys, the rounds whose local parts to keep, the
+    paths a layer schedule trains this round, and with client-level DP the clip norm the client
+    clips its update to)."""
+    spec, state = run.model.round_spec_for(r), run.server_state
     cfg = {
         protocol.ROUND: r,
         protocol.STATE_ROUND: int(state.round),
@@ -452,6 +461,7 @@ class Taken:
     losses: list[float] = dataclasses.field(default_factory=list)
     norms: list[float] | None = None  # DP: the update norms the clients report (before clipping)
     bytes_up: int = 0  # the taken uploads' bytes as sent
+    costs: list[dict[str, int]] = dataclasses.field(default_factory=list)  # run.costs' figures
 
 
 def _number(metrics: Any, key: str, what: str, integral: bool = False) -> float:
@@ -465,9 +475,24 @@ def _number(metrics: Any, key: str, what: str, integral: bool = False) -> float:
     return value
 
 
+# the FLOP counts a node reports (run.costs.client_costs), by their name in a round's record
+_COSTS = {"flops": protocol.FLOPS, "bert_fl_flops": protocol.BERT_FL_FLOPS}
+
+
+def expected_costs(run: ServerRun, spec: Any) -> tuple[str, ...]:
+    """The FLOP counts every node's TRAIN reply must carry this round (as the simulation's
+    clients count them: none where the roles train part of a layer)."""
+    from fedjax_split.run import costs
+
+    if costs.trained_parts(costs.paths_of(run.model), spec.trained) is None:
+        return ()
+    return ("flops", "bert_fl_flops") if run.model.cycle_factor is not None else ("flops",)
+
+
 def _take_uploads(
-    run: ServerRun, replies: Mapping[int, Any], rejected: dict[int, str]
-) -> Taken:
+    run: ServerRun, spec: Any, replies: Mapping[int, Any], rejected: dict[int, str],
+    expect: tuple[str, ...] = (),
+) -> Taken:  # fmt: skip
     """The replies whose upload decodes to the trained global part's paths, shapes and wire
     dtype with finite values, and whose figures are finite (the example count the node reported
     when it joined; with DP, an update norm), in client order; each other reply is added to
@@ -475,7 +500,7 @@ def _take_uploads(
     one inflated example count would outweigh every other client)."""
     from fedjax_split.fed.roles import flatten_paths, select
 
-    spec, params = run.model.round_spec, run.server_state.global_params
+    params = run.server_state.global_params
     trained = select(params, spec.trained)[0]
     expected = {p: np.shape(x) for p, x in flatten_paths(trained).items()}
     dtypes = codec.sent_dtypes(trained)
@@ -497,6 +522,7 @@ def _take_uploads(
             loss_sum = _number(m, protocol.LOSS_SUM, "loss sum")
             units = _number(m, protocol.LOSS_UNITS, "loss count")
             norm = _number(m, protocol.UPDATE_NORM, "update norm") if dp else None
+            spent = {k: int(_number(m, _COSTS[k], k.replace("_", " "), True)) for k in expect}
         except ValueError as err:
             rejected[cid] = f"bad upload: {err}"
             continue
@@ -509,6 +535,7 @@ def _take_uploads(
         loss = np.float32(loss_sum) / np.maximum(np.float32(units), np.float32(1.0))
         taken.losses.append(float(loss))
         taken.bytes_up += nbytes
+        taken.costs.append(spent)
     return taken
 
 
@@ -520,7 +547,7 @@ def run_round(
     oldest kept checkpoint's round (the nodes keep the local parts it and later ones need)."""
     import jax
 
-    from fedjax_split.run import driver, pieces, safeguards
+    from fedjax_split.run import costs, driver, pieces, safeguards
     from fedjax_split.sim import rounds
 
     config = run.config
@@ -532,7 +559,8 @@ def run_round(
     msgs = _train_messages(run, r, sampled, sent, keep_from, clip)
     replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
     rejected: dict[int, str] = {}
-    taken = _take_uploads(run, replies, rejected)
+    spec = run.model.round_spec_for(r)
+    taken = _take_uploads(run, spec, replies, rejected, expected_costs(run, spec))
     for cid, why in sorted(failed.items()):
         _warn(f"round {r}: client {cid} failed ({why})")
     for cid, why in sorted(rejected.items()):
@@ -546,10 +574,10 @@ def run_round(
     weights_np = np.asarray(taken.weights, np.float32)
     if taken.uploads:
         norms = None if taken.norms is None else np.asarray(taken.norms, np.float32)
-        run.server_state, (valid, agg_norms) = run.step(state, tuple(taken.uploads), weights_np,
-                                                        rng, norms)  # fmt: skip
+        run.server_state, (valid, agg_norms) = server_step(spec)(
+            state, tuple(taken.uploads), weights_np, rng, norms)  # fmt: skip
     else:  # nobody sampled, or every upload rejected: the server's step on nothing
-        run.server_state = rounds.server_only_step(run.model.round_spec)(state, rng)
+        run.server_state = rounds.server_only_step(spec)(state, rng)
         valid, agg_norms = np.zeros([0], bool), np.zeros([0], np.float32)
     jax.block_until_ready(run.server_state)
     t_train = time.perf_counter()
@@ -574,6 +602,7 @@ def run_round(
     t_eval = time.perf_counter()
     bytes_down = codec.nbytes(sent) * len(sampled)
     record.update(pieces.round_costs(history, taken.bytes_up, bytes_down, t0, t_train, t_eval))
+    record.update(costs.round_record(history, taken.costs, run.bert_fl_bytes))
     record.update(
         clients_failed=sorted(failed),
         eval_failed=sorted(eval_failed),
@@ -744,13 +773,14 @@ class FlowerServer:
 
     def summary(self, history: Sequence[dict[str, Any]], stats: Any) -> dict[str, Any]:
         from fedjax_split import runtime
-        from fedjax_split.run import pieces, plots, safeguards
+        from fedjax_split.run import costs, pieces, plots, safeguards
 
         # the labels are on the nodes: the plot has no majority-label line
         plot = plots.write_fine_tuning_plot(self.run_dir, history, self.run.config, self.run.model)
         return {
             **pieces.summary(self.run.config, self.run.model, history),
             **safeguards.summary(self.run.config, list(history)),
+            **costs.summary(history),
             "plot": None if plot is None else str(plot),
             "allocator": runtime.allocator(),
             "checkpoint_seconds": stats.checkpoint_seconds,

@@ -23,6 +23,13 @@ next client's draw, so all clients of a round, and the rounds too, get the same 
 describes a random sample per client. Without replacement every sampled layer is a distinct
 global layer in the pre-trained order, and keys per (seed, round, client) make the draws differ
 between clients and rounds yet reproducible from the seed.
+
+FedBT's fine-tuning (the journal version's Algorithm 2, Journal of Software 2025, 36(9), pp.
+4122-4123): every client runs the whole model; round r trains the encoder layers l..L-1 and the
+task head (pooler and classifier), l = L-1-((r-1) mod c) for a cycle factor c (c = 6 of 12:
+l = 11, 10, ..., 6, then 11 again). Everything below l only runs forward that round, and only the
+trained parameters are uploaded and averaged. The embeddings and layers 0..L-c-1 are never
+trained: they are frozen parameters, never sent (`fedbt_cycled`).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from fedjax_split.fed.roles import layer_filter, layer_index, paths_where
 
 LAYER_PURPOSE = 0x6C_79  # "ly": the `purpose` part of the layer draws' numpy seed
 HEAD_PATHS = ("mlm/transform/", "mlm/bias")  # the MLM head a FedBFPT client trains
+TASK_HEAD_PATHS = ("pooler/", "classifier/")  # the task head a FedBT client trains every round
 SCHEDULES = ("halving", "every")
 _LAYER_KEY = re.compile(r"^layer_(\d+)$")
 
@@ -188,3 +196,27 @@ def full_plan(params: Mapping[str, Any], *, clients: Sequence[int], depth: int) 
     everything = trained_paths(params, None)
     kept = frozenset(p for p in everything if (layer_index(p) or 0) < depth)
     return Plan(tuple(tuple(range(depth)) for _ in clients), kept)
+
+
+def fedbt_layer(round_: int, num_layers: int, cycle_factor: int) -> int:
+    """The lowest layer FedBT trains in round `round_` (1-based): L-1-((r-1) mod c)."""
+    if not 1 <= cycle_factor <= num_layers:
+        raise UserError(
+            f"--cycle-factor {cycle_factor} is outside 1..{num_layers} for this "
+            f"{num_layers}-layer model; pass a value in 1..{num_layers} (the journal's L/2)"
+        )
+    return num_layers - 1 - (round_ - 1) % cycle_factor
+
+
+def fedbt_cycled(num_layers: int, cycle_factor: int) -> Callable[[str], bool]:
+    """The parameters FedBT ever trains: layers L-c..L-1 and the task head (the others are
+    frozen for the whole run)."""
+    return layer_filter(range(num_layers - cycle_factor, num_layers), TASK_HEAD_PATHS)
+
+
+def fedbt_trained(
+    params: Mapping[str, Any], round_: int, num_layers: int, cycle_factor: int
+) -> frozenset[str]:
+    """The paths of `params` FedBT trains in round `round_`: layers l..L-1 and the task head."""
+    low = fedbt_layer(round_, num_layers, cycle_factor)
+    return paths_where(params, layer_filter(range(low, num_layers), TASK_HEAD_PATHS))

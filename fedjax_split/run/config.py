@@ -34,6 +34,7 @@ ATTENTIONS = ("xla", "cudnn")  # model.ATTENTION_IMPLEMENTATIONS
 AGGREGATORS = ("mean", "trimmed-mean", "median")  # fed.aggregation.RULES
 ACCOUNTANTS = ("rdp", "pld")  # fed.accounting
 ATTACKS = ("none", "scale", "sign-flip")
+LAYER_SCHEDULES = ("none", "fedbt")
 
 
 _TASK_KINDS = {"glue": "a GLUE task", "offline": "an offline corpus", "ner": "a NER task"}
@@ -123,6 +124,20 @@ class ExperimentConfig:
         "global (plain FedAvg), 0 = no sharing.",
         metavar="C",
         parse=critical_layer_value,
+    )
+    layer_schedule: str = _setting(
+        "none",
+        "Which layers a round trains: none (all that the roles train), or fedbt (FedBT's "
+        "fine-tuning, Algorithm 2: one shared model; round r trains layers l..L and the head, "
+        "l cycling down from the top over --cycle-factor layers; only those are uploaded; the "
+        "embeddings and the layers below the cycle stay frozen). docs/fedbt.md.",
+        choices=LAYER_SCHEDULES,
+    )
+    cycle_factor: int | None = _setting(
+        None,
+        "--layer-schedule fedbt: the cycle's length c, so the top c layers take turns "
+        "(unset: L/2, the journal's 6 of 12).",
+        metavar="C",
     )
     freeze: str | None = _setting(
         None,
@@ -350,7 +365,9 @@ class ExperimentConfig:
         if self.output_dir is not None:
             return Path(self.output_dir)
         c = "L" if self.critical_layer is None else self.critical_layer
-        return Path("runs") / f"{self.task}_{self.algorithm}_c{c}_K{self.clients}_s{self.seed}"
+        how = f"c{c}" if self.layer_schedule == "none" else self.layer_schedule
+        method = f"{self.algorithm}_{how}"
+        return Path("runs") / f"{self.task}_{method}_K{self.clients}_s{self.seed}"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -528,6 +545,7 @@ def validate(config: ExperimentConfig) -> None:
                 r"over Hugging Face tensor names, e.g. 'embeddings\.'"
             ) from None
     validate_lora(config)
+    validate_schedule(config)
     validate_processes(config)
     if config.data_dir is not None and not Path(config.data_dir).is_dir():
         raise UserError(f"data dir {config.data_dir!r} does not exist; pass an existing --data-dir")
@@ -568,6 +586,21 @@ def validate_lora(config: ExperimentConfig) -> None:
     from fedjax_split.models.lora import check_settings
 
     check_settings(lora_settings(config))
+
+
+def validate_schedule(config: ExperimentConfig) -> None:
+    """--layer-schedule and --cycle-factor: the factor only with FedBT, at least 1 (at most L
+    is checked with the model); FedBT trains whole layers, so no LoRA (its one shared model:
+    `validate_critical_layer`)."""
+    if config.layer_schedule == "none":
+        if config.cycle_factor is not None:
+            raise UserError("--cycle-factor needs --layer-schedule fedbt")
+        return
+    if config.cycle_factor is not None and config.cycle_factor < 1:
+        raise UserError(f"--cycle-factor must be at least 1, got {config.cycle_factor}")
+    if config.lora_rank is not None:
+        raise UserError("--layer-schedule fedbt trains whole layers; drop --lora-rank (or the "
+                        "schedule)")  # fmt: skip
 
 
 def validate_processes(config: ExperimentConfig) -> None:
@@ -627,8 +660,15 @@ def validate_aggregation(config: ExperimentConfig) -> None:
 
 def validate_critical_layer(config: ExperimentConfig, num_layers: int) -> int:
     """The critical layer as an int in 0..L ('half' is L // 2; None is L: plain FedAvg,
-    everything global)."""
+    everything global; FedBT's schedule: L)."""
     c = config.critical_layer
+    if config.layer_schedule == "fedbt":  # one shared model: the default 'half' becomes L
+        if c not in (HALF, None, num_layers):
+            raise UserError(
+                f"--layer-schedule fedbt trains the top layers of one shared model; drop "
+                f"--critical-layer {c} (FedBT shares every layer: c = L = {num_layers})"
+            )
+        c = None
     c = num_layers if c is None else num_layers // 2 if c == HALF else c
     if not 0 <= c <= num_layers:
         raise UserError(

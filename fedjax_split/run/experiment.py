@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from fedjax_split.errors import UserError
+from fedjax_split.run import costs as costs_mod
 from fedjax_split.run import driver, pieces, plots, safeguards
 from fedjax_split.run.config import ExperimentConfig, resolve_config, trajectory_mismatch
 
@@ -70,6 +71,23 @@ def round_batches(setup: Setup, r: int) -> list[list[Any] | None]:
                             setup.partition.clients[i].train, int(i), r) if k in mine else None
         for k, i in enumerate(sampled)
     ]  # fmt: skip
+
+
+def round_costs(
+    setup: Setup, spec: Any, segments: list[list[Any] | None], sampled: Any
+) -> list[dict[str, int]]:
+    """Each sampled client's `run.costs.client_costs`, in client order (every process counts its
+    own clients' steps and the counts are gathered)."""
+    from fedjax_split.sim import processes
+
+    model = setup.model
+    paths, schedule = costs_mod.paths_of(model), model.cycle_factor is not None
+    own = {str(int(c)): costs_mod.client_costs(paths, spec.trained, seg, schedule)
+           for c, seg in zip(sampled, segments, strict=True) if seg is not None}  # fmt: skip
+    if processes.count() > 1:
+        for part in processes.gather_json(own):
+            own.update(part)
+    return [own[str(int(c))] for c in sampled]
 
 
 def own_positions(setup: Setup, num_sampled: int) -> set[int]:
@@ -173,6 +191,9 @@ class Simulation:
         self.writes = processes.writes()  # process 0 of a multi-process run, or the one process
         # a client's local part's shapes: what a process dealt no client of a round gathers
         self.local_like = jax.eval_shape(lambda: model.local0)
+        # with a layer schedule, what BERT-FL sends each way per client and round (run.costs)
+        self.bert_fl_bytes = (None if model.cycle_factor is None
+                              else costs_mod.model_bytes(model, spec.wire_dtype))  # fmt: skip
 
     def plot(self, records: Sequence[dict[str, Any]]) -> Path | None:
         """plot.png from the records so far (None before the first evaluation)."""
@@ -269,13 +290,15 @@ class Simulation:
         hook = None if self.progress is None else self.progress.training()
         # the clip norm of this round (read now: the round donates the server state's buffers)
         clip = float(self.server_state.aggregator["clip"]) if config.dp else None
+        spec = setup.model.round_spec_for(r)  # FedBT's schedule: the round's trained layers
         # the run's key; run_round folds in the round counter and the clients' global ids
         self.server_state, new_local, result = rounds.run_round(
-            setup.model.round_spec, self.server_state, local_sampled, num_examples, segments,
+            spec, self.server_state, local_sampled, num_examples, segments,
             jax.random.key(config.seed), client_ids=sampled, frozen=self.frozen,
             on_progress=hook, update_factors=safeguards.attack_factors(config, sampled),
             local_like=self.local_like,
         )  # fmt: skip
+        costs = round_costs(setup, spec, segments, sampled)  # while the round runs
         if r < self.rounds:  # the round runs asynchronously: batch the next one meanwhile
             self.prefetched = (r + 1, round_batches(setup, r + 1))
         losses = np.asarray(result.train_loss, np.float64)  # waits for the round's last program
@@ -294,6 +317,7 @@ class Simulation:
         t_eval = time.perf_counter()
         record.update(pieces.round_costs(history, int(result.bytes_up), int(result.bytes_down),
                                          t0, t_train, t_eval))  # fmt: skip
+        record.update(costs_mod.round_record(history, costs, self.bert_fl_bytes))
         if record.get(self.metric) is not None and r < self.rounds:  # the last: by summary()
             self.plot([*history, record])
         return record
@@ -313,6 +337,7 @@ class Simulation:
         return {
             **pieces.summary(self.setup.config, self.setup.model, history),
             **safeguards.summary(self.setup.config, list(history)),
+            **costs_mod.summary(history),
             "majority_label": self.majority,  # the primary metric of the label priors, no model
             "plot": None if plot is None else str(plot),
             "round_devices": len(rounds.round_devices(self.setup.model.round_spec)),

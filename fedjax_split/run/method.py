@@ -28,16 +28,21 @@ def describe(
     freeze: str | None = None,
     mu: float = 0.0,
     lora: Any = None,
+    cycle: int | None = None,
 ) -> str:
     """E.g. "FedSplitBERT, c = 3 of 6: embeddings + layers 1-3 shared, layers 4-6 + head
     personal". The server algorithm is named when it is not FedAvg; the wire dtype and frozen
     parameters are added when set; with LoRA (`lora`, the model's BertConfig), what is shared
-    and personal are the adapters and the head, and the base weights frozen are not listed."""
+    and personal are the adapters and the head, and the base weights frozen are not listed.
+    With FedBT's schedule (`cycle`: its cycle factor) the line says which layers each round
+    trains."""
     algo = get_algorithm(algorithm)
     title = algo.title or algo.name
     if algo.prox:
         title = f"{title} (mu = {mu:g})"
     c, big_l = critical_layer, num_layers
+    if cycle is not None:
+        return _fedbt(algo, title, cycle, big_l, quantize)
     # what the shares are made of: whole layers, or (LoRA) the adapters in them
     whole, lower, upper = (
         ("the whole model", "embeddings + ", "") if lora is None
@@ -67,4 +72,21 @@ def describe(
     if num_frozen and lora is None:
         regex = f" (--freeze {freeze!r})" if freeze else ""
         line += f"; {num_frozen:,} parameters frozen{regex}"
+    return line
+
+
+def _fedbt(algo: Any, title: str, cycle: int, num_layers: int, quantize: str) -> str:
+    """E.g. "FedBT fine-tuning, cycle of 3 of 6 layers: round 1 trains layer 6 + head, round 2
+    layers 5-6 + head, round 3 layers 4-6 + head, then again; embeddings + layers 1-3 frozen;
+    only the trained part is uploaded"."""
+    name = "FedBT fine-tuning" if algo.name == "fedavg" else f"FedBT fine-tuning with {title}"
+    rounds = [f"round {k} trains {_layers(num_layers - k + 1, num_layers)} + head"
+              for k in range(1, cycle + 1)]  # fmt: skip
+    if cycle > 3:
+        rounds = [rounds[0], "...", rounds[-1]]
+    below = "embeddings" + (f" + {_layers(1, num_layers - cycle)}" if cycle < num_layers else "")
+    line = (f"{name}, cycle of {cycle} of {num_layers} layers: {', '.join(rounds)}, then again; "
+            f"{below} frozen; only the trained part is uploaded")  # fmt: skip
+    if quantize in _WIRE:
+        line += f"; sent as {_WIRE[quantize]}"
     return line

@@ -45,6 +45,18 @@ class Model:
     global0: Any
     local0: Any
     frozen: Any
+    cycle_factor: int | None = None  # FedBT's cycle (--layer-schedule fedbt), else None
+
+    def round_spec_for(self, r: int) -> Any:
+        """Round r's spec: with FedBT's schedule it trains (and uploads) layers l..L-1 and the
+        head only (`fed.layerwise.fedbt_trained`); every round's the same otherwise."""
+        if self.cycle_factor is None:
+            return self.round_spec
+        from fedjax_split.fed import layerwise
+
+        trained = layerwise.fedbt_trained(self.global0, r, self.config.num_hidden_layers,
+                                          self.cycle_factor)  # fmt: skip
+        return dataclasses.replace(self.round_spec, trained=trained)
 
     @property
     def num_global(self) -> int:
@@ -131,6 +143,7 @@ def check(config: ExperimentConfig) -> int:
     model_config = hf_checkpoint.load_config(hf_checkpoint.resolve_model(config.model))
     head = dataclasses.replace(model_config, head=task.objective.head)
     lora.configure(head, lora_settings(config))  # e.g. a --lora-targets that chooses no layer
+    cycle_factor(config, model_config.num_hidden_layers)
     return validate_critical_layer(config, model_config.num_hidden_layers)
 
 
@@ -263,16 +276,35 @@ def load_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = (
     )
 
 
+def cycle_factor(config: ExperimentConfig, num_layers: int) -> int | None:
+    """FedBT's cycle factor for an L-layer model (unset: L // 2, at least 1), checked; None
+    without the schedule."""
+    if config.layer_schedule != "fedbt":
+        return None
+    c = max(1, num_layers // 2) if config.cycle_factor is None else config.cycle_factor
+    if not 1 <= c <= num_layers:
+        raise UserError(
+            f"--cycle-factor {c} is outside 1..{num_layers} for model {config.model!r} "
+            f"({num_layers} layers); pass a value in 1..{num_layers}"
+        )
+    return c
+
+
 def model_parts(config: ExperimentConfig, pre: Any, critical_layer: int) -> Any:
     """The model's parameters by role (global, local, frozen): the critical layer's split (with
-    LoRA, of the adapters and the head, every base weight frozen) with --freeze over the Hugging
-    Face tensor names."""
-    from fedjax_split.fed import roles
+    LoRA, of the adapters and the head, every base weight frozen; with FedBT, of the layers its
+    cycle trains and the head, the rest frozen) with --freeze over the Hugging Face tensor
+    names."""
+    from fedjax_split.fed import layerwise, roles
     from fedjax_split.models import hf_checkpoint, lora
 
-    split = roles.critical_layer_rule(critical_layer, pre.config.num_hidden_layers)
+    num_layers = pre.config.num_hidden_layers
+    split = roles.critical_layer_rule(critical_layer, num_layers)
     if pre.config.lora_targets:
         split = roles.train_only(split, lora.trainable)
+    cycle = cycle_factor(config, num_layers)
+    if cycle is not None:
+        split = roles.train_only(split, layerwise.fedbt_cycled(num_layers, cycle))
     rule = roles.freeze_rule(
         split,
         config.freeze,
@@ -323,6 +355,7 @@ def build_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = 
         global0=global0,
         local0=local0,
         frozen=frozen,
+        cycle_factor=cycle_factor(config, pre.config.num_hidden_layers),
     )
 
 
@@ -388,6 +421,7 @@ def method_line(config: ExperimentConfig, model: Model) -> str:
         config.algorithm, model.critical_layer, model.config.num_hidden_layers,
         quantize=config.quantize, num_frozen=model.num_frozen, freeze=config.freeze,
         mu=config.prox_mu, lora=model.config if model.config.lora_targets else None,
+        cycle=model.cycle_factor,
     )  # fmt: skip
 
 

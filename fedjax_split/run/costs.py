@@ -1,0 +1,154 @@
+"""What a fine-tuning round costs in matmul FLOPs, and what BERT-FL (FedAvg training and sending
+the whole model) would have cost on the same batches: the figures FedBT's claim is about (its
+journal's Table 3 gives its computation and communication as shares of BERT-FL's).
+
+- flops: the matmul FLOPs of the sampled clients' real training steps, forward and backward as
+  reverse-mode autodiff runs them when only some parameters are trained
+  (`models.flops.segment_flops`, checked against the gradient's own matmuls in
+  tests/test_flops.py): a layer below everything trained only runs forward. Counted where every
+  encoder layer is trained whole or not at all (FedAvg, FedSplitBERT, FedBT, a --freeze of whole
+  layers); a run that trains part of a layer (LoRA, a --freeze inside a layer) records none
+  rather than a wrong figure.
+- With a layer schedule (FedBT) a round's record adds BERT-FL's FLOPs on the same steps and its
+  bytes (the whole model in the wire dtype, each way, per sampled client), and the summary the
+  shares. Pure functions of the model, the trained paths and the batches' shapes: the simulation
+  and a Flower node compute the same figures.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from fedjax_split.fed.roles import flatten_paths, layer_index
+
+
+class Trained(NamedTuple):
+    """Which parts of the model a step trains, as the FLOP count needs them."""
+
+    layers: frozenset[int]
+    embeddings: bool
+    pooler: bool
+    classifier: bool
+
+
+class ModelPaths(NamedTuple):
+    """A model's architecture and its parameters' paths by role: all the counts need (a Flower
+    node holds no global part between messages, only these)."""
+
+    config: Any  # models.bert.BertConfig
+    global_paths: frozenset[str]
+    local_paths: frozenset[str]
+    frozen_paths: frozenset[str]
+
+
+def paths_of(model: Any) -> ModelPaths:
+    """A `run.pieces.Model`'s `ModelPaths`."""
+    return ModelPaths(model.config, *(frozenset(flatten_paths(part))
+                                      for part in (model.global0, model.local0, model.frozen)))
+
+
+def trained_parts(paths: ModelPaths, trained: frozenset[str] | None) -> Trained | None:
+    """What a client trains: the global paths `trained` (None: every global one) and its whole
+    local part; None when some encoder layer is trained only in part (no exact count)."""
+    chosen = paths.global_paths if trained is None else paths.global_paths & trained
+    return _parts(set(chosen | paths.local_paths),
+                  set(paths.global_paths | paths.local_paths | paths.frozen_paths))  # fmt: skip
+
+
+def _parts(paths: set[str], every: set[str]) -> Trained | None:
+    layers: dict[int, list[bool]] = {}
+    for p in every:
+        i = layer_index(p)
+        if i is not None:
+            layers.setdefault(i, []).append(p in paths)
+    if any(any(v) and not all(v) for v in layers.values()):
+        return None
+    return Trained(
+        layers=frozenset(i for i, v in layers.items() if all(v)),
+        embeddings=any(p.startswith("embeddings/") for p in paths),
+        pooler=any(p.startswith("pooler/") for p in paths),
+        classifier=any(p.startswith("classifier/") for p in paths),
+    )
+
+
+def steps_flops(config: Any, parts: Trained | None, segments: Sequence[Any]) -> int | None:
+    """Matmul FLOPs of one client's real steps `segments` (None: no exact count)."""
+    from fedjax_split.models.flops import segment_flops
+
+    if parts is None:
+        return None
+    return sum(
+        segment_flops(config, seg, trained_layers=parts.layers, embeddings_trained=parts.embeddings,
+                      pooler_trained=parts.pooler, classifier_trained=parts.classifier)
+        for seg in segments
+    )  # fmt: skip
+
+
+def bert_fl_parts(config: Any) -> Trained:
+    """BERT-FL's client: every parameter trained."""
+    return Trained(frozenset(range(config.num_hidden_layers)), True, config.head == "sequence",
+                   True)  # fmt: skip
+
+
+def model_bytes(model: Any, wire: str) -> int:
+    """The whole model (global, local and frozen parts) in the wire dtype: what BERT-FL sends
+    each way per client and round."""
+    import jax
+
+    from fedjax_split.fed.roles import merge_params
+    from fedjax_split.fed.wire import cast_to_wire, tree_bytes, wire_dtype
+
+    whole = merge_params(model.global0, model.local0, model.frozen)
+    return tree_bytes(jax.eval_shape(lambda: cast_to_wire(whole, wire_dtype(wire))))
+
+
+def client_costs(paths: ModelPaths, trained: frozenset[str] | None, segments: Sequence[Any],
+                 schedule: bool) -> dict[str, int]:  # fmt: skip
+    """One client's round: {"flops": ..., "bert_fl_flops": ... (with a schedule)}; {} when the
+    run has no exact count."""
+    flops = steps_flops(paths.config, trained_parts(paths, trained), segments)
+    if flops is None:
+        return {}
+    out = {"flops": flops}
+    if schedule:
+        out["bert_fl_flops"] = steps_flops(paths.config, bert_fl_parts(paths.config), segments)
+    return out
+
+
+def round_record(
+    history: Sequence[Mapping[str, Any]],
+    clients: Sequence[Mapping[str, int]],
+    bert_fl_bytes: int | None,
+) -> dict[str, int]:
+    """A round record's costs from its clients' `client_costs` (in client order), with running
+    totals; with a schedule (`bert_fl_bytes`: the whole model's bytes) BERT-FL's too."""
+    if not clients or any("flops" not in c for c in clients):
+        return {}
+    out = {"flops": sum(int(c["flops"]) for c in clients)}
+    if bert_fl_bytes is not None:
+        out["bert_fl_flops"] = sum(int(c["bert_fl_flops"]) for c in clients)
+        out["bert_fl_bytes_up"] = out["bert_fl_bytes_down"] = bert_fl_bytes * len(clients)
+    previous = history[-1] if history else {}
+    return {**out, **{f"cum_{k}": v + int(previous.get(f"cum_{k}", 0)) for k, v in out.items()}}
+
+
+def summary(history: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The run's FLOPs and, with a schedule, its shares of BERT-FL's computation and bytes."""
+    last = next((h for h in reversed(history) if "cum_flops" in h), None)
+    if last is None:
+        return {}
+    out: dict[str, Any] = {"cum_flops": last["cum_flops"]}
+    if "cum_bert_fl_flops" in last:
+        up, down = last["cum_bert_fl_bytes_up"], last["cum_bert_fl_bytes_down"]
+        out.update(
+            cum_bert_fl_flops=last["cum_bert_fl_flops"],
+            flops_share_of_bert_fl=_share(last["cum_flops"], last["cum_bert_fl_flops"]),
+            bytes_up_share_of_bert_fl=_share(last["cum_bytes_up"], up),
+            bytes_down_share_of_bert_fl=_share(last["cum_bytes_down"], down),
+        )
+    return out
+
+
+def _share(part: float, whole: float) -> float | None:
+    return float(part) / float(whole) if whole else None
