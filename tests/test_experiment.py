@@ -655,3 +655,18 @@ def test_a_fedavg_rounds_flops_are_three_forward_passes_of_its_real_steps(
                 steps = real_counts(seg)[0]
                 want += segment_train_flops(setup.model.config, seg) // seg.step_mask.size * steps
         assert r["flops"] == want and "bert_fl_flops" not in r
+
+
+def test_a_truncated_model_trains_and_exports_its_first_layers(files: dict[str, Path]) -> None:
+    """--model-layers 1 of the 2-layer model (FedAvg, c = L): one layer everywhere, counted by
+    hand, and the export is a 1-layer model."""
+    out = files["base"] / "truncated"
+    summary = experiment.run_experiment(
+        _config(files, "truncated", model_layers=1, critical_layer=None, rounds=1), progress=False
+    )
+    h = json.loads((files["model"] / "config.json").read_text())["hidden_size"]
+    assert summary["num_layers"] == 1
+    head = (h * h + h) + (2 * h + 2)  # pooler, classifier
+    assert summary["global_params"] == _global_count_by_hand(files["model"], 1) + head
+    exported = export.export_client(out, 0, files["base"] / "truncated_export")
+    assert json.loads((exported / "config.json").read_text())["num_hidden_layers"] == 1

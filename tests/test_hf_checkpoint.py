@@ -130,6 +130,29 @@ def test_classifier_checkpoint_matches_torch(torch_classifier):
     )
 
 
+def test_a_truncated_model_is_transformers_with_the_first_layers(torch_classifier):
+    """num_layers=1 keeps layer 1 of 2 (the deeper one is not read, so nothing is reported as
+    unexpected) and computes what transformers computes with num_hidden_layers=1 from the same
+    checkpoint; a depth outside 1..L is one line."""
+    import transformers
+
+    model, path = torch_classifier
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply, params, config = load_pretrained(path, num_labels=2, num_layers=1)
+    assert config.num_hidden_layers == 1 and set(params["encoder"]) == {"layer_0"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers says it leaves layer 1 out
+        short = transformers.BertForSequenceClassification.from_pretrained(
+            path, num_hidden_layers=1).eval()  # fmt: skip
+    ids, mask, types = _inputs(np.random.default_rng(0), TINY.vocab_size)
+    ref = _torch_out(short, ids, mask, types).logits.numpy()
+    np.testing.assert_allclose(apply(params, ids, mask, types, train=False), ref, atol=2e-5)
+    for bad in (0, 3):
+        _one_line_error(load_pretrained, path, num_labels=2, num_layers=bad,
+                        match=f"--model-layers {bad} is outside 1..2")
+
+
 def test_encoder_checkpoint_without_prefix_gets_fresh_seeded_head(torch_encoder):
     model, path = torch_encoder
     with pytest.warns(UserWarning, match="classifier.weight"):

@@ -231,6 +231,8 @@ BAD = [
     ({"lora_alpha": 4.0}, "--lora-alpha needs --lora-rank"),
     ({"lora_targets": "key"}, "--lora-targets needs --lora-rank"),
     ({"lora_rank": 0}, "--lora-rank must be an integer >= 1"),
+    ({"model_layers": 3}, "--model-layers 3 is outside 1..2"),
+    ({"model_layers": 0}, "--model-layers must be at least 1"),
     # FedBT's schedule: a cycle inside the model, one shared model
     ({"layer_schedule": "fedbt", "critical_layer": "L", "cycle_factor": 3},
      "--cycle-factor 3 is outside 1..2"),

@@ -441,11 +441,14 @@ def load_pretrained(
     head: str = "sequence",
     label_names: tuple[str, ...] = (),
     lora: Any = None,
+    num_layers: int | None = None,
 ) -> Pretrained:
     """Loads a BERT checkpoint for sequence classification (regression: num_labels=1), with
     `head="token"` token classification (no pooler), or with `head="mlm"` masked-language
     modelling (BertForMaskedLM's head; `num_labels` is then unused). `lora`
     (`models.lora.LoraSettings`) adds fresh LoRA adapters, seeded by `seed` like a fresh head.
+    `num_layers` keeps only the first encoder layers (a truncated model, the shallow baselines of
+    FedBT's and FedBFPT's tables); the checkpoint's deeper layers are not read.
 
     Returns `Pretrained`, which unpacks as `apply, params, config`; `.model_dir` holds the files.
     """
@@ -464,10 +467,32 @@ def load_pretrained(
     from fedjax_split.models import lora as lora_adapters
 
     config = lora_adapters.configure(config, lora)
-    params = params_from_tensors(read_weights(model_dir), config, seed=seed, source=str(model_dir))
+    tensors = read_weights(model_dir)
+    if num_layers is not None:
+        config, tensors = truncate(config, tensors, num_layers)
+    params = params_from_tensors(tensors, config, seed=seed, source=str(model_dir))
     if config.lora_targets:
         params = lora_adapters.with_adapters(params, config, seed)
     return Pretrained(make_apply(config), params, config, model_dir)
+
+
+_LAYER_NAME = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")
+
+
+def truncate(
+    config: BertConfig, tensors: dict[str, np.ndarray], num_layers: int
+) -> tuple[BertConfig, dict[str, np.ndarray]]:
+    """The config and tensors of the model's first `num_layers` encoder layers."""
+    import dataclasses
+
+    if not 1 <= num_layers <= config.num_hidden_layers:
+        raise UserError(
+            f"--model-layers {num_layers} is outside 1..{config.num_hidden_layers} for this "
+            f"{config.num_hidden_layers}-layer model; keep 1..{config.num_hidden_layers} layers"
+        )
+    kept = {n: t for n, t in tensors.items()
+            if (m := _LAYER_NAME.search(n)) is None or int(m.group(1)) < num_layers}  # fmt: skip
+    return dataclasses.replace(config, num_hidden_layers=num_layers), kept
 
 
 def has_pooler(model_dir: Path) -> bool:

@@ -86,6 +86,12 @@ class ExperimentConfig:
         "bert-base-uncased",
         "Hugging Face model id, local HF-format directory, or the offline alias 'minilm-l6'.",
     )
+    model_layers: int | None = _setting(
+        None,
+        "Keep only the first K encoder layers of the pretrained model (a truncated model: the "
+        "shallow baselines of FedBT's Table 3, as DistilBERT or TinyBERT's depth); unset: all.",
+        metavar="K",
+    )
     data_dir: str | None = _setting(
         None,
         "Directory with the task's local files (GLUE TSV/parquet, CoNLL for ner); unset: the hub "
@@ -509,7 +515,7 @@ def validate(config: ExperimentConfig) -> None:
         if getattr(config, name) < 1:
             flag = "--" + name.replace("_", "-")
             raise UserError(f"{flag} must be at least 1, got {getattr(config, name)}")
-    for name in ("max_examples", "chunk_size", "cpu_devices"):
+    for name in ("max_examples", "chunk_size", "cpu_devices", "model_layers"):
         value = getattr(config, name)
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")

@@ -141,6 +141,8 @@ def check(config: ExperimentConfig) -> int:
     task = tasks.get_task(config.task)
     entity_types(config, task)  # a token task's vocabulary, before any file is read
     model_config = hf_checkpoint.load_config(hf_checkpoint.resolve_model(config.model))
+    if config.model_layers is not None:  # a truncated model: its depth is what the rest sees
+        model_config = hf_checkpoint.truncate(model_config, {}, config.model_layers)[0]
     head = dataclasses.replace(model_config, head=task.objective.head)
     lora.configure(head, lora_settings(config))  # e.g. a --lora-targets that chooses no layer
     cycle_factor(config, model_config.num_hidden_layers)
@@ -273,6 +275,7 @@ def load_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = (
         head=task.objective.head,
         label_names=tag_names or task.label_names,
         lora=lora_settings(config),
+        num_layers=config.model_layers,
     )
 
 

@@ -1,0 +1,213 @@
+"""FedBT's fine-tuning against BERT-FL, in the shape of the FedBT journal's Table 3 (Journal of
+Software 2025, 36(9), p. 4127): centralised, BERT-FL (FedAvg training the whole model), truncated
+models of the first L/2 and L/3 layers (the analogue of its DistilBERT / TinyBERT-6 / TinyBERT-4
+rows) and FedBT (`--layer-schedule fedbt`, c = L/2), on rotten tomatoes and 20 Newsgroups
+(accuracy) and NERO and WNUT-16 (entity F1), MiniLM-L6, at the scale a 2-core CPU runs. Writes
+docs/fedbt_study.md and its plot (with docs/fedbt_study_discussion.md, written by hand from the
+tables, appended).
+
+    nice -n 10 python tools/fedbt_study.py                  # every missing run, then the report
+    nice -n 10 python tools/fedbt_study.py --datasets rt    # one dataset's runs
+    python tools/fedbt_study.py --report-only               # the report from the finished runs
+
+The claim it tests (the journal's): FedBT within 1-2 points of BERT-FL at no more than 55% of its
+computation and 25% of its upload. The figure is the one global model's on the pooled test rows
+(every method here trains one model: `pooled` in metrics.jsonl; centralised: its one client's
+test split, 20% of the same subsample). FLOPs and bytes are exact counts (run.costs): shares of
+the same seed's BERT-FL run, whose batches are the same; FedBT's own summary gives its share of
+BERT-FL on its very batches too, and the two must agree.
+Runs are `python -m fedjax_split.train ...` into runs/fedbt_study/<name> (tools/lib/study_runs.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+
+from study_runs import ROOT, Runs, fmt, mean_sd, write_report  # noqa: E402
+
+RUNS = Runs(ROOT / "runs" / "fedbt_study")
+DOC = ROOT / "docs" / "fedbt_study.md"
+DISCUSSION = ROOT / "docs" / "fedbt_study_discussion.md"  # appended to DOC
+FIGURE = ROOT / "docs" / "figures" / "fedbt_study.png"
+
+# Sized for a 2-core CPU: six rounds (two of FedBT's cycles of 3 layers), evaluated every third
+COMMON = ["--rounds=6", "--eval-every=3", "--checkpoint-every=3"]
+DATASETS = {
+    "rt": ("rotten tomatoes, K=3, Table I label shares", "accuracy",
+           ["--config=configs/offline_rotten_tomatoes.py", "--max-examples=1500"]),
+    "news": ("20 Newsgroups, K=10, Dirichlet 1.0", "accuracy",
+             ["--config=configs/offline_20news.py", "--clients-per-round=all",
+              "--max-examples=1500", "--max-length=64"]),
+    "nero": ("NERO (biomedical NER), K=3, Dirichlet 1.0", "f1",
+             ["--config=configs/offline_nero.py", "--max-examples=1500"]),
+    "wnut16": ("WNUT-16 (Twitter NER), K=3, Dirichlet 1.0", "f1",
+               ["--config=configs/offline_wnut16.py", "--max-examples=1500"]),
+}  # fmt: skip
+CENTRAL = ["--clients=1", "--clients-per-round=all", "--partition=iid"]
+METHODS = {
+    "central": ("centralised (one client, all data)", ["--critical-layer=L", *CENTRAL]),
+    "bertfl": ("BERT-FL (FedAvg, whole model)", ["--critical-layer=L"]),
+    "trunc3": ("truncated, first 3 of 6 layers (FedAvg)",
+               ["--critical-layer=L", "--model-layers=3"]),
+    "trunc2": ("truncated, first 2 of 6 layers (FedAvg)",
+               ["--critical-layer=L", "--model-layers=2"]),
+    "fedbt": ("FedBT, cycle of 3 of 6 layers", ["--critical-layer=L", "--layer-schedule=fedbt"]),
+}  # fmt: skip
+SEEDS = (0, 1, 2, 3, 4)
+
+
+def name(data: str, method: str, seed: int) -> str:
+    return f"{data}_{method}_s{seed}"
+
+
+def runs(datasets: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """Every run, seed by seed, so that an interrupted study has each method at the same seeds."""
+    return [(name(d, m, s), [*DATASETS[d][2], *COMMON, *METHODS[m][1], f"--seed={s}"])
+            for s in SEEDS for d in datasets for m in METHODS]  # fmt: skip
+
+
+def figure(run: dict[str, Any], metric: str) -> float | None:
+    """The final global model's figure: `pooled` (the whole model is shared in every method)."""
+    scored = [r for r in run["records"] if (r.get("pooled") or {}).get(metric) is not None]
+    return scored[-1]["pooled"][metric] if scored else None
+
+
+def _share(run: dict[str, Any], base: dict[str, Any] | None, key: str) -> float | None:
+    if base is None:
+        return None
+    whole = base["records"][-1].get(key)
+    part = run["records"][-1].get(key)
+    return None if not whole or part is None else part / whole
+
+
+def _paired(diffs: list[float]) -> str:
+    """Mean ± sd of the per-seed differences and a paired t-test's two-sided p."""
+    if len(diffs) < 2:
+        return f"{fmt(diffs[0]) if diffs else '-'} (n={len(diffs)})"
+    from scipy import stats
+
+    p = stats.ttest_1samp(diffs, 0.0).pvalue
+    spread = f"{statistics.mean(diffs):+.3f} ± {statistics.stdev(diffs):.3f}"
+    return f"{spread} (n={len(diffs)}, paired t-test p = {p:.2g})"
+
+
+def table(data: str) -> tuple[list[str], dict[str, list[tuple[int, float]]]]:
+    """The dataset's rows: each method's final figure over the seeds, its shares of BERT-FL's
+    FLOPs and upload (seed by seed against BERT-FL's run of the same seed), FedBT's paired
+    difference with BERT-FL; seed 0's curves (round, figure)."""
+    metric = DATASETS[data][1]
+    lines = [f"| method | final {metric} (pooled test rows), mean ± sd | each seed | FLOPs share "
+             "of BERT-FL | upload share | run seconds |", "|---|---|---|---|---|---|"]  # fmt: skip
+    curves: dict[str, list[tuple[int, float]]] = {}
+    base = {s: RUNS.load(name(data, "bertfl", s)) for s in SEEDS}
+    for method, (label, _) in METHODS.items():
+        done = {s: r for s in SEEDS if (r := RUNS.load(name(data, method, s)))}
+        if not done:
+            continue
+        values = [v for r in done.values() if (v := figure(r, metric)) is not None]
+        flops = [x for s, r in done.items() if (x := _share(r, base[s], "cum_flops")) is not None]
+        up = [x for s, r in done.items() if (x := _share(r, base[s], "cum_bytes_up")) is not None]
+        secs = [r["summary"]["seconds"] for r in done.values()]
+        lines.append(
+            f"| {label} | {mean_sd(values)} | {', '.join(fmt(v) for v in values)} | "
+            f"{_pct(flops)} | {'no communication' if method == 'central' else _pct(up)} | "
+            f"{statistics.mean(secs):.0f} |"
+        )
+        if 0 in done:
+            curves[label] = [(r["round"], r["pooled"][metric]) for r in done[0]["records"]
+                             if (r.get("pooled") or {}).get(metric) is not None]  # fmt: skip
+    diffs = [figure(r, metric) - figure(base[s], metric) for s in SEEDS
+             if (r := RUNS.load(name(data, "fedbt", s))) and base[s] is not None]  # fmt: skip
+    own = [r["summary"].get("flops_share_of_bert_fl") for s in SEEDS
+           if (r := RUNS.load(name(data, "fedbt", s)))]  # fmt: skip
+    lines += ["", f"FedBT minus BERT-FL, seed by seed: {_paired(diffs)}. FedBT's own summary "
+              f"puts its FLOPs at {_pct([x for x in own if x is not None])} of BERT-FL's on its "
+              "very batches."]  # fmt: skip
+    return lines, curves
+
+
+def _pct(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    lo, hi = min(values), max(values)
+    return f"{100 * lo:.1f}%" if hi - lo < 5e-4 else f"{100 * lo:.1f}-{100 * hi:.1f}%"
+
+
+def plot(all_curves: dict[str, dict[str, list[tuple[int, float]]]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    FIGURE.parent.mkdir(parents=True, exist_ok=True)
+    n = max(1, len(all_curves))
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4.0), squeeze=False)
+    for ax, (data, curves) in zip(axes[0], all_curves.items(), strict=False):
+        for lab, pts in curves.items():
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=lab)
+        ax.set_xlabel("round")
+        ax.set_ylabel(f"{DATASETS[data][1]}, global model, pooled test rows")
+        ax.set_title(f"{DATASETS[data][0]} (seed 0)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(FIGURE, dpi=120)
+    plt.close(fig)
+
+
+def report() -> None:
+    names = [n for n, _ in runs(list(DATASETS))]
+    text = ["# FedBT study (generated by tools/fedbt_study.py)", "",
+            f"Runs at commit(s) {', '.join(RUNS.commits(names)) or '-'}. MiniLM-L6 on a 2-core "
+            "CPU; the figure is the final global model's on the pooled test rows, as mean ± "
+            "sample standard deviation over the seeds that finished (n says how many); FLOPs and "
+            "upload as shares of the same seed's BERT-FL run (exact counts, run.costs). The "
+            "discussion at the end says what the numbers allow.", ""]  # fmt: skip
+    all_curves = {}
+    for data, (title, _, base) in DATASETS.items():
+        lines, curves = table(data)
+        if not curves and len(lines) <= 5:
+            continue
+        all_curves[data] = curves
+        text += [f"## {title}", "", "`python -m fedjax_split.train " + shlex.join(
+            [*base, *COMMON]) + "` with each method's flags (tools/fedbt_study.py's METHODS) "
+            "and `--seed`.", "", *lines, ""]  # fmt: skip
+    if all_curves:
+        plot(all_curves)
+        text += ["![the global model's figure by round](figures/fedbt_study.png)", ""]
+    write_report(DOC, text, DISCUSSION)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--report-only", action="store_true", help="only rebuild the report")
+    p.add_argument("--datasets", default=",".join(DATASETS),
+                   help=f"comma-separated, of {', '.join(DATASETS)}")  # fmt: skip
+    p.add_argument("--seeds", type=int, default=len(SEEDS), help="run the first N seeds")
+    args = p.parse_args(argv)
+    chosen = [d.strip() for d in args.datasets.split(",")]
+    unknown = [d for d in chosen if d not in DATASETS]
+    if unknown:
+        print(f"error: unknown dataset {unknown[0]!r}; use {', '.join(DATASETS)}", file=sys.stderr)
+        return 2
+    if not args.report_only:
+        wanted = {name(d, m, s) for s in SEEDS[: args.seeds] for d in chosen for m in METHODS}
+        for run_name, cmd in runs(chosen):
+            if run_name in wanted:
+                print(RUNS.run(run_name, cmd), flush=True)
+    report()
+    return 0
+
+
+if __name__ == "__main__":
+    from fedjax_split.cli import one_line_warnings
+
+    one_line_warnings()
+    sys.exit(main())
