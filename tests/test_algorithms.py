@@ -43,3 +43,17 @@ def test_config_reads_the_registry() -> None:
     assert ExperimentConfig(algorithm="fedavgm").effective_server_lr == 1.0
     assert ExperimentConfig(algorithm="fedprox", mu=0.1).prox_mu == 0.1
     assert ExperimentConfig(algorithm="fedavg", mu=0.1).prox_mu == 0.0
+
+
+def test_tau_reaches_the_adaptive_servers_and_only_them() -> None:
+    """One FedAdam step by hand at tau = 0.1 (v starts at tau^2): Delta = 0.5, m = 0.05,
+    v = 0.99 tau^2 + 0.01 Delta^2; the non-adaptive servers refuse a tau."""
+    opt = algorithms.server_optimizer("fedadam", 1e-2, tau=0.1)
+    x = jnp.ones(2)
+    updates, state = opt.update(x - 1.5, opt.init(x), x)
+    want = 1.0 + 1e-2 * 0.05 / (np.sqrt(0.99 * 0.01 + 0.01 * 0.25) + 0.1)
+    np.testing.assert_allclose(np.asarray(x + updates), [want, want], rtol=1e-6)
+    assert [a.name for a in algorithms.ALGORITHMS.values() if a.adaptive] == [
+        "fedadam", "fedyogi", "fedadagrad"]  # fmt: skip
+    with pytest.raises(UserError, match="--server-tau is for the adaptive servers"):
+        algorithms.server_optimizer("fedavg", None, tau=0.1)

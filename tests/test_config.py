@@ -76,6 +76,8 @@ def test_file_then_flags_later_wins(tmp_path: Path) -> None:
         ({"entity_types": "new york"}, "'new york' is not an entity type"),
         ({"entity_types": "LOC,PER,LOC"}, "--entity-types names 'LOC' twice"),
         ({"layer_schedule": "fedbfpt"}, "unknown layer_schedule"),
+        ({"server_tau": 0.1}, "--server-tau is for the adaptive servers"),
+        ({"algorithm": "fedadam", "server_tau": -1.0}, "--server-tau must be a number > 0"),
         ({"cycle_factor": 3}, "--cycle-factor needs --layer-schedule fedbt"),
         ({"layer_schedule": "fedbt", "cycle_factor": 0}, "--cycle-factor must be at least 1"),
         ({"layer_schedule": "fedbt", "lora_rank": 4}, "trains whole layers; drop --lora-rank"),

@@ -25,6 +25,11 @@ class Algorithm:
     prox: bool = False  # clients add (mu/2) ||w_g - w_g_received||^2 (FedProx)
     summary: str = ""
     title: str = ""  # the name as papers write it, for the lines a person reads
+    tau: float | None = None  # an adaptive server's tau (Reddi et al.); None: no such setting
+
+    @property
+    def adaptive(self) -> bool:
+        return self.tau is not None
 
 
 # FedAvg/FedProx/FedAvgM: eta_s = 1 makes the server step the weighted average of the clients'
@@ -40,10 +45,12 @@ ALGORITHMS: dict[str, Algorithm] = {
                   title="FedAvgM"),
         Algorithm("fedprox", "fedavg", 1.0, prox=True, summary="FedAvg + proximal client term",
                   title="FedProx"),
-        Algorithm("fedadam", "fedadam", 1e-3, summary="Reddi et al.'s FedAdam", title="FedAdam"),
-        Algorithm("fedyogi", "fedyogi", 1e-3, summary="Reddi et al.'s FedYogi", title="FedYogi"),
+        Algorithm("fedadam", "fedadam", 1e-3, summary="Reddi et al.'s FedAdam", title="FedAdam",
+                  tau=1e-3),
+        Algorithm("fedyogi", "fedyogi", 1e-3, summary="Reddi et al.'s FedYogi", title="FedYogi",
+                  tau=1e-3),
         Algorithm("fedadagrad", "fedadagrad", 1e-3, summary="Reddi et al.'s FedAdagrad",
-                  title="FedAdagrad"),
+                  title="FedAdagrad", tau=1e-3),
     )
 }  # fmt: skip
 
@@ -58,11 +65,18 @@ def get(name: str) -> Algorithm:
     return algorithm
 
 
-def server_optimizer(name: str, learning_rate: float | None = None) -> Any:
-    """The algorithm's server optimiser (an optax GradientTransformation) at `learning_rate`
-    (None: the algorithm's default)."""
+def server_optimizer(name: str, learning_rate: float | None = None,
+                     tau: float | None = None) -> Any:  # fmt: skip
+    """The algorithm's server optimiser (an optax GradientTransformation) at `learning_rate` and,
+    for an adaptive one, `tau` (None: the algorithm's defaults)."""
     from fedjax_split.fed import server_optimizers
 
     algorithm = get(name)
     lr = algorithm.server_lr if learning_rate is None else learning_rate
-    return server_optimizers.get(algorithm.server, learning_rate=lr)
+    if not algorithm.adaptive:
+        if tau is not None:
+            raise UserError(f"--server-tau is for the adaptive servers (fedadam, fedyogi, "
+                            f"fedadagrad), not {name}")  # fmt: skip
+        return server_optimizers.get(algorithm.server, learning_rate=lr)
+    tau = algorithm.tau if tau is None else tau
+    return server_optimizers.get(algorithm.server, learning_rate=lr, tau=tau)

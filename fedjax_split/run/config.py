@@ -229,6 +229,11 @@ class ExperimentConfig:
         "Server learning rate (unset: the algorithm's default: 1.0 for fedavg/fedavgm/fedprox, "
         "1e-3 for the adaptive rules).",
     )
+    server_tau: float | None = _setting(
+        None,
+        "The adaptive servers' tau (fedadam, fedyogi, fedadagrad: the step is lr m / (sqrt(v) "
+        "+ tau)); unset: the algorithm's default.",
+    )
     eval_every: int = _setting(
         1, "Evaluate the personalised models every N rounds (and after the last)."
     )
@@ -531,6 +536,10 @@ def validate(config: ExperimentConfig) -> None:
         math.isfinite(config.server_lr) and config.server_lr > 0
     ):
         raise UserError(f"--server-lr must be a positive number, got {config.server_lr}")
+    _positive(config, "server_tau")
+    if config.server_tau is not None and not ALGORITHMS[config.algorithm].adaptive:
+        raise UserError(f"--server-tau is for the adaptive servers (fedadam, fedyogi, "
+                        f"fedadagrad), not {config.algorithm}")  # fmt: skip
     if not (math.isfinite(config.mu) and config.mu >= 0):
         raise UserError(f"--mu must be >= 0, got {config.mu}")
     if isinstance(config.critical_layer, str) and config.critical_layer != HALF:

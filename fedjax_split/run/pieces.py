@@ -333,7 +333,8 @@ def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: A
     )
     return rounds.RoundSpec(
         client=client_spec,
-        server_optimizer=algorithms.server_optimizer(config.algorithm, config.effective_server_lr),
+        server_optimizer=algorithms.server_optimizer(config.algorithm, config.effective_server_lr,
+                                                     config.server_tau),
         wire_dtype=WIRE_DTYPE[config.quantize],
         chunk_size=round_chunk_size(config.chunk_size, jax.default_backend(),
                                     jax.process_count()),
