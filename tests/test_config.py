@@ -261,5 +261,10 @@ def test_fedbt_shares_the_whole_model_and_names_its_run_dir() -> None:
                                        6) == 6  # fmt: skip
     with pytest.raises(UserError, match="drop --critical-layer 3 .*c = L = 6"):
         validate_critical_layer(resolve_config(overrides={**fedbt, "critical_layer": 3}), 6)
+    assert resolve_config(overrides=fedbt).critical_layer is None  # 'half' is L: resumes agree
     assert resolve_config(overrides=fedbt).run_dir.name == "sst2_fedavg_fedbt_K3_s0"
+    assert resolve_config(overrides={**fedbt, "cycle_factor": 2}).run_dir.name == (
+        "sst2_fedavg_fedbt2_K3_s0")  # fmt: skip
     assert resolve_config().run_dir.name == "sst2_fedavg_chalf_K3_s0"
+    assert resolve_config(overrides={"model_layers": 3}).run_dir.name == (
+        "sst2_fedavg_chalf_l3_K3_s0")  # fmt: skip

@@ -40,26 +40,31 @@ def test_fedbt_trains_the_rounds_layers_and_the_head_never_the_embeddings() -> N
                                                                     True, True)  # fmt: skip
 
 
-def test_a_layer_trained_in_part_has_no_exact_count() -> None:
-    """--freeze of one matrix (or LoRA's adapters beside frozen base weights): None, never a
-    figure that counts the layer as trained or as frozen."""
-    model = _model(roles.freeze_rule(roles.critical_layer_rule(2, 2),
-                                     r"encoder/layer_0/attention/query/"))  # fmt: skip
+@pytest.mark.parametrize("frozen", [r"encoder/layer_0/attention/query/", r"pooler/dense/kernel",
+                                    r"classifier/bias"])  # fmt: skip
+def test_a_layer_or_head_trained_in_part_has_no_exact_count(frozen: str) -> None:
+    """--freeze of one matrix of a layer or a head (or LoRA's adapters beside frozen base
+    weights): None, never a figure that counts it as trained or as frozen."""
+    model = _model(roles.freeze_rule(roles.critical_layer_rule(2, 2), frozen))
     assert costs.trained_parts(costs.paths_of(model), None) is None
+    assert not costs.counted(model, None)
     assert costs.client_costs(costs.paths_of(model), None, [], schedule=True) == {}
 
 
 def test_round_record_sums_the_clients_and_keeps_running_totals() -> None:
     clients = [{"flops": 10, "bert_fl_flops": 30}, {"flops": 5, "bert_fl_flops": 20}]
-    first = costs.round_record([], clients, bert_fl_bytes=100)
+    first = costs.round_record([], clients, True, bert_fl_bytes=100, sampled=3)
     assert first == {"flops": 15, "bert_fl_flops": 50, "bert_fl_bytes_up": 200,
-                     "bert_fl_bytes_down": 200, "cum_flops": 15, "cum_bert_fl_flops": 50,
-                     "cum_bert_fl_bytes_up": 200, "cum_bert_fl_bytes_down": 200}  # fmt: skip
-    second = costs.round_record([first], clients[:1], bert_fl_bytes=100)
-    assert second["cum_flops"] == 25 and second["cum_bert_fl_bytes_up"] == 300
-    plain = costs.round_record([], [{"flops": 7}], bert_fl_bytes=None)
+                     "bert_fl_bytes_down": 300, "cum_flops": 15, "cum_bert_fl_flops": 50,
+                     "cum_bert_fl_bytes_up": 200, "cum_bert_fl_bytes_down": 300}  # fmt: skip
+    # a round with nobody (DP's Poisson draw) adds nothing and the totals go on from before it
+    nobody = costs.round_record([first], [], True, bert_fl_bytes=100, sampled=0)
+    assert nobody["flops"] == 0 and nobody["cum_flops"] == 15
+    third = costs.round_record([first, {"round": 2}], clients[:1], True, 100, 1)
+    assert third["cum_flops"] == 25 and third["cum_bert_fl_bytes_up"] == 300
+    plain = costs.round_record([], [{"flops": 7}], True, bert_fl_bytes=None, sampled=1)
     assert plain == {"flops": 7, "cum_flops": 7}
-    assert costs.round_record([], [], None) == {} == costs.round_record([], [{}], None)
+    assert costs.round_record([], [{}], False, None, 1) == {}
 
 
 def test_summary_shares_are_the_run_totals_over_bert_fls() -> None:

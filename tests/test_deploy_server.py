@@ -410,3 +410,22 @@ def test_the_nodes_keep_the_local_parts_of_the_oldest_kept_checkpoint(
     assert server.oldest_checkpoint(tmp_path, 4) == 2
     assert server.oldest_checkpoint(tmp_path / "none", 4) == 4
     assert server.oldest_checkpoint(tmp_path, 0) == 0
+
+
+def test_a_train_reply_must_carry_its_flops_as_a_whole_number() -> None:
+    """When the round's FLOPs are counted, each reply reports its own as an integer (they pass
+    2**53 on bert-base: a float would lose the simulation's exact figure); missing, fractional
+    or negative figures reject the reply, and a taken one keeps its count exactly."""
+    good = {"layer": {"kernel": jnp.full((2, 3), 2.0), "bias": jnp.full(3, 0.5)}}
+    big = 2**60 + 1
+    replies = {
+        0: _reply(good, "float32", 10.0, 1.0, **{protocol.FLOPS: big}),
+        1: _reply(good, "float32", 10.0, 1.0),
+        2: _reply(good, "float32", 10.0, 1.0, **{protocol.FLOPS: 1.5}),
+        4: _reply(good, "float32", 30.0, 1.0, **{protocol.FLOPS: -3}),
+    }
+    rejected: dict[int, str] = {}
+    run = _run("float32")
+    taken = server._take_uploads(run, run.model.round_spec, replies, rejected, ("flops",))
+    assert sorted(rejected) == [1, 2, 4] and all("flops" in why for why in rejected.values())
+    assert taken.clients == [0] and taken.costs == [{"flops": big}]

@@ -670,3 +670,29 @@ def test_a_truncated_model_trains_and_exports_its_first_layers(files: dict[str, 
     assert summary["global_params"] == _global_count_by_hand(files["model"], 1) + head
     exported = export.export_client(out, 0, files["base"] / "truncated_export")
     assert json.loads((exported / "config.json").read_text())["num_hidden_layers"] == 1
+
+
+def test_fedbt_freezes_the_layers_below_its_cycle(files: dict[str, Path]) -> None:
+    """--cycle-factor 1 of 2 layers: layer 1 is below the cycle, frozen with the embeddings (one
+    copy, the checkpoint's, never sent); every round trains and uploads layer 2 and the head."""
+    from fedjax_split.fed.roles import flatten_paths
+    from fedjax_split.models.hf_checkpoint import load_pretrained
+
+    out = files["base"] / "fedbt_c1"
+    summary = experiment.run_experiment(
+        _config(files, "fedbt_c1", layer_schedule="fedbt", cycle_factor=1, critical_layer=None),
+        progress=False,
+    )
+    h = json.loads((files["model"] / "config.json").read_text())["hidden_size"]
+    layer = _global_count_by_hand(files["model"], 1) - _global_count_by_hand(files["model"], 0)
+    head = (h * h + h) + (h * 2 + 2)
+    assert summary["global_params"] == layer + head
+    assert summary["frozen_params"] == _global_count_by_hand(files["model"], 1)
+    assert all(r["bytes_up"] == r["bytes_down"] == 3 * 4 * (layer + head) for r in _records(out))
+    state, _ = RunCheckpointer(checkpoint_dir(out)).restore_untyped()
+    pretrained = flatten_paths(load_pretrained(files["model"], num_labels=2, seed=0).params)
+    frozen = flatten_paths(state["frozen"])
+    layers = {p.split("/")[1] for p in frozen if p.startswith("encoder/")}
+    assert layers == {"layer_0"}
+    for path, value in frozen.items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(pretrained[path]), path)

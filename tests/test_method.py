@@ -75,3 +75,10 @@ def test_describe_fedbt_says_which_layers_each_round_trains(
 ) -> None:
     assert describe(algorithm, layers, layers, quantize="fp16", num_frozen=10**6,
                     cycle=cycle) == want  # fmt: skip
+
+
+def test_describe_fedbt_names_a_freeze() -> None:
+    freeze = r"embeddings\."
+    line = describe("fedavg", 6, 6, num_frozen=12_345_678, freeze=freeze, cycle=3)
+    assert line.endswith(f"only the trained part is uploaded; --freeze {freeze!r}: 12,345,678 "
+                         "parameters frozen in all")  # fmt: skip

@@ -15,7 +15,7 @@ computation and 25% of its upload. The figure is the one global model's on the p
 (every method here trains one model: `pooled` in metrics.jsonl; centralised: its one client's
 test split, 20% of the same subsample). FLOPs and bytes are exact counts (run.costs): shares of
 the same seed's BERT-FL run, whose batches are the same; FedBT's own summary gives its share of
-BERT-FL on its very batches too, and the two must agree.
+BERT-FL on its very batches too, and the report shows both.
 Runs are `python -m fedjax_split.train ...` into runs/fedbt_study/<name> (tools/lib/study_runs.py).
 """
 

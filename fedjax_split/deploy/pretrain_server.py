@@ -40,6 +40,7 @@ from fedjax_split.deploy.server import (
     _number,
     _warn,
     connect,
+    whole_count,
 )
 from fedjax_split.errors import UserError
 from fedjax_split.run import pretraining
@@ -187,15 +188,6 @@ def _train_message(
     return _message(content, node_id, TRAIN)
 
 
-def _count(metrics: Any, key: str) -> int:
-    """A reply's whole-number figure, checked: present, an integer (FLOPs pass 2**53: no float
-    on the way), >= 0."""
-    value = metrics[key] if key in metrics else None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{key} {value!r} is not a whole number >= 0")
-    return int(value)
-
-
 def take_upload(
     setup: pretraining.Setup, reply: Any, client: int, layers: Sequence[int],
     trained: frozenset[str],
@@ -212,7 +204,7 @@ def take_upload(
     if protocol.METRICS not in reply.content.metric_records:
         raise ValueError("no training metrics")
     m = reply.content[protocol.METRICS]
-    whole = {k: _count(m, k) for k in (protocol.TOKENS, protocol.STEPS, protocol.FLOPS,
+    whole = {k: whole_count(m, k) for k in (protocol.TOKENS, protocol.STEPS, protocol.FLOPS,
                                        protocol.BERT_FL_FLOPS, protocol.SEQUENCES)}  # fmt: skip
     if whole[protocol.SEQUENCES] != setup.sizes[client]:
         raise ValueError(f"sequence count {whole[protocol.SEQUENCES]}, but the node reported "

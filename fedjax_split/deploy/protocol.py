@@ -72,7 +72,8 @@ SEQUENCES = "sequences"  # query and train replies: the node's training sequence
 SPLIT_JSON = "split-json"  # query reply: the corpus split as the node derives it, JSON
 HELDOUT_BATCHES = "heldout-batches"  # query reply: how many held-out batches there are
 HELDOUT = "heldout"  # evaluate reply's ArrayRecord: "batches" (indices), "sums" [n, 3]
-# MetricRecord keys of a train.pretrain reply (besides STEPS)
+# MetricRecord keys of a train.pretrain reply (besides STEPS); a fine-tuning train reply carries
+# FLOPS (and BERT_FL_FLOPS with a layer schedule: run.costs)
 TRAIN_LOSS, TOKENS, FLOPS = "train-loss", "tokens", "flops"
 BERT_FL_FLOPS, SECONDS, CPU_SECONDS = "bert-fl-flops", "seconds", "cpu-seconds"
 

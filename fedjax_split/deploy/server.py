@@ -464,6 +464,15 @@ class Taken:
     costs: list[dict[str, int]] = dataclasses.field(default_factory=list)  # run.costs' figures
 
 
+def whole_count(metrics: Any, key: str) -> int:
+    """A reply's whole-number figure, checked: present, an integer (FLOPs pass 2**53: no float
+    on the way), >= 0."""
+    value = metrics[key] if key in metrics else None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{key} {value!r} is not a whole number >= 0")
+    return int(value)
+
+
 def _number(metrics: Any, key: str, what: str, integral: bool = False) -> float:
     """A reply's metric, checked: present, finite, >= 0 (and a whole number where it counts)."""
     if key not in metrics:
@@ -484,7 +493,7 @@ def expected_costs(run: ServerRun, spec: Any) -> tuple[str, ...]:
     clients count them: none where the roles train part of a layer)."""
     from fedjax_split.run import costs
 
-    if costs.trained_parts(costs.paths_of(run.model), spec.trained) is None:
+    if not costs.counted(run.model, spec.trained):
         return ()
     return ("flops", "bert_fl_flops") if run.model.cycle_factor is not None else ("flops",)
 
@@ -522,7 +531,7 @@ def _take_uploads(
             loss_sum = _number(m, protocol.LOSS_SUM, "loss sum")
             units = _number(m, protocol.LOSS_UNITS, "loss count")
             norm = _number(m, protocol.UPDATE_NORM, "update norm") if dp else None
-            spent = {k: int(_number(m, _COSTS[k], k.replace("_", " "), True)) for k in expect}
+            spent = {k: whole_count(m, _COSTS[k]) for k in expect}
         except ValueError as err:
             rejected[cid] = f"bad upload: {err}"
             continue
@@ -602,7 +611,8 @@ def run_round(
     t_eval = time.perf_counter()
     bytes_down = codec.nbytes(sent) * len(sampled)
     record.update(pieces.round_costs(history, taken.bytes_up, bytes_down, t0, t_train, t_eval))
-    record.update(costs.round_record(history, taken.costs, run.bert_fl_bytes))
+    record.update(costs.round_record(history, taken.costs, bool(expected_costs(run, spec)),
+                                     run.bert_fl_bytes, len(sampled)))  # fmt: skip
     record.update(
         clients_failed=sorted(failed),
         eval_failed=sorted(eval_failed),

@@ -222,6 +222,8 @@ def _start(path: Path, state_dir: Path) -> socket.socket:
 def wait_ended(procs: Sequence[Any], seconds: float) -> None:
     """Waits (at most `seconds` in all) until each psutil process in `procs` has ended: gone, or
     a zombie that its parent has yet to reap (a SIGKILLed process takes a moment to exit)."""
+    if not procs:
+        return
     import psutil
 
     deadline = time.monotonic() + seconds

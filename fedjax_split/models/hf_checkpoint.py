@@ -448,7 +448,7 @@ def load_pretrained(
     modelling (BertForMaskedLM's head; `num_labels` is then unused). `lora`
     (`models.lora.LoraSettings`) adds fresh LoRA adapters, seeded by `seed` like a fresh head.
     `num_layers` keeps only the first encoder layers (a truncated model, the shallow baselines of
-    FedBT's and FedBFPT's tables); the checkpoint's deeper layers are not read.
+    FedBT's and FedBFPT's tables); the checkpoint's deeper layers are dropped.
 
     Returns `Pretrained`, which unpacks as `apply, params, config`; `.model_dir` holds the files.
     """

@@ -134,15 +134,16 @@ class ExperimentConfig:
     layer_schedule: str = _setting(
         "none",
         "Which layers a round trains: none (all that the roles train), or fedbt (FedBT's "
-        "fine-tuning, Algorithm 2: one shared model; round r trains layers l..L and the head, "
-        "l cycling down from the top over --cycle-factor layers; only those are uploaded; the "
-        "embeddings and the layers below the cycle stay frozen). docs/fedbt.md.",
+        "fine-tuning, Algorithm 2: one shared model; round r trains the top layers and the "
+        "head, one layer more each round up to --cycle-factor, then from the top again; only "
+        "those are uploaded; the embeddings and the layers below the cycle stay frozen). "
+        "docs/fedbt.md.",
         choices=LAYER_SCHEDULES,
     )
     cycle_factor: int | None = _setting(
         None,
         "--layer-schedule fedbt: the cycle's length c, so the top c layers take turns "
-        "(unset: L/2, the journal's 6 of 12).",
+        "(unset: L // 2, at least 1: the journal's 6 of 12).",
         metavar="C",
     )
     freeze: str | None = _setting(
@@ -377,6 +378,10 @@ class ExperimentConfig:
             return Path(self.output_dir)
         c = "L" if self.critical_layer is None else self.critical_layer
         how = f"c{c}" if self.layer_schedule == "none" else self.layer_schedule
+        if self.layer_schedule != "none" and self.cycle_factor is not None:
+            how += str(self.cycle_factor)
+        if self.model_layers is not None:
+            how += f"_l{self.model_layers}"
         method = f"{self.algorithm}_{how}"
         return Path("runs") / f"{self.task}_{method}_K{self.clients}_s{self.seed}"
 
@@ -421,7 +426,12 @@ def resolve_config(
     sites = given.get("site_data")
     if isinstance(sites, str) and sites != NODE_SITES and "clients" not in given:
         overrides = {**(overrides or {}), "clients": len(sites.split(","))}
-    return SCHEMA.resolve(file_values, overrides, validate)
+    config = SCHEMA.resolve(file_values, overrides, validate)
+    if config.layer_schedule == "fedbt" and config.critical_layer == HALF:
+        # FedBT shares the whole model: the default 'half' means L (as --critical-layer L
+        # does), so a run resumed with either has the same settings
+        config = dataclasses.replace(config, critical_layer=None)
+    return config
 
 
 def site_dirs(config: Any) -> list[Path]:

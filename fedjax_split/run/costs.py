@@ -6,12 +6,14 @@ journal's Table 3 gives its computation and communication as shares of BERT-FL's
   reverse-mode autodiff runs them when only some parameters are trained
   (`models.flops.segment_flops`, checked against the gradient's own matmuls in
   tests/test_flops.py): a layer below everything trained only runs forward. Counted where every
-  encoder layer is trained whole or not at all (FedAvg, FedSplitBERT, FedBT, a --freeze of whole
-  layers); a run that trains part of a layer (LoRA, a --freeze inside a layer) records none
-  rather than a wrong figure.
+  encoder layer and each head is trained whole or not at all (FedAvg, FedSplitBERT, FedBT, a
+  --freeze of whole layers); a run that trains part of one (LoRA, a --freeze inside a layer)
+  records none rather than a wrong figure.
 - With a layer schedule (FedBT) a round's record adds BERT-FL's FLOPs on the same steps and its
-  bytes (the whole model in the wire dtype, each way, per sampled client), and the summary the
-  shares. Pure functions of the model, the trained paths and the batches' shapes: the simulation
+  bytes (the whole model in the wire dtype: up from each client whose work the server took, down
+  to each sampled client, as the round's own bytes count), and the summary the shares. FLOPs
+  count the clients whose work the server took (on Flower, a failed or rejected client's are
+  not known). Pure functions of the model, the trained paths and the batches' shapes: the simulation
   and a Flower node compute the same figures.
 """
 
@@ -62,13 +64,14 @@ def _parts(paths: set[str], every: set[str]) -> Trained | None:
         i = layer_index(p)
         if i is not None:
             layers.setdefault(i, []).append(p in paths)
-    if any(any(v) and not all(v) for v in layers.values()):
-        return None
+    heads = {h: [p in paths for p in every if p.startswith(h)] for h in ("pooler/", "classifier/")}
+    if any(any(v) and not all(v) for v in [*layers.values(), *heads.values()]):
+        return None  # a layer or a head trained in part: its gradients are not the formula's
     return Trained(
         layers=frozenset(i for i, v in layers.items() if all(v)),
         embeddings=any(p.startswith("embeddings/") for p in paths),
-        pooler=any(p.startswith("pooler/") for p in paths),
-        classifier=any(p.startswith("classifier/") for p in paths),
+        pooler=any(heads["pooler/"]),
+        classifier=any(heads["classifier/"]),
     )
 
 
@@ -116,20 +119,31 @@ def client_costs(paths: ModelPaths, trained: frozenset[str] | None, segments: Se
     return out
 
 
+def counted(model: Any, trained: frozenset[str] | None) -> bool:
+    """Whether a round training `trained` (None: every global path) has an exact FLOP count."""
+    return trained_parts(paths_of(model), trained) is not None
+
+
 def round_record(
     history: Sequence[Mapping[str, Any]],
     clients: Sequence[Mapping[str, int]],
+    exact: bool,
     bert_fl_bytes: int | None,
+    sampled: int,
 ) -> dict[str, int]:
-    """A round record's costs from its clients' `client_costs` (in client order), with running
-    totals; with a schedule (`bert_fl_bytes`: the whole model's bytes) BERT-FL's too."""
-    if not clients or any("flops" not in c for c in clients):
+    """A round record's costs from the `client_costs` of the clients whose work the server took
+    (in client order), with running totals ({} when the run has no exact count, `exact`); with
+    a schedule (`bert_fl_bytes`: the whole model's bytes) BERT-FL's too: its upload from those
+    clients, its download to all `sampled` clients, as the round's own bytes count them. A
+    round without clients adds nothing and keeps the totals."""
+    if not exact:
         return {}
     out = {"flops": sum(int(c["flops"]) for c in clients)}
     if bert_fl_bytes is not None:
         out["bert_fl_flops"] = sum(int(c["bert_fl_flops"]) for c in clients)
-        out["bert_fl_bytes_up"] = out["bert_fl_bytes_down"] = bert_fl_bytes * len(clients)
-    previous = history[-1] if history else {}
+        out["bert_fl_bytes_up"] = bert_fl_bytes * len(clients)
+        out["bert_fl_bytes_down"] = bert_fl_bytes * sampled
+    previous = next((h for h in reversed(history) if "cum_flops" in h), {})
     return {**out, **{f"cum_{k}": v + int(previous.get(f"cum_{k}", 0)) for k, v in out.items()}}
 
 

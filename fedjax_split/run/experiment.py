@@ -195,6 +195,10 @@ class Simulation:
         self.bert_fl_bytes = (None if model.cycle_factor is None
                               else costs_mod.model_bytes(model, spec.wire_dtype))  # fmt: skip
 
+    def counted(self, spec: Any) -> bool:
+        """Whether this round's FLOPs have an exact count (`run.costs`)."""
+        return costs_mod.counted(self.setup.model, spec.trained)
+
     def plot(self, records: Sequence[dict[str, Any]]) -> Path | None:
         """plot.png from the records so far (None before the first evaluation)."""
         if not self.writes:
@@ -298,9 +302,9 @@ class Simulation:
             on_progress=hook, update_factors=safeguards.attack_factors(config, sampled),
             local_like=self.local_like,
         )  # fmt: skip
-        costs = round_costs(setup, spec, segments, sampled)  # while the round runs
         if r < self.rounds:  # the round runs asynchronously: batch the next one meanwhile
             self.prefetched = (r + 1, round_batches(setup, r + 1))
+        costs = round_costs(setup, spec, segments, sampled)  # several processes: gathered
         losses = np.asarray(result.train_loss, np.float64)  # waits for the round's last program
         if len(own):
             self.store.save(r, own, new_local)
@@ -317,7 +321,8 @@ class Simulation:
         t_eval = time.perf_counter()
         record.update(pieces.round_costs(history, int(result.bytes_up), int(result.bytes_down),
                                          t0, t_train, t_eval))  # fmt: skip
-        record.update(costs_mod.round_record(history, costs, self.bert_fl_bytes))
+        record.update(costs_mod.round_record(history, costs, self.counted(spec),
+                                             self.bert_fl_bytes, len(sampled)))  # fmt: skip
         if record.get(self.metric) is not None and r < self.rounds:  # the last: by summary()
             self.plot([*history, record])
         return record

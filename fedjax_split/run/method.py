@@ -42,7 +42,9 @@ def describe(
         title = f"{title} (mu = {mu:g})"
     c, big_l = critical_layer, num_layers
     if cycle is not None:
-        return _fedbt(algo, title, cycle, big_l, quantize)
+        line = _fedbt(algo, title, cycle, big_l, quantize)
+        return line + (f"; --freeze {freeze!r}: {num_frozen:,} parameters frozen in all"
+                       if freeze else "")  # fmt: skip
     # what the shares are made of: whole layers, or (LoRA) the adapters in them
     whole, lower, upper = (
         ("the whole model", "embeddings + ", "") if lora is None
