@@ -47,7 +47,7 @@ def test_a_layer_or_head_trained_in_part_has_no_exact_count(frozen: str) -> None
     weights): None, never a figure that counts it as trained or as frozen."""
     model = _model(roles.freeze_rule(roles.critical_layer_rule(2, 2), frozen))
     assert costs.trained_parts(costs.paths_of(model), None) is None
-    assert not costs.counted(model, None)
+    assert not costs.counted(costs.paths_of(model), None)
     assert costs.client_costs(costs.paths_of(model), None, [], schedule=True) == {}
 
 

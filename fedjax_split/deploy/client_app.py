@@ -188,9 +188,8 @@ def _train(msg: Message, context: Context) -> Message:
     }
     if norm is not None:  # DP: the update's norm before clipping (adaptive clipping's count)
         reported[protocol.UPDATE_NORM] = norm
-    for name, key in (("flops", protocol.FLOPS), ("bert_fl_flops", protocol.BERT_FL_FLOPS)):
-        if name in spent:  # run.costs: the steps' matmul FLOPs (BERT-FL's too with a schedule)
-            reported[key] = spent[name]
+    for name, value in spent.items():  # run.costs: the steps' matmul FLOPs (and BERT-FL's)
+        reported[protocol.COSTS[name]] = value
     content = RecordDict(
         {
             protocol.CONFIG: ConfigRecord({protocol.CLIENT: node.client_id, protocol.WIRE: wire}),

@@ -76,6 +76,8 @@ HELDOUT = "heldout"  # evaluate reply's ArrayRecord: "batches" (indices), "sums"
 # FLOPS (and BERT_FL_FLOPS with a layer schedule: run.costs)
 TRAIN_LOSS, TOKENS, FLOPS = "train-loss", "tokens", "flops"
 BERT_FL_FLOPS, SECONDS, CPU_SECONDS = "bert-fl-flops", "seconds", "cpu-seconds"
+# a fine-tuning TRAIN reply's FLOP counts, by their name in a round's record (run.costs)
+COSTS = {"flops": FLOPS, "bert_fl_flops": BERT_FL_FLOPS}
 
 RECORD_ENV = "FEDJAX_SPLIT_FLOWER_RECORD"  # a directory: every message sent is logged there
 

@@ -346,6 +346,7 @@ class ServerRun:
     rounds: int = 0  # the rounds to run: --rounds, or fewer where DP's --dp-max-epsilon stops it
     tag_names: tuple[str, ...] = ()  # a token task's tag vocabulary (its metrics' names)
     bert_fl_bytes: int | None = None  # with a layer schedule: the whole model's bytes (run.costs)
+    paths: Any = None  # run.costs.ModelPaths of the model: what its FLOP counts need
 
 
 def _shares(node_id: int, cfg: Any, cid: int) -> list[float] | None:
@@ -387,6 +388,7 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
         tag_names=tag_names,
         bert_fl_bytes=(None if model.cycle_factor is None
                        else costs.model_bytes(model, spec.wire_dtype)),  # fmt: skip
+        paths=costs.paths_of(model),
     )
 
 
@@ -484,16 +486,12 @@ def _number(metrics: Any, key: str, what: str, integral: bool = False) -> float:
     return value
 
 
-# the FLOP counts a node reports (run.costs.client_costs), by their name in a round's record
-_COSTS = {"flops": protocol.FLOPS, "bert_fl_flops": protocol.BERT_FL_FLOPS}
-
-
 def expected_costs(run: ServerRun, spec: Any) -> tuple[str, ...]:
     """The FLOP counts every node's TRAIN reply must carry this round (as the simulation's
     clients count them: none where the roles train part of a layer)."""
     from fedjax_split.run import costs
 
-    if not costs.counted(run.model, spec.trained):
+    if not costs.counted(run.paths, spec.trained):
         return ()
     return ("flops", "bert_fl_flops") if run.model.cycle_factor is not None else ("flops",)
 
@@ -531,7 +529,7 @@ def _take_uploads(
             loss_sum = _number(m, protocol.LOSS_SUM, "loss sum")
             units = _number(m, protocol.LOSS_UNITS, "loss count")
             norm = _number(m, protocol.UPDATE_NORM, "update norm") if dp else None
-            spent = {k: whole_count(m, _COSTS[k]) for k in expect}
+            spent = {k: whole_count(m, protocol.COSTS[k]) for k in expect}
         except ValueError as err:
             rejected[cid] = f"bad upload: {err}"
             continue
@@ -569,7 +567,8 @@ def run_round(
     replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
     rejected: dict[int, str] = {}
     spec = run.model.round_spec_for(r)
-    taken = _take_uploads(run, spec, replies, rejected, expected_costs(run, spec))
+    expect = expected_costs(run, spec)
+    taken = _take_uploads(run, spec, replies, rejected, expect)
     for cid, why in sorted(failed.items()):
         _warn(f"round {r}: client {cid} failed ({why})")
     for cid, why in sorted(rejected.items()):
@@ -611,8 +610,8 @@ def run_round(
     t_eval = time.perf_counter()
     bytes_down = codec.nbytes(sent) * len(sampled)
     record.update(pieces.round_costs(history, taken.bytes_up, bytes_down, t0, t_train, t_eval))
-    record.update(costs.round_record(history, taken.costs, bool(expected_costs(run, spec)),
-                                     run.bert_fl_bytes, len(sampled)))  # fmt: skip
+    record.update(costs.round_record(history, taken.costs, bool(expect), run.bert_fl_bytes,
+                                     len(sampled)))  # fmt: skip
     record.update(
         clients_failed=sorted(failed),
         eval_failed=sorted(eval_failed),

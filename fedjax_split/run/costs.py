@@ -119,9 +119,9 @@ def client_costs(paths: ModelPaths, trained: frozenset[str] | None, segments: Se
     return out
 
 
-def counted(model: Any, trained: frozenset[str] | None) -> bool:
+def counted(paths: ModelPaths, trained: frozenset[str] | None) -> bool:
     """Whether a round training `trained` (None: every global path) has an exact FLOP count."""
-    return trained_parts(paths_of(model), trained) is not None
+    return trained_parts(paths, trained) is not None
 
 
 def round_record(

@@ -74,14 +74,13 @@ def round_batches(setup: Setup, r: int) -> list[list[Any] | None]:
 
 
 def round_costs(
-    setup: Setup, spec: Any, segments: list[list[Any] | None], sampled: Any
+    setup: Setup, paths: Any, spec: Any, segments: list[list[Any] | None], sampled: Any
 ) -> list[dict[str, int]]:
     """Each sampled client's `run.costs.client_costs`, in client order (every process counts its
-    own clients' steps and the counts are gathered)."""
+    own clients' steps and the counts are gathered); `paths`: the model's `run.costs.ModelPaths`."""
     from fedjax_split.sim import processes
 
-    model = setup.model
-    paths, schedule = costs_mod.paths_of(model), model.cycle_factor is not None
+    schedule = setup.model.cycle_factor is not None
     own = {str(int(c)): costs_mod.client_costs(paths, spec.trained, seg, schedule)
            for c, seg in zip(sampled, segments, strict=True) if seg is not None}  # fmt: skip
     if processes.count() > 1:
@@ -191,13 +190,11 @@ class Simulation:
         self.writes = processes.writes()  # process 0 of a multi-process run, or the one process
         # a client's local part's shapes: what a process dealt no client of a round gathers
         self.local_like = jax.eval_shape(lambda: model.local0)
-        # with a layer schedule, what BERT-FL sends each way per client and round (run.costs)
+        # the model's paths by role (its FLOP counts), and with a layer schedule, what BERT-FL
+        # sends each way per client and round (run.costs)
+        self.paths = costs_mod.paths_of(model)
         self.bert_fl_bytes = (None if model.cycle_factor is None
                               else costs_mod.model_bytes(model, spec.wire_dtype))  # fmt: skip
-
-    def counted(self, spec: Any) -> bool:
-        """Whether this round's FLOPs have an exact count (`run.costs`)."""
-        return costs_mod.counted(self.setup.model, spec.trained)
 
     def plot(self, records: Sequence[dict[str, Any]]) -> Path | None:
         """plot.png from the records so far (None before the first evaluation)."""
@@ -304,7 +301,7 @@ class Simulation:
         )  # fmt: skip
         if r < self.rounds:  # the round runs asynchronously: batch the next one meanwhile
             self.prefetched = (r + 1, round_batches(setup, r + 1))
-        costs = round_costs(setup, spec, segments, sampled)  # several processes: gathered
+        costs = round_costs(setup, self.paths, spec, segments, sampled)  # gathered, if need be
         losses = np.asarray(result.train_loss, np.float64)  # waits for the round's last program
         if len(own):
             self.store.save(r, own, new_local)
@@ -321,8 +318,9 @@ class Simulation:
         t_eval = time.perf_counter()
         record.update(pieces.round_costs(history, int(result.bytes_up), int(result.bytes_down),
                                          t0, t_train, t_eval))  # fmt: skip
-        record.update(costs_mod.round_record(history, costs, self.counted(spec),
-                                             self.bert_fl_bytes, len(sampled)))  # fmt: skip
+        exact = costs_mod.counted(self.paths, spec.trained)
+        record.update(costs_mod.round_record(history, costs, exact, self.bert_fl_bytes,
+                                             len(sampled)))  # fmt: skip
         if record.get(self.metric) is not None and r < self.rounds:  # the last: by summary()
             self.plot([*history, record])
         return record
