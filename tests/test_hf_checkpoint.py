@@ -153,6 +153,18 @@ def test_a_truncated_model_is_transformers_with_the_first_layers(torch_classifie
                         match=f"--model-layers {bad} is outside 1..2")
 
 
+def test_a_truncated_model_gets_lora_adapters_on_its_own_layers_only(torch_classifier):
+    """--model-layers with --lora-rank: the adapters are chosen among the layers kept."""
+    from fedjax_split.models import lora
+
+    _, path = torch_classifier
+    _, params, config = load_pretrained(path, num_labels=2, num_layers=1,
+                                        lora=lora.LoraSettings(2, None, "query|value"))  # fmt: skip
+    assert config.lora_targets == ("encoder/layer_0/attention/query",
+                                   "encoder/layer_0/attention/value")  # fmt: skip
+    assert set(params["encoder"]) == {"layer_0"}
+
+
 def test_encoder_checkpoint_without_prefix_gets_fresh_seeded_head(torch_encoder):
     model, path = torch_encoder
     with pytest.warns(UserWarning, match="classifier.weight"):

@@ -466,10 +466,10 @@ def load_pretrained(
     )
     from fedjax_split.models import lora as lora_adapters
 
-    config = lora_adapters.configure(config, lora)
     tensors = read_weights(model_dir)
-    if num_layers is not None:
+    if num_layers is not None:  # before the adapters are placed: only on the layers kept
         config, tensors = truncate(config, tensors, num_layers)
+    config = lora_adapters.configure(config, lora)
     params = params_from_tensors(tensors, config, seed=seed, source=str(model_dir))
     if config.lora_targets:
         params = lora_adapters.with_adapters(params, config, seed)
