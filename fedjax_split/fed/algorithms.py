@@ -65,18 +65,24 @@ def get(name: str) -> Algorithm:
     return algorithm
 
 
+def check_tau(name: str, tau: float | None) -> Algorithm:
+    """The algorithm called `name`; a UserError when `tau` is given for one without a tau."""
+    algorithm = get(name)
+    if tau is not None and not algorithm.adaptive:
+        adaptive = ", ".join(a.name for a in ALGORITHMS.values() if a.adaptive)
+        raise UserError(f"--server-tau is for the adaptive servers ({adaptive}), not {name}")
+    return algorithm
+
+
 def server_optimizer(name: str, learning_rate: float | None = None,
                      tau: float | None = None) -> Any:  # fmt: skip
     """The algorithm's server optimiser (an optax GradientTransformation) at `learning_rate` and,
     for an adaptive one, `tau` (None: the algorithm's defaults)."""
     from fedjax_split.fed import server_optimizers
 
-    algorithm = get(name)
+    algorithm = check_tau(name, tau)
     lr = algorithm.server_lr if learning_rate is None else learning_rate
     if not algorithm.adaptive:
-        if tau is not None:
-            raise UserError(f"--server-tau is for the adaptive servers (fedadam, fedyogi, "
-                            f"fedadagrad), not {name}")  # fmt: skip
         return server_optimizers.get(algorithm.server, learning_rate=lr)
     tau = algorithm.tau if tau is None else tau
     return server_optimizers.get(algorithm.server, learning_rate=lr, tau=tau)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedjax_split.errors import UserError
-from fedjax_split.fed.algorithms import ALGORITHMS
+from fedjax_split.fed.algorithms import ALGORITHMS, check_tau
 from fedjax_split.run.settings import Schema, load_config_file, optional_int
 from fedjax_split.run.settings import setting as _setting
 
@@ -547,9 +547,7 @@ def validate(config: ExperimentConfig) -> None:
     ):
         raise UserError(f"--server-lr must be a positive number, got {config.server_lr}")
     _positive(config, "server_tau")
-    if config.server_tau is not None and not ALGORITHMS[config.algorithm].adaptive:
-        raise UserError(f"--server-tau is for the adaptive servers (fedadam, fedyogi, "
-                        f"fedadagrad), not {config.algorithm}")  # fmt: skip
+    check_tau(config.algorithm, config.server_tau)
     if not (math.isfinite(config.mu) and config.mu >= 0):
         raise UserError(f"--mu must be >= 0, got {config.mu}")
     if isinstance(config.critical_layer, str) and config.critical_layer != HALF:
