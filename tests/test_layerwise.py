@@ -49,7 +49,7 @@ def test_halving_schedule_is_the_released_codes() -> None:
 def test_sampled_deeper_layers() -> None:
     draws = {
         (r, c): layerwise.sample_deeper(
-            seed=0, round_=r, client=c, layer=1, num_layers=12, small_layers=6
+            seed=0, round_=r, client=c, layer=1, num_layers=12, small_layers=6, draw="distinct"
         )  # fmt: skip
         for r in range(1, 6)
         for c in range(6)
@@ -59,16 +59,17 @@ def test_sampled_deeper_layers() -> None:
     assert len(set(draws.values())) > 20  # clients and rounds draw differently (30 draws)
     assert draws[(1, 0)] != draws[(1, 1)] and draws[(1, 0)] != draws[(2, 0)]
     again = layerwise.sample_deeper(seed=0, round_=3, client=4, layer=1, num_layers=12,
-                                    small_layers=6)  # fmt: skip
+                                    small_layers=6, draw="distinct")  # fmt: skip
     assert again == draws[(3, 4)]
-    other_seed = [layerwise.sample_deeper(1, r, c, 1, 12, 6) for r in range(1, 6) for c in range(6)]
+    other_seed = [layerwise.sample_deeper(1, r, c, 1, 12, 6, "distinct") for r in range(1, 6)
+                  for c in range(6)]  # fmt: skip
     assert other_seed != list(draws.values())
     # every deeper layer shows up over many draws: uniform, not stuck on a few
-    seen = {x for r in range(1, 30) for x in layerwise.sample_deeper(0, r, 0, 0, 12, 6)}
+    seen = {x for r in range(1, 30) for x in layerwise.sample_deeper(0, r, 0, 0, 12, 6, "distinct")}
     assert seen == set(range(1, 12))
     # nothing to sample when the small model ends at the trained layer; all when it is as deep
     assert layerwise.sample_deeper(0, 1, 0, layer=2, num_layers=6, small_layers=3) == ()
-    assert layerwise.sample_deeper(0, 1, 0, layer=0, num_layers=6, small_layers=6) == (
+    assert layerwise.sample_deeper(0, 1, 0, 0, num_layers=6, small_layers=6, draw="distinct") == (
         1,
         2,
         3,
@@ -76,6 +77,37 @@ def test_sampled_deeper_layers() -> None:
         5,
     )
     assert layerwise.client_layers(2, (5, 9)) == (0, 1, 2, 5, 9)
+
+
+def test_deeper_layers_drawn_with_replacement_by_default() -> None:
+    """The journal's draw (p. 4121, e.g. [7, 7, 11]): sorted, with replacement, so a layer may
+    repeat; 4 of 10 layers repeat one with probability 1 - 10*9*8*7/10^4 = 0.496."""
+    draws = [layerwise.sample_deeper(0, r, c, layer=1, num_layers=12, small_layers=6)
+             for r in range(1, 41) for c in range(5)]  # fmt: skip
+    for d in draws:
+        assert len(d) == 4 and list(d) == sorted(d) and min(d) >= 2 and max(d) <= 11
+    repeats = sum(len(set(d)) < len(d) for d in draws) / len(draws)
+    assert 0.35 < repeats < 0.65, repeats  # 200 draws: sd 0.035 around 0.496
+    assert draws[0] == layerwise.sample_deeper(0, 1, 0, 1, 12, 6, "replacement")
+    assert layerwise.sample_deeper(0, 1, 0, layer=4, num_layers=6, small_layers=6) == (5,)
+    with pytest.raises(UserError, match="unknown layer draw 'uniform'"):
+        layerwise.sample_deeper(0, 1, 0, 1, 12, 6, draw="uniform")
+
+
+def test_a_small_model_with_a_repeated_layer() -> None:
+    """A repeated deeper layer runs twice in the client's model; only the trained layer and the
+    head are the client's to send, at the trained layer's own index."""
+    params = {"embeddings": {"w": 0}, "encoder": {f"layer_{i}": {"w": i} for i in range(6)},
+              "mlm": {"bias": 7}}  # fmt: skip
+    layers = layerwise.client_layers(1, (4, 4))
+    model = layerwise.assemble(params, layers)
+    assert [model["encoder"][f"layer_{i}"]["w"] for i in range(4)] == [0, 1, 4, 4]
+    plan = layerwise.fedbfpt_plan(params, layer=1, round_=1, clients=[0], seed=0, small_layers=4)
+    assert plan.trained == frozenset({"encoder/layer_1/w", "mlm/bias"})
+    assert layerwise.paths_to_client(plan.trained, layers) == plan.trained
+    assert layerwise.to_global({"encoder": {"layer_1": {"w": 9}}}, layers) == {
+        "encoder": {"layer_1": {"w": 9}}
+    }
 
 
 def test_small_model_must_hold_every_scheduled_layer() -> None:

@@ -86,7 +86,7 @@ def straight(env: dict) -> Path:
     said = [line for line in res.stderr.splitlines() if not line.startswith("warning:")]
     assert said[0] == (  # the method first, as a person says it (after any loading warning)
         "FedBFPT: each client trains a 2-layer model, one encoder layer of 4 + the MLM head a "
-        "round; the server averages what was trained"
+        "round (deeper layers drawn with replacement); the server averages what was trained"
     )
     assert "done: fedbfpt, 3 rounds" in res.stdout
     return out

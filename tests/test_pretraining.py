@@ -284,3 +284,17 @@ def test_a_bad_site_is_one_line_exit_2_nothing_written(
     needle = "no *.txt files" if bad == "empty" else "has 1 document(s), 1 held out"
     assert len(lines) == 1 and lines[0].startswith(f"error: site 1 ({site}): "), lines
     assert needle in lines[0] and not out.exists()
+
+
+def test_a_run_saved_before_layer_draw_resumes_with_the_draw_it_used() -> None:
+    """config.json written before --layer-draw existed drew without replacement: a --resume
+    with today's default (with replacement) is refused, one that says distinct continues."""
+    from fedjax_split.run import pretraining
+    from fedjax_split.run.pretrain_config import resolve
+
+    today = resolve(overrides={"method": "fedbfpt"})
+    assert today.layer_draw == "replacement"
+    old = {k: v for k, v in today.to_dict().items() if k != "layer_draw"}
+    assert pretraining.mismatch(old, today) == ["layer_draw"]
+    assert pretraining.mismatch(old, resolve(overrides={"layer_draw": "distinct"})) == []
+    assert pretraining.mismatch(today.to_dict(), today) == []

@@ -14,15 +14,18 @@ Schedules (1-based rounds; `SCHEDULES`):
   20 rounds: ten 0s, five 1s, three 2s, then 3 and 4).
 - "every": advance every `period` rounds (0 for rounds 1..period, 1 for the next period, ...).
 
-Sampling the deeper layers: for client c in round r, the L_s - 1 - l positions above l get a
-uniform random subset, in increasing order, of the global layers l+1..L-1, drawn without
-replacement from `np.random.default_rng([seed, r, c, LAYER_PURPOSE])`. The released code draws
-with replacement (`np.random.randint`), so a client can run the same global layer twice, and it
-reseeds numpy's global generator (`setup_seed(24)` in every `dp_pretrain` call) right before the
-next client's draw, so all clients of a round, and the rounds too, get the same draw; the paper
-describes a random sample per client. Without replacement every sampled layer is a distinct
-global layer in the pre-trained order, and keys per (seed, round, client) make the draws differ
-between clients and rounds yet reproducible from the seed.
+Sampling the deeper layers (`LAYER_DRAWS`): for client c in round r, the L_s - 1 - l positions
+above l get global layers from l+1..L-1, in increasing order, drawn from
+`np.random.default_rng([seed, r, c, LAYER_PURPOSE])`:
+- "replacement" (the default): with replacement, then sorted, as the FedBT journal describes the
+  draw (Journal of Software 2025, 36(9), p. 4121: its example is [7, 7, 11]) and as the released
+  code draws (`np.random.randint`), so a client can run the same global layer twice;
+- "distinct": without replacement, every sampled layer a distinct global layer in the
+  pre-trained order.
+The released code also reseeds numpy's global generator (`setup_seed(24)` in every `dp_pretrain`
+call) right before the next client's draw, so all clients of a round, and the rounds too, get
+the same draw; the paper describes a random sample per client. Keys per (seed, round, client)
+make the draws differ between clients and rounds yet reproducible from the seed.
 
 FedBT's fine-tuning (the journal version's Algorithm 2, Journal of Software 2025, 36(9), pp.
 4122-4123): every client runs the whole model; round r trains the encoder layers l..L-1 and the
@@ -47,6 +50,7 @@ LAYER_PURPOSE = 0x6C_79  # "ly": the `purpose` part of the layer draws' numpy se
 HEAD_PATHS = ("mlm/transform/", "mlm/bias")  # the MLM head a FedBFPT client trains
 TASK_HEAD_PATHS = ("pooler/", "classifier/")  # the task head a FedBT client trains every round
 SCHEDULES = ("halving", "every")
+LAYER_DRAWS = ("replacement", "distinct")
 _LAYER_KEY = re.compile(r"^layer_(\d+)$")
 
 
@@ -95,16 +99,26 @@ def check_small_model(layers: Sequence[int], num_layers: int, small_layers: int)
 
 
 def sample_deeper(
-    seed: int, round_: int, client: int, layer: int, num_layers: int, small_layers: int
+    seed: int,
+    round_: int,
+    client: int,
+    layer: int,
+    num_layers: int,
+    small_layers: int,
+    draw: str = "replacement",
 ) -> tuple[int, ...]:
-    """The global layers (increasing, distinct) at positions layer+1..small_layers-1 of client
-    `client`'s small model in round `round_` (see the module docstring)."""
+    """The global layers (increasing; distinct only for draw "distinct") at positions
+    layer+1..small_layers-1 of client `client`'s small model in round `round_` (see the module
+    docstring)."""
+    if draw not in LAYER_DRAWS:
+        raise UserError(f"unknown layer draw {draw!r}; use one of {', '.join(LAYER_DRAWS)}")
     count = small_layers - 1 - layer
     deeper = np.arange(layer + 1, num_layers)
     if count < 0 or count > deeper.size:
         raise ValueError(f"no {count} deeper layers above {layer} in {num_layers}")
     rng = np.random.default_rng([seed, round_, client, LAYER_PURPOSE])
-    return tuple(int(x) for x in np.sort(rng.choice(deeper, size=count, replace=False)))
+    drawn = rng.choice(deeper, size=count, replace=draw == "replacement")
+    return tuple(int(x) for x in np.sort(drawn))
 
 
 def client_layers(layer: int, deeper: Sequence[int]) -> tuple[int, ...]:
@@ -179,12 +193,13 @@ def fedbfpt_plan(
     clients: Sequence[int],
     seed: int,
     small_layers: int,
+    draw: str = "replacement",
 ) -> Plan:
     """FedBFPT's round: every client runs its own small model around `layer` and trains that
     layer and the MLM head."""
     num_layers = len(params["encoder"])
     layers = tuple(
-        client_layers(layer, sample_deeper(seed, round_, c, layer, num_layers, small_layers))
+        client_layers(layer, sample_deeper(seed, round_, c, layer, num_layers, small_layers, draw))
         for c in clients
     )
     return Plan(layers, trained_paths(params, [layer]))

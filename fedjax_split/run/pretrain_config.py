@@ -18,7 +18,7 @@ from typing import Any
 from fedjax_split.data.text.corpus_split import SCHEMES
 from fedjax_split.data.text.text_corpora import CORPORA, MODES, check_corpus_name
 from fedjax_split.errors import UserError
-from fedjax_split.fed.layerwise import SCHEDULES
+from fedjax_split.fed.layerwise import LAYER_DRAWS, SCHEDULES
 from fedjax_split.run.settings import Schema
 from fedjax_split.run.settings import setting as _setting
 
@@ -105,6 +105,12 @@ class PretrainConfig:
         choices=SCHEDULES,
     )
     schedule_period: int = _setting(1, "Rounds per layer for --schedule every.")
+    layer_draw: str = _setting(
+        "replacement",
+        "How a FedBFPT client's deeper layers are drawn: replacement (sorted, a layer may repeat: "
+        "the journal's and the released code's draw) or distinct (without replacement).",
+        choices=LAYER_DRAWS,
+    )
     truncated_layers: int | None = _setting(
         None, "Layers k of the truncated baseline's model (default: L/2).", metavar="K"
     )

@@ -39,7 +39,13 @@ import numpy as np
 
 from fedjax_split.errors import UserError
 from fedjax_split.run import driver, outputs
-from fedjax_split.run.pretrain_config import PretrainConfig, check_depth, resolve, validate
+from fedjax_split.run.pretrain_config import (
+    SCHEMA,
+    PretrainConfig,
+    check_depth,
+    resolve,
+    validate,
+)
 
 STEPS_PER_SEGMENT = 8  # optimiser steps per compiled scan call (a client's last call is padded)
 HELDOUT = 0x7FFF_FFFF  # the "client" part of the held-out masks' seed: no client has this id
@@ -322,7 +328,7 @@ def plan(setup: Setup, r: int) -> Any:
     if setup.config.method == "fedbfpt":
         the_plan = layerwise.fedbfpt_plan(
             params, layer=setup.schedule[r - 1], round_=r, clients=setup.clients,
-            seed=setup.config.seed, small_layers=setup.small_layers,
+            seed=setup.config.seed, small_layers=setup.small_layers, draw=setup.config.layer_draw,
         )  # fmt: skip
     else:
         the_plan = layerwise.full_plan(params, clients=setup.clients, depth=model_depth(setup))
@@ -521,6 +527,7 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]], initial: dict[
         "clients": len(setup.clients),
         "layers": model_depth(setup),
         "small_layers": setup.small_layers if setup.config.method == "fedbfpt" else None,
+        "layer_draw": setup.config.layer_draw if setup.config.method == "fedbfpt" else None,
         "schedule": setup.schedule or None,
         "initial": {k: initial[k] for k in ("mlm_loss", "mlm_accuracy")},
         "final": final,
@@ -542,13 +549,22 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]], initial: dict[
     }
 
 
+def mismatch(saved: dict[str, Any], config: PretrainConfig) -> list[str]:
+    """The settings of a saved run that differ from `config`'s and would change its results on
+    --resume. A run saved before --layer-draw existed drew its deeper layers without replacement
+    ("distinct"), so it resumes with that draw only."""
+    return SCHEMA.trajectory_mismatch({"layer_draw": "distinct", **saved}, config)
+
+
 def method_line(setup: Setup) -> str:
     """The further pre-training method as a person says it, for the run's first line."""
     method, big_l = setup.config.method, setup.model_config.num_hidden_layers
     layers = "layer" if setup.truncated_layers == 1 else "layers"
     return {
         "fedbfpt": f"FedBFPT: each client trains a {setup.small_layers}-layer model, one encoder "
-        f"layer of {big_l} + the MLM head a round; the server averages what was trained",
+        f"layer of {big_l} + the MLM head a round (deeper layers drawn "
+        f"{'with replacement' if setup.config.layer_draw == 'replacement' else 'distinct'}); "
+        "the server averages what was trained",
         "bert-fl": f"BERT-FL: FedAvg of the whole {big_l}-layer model and its MLM head",
         "centralised": f"centralised: one client holds all the text and trains all {big_l} layers",
         "truncated": f"truncated: FedAvg of the first {setup.truncated_layers} {layers} of "
@@ -644,15 +660,13 @@ def run_pretraining(
     """Run (or with config.resume, continue) one further pre-training run; returns the summary.
     Everything a user can get wrong is checked before the first byte is written."""
     from fedjax_split import runtime
-    from fedjax_split.run.pretrain_config import SCHEMA
 
     started = time.perf_counter()
     if isinstance(config, dict):
         config = resolve(overrides=config)
     check(config)
     runtime.apply()  # before the first JAX computation
-    driver.check_run_dir(config.run_dir, config.resume,
-                         lambda saved: SCHEMA.trajectory_mismatch(saved, config),
+    driver.check_run_dir(config.run_dir, config.resume, lambda saved: mismatch(saved, config),
                          output_names=["model"])  # fmt: skip
     run = Pretraining(build(config), started)
     return driver.drive(run, config.to_dict(), resume=config.resume,
