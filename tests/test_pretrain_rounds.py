@@ -118,3 +118,27 @@ def test_held_out_loss_and_accuracy_by_hand(setup) -> None:
     assert got["mlm_loss"] == pytest.approx(nll[used].mean(), rel=1e-5)
     assert got["mlm_accuracy"] == pytest.approx((at.argmax(-1) == labels)[used].mean())
     assert jnp.isfinite(got["mlm_loss"])
+
+
+def test_unigram_level_by_hand() -> None:
+    """Targets 5, 5, 7, 9 (padding rows and unused slots left out): the most frequent is right
+    2 times of 4, and the targets' entropy is -(1/2 ln 1/2 + 2 * 1/4 ln 1/4) = 1.5 ln 2."""
+    from fedjax_split.data.text.masking import MaskedBatch
+
+    def batch(labels: list[list[int]], rows: list[int]) -> MaskedBatch:
+        labels = np.asarray(labels, np.int32)
+        b = labels.shape[0]
+        return MaskedBatch(input_ids=np.zeros((b, 4), np.int32),
+                           attention_mask=np.ones((b, 4), np.int32),
+                           token_type_ids=np.zeros((b, 4), np.int32), labels=labels,
+                           example_mask=np.asarray(rows, np.float32),
+                           positions=np.zeros_like(labels))  # fmt: skip
+
+    got = pretrain_rounds.unigram_level([
+        batch([[5, 7], [9, IGNORE]], [1, 1]),
+        batch([[5, IGNORE], [5, 5]], [1, 0]),  # the second row is padding
+    ])  # fmt: skip
+    assert got["predicted_tokens"] == 4
+    assert got["unigram_accuracy"] == 0.5
+    assert got["unigram_loss"] == pytest.approx(1.5 * np.log(2), rel=1e-12)
+    assert pretrain_rounds.unigram_level([])["predicted_tokens"] == 0

@@ -85,6 +85,9 @@ def test_outputs_and_their_cost_accounting(fedbfpt: Path) -> None:
     )
     assert summary["final"]["mlm_loss"] == pytest.approx(rows[-1]["mlm_loss"], abs=5e-5)
     assert summary["layers"] == 4 and summary["small_layers"] == 2
+    assert summary["layer_draw"] == "replacement"
+    level = summary["unigram"]  # the held-out targets' (unigram_level is checked by hand)
+    assert 0 < level["unigram_accuracy"] < 1 and level["unigram_loss"] > 0
     split = json.loads((fedbfpt / "split.json").read_text())
     assert split["scheme"] == "source" and len(split["clients"]) == 2
     config = json.loads((fedbfpt / "config.json").read_text())

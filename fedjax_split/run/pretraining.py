@@ -530,6 +530,7 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]], initial: dict[
         "layer_draw": setup.config.layer_draw if setup.config.method == "fedbfpt" else None,
         "schedule": setup.schedule or None,
         "initial": {k: initial[k] for k in ("mlm_loss", "mlm_accuracy")},
+        "unigram": unigram(setup),
         "final": final,
         "train_sequences": list(setup.sizes),
         "heldout_tokens": int(initial.get("predicted_tokens", 0)),
@@ -547,6 +548,18 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]], initial: dict[
         "allocator": runtime.allocator(),
         "run_dir": str(setup.config.run_dir),
     }
+
+
+def unigram(setup: Setup) -> dict[str, float] | None:
+    """The held-out text's unigram level (`sim.pretrain_rounds.unigram_level`), beside which a
+    start model's masked accuracy says whether it is a contextual masked LM; None where the
+    held-out text is not here (Flower's nodes hold it)."""
+    from fedjax_split.sim.pretrain_rounds import unigram_level
+
+    if not setup.heldout:
+        return None
+    level = unigram_level(setup.heldout)
+    return {k: level[k] for k in ("unigram_loss", "unigram_accuracy")}
 
 
 def mismatch(saved: dict[str, Any], config: PretrainConfig) -> list[str]:
@@ -625,8 +638,12 @@ class Pretraining:
         )  # fmt: skip
         if self.initial is None:
             self.initial = self.evaluate()
+            level = unigram(setup)
+            beside = "" if level is None else (
+                f" (the unigram level: loss {level['unigram_loss']:.4f}, accuracy "
+                f"{level['unigram_accuracy']:.4f})")  # fmt: skip
             note(f"before: held-out MLM loss {self.initial['mlm_loss']:.4f}, "
-                 f"accuracy {self.initial['mlm_accuracy']:.4f}")  # fmt: skip
+                 f"accuracy {self.initial['mlm_accuracy']:.4f}{beside}")  # fmt: skip
 
     def evaluate(self) -> dict[str, Any]:
         """The held-out evaluation of the model as it stands (before round 1, here)."""

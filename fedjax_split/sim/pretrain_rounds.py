@@ -43,7 +43,7 @@ from fedjax_split.fed.wire import cast_to_wire, tree_bytes
 from fedjax_split.models.bert import BertConfig, make_apply
 from fedjax_split.models.flops import mlm_train_flops
 from fedjax_split.sim.rounds import ProgressHook, RoundProgress, RoundSpec, real_counts
-from fedjax_split.tasks.objectives import MASKED_LM
+from fedjax_split.tasks.objectives import IGNORE, MASKED_LM
 
 
 class ClientReport(NamedTuple):
@@ -281,6 +281,25 @@ def mlm_metrics(sums: np.ndarray) -> dict[str, float]:
     loss_sum, count, correct = totals
     n = max(count, 1.0)
     return {"mlm_loss": loss_sum / n, "mlm_accuracy": correct / n, "predicted_tokens": int(count)}
+
+
+def unigram_level(batches: Sequence[MaskedBatch]) -> dict[str, float]:
+    """What a masked LM that ignores the context reaches at best on these held-out batches: the
+    accuracy of always predicting their most frequent target token, and the loss (nats) of
+    predicting their own target frequencies, the entropy. A model scoring near these has learnt
+    token frequencies, not a contextual masked LM."""
+    labels = [np.asarray(b.labels)[(np.asarray(b.example_mask) > 0)] for b in batches]
+    flat = np.concatenate([x.reshape(-1) for x in labels]) if labels else np.zeros(0, np.int64)
+    flat = flat[flat != IGNORE]
+    if flat.size == 0:
+        return {"unigram_accuracy": 0.0, "unigram_loss": 0.0, "predicted_tokens": 0}
+    counts = np.bincount(flat)
+    p = counts[counts > 0] / flat.size
+    return {
+        "unigram_accuracy": float(counts.max() / flat.size),
+        "unigram_loss": float(-(p * np.log(p)).sum()),
+        "predicted_tokens": int(flat.size),
+    }
 
 
 def evaluate(
