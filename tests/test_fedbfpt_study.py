@@ -22,7 +22,8 @@ def _pretrain(root: Path, method: str, flops: float, up: float, cpu: float) -> N
     for r in (1, 2):  # two rounds, two clients; the second client costs twice the first
         clients = [
             {"layers": [0, 1], "steps": 100 * k + r, "flops": k * flops, "bytes_up": k * up,
-             "bytes_down": 0 if r == 1 else k * up, "bytes_down_full": 10 * up, "cpu_seconds": k * cpu, "seconds": 2 * k}
+             "bytes_down": 0 if r == 1 else k * up, "bytes_down_full": 10 * up,
+             "cpu_seconds": k * cpu, "seconds": 2 * k}
             for k in (1, 2)
         ]  # fmt: skip
         records.append({"round": r, "layer": 0, "mlm_loss": 3.0 - r, "cum_flops": r * 3 * flops,
