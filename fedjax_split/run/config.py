@@ -40,6 +40,20 @@ LAYER_SCHEDULES = ("none", "fedbt")
 _TASK_KINDS = {"glue": "a GLUE task", "offline": "an offline corpus", "ner": "a NER task"}
 
 
+def _server_lr_help() -> str:
+    """--server-lr's help, with each algorithm's default from the registry."""
+    return "Server learning rate; unset: the algorithm's default (" + ", ".join(
+        f"{a.name} {a.server_lr:.3g}" for a in ALGORITHMS.values()) + ")."  # fmt: skip
+
+
+def _server_tau_help() -> str:
+    return (
+        "The adaptive servers' tau (the step is lr m / (sqrt(v) + tau)); unset: the algorithm's "
+        "default (" + ", ".join(f"{a.name} {a.tau:g}" for a in ALGORITHMS.values() if a.adaptive)
+        + "; docs/fedopt_tuning.md)."
+    )
+
+
 def _task_help() -> str:
     """--task's help, listing every registered task by kind. The registry imports jax, so it is
     imported when the flags are built, after the entry point has tuned the process."""
@@ -225,16 +239,8 @@ class ExperimentConfig:
         "file; flags given override it.",
         metavar="FILE",
     )
-    server_lr: float | None = _setting(
-        None,
-        "Server learning rate (unset: the algorithm's default: 1.0 for fedavg/fedavgm/fedprox, "
-        "1e-3 for the adaptive rules).",
-    )
-    server_tau: float | None = _setting(
-        None,
-        "The adaptive servers' tau (fedadam, fedyogi, fedadagrad: the step is lr m / (sqrt(v) "
-        "+ tau)); unset: the algorithm's default.",
-    )
+    server_lr: float | None = _setting(None, _server_lr_help)
+    server_tau: float | None = _setting(None, _server_tau_help)
     eval_every: int = _setting(
         1, "Evaluate the personalised models every N rounds (and after the last)."
     )

@@ -1,0 +1,93 @@
+"""tools/fedopt_tuning.py: the grid it runs (Reddi et al.'s decades, cut to a band of eta / tau),
+the check runs at the registry's defaults (no server flags), and its tables from run directories
+made by hand."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+_SPEC = importlib.util.spec_from_file_location(
+    "fedopt_tuning", Path(__file__).resolve().parents[1] / "tools" / "fedopt_tuning.py"
+)
+tuning = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(tuning)
+
+
+def _run(root: Path, name: str, accuracy: float) -> None:
+    d = root / name
+    d.mkdir(parents=True)
+    records = [{"round": 1, "accuracy": None, "train_loss": 0.7},
+               {"round": 2, "accuracy": accuracy, "train_loss": 0.5}]  # fmt: skip
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in records) + "\n")
+    (d / "summary.json").write_text(json.dumps({"seconds": 60.0}))
+    (d / "config.json").write_text("{}")
+    (root / f"{name}.log").write_text("commit abc1234\ncmd\n")
+
+
+def test_the_grid_is_in_reddi_et_als_decades_and_the_band() -> None:
+    for alg, cells in [*tuning.GRID.items(), *tuning.FULL.items()]:
+        assert alg in tuning.ADAPTIVE and cells and len(set(cells)) == len(cells)
+        for eta, tau in cells:
+            assert 1e-3 <= eta <= 10 and 1e-5 <= tau <= 1e-1
+            assert 0.1 - 1e-12 <= eta / tau <= 100 + 1e-9
+    planned = dict(tuning.grid_runs())
+    args = planned["tune_fedadam_lr1e-2_tau1e-3"]
+    assert "--server-lr=0.01" in args and "--server-tau=0.001" in args
+    assert "--algorithm=fedadam" in args and "--critical-layer=L" in args
+    assert "--server-lr" not in " ".join(planned["tune_fedavg"])
+
+
+def test_the_checks_run_the_registry_defaults_fedadam_and_fedavg_first() -> None:
+    planned = tuning.check_runs([0, 1])
+    assert [n for n, _ in planned[:4]] == ["k10_fedadam_s0", "k10_fedavg_s0", "k3_fedadam_s0",
+                                           "k3_fedavg_s0"]  # fmt: skip
+    assert len(planned) == 2 * len(tuning.PRESETS) * len(tuning.CHECKS)
+    for _, args in planned:
+        assert not any(a.startswith(("--server-lr", "--server-tau")) for a in args)
+    assert "--seed=1" in dict(planned)["k3_fedyogi_s1"]
+
+
+def test_the_grid_table_marks_cells_outside_it_and_names_the_best(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tuning, "RUNS", tuning.Runs(tmp_path))
+    monkeypatch.setitem(tuning.GRID, "fedadam", [(1e-3, 1e-3), (1e-2, 1e-3), (1e-3, 1e-2)])
+    _run(tmp_path, "tune_fedadam_lr1e-3_tau1e-3", 0.61)
+    _run(tmp_path, "tune_fedadam_lr1e-2_tau1e-3", 0.78)
+    lines, scores = tuning._grid_table("fedadam")
+    assert lines[0] == "| eta \\ tau | 1e-3 | 1e-2 |"
+    assert lines[2] == "| 1e-3 | 0.610 (0.500) | - |"  # in the grid, not run yet
+    assert lines[3] == "| 1e-2 | 0.780 (0.500) | not in the grid |"
+    assert scores == {(1e-3, 1e-3): 0.61, (1e-2, 1e-3): 0.78}
+    assert "best cell: eta 0.01, tau 0.001 (0.780)" in tuning._defaults_line("fedadam", scores)
+
+
+def test_the_check_table_says_each_algorithms_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tuning, "RUNS", tuning.Runs(tmp_path))
+    _run(tmp_path, "k10_fedadam_s0", 0.80)
+    _run(tmp_path, "k10_fedadam_s1", 0.76)
+    rows = {line.split(" (")[0].lstrip("| "): line for line in tuning._check_table("k10")[2:]}
+    adam = tuning.ALGORITHMS["fedadam"]
+    assert f"(eta {adam.server_lr:g}, tau {adam.tau:g}) | 0.780 ± 0.028 (n=2)" in rows["FedAdam"]
+    assert "s0: 0.800, s1: 0.760" in rows["FedAdam"]
+    assert rows["FedAvg"].endswith("| - | - |  |") and "(eta 1)" in rows["FedAvg"]
+    assert tuning.main(["--presets", "k5", "--report-only"]) == 2
+
+
+def test_the_full_presets_cells_are_named_by_their_half_decades(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert tuning.exponent(10**-1.5) == "1e-1.5" and tuning.exponent(1e-3) == "1e-3"
+    planned = dict(tuning.full_runs())
+    args = planned["k10grid_fedadam_lr1e-1.5_tau1e-3"]
+    assert "--server-lr=0.0316228" in args
+    assert "--config=configs/study_rotten_tomatoes.py:k10" in args
+    monkeypatch.setattr(tuning, "RUNS", tuning.Runs(tmp_path))
+    _run(tmp_path, "k10grid_fedadam_lr1e-1_tau1e-3", 0.77)
+    rows = tuning._full_table()
+    assert "| FedAdam | 0.1 | 0.001 | 0.770 | 0.770 | 0.500 |" in rows[2]
+    assert rows[3].startswith("| FedAdam | 0.0316 | 0.001 | - | - | - |")
