@@ -61,7 +61,8 @@ def test_the_grid_table_marks_cells_outside_it_and_names_the_best(
     assert lines[2] == "| 1e-3 | 0.610 (0.500) | - |"  # in the grid, not run yet
     assert lines[3] == "| 1e-2 | 0.780 (0.500) | not in the grid |"
     assert scores == {(1e-3, 1e-3): 0.61, (1e-2, 1e-3): 0.78}
-    assert "best cell: eta 0.01, tau 0.001 (0.780)" in tuning._defaults_line("fedadam", scores)
+    assert "best cell on this preset: eta 0.01, tau 0.001 (0.780)" in tuning._defaults_line(
+        "fedadam", scores)  # fmt: skip
 
 
 def test_the_check_table_says_each_algorithms_defaults(
@@ -91,3 +92,7 @@ def test_the_full_presets_cells_are_named_by_their_half_decades(
     rows = tuning._full_table()
     assert "| FedAdam | 0.1 | 0.001 | 0.770 | 0.770 | 0.500 |" in rows[2]
     assert rows[3].startswith("| FedAdam | 0.0316 | 0.001 | - | - | - |")
+    adam = tuning.ALGORITHMS["fedadam"]  # the registry's default cell is named so
+    assert sum("(the default)" in r for r in rows) == 1
+    named = f"| FedAdam (the default) | {adam.server_lr:.3g} | {adam.tau:g} |"
+    assert any(named in r for r in rows)

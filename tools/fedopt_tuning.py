@@ -143,8 +143,9 @@ def _cell(run: dict | None) -> str:
 def _defaults_line(alg: str, scores: dict[tuple[float, float], float]) -> str:
     a = ALGORITHMS[alg]
     best = max(scores, key=scores.get) if scores else None
-    chosen = f"best cell: eta {best[0]:g}, tau {best[1]:g} ({fmt(scores[best])})" if best else ""
-    return f"{a.title}'s registry defaults: eta {a.server_lr:g}, tau {a.tau:g}. {chosen}"
+    chosen = (f"The best cell on this preset: eta {best[0]:g}, tau {best[1]:g} "
+              f"({fmt(scores[best])}). " if best else "")  # fmt: skip
+    return f"{chosen}{a.title}'s registry defaults: eta {a.server_lr:g}, tau {a.tau:g}."
 
 
 def _full_table() -> list[str]:
@@ -157,7 +158,9 @@ def _full_table() -> list[str]:
             best = max((r["accuracy"] for r in run["records"] if r.get("accuracy") is not None),
                        default=None) if run else None  # fmt: skip
             loss = fmt(final(run, "train_loss")) if run else "-"
-            lines.append(f"| {ALGORITHMS[alg].title} | {eta:.3g} | {tau:g} | "
+            a = ALGORITHMS[alg]
+            default = " (the default)" if math.isclose(a.server_lr, eta) and a.tau == tau else ""
+            lines.append(f"| {a.title}{default} | {eta:.3g} | {tau:g} | "
                          f"{fmt(final(run)) if run else '-'} | {fmt(best)} | {loss} | "
                          f"`{full_name(alg, eta, tau)}` |")  # fmt: skip
     return lines
@@ -178,24 +181,40 @@ def _check_table(preset: str) -> list[str]:
 
 
 def plot(all_scores: dict[str, dict[tuple[float, float], float]], fedavg: float | None) -> None:
+    """Left: the tuning preset's accuracy against eta / tau; right: the full K=10 preset's
+    accuracy by round, FedAvg's (the check run at seed 0) beside each cell's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     FIGURE.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     for alg, scores in all_scores.items():
         pts = sorted(scores.items(), key=lambda kv: kv[0][0] / kv[0][1])
-        ax.plot([e / t for (e, t), _ in pts], [v for _, v in pts], "o",
-                label=f"{ALGORITHMS[alg].title} (one point per eta, tau)")  # fmt: skip
+        left.plot([e / t for (e, t), _ in pts], [v for _, v in pts], "o",
+                  label=f"{ALGORITHMS[alg].title} (one point per eta, tau)")  # fmt: skip
     if fedavg is not None:
-        ax.axhline(fedavg, color="k", ls="--", lw=1, label="FedAvg (server lr 1)")
-    ax.set_xscale("log")
-    ax.set_xlabel("eta / tau (server learning rate over tau)")
-    ax.set_ylabel("accuracy after 5 rounds")
-    ax.set_title("Tuning preset: rotten tomatoes K=10 ramp, 2,000 snippets")
-    ax.legend(fontsize=7)
+        left.axhline(fedavg, color="k", ls="--", lw=1, label="FedAvg (server lr 1)")
+    left.set_xscale("log")
+    left.set_xlabel("eta / tau (server learning rate over tau)")
+    left.set_ylabel("accuracy after 5 rounds")
+    left.set_title("Tuning preset: K=10 ramp, 2,000 snippets, 5 rounds")
+    left.legend(fontsize=7)
+    curves = [(f"{ALGORITHMS[alg].title} eta {eta:.3g}, tau {tau:g}", RUNS.load(full_name(alg, eta,
+               tau))) for alg, cells in FULL.items() for eta, tau in cells]  # fmt: skip
+    curves.append(("FedAvg (server lr 1)", RUNS.load(check_name("k10", "fedavg", 0))))
+    for label, run in curves:
+        if run is None:
+            continue
+        pts = [(r["round"], r["accuracy"]) for r in run["records"] if r.get("accuracy") is not None]
+        style = {"color": "k", "ls": "--"} if label.startswith("FedAvg") else {}
+        right.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label,
+                   **style)  # fmt: skip
+    right.set_xlabel("round")
+    right.set_ylabel("accuracy (the global model, each client's test split)")
+    right.set_title("Full K=10 preset, 10 rounds, seed 0")
+    right.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(FIGURE, dpi=120)
     plt.close(fig)
@@ -220,7 +239,8 @@ def report() -> None:
         text += [f"### {ALGORITHMS[alg].title}", "", *lines, "", _defaults_line(alg, scores), ""]
     if any(all_scores.values()):
         plot(all_scores, fedavg)
-        text += ["![accuracy against eta / tau](figures/fedopt_tuning.png)", ""]
+        text += ["![accuracy against eta / tau, and by round on the full preset]"
+                 "(figures/fedopt_tuning.png)", ""]  # fmt: skip
     text += ["## On the full K=10 preset (10 rounds, seed 0)", "",
              f"`python -m fedjax_split.train {shlex.join(PRESETS['k10'][1])} --algorithm=ALG "
              "--server-lr=ETA --server-tau=TAU`", "", *_full_table(), ""]  # fmt: skip
