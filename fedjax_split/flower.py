@@ -341,8 +341,7 @@ def main_pretrain(argv: Sequence[str]) -> int:
     `python -m fedjax_split.pretrain` with the same flags."""
     from fedjax_split.deploy.pretrain_node import check_deployable
     from fedjax_split.pretrain import done_line
-    from fedjax_split.run import driver
-    from fedjax_split.run.pretrain_config import SCHEMA
+    from fedjax_split.run import driver, pretraining
     from fedjax_split.run.pretraining import check
 
     try:
@@ -354,7 +353,7 @@ def main_pretrain(argv: Sequence[str]) -> int:
         check(config)
         check_deployable(config)
         driver.check_run_dir(config.run_dir, config.resume,  # before anything is written
-                             lambda saved: SCHEMA.trajectory_mismatch(saved, config),
+                             lambda saved: pretraining.mismatch(saved, config),
                              output_names=["model"])  # fmt: skip
         check_sites(config)
     except UserError as err:

@@ -18,6 +18,7 @@ from fedjax_split.run.config import (
     entity_type_list,
     load_config_file,
     resolve_config,
+    saved_dict,
     trajectory_mismatch,
     validate_critical_layer,
 )
@@ -155,6 +156,28 @@ def test_trajectory_mismatch_ignores_bookkeeping() -> None:
     assert trajectory_mismatch(saved, ExperimentConfig(packing=False)) == ["packing"]
     assert trajectory_mismatch(saved, ExperimentConfig(bucketing=True)) == ["bucketing"]
     assert trajectory_mismatch(saved, ExperimentConfig(paper_fill="sequential")) == ["paper_fill"]
+
+
+def test_a_resume_runs_the_server_settings_the_run_started_with() -> None:
+    """config.json saves the server lr and tau the flags resolved to; one written before the
+    adaptive servers' defaults were tuned (no `server_settings`, --server-lr unset) ran lr 1e-3,
+    tau 1e-3: resuming it at today's default is refused, naming the flags that continue it."""
+    today = ExperimentConfig(algorithm="fedadam")
+    assert saved_dict(today)["server_settings"] == {"server_lr": 1e-2, "server_tau": 1e-3}
+    assert trajectory_mismatch(saved_dict(today), today) == []
+    old = ExperimentConfig(algorithm="fedadam").to_dict()  # as written before: no server_settings
+    assert trajectory_mismatch(old, today) == [
+        "the server it ran: --server-lr 0.001 --server-tau 0.001"]  # fmt: skip
+    assert trajectory_mismatch(old, ExperimentConfig(algorithm="fedadam", server_lr=1e-3,
+                                                     server_tau=1e-3)) == []  # fmt: skip
+    # an explicit flag equal to today's default is the same run
+    explicit = ExperimentConfig(algorithm="fedadam", server_lr=1e-2)
+    assert trajectory_mismatch(saved_dict(today), explicit) == []
+    # FedAvg's default never changed; another tau is another run
+    assert trajectory_mismatch(ExperimentConfig().to_dict(), ExperimentConfig()) == []
+    assert trajectory_mismatch(saved_dict(today), ExperimentConfig(
+        algorithm="fedadam", server_tau=1e-4)) == ["the server it ran: --server-lr 0.01 "
+                                                   "--server-tau 0.001"]  # fmt: skip
 
 
 def _args_of(path: Path) -> list[str | None]:

@@ -108,6 +108,9 @@ def test_a_small_model_with_a_repeated_layer() -> None:
     assert layerwise.to_global({"encoder": {"layer_1": {"w": 9}}}, layers) == {
         "encoder": {"layer_1": {"w": 9}}
     }
+    # the whole small model, as the server sends it: the repeated layer once
+    assert sorted(layerwise.to_global(model, layers)["encoder"]) == ["layer_0", "layer_1",
+                                                                     "layer_4"]  # fmt: skip
 
 
 def test_small_model_must_hold_every_scheduled_layer() -> None:

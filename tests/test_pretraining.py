@@ -290,8 +290,9 @@ def test_a_bad_site_is_one_line_exit_2_nothing_written(
 
 
 def test_a_run_saved_before_layer_draw_resumes_with_the_draw_it_used() -> None:
-    """config.json written before --layer-draw existed drew without replacement: a --resume
-    with today's default (with replacement) is refused, one that says distinct continues."""
+    """A FedBFPT config.json written before --layer-draw existed drew without replacement: a
+    --resume with today's default (with replacement) is refused, one that says distinct
+    continues."""
     from fedjax_split.run import pretraining
     from fedjax_split.run.pretrain_config import resolve
 
@@ -301,3 +302,7 @@ def test_a_run_saved_before_layer_draw_resumes_with_the_draw_it_used() -> None:
     assert pretraining.mismatch(old, today) == ["layer_draw"]
     assert pretraining.mismatch(old, resolve(overrides={"layer_draw": "distinct"})) == []
     assert pretraining.mismatch(today.to_dict(), today) == []
+    # the other methods draw no layers: an old bert-fl run resumes whatever the draw says
+    bert_fl = resolve(overrides={"method": "bert-fl"})
+    old = {k: v for k, v in bert_fl.to_dict().items() if k != "layer_draw"}
+    assert pretraining.mismatch(old, bert_fl) == []

@@ -116,15 +116,16 @@ def num_sequences(node: PretrainNode) -> int:
 
 
 def check_layers(node: PretrainNode, layers: Sequence[int], depth_only: bool = False) -> None:
-    """ValueError unless `layers` are distinct global layers of this model (or, for a model
-    evaluated whole, `depth_only`: a depth 1..L)."""
+    """ValueError unless `layers` are global layers of this model in increasing order, a deeper
+    layer possibly repeated (FedBFPT's draw with replacement), or, for a model evaluated whole
+    (`depth_only`), a depth 1..L."""
     if depth_only:
         if len(layers) != 1 or not 1 <= int(layers[0]) <= node.num_layers:
             raise ValueError(f"asked to evaluate a model of {list(layers)} layers")
         return
     if (
         not layers
-        or len(set(layers)) != len(layers)
+        or any(int(a) > int(b) for a, b in zip(layers, layers[1:], strict=False))
         or not all(0 <= int(g) < node.num_layers for g in layers)
     ):
         raise ValueError(f"asked to run layers {list(layers)} of a {node.num_layers}-layer model")

@@ -381,13 +381,12 @@ def run_pretrain_server(
     `deploy.server.Stopped` after the checkpoint of `options.stop_after_round`."""
     from fedjax_split.deploy.pretrain_node import check_deployable
     from fedjax_split.run import driver
-    from fedjax_split.run.pretrain_config import SCHEMA
 
     started = time.perf_counter()
     pretraining.check(config)
     check_deployable(config)
     driver.check_run_dir(config.run_dir, config.resume,
-                         lambda saved: SCHEMA.trajectory_mismatch(saved, config),
+                         lambda saved: pretraining.mismatch(saved, config),
                          output_names=["model"])  # fmt: skip
     found = connect(grid, config, options, query=QUERY)
     setup, heldout = setup_from_nodes(config, found)

@@ -46,7 +46,7 @@ import numpy as np
 
 from fedjax_split.deploy import codec, protocol
 from fedjax_split.errors import UserError
-from fedjax_split.run.config import ExperimentConfig
+from fedjax_split.run.config import ExperimentConfig, saved_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -825,7 +825,7 @@ def run_server(
 
     return driver.drive(
         FlowerServer(run, Exchange(grid, options), options),
-        config.to_dict(),
+        saved_dict(config),
         resume=config.resume,
         checkpoint_every=config.checkpoint_every,
         keep_checkpoints=config.keep_checkpoints,

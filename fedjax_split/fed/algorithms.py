@@ -35,9 +35,10 @@ class Algorithm:
 # FedAvg/FedProx/FedAvgM: eta_s = 1 makes the server step the weighted average of the clients'
 # models (FedNLP's default). The adaptive rules (Reddi et al. Alg. 2) are tuned on the K=10 label
 # ramp over Reddi et al.'s grid (tools/fedopt_tuning.py, docs/fedopt_tuning.md): a round of BERT
-# fine-tuning moves a weight far less than tau = 1e-3, so tau dominates sqrt(v) and a step is
-# about (eta_s / tau) / 2 times the moment m, a twentieth of FedAvg's first step at Reddi et al.'s
-# untuned eta_s = tau = 1e-3 (FedAdam then ended at 0.561, the majority class).
+# fine-tuning moves a weight far less than tau = 1e-3, so Delta^2 is small beside v's start tau^2,
+# sqrt(v) stays near tau and a step is about (eta_s / tau) / 2 times the moment m: a twentieth
+# of FedAvg's first step at Reddi et al.'s untuned eta_s = tau = 1e-3 (FedAdam then ended at
+# 0.561, the majority class).
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (

@@ -707,6 +707,41 @@ def validate_critical_layer(config: ExperimentConfig, num_layers: int) -> int:
     return c
 
 
+# The adaptive servers' learning rate and tau before they were tuned (docs/fedopt_tuning.md): what
+# a run saved without `server_settings` ran when it left --server-lr / --server-tau unset
+_UNTUNED = {"server_lr": 1e-3, "server_tau": 1e-3}
+
+
+def server_settings(config: ExperimentConfig) -> dict[str, float | None]:
+    """The server's learning rate and tau as the run uses them (the registry's where unset),
+    saved in config.json beside the flags, so that a --resume after a default changes is caught."""
+    algorithm = ALGORITHMS[config.algorithm]
+    tau = config.server_tau if config.server_tau is not None else algorithm.tau
+    return {"server_lr": config.effective_server_lr, "server_tau": tau}
+
+
+def saved_dict(config: ExperimentConfig) -> dict[str, Any]:
+    """config.json's content: the settings and the server settings they resolve to."""
+    return {**config.to_dict(), "server_settings": server_settings(config)}
+
+
+def _saved_server(saved: dict[str, Any]) -> dict[str, float | None] | None:
+    if "server_settings" in saved:
+        return saved["server_settings"]
+    algorithm = ALGORITHMS.get(saved.get("algorithm", ""))
+    if algorithm is None:
+        return None
+    old = _UNTUNED if algorithm.adaptive else {"server_lr": algorithm.server_lr, "server_tau": None}
+    return {k: saved.get(k) if saved.get(k) is not None else old[k] for k in old}
+
+
 def trajectory_mismatch(saved: dict[str, Any], config: ExperimentConfig) -> list[str]:
-    """Names of settings that differ from a saved run and would change its results on --resume."""
-    return SCHEMA.trajectory_mismatch(saved, config)
+    """Names of settings that differ from a saved run and would change its results on --resume:
+    the flags, and the server settings they resolved to (a default may have changed since)."""
+    flags = {k: v for k, v in saved.items() if k not in ("server_lr", "server_tau")}
+    names = SCHEMA.trajectory_mismatch(flags, config)  # the server's: as they resolve, below
+    ran = _saved_server(saved)
+    if ran is not None and ran != server_settings(config):
+        tau = "" if ran["server_tau"] is None else f" --server-tau {ran['server_tau']:g}"
+        names = sorted({*names, f"the server it ran: --server-lr {ran['server_lr']:g}{tau}"})
+    return names

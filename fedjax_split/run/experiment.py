@@ -21,7 +21,12 @@ import numpy as np
 from fedjax_split.errors import UserError
 from fedjax_split.run import costs as costs_mod
 from fedjax_split.run import driver, pieces, plots, safeguards
-from fedjax_split.run.config import ExperimentConfig, resolve_config, trajectory_mismatch
+from fedjax_split.run.config import (
+    ExperimentConfig,
+    resolve_config,
+    saved_dict,
+    trajectory_mismatch,
+)
 
 CLIENTS_DIR = "clients"  # the run's client store (sim/client_store.py)
 
@@ -382,7 +387,7 @@ def run_experiment(
     simulation = Simulation(build(config))
     return driver.drive(
         simulation,
-        config.to_dict(),
+        saved_dict(config),
         resume=config.resume,
         checkpoint_every=config.checkpoint_every,
         keep_checkpoints=config.keep_checkpoints,

@@ -378,7 +378,9 @@ def client_costs(
         "flops": report.flops,
         "bytes_up": report.bytes_up if sends else 0,
         "bytes_down": down if sends else 0,
-        "bytes_down_full": tree_bytes(layerwise.assemble(params, report.layers)) if sends else 0,
+        # a layer the draw repeats travels once (the client runs its copy twice)
+        "bytes_down_full": tree_bytes(layerwise.to_global(
+            layerwise.assemble(params, report.layers), report.layers)) if sends else 0,
         "bert_fl_flops": bert_fl,
     }
 
@@ -564,9 +566,13 @@ def unigram(setup: Setup) -> dict[str, float] | None:
 
 def mismatch(saved: dict[str, Any], config: PretrainConfig) -> list[str]:
     """The settings of a saved run that differ from `config`'s and would change its results on
-    --resume. A run saved before --layer-draw existed drew its deeper layers without replacement
-    ("distinct"), so it resumes with that draw only."""
-    return SCHEMA.trajectory_mismatch({"layer_draw": "distinct", **saved}, config)
+    --resume. A FedBFPT run saved before --layer-draw existed drew its deeper layers without
+    replacement ("distinct"), so it resumes with that draw only (the other methods draw none)."""
+    if saved.get("method") == "fedbfpt" and config.method == "fedbfpt":
+        saved = {"layer_draw": "distinct", **saved}
+    elif config.method != "fedbfpt":
+        saved = {k: v for k, v in saved.items() if k != "layer_draw"}
+    return SCHEMA.trajectory_mismatch(saved, config)
 
 
 def method_line(setup: Setup) -> str:
@@ -576,7 +582,7 @@ def method_line(setup: Setup) -> str:
     return {
         "fedbfpt": f"FedBFPT: each client trains a {setup.small_layers}-layer model, one encoder "
         f"layer of {big_l} + the MLM head a round (deeper layers drawn "
-        f"{'with replacement' if setup.config.layer_draw == 'replacement' else 'distinct'}); "
+        f"{'with' if setup.config.layer_draw == 'replacement' else 'without'} replacement); "
         "the server averages what was trained",
         "bert-fl": f"BERT-FL: FedAvg of the whole {big_l}-layer model and its MLM head",
         "centralised": f"centralised: one client holds all the text and trains all {big_l} layers",

@@ -283,8 +283,8 @@ def mlm_metrics(sums: np.ndarray) -> dict[str, float]:
     return {"mlm_loss": loss_sum / n, "mlm_accuracy": correct / n, "predicted_tokens": int(count)}
 
 
-def unigram_level(batches: Sequence[MaskedBatch]) -> dict[str, float]:
-    """What a masked LM that ignores the context reaches at best on these held-out batches: the
+def unigram_level(batches: Sequence[MaskedBatch]) -> dict[str, float | int]:
+    """What predicting from token frequencies alone reaches on these held-out batches: the
     accuracy of always predicting their most frequent target token, and the loss (nats) of
     predicting their own target frequencies, the entropy. A model scoring near these has learnt
     token frequencies, not a contextual masked LM."""
