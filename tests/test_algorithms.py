@@ -40,7 +40,11 @@ def test_server_optimizer_steps_by_hand(name: str, lr: float | None, want: float
 
 
 def test_config_reads_the_registry() -> None:
-    assert ExperimentConfig(algorithm="fedadam").effective_server_lr == 1e-2  # tuned
+    # tuned on the K=10 ramp (docs/fedopt_tuning.md)
+    assert ExperimentConfig(algorithm="fedadam").effective_server_lr == 1e-2
+    assert ExperimentConfig(algorithm="fedyogi").effective_server_lr == 10**-1.5
+    assert ExperimentConfig(algorithm="fedadagrad").effective_server_lr == 1e-2
+    assert {a.tau for a in algorithms.ALGORITHMS.values() if a.adaptive} == {1e-3}
     assert ExperimentConfig(algorithm="fedavgm").effective_server_lr == 1.0
     assert ExperimentConfig(algorithm="fedprox", mu=0.1).prox_mu == 0.1
     assert ExperimentConfig(algorithm="fedavg", mu=0.1).prox_mu == 0.0

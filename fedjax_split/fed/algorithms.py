@@ -50,9 +50,9 @@ ALGORITHMS: dict[str, Algorithm] = {
                   title="FedProx"),
         Algorithm("fedadam", "fedadam", 1e-2, summary="Reddi et al.'s FedAdam", title="FedAdam",
                   tau=1e-3),
-        Algorithm("fedyogi", "fedyogi", 1e-3, summary="Reddi et al.'s FedYogi", title="FedYogi",
-                  tau=1e-3),
-        Algorithm("fedadagrad", "fedadagrad", 1e-3, summary="Reddi et al.'s FedAdagrad",
+        Algorithm("fedyogi", "fedyogi", 10**-1.5, summary="Reddi et al.'s FedYogi",
+                  title="FedYogi", tau=1e-3),
+        Algorithm("fedadagrad", "fedadagrad", 1e-2, summary="Reddi et al.'s FedAdagrad",
                   title="FedAdagrad", tau=1e-3),
     )
 }  # fmt: skip
