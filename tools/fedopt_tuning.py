@@ -265,13 +265,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if not args.report_only:
         algs = {"fedavg", *(x.strip() for x in args.algorithms.split(","))}
-        todo = [(n, c) for n, c in grid_runs() if n.split("_")[1] in algs]
-        todo = todo if args.stage in ("grid", "all") else []
-        todo += [(n, c) for n, c in full_runs() if n.split("_")[1] in algs
-                 and args.stage in ("full", "all")]  # fmt: skip
-        if args.stage in ("check", "all"):
-            todo += [(n, c) for n, c in check_runs(SEEDS[: args.seeds])
-                     if n.split("_")[0] in presets and n.split("_")[1] in algs]  # fmt: skip
+        stages = {"grid": grid_runs(), "full": full_runs(),
+                  "check": [(n, c) for n, c in check_runs(SEEDS[: args.seeds])
+                            if n.split("_")[0] in presets]}  # fmt: skip
+        todo = [(n, c) for stage, planned in stages.items() if args.stage in (stage, "all")
+                for n, c in planned if n.split("_")[1] in algs]  # fmt: skip
         for run_name, cmd in todo:
             print(RUNS.run(run_name, cmd), flush=True)
     report()
