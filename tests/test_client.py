@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,9 +16,14 @@ from fedjax_split.fed.client import (
     ClientSpec,
     client_optimizer,
     default_client_optimizer,
+    linear_warmup_decay,
+    make_client_fns,
     make_client_update,
     prox_term,
+    real_steps,
+    round_scheduled,
     step_rng,
+    with_total_steps,
 )
 from fedjax_split.fed.roles import merge_params, split_params
 from fedjax_split.tasks.objectives import CLASSIFICATION, REGRESSION
@@ -195,3 +202,80 @@ def test_packed_segments_train_like_padded_ones() -> None:
     # the updates really moved the weights (so agreeing is not trivial)
     assert np.abs(a[0]["embeddings"]["word_embeddings"]["embedding"] - g["embeddings"][
         "word_embeddings"]["embedding"]).max() > 1e-3  # fmt: skip
+
+
+@pytest.mark.parametrize(("total", "ratio"), [(10, 0.25), (19, 0.06), (7, 0.0)])
+def test_the_linear_schedule_is_transformers_over_the_clients_own_steps(total, ratio) -> None:
+    """Factors against transformers' get_linear_schedule_with_warmup on a torch optimiser (the
+    rate each torch step uses, the scheduler stepping after the optimiser, as FedNLP's trainer)."""
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    w = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([w], lr=1.0)
+    sched = get_linear_schedule_with_warmup(opt, math.ceil(total * ratio), total)
+    want = []
+    for _ in range(total):
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    schedule = linear_warmup_decay(ratio)
+    state = with_total_steps(schedule.init({"w": jnp.zeros(1)}), total)
+    got = []
+    for _ in range(total):
+        scaled, state = schedule.update({"w": jnp.ones(1)}, state)
+        got.append(float(scaled["w"][0]))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert (got[0] == 0.0) == (ratio > 0)  # with warm-up the first step moves nothing
+
+
+def test_sgd_with_clipping_and_the_linear_schedule_matches_a_hand_loop() -> None:
+    """FedNLP's client (SGD, gradient clipped to a global norm, linear warm-up and decay over the
+    client's real steps) against a loop written here: padded steps neither step the schedule nor
+    count towards its total."""
+    apply, params = tiny_model(dropout=0.0)
+    lr, clip, ratio = 0.5, 0.05, 0.25
+    seg = client_slice(make_segments(np.random.default_rng(5), [3], 5, num_segments=2), 0)
+    total = 6  # 3 real steps in each of the 2 segments; 2 padded steps each
+    assert int(real_steps(seg)) == total
+    opt = client_optimizer("sgd", lr, schedule="linear", warmup_ratio=ratio, clip_norm=clip)
+    assert round_scheduled(opt) and not round_scheduled(client_optimizer("sgd", lr))
+    g, loc = split_params(params, critical_layer=1)
+    new_g, new_l, metrics = jax.jit(make_client_update(ClientSpec(apply, CLASSIFICATION, opt)))(
+        g, loc, seg, jax.random.key(0))  # fmt: skip
+
+    warmup = math.ceil(total * ratio)
+    p, k, clipped = params, 0, 0
+    for s in seg:
+        for j in np.flatnonzero(np.asarray(s.step_mask)):
+            batch = jax.tree.map(lambda v, j=j: v[j], s)
+            key = step_rng(jax.random.key(0), k)
+            grads = jax.grad(reference_loss, argnums=1)(apply, p, batch, key, False)
+            norm = float(np.sqrt(sum(np.sum(np.square(x)) for x in jax.tree.leaves(grads))))
+            scale = min(1.0, clip / norm)
+            clipped += scale < 1.0
+            factor = k / warmup if k < warmup else (total - k) / (total - warmup)
+            p = jax.tree.map(lambda w, d, f=factor, c=scale: w - lr * f * c * d, p, grads)
+            k += 1
+    assert clipped == total  # the clip is active on every step, so the test sees it
+    for x, y in zip(jax.tree.leaves(merge_params(new_g, new_l)), jax.tree.leaves(p), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    assert int(metrics.num_steps) == total
+
+
+def test_a_round_schedule_without_the_clients_steps_is_refused() -> None:
+    apply, params = tiny_model()
+    opt = client_optimizer("adamw", 1e-3, schedule="linear", warmup_ratio=0.1)
+    fns = make_client_fns(ClientSpec(apply, CLASSIFICATION, opt))
+    g, loc = split_params(params, critical_layer=1)
+    with pytest.raises(UserError, match="number of steps"):
+        fns.init(g, loc)
+    assert fns.init(g, loc, 4).opt_state[-1].total_steps == 4
+    plain = client_optimizer("adamw", 1e-3)  # the defaults are the bare optimiser, as before
+    assert jax.tree.structure(plain.init(g)) == jax.tree.structure(
+        default_client_optimizer(1e-3).init(g))  # fmt: skip
+    for bad, match in [(dict(warmup_ratio=0.1), "needs --lr-schedule linear"),
+                       (dict(schedule="cosine"), "constant or linear"),
+                       (dict(clip_norm=0.0), "positive")]:  # fmt: skip
+        with pytest.raises(UserError, match=match):
+            client_optimizer("sgd", 0.1, **bad)

@@ -17,7 +17,7 @@ from fedcore_helpers import LAYERS, make_segments, per_client, tiny_model
 
 import fedjax_split
 from fedjax_split.fed import server_optimizers
-from fedjax_split.fed.client import ClientSpec
+from fedjax_split.fed.client import ClientSpec, client_optimizer
 from fedjax_split.fed.client_program import (
     client_functions,
     client_key,
@@ -88,11 +88,17 @@ def _setup(trained_layer: bool, wire: str) -> tuple[RoundSpec, object, dict, dic
     return spec, init_server_state(g0, FEDAVGM, wire), stacked, frozen
 
 
-@pytest.mark.parametrize(("trained_layer", "wire"), [(False, "float32"), (True, "bfloat16")])
+@pytest.mark.parametrize(
+    ("trained_layer", "wire", "scheduled"),
+    [(False, "float32", False), (True, "bfloat16", False), (False, "float32", True)],
+)
 def test_one_at_a_time_round_is_client_round_per_client_bit_for_bit(
-    trained_layer: bool, wire: str
+    trained_layer: bool, wire: str, scheduled: bool
 ) -> None:
     spec, state, stacked, frozen = _setup(trained_layer, wire)
+    if scheduled:  # FedNLP's client: client_round counts each client's own steps for it
+        opt = client_optimizer("sgd", 0.3, schedule="linear", warmup_ratio=0.3, clip_norm=1.0)
+        spec = dataclasses.replace(spec, client=dataclasses.replace(CLIENT, optimizer=opt))
     got_state, got_local, result = run_round(
         spec, state, stacked, WEIGHTS, STEPS, SEED_KEY, client_ids=IDS, frozen=frozen
     )

@@ -82,6 +82,11 @@ def test_file_then_flags_later_wins(tmp_path: Path) -> None:
         ({"cycle_factor": 3}, "--cycle-factor needs --layer-schedule fedbt"),
         ({"layer_schedule": "fedbt", "cycle_factor": 0}, "--cycle-factor must be at least 1"),
         ({"layer_schedule": "fedbt", "lora_rank": 4}, "trains whole layers; drop --lora-rank"),
+        ({"client_optimizer": "lamb"}, "unknown client_optimizer"),
+        ({"lr_schedule": "cosine"}, "unknown lr_schedule"),
+        ({"warmup_ratio": 0.06}, "--warmup-ratio needs --lr-schedule linear"),
+        ({"lr_schedule": "linear", "warmup_ratio": 1.0}, "--warmup-ratio must be in [0, 1)"),
+        ({"client_clip_norm": 0.0}, "--client-clip-norm must be a number > 0"),
     ],
 )
 def test_bad_values_are_one_line_user_errors(values: dict, needle: str) -> None:
@@ -240,6 +245,10 @@ def test_choices_mirror_the_models_own() -> None:
 
     assert config.PARTITIONS == partition.SCHEMES
     assert config.PAPER_FILLS == partition.FILLS
+    from fedjax_split.fed import client
+
+    assert config.CLIENT_OPTIMIZERS == client.CLIENT_OPTIMIZERS
+    assert config.LR_SCHEDULES == client.LR_SCHEDULES
 
 
 def test_site_data_makes_the_sites_the_clients_and_refuses_pool_settings(tmp_path: Path) -> None:

@@ -15,19 +15,21 @@ tuning = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(tuning)
 
 
-def _run(root: Path, name: str, accuracy: float) -> None:
+def _run(root: Path, name: str, accuracy: float, config: dict | None = None) -> None:
     d = root / name
     d.mkdir(parents=True)
     records = [{"round": 1, "accuracy": None, "train_loss": 0.7},
                {"round": 2, "accuracy": accuracy, "train_loss": 0.5}]  # fmt: skip
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in records) + "\n")
     (d / "summary.json").write_text(json.dumps({"seconds": 60.0}))
-    (d / "config.json").write_text("{}")
+    (d / "config.json").write_text(json.dumps(config or {}))
     (root / f"{name}.log").write_text("commit abc1234\ncmd\n")
 
 
 def test_the_grid_is_in_reddi_et_als_decades_and_the_band() -> None:
-    for alg, cells in [*tuning.GRID.items(), *tuning.FULL.items()]:
+    full = [item for algs in tuning.FULL.values() for item in algs.items()]
+    assert set(tuning.FULL) <= set(tuning.PRESETS)
+    for alg, cells in [*tuning.GRID.items(), *full]:
         assert alg in tuning.ADAPTIVE and cells and len(set(cells)) == len(cells)
         for eta, tau in cells:
             assert 1e-3 <= eta <= 10 and 1e-5 <= tau <= 1e-1
@@ -69,12 +71,15 @@ def test_the_check_table_says_each_algorithms_defaults(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(tuning, "RUNS", tuning.Runs(tmp_path))
-    _run(tmp_path, "k10_fedadam_s0", 0.80)
-    _run(tmp_path, "k10_fedadam_s1", 0.76)
-    rows = {line.split(" (")[0].lstrip("| "): line for line in tuning._check_table("k10")[2:]}
     adam = tuning.ALGORITHMS["fedadam"]
+    _run(tmp_path, "k10_fedadam_s0", 0.80)  # saved before config.json had the server settings
+    ran = {"server_lr": adam.server_lr, "server_tau": adam.tau}
+    _run(tmp_path, "k10_fedadam_s1", 0.76, {"server_settings": ran})
+    stale = {"server_lr": adam.server_lr * 3, "server_tau": adam.tau}  # an older default
+    _run(tmp_path, "k10_fedadam_s2", 0.50, {"server_settings": stale})
+    rows = {line.split(" (")[0].lstrip("| "): line for line in tuning._check_table("k10")[2:]}
     assert f"(eta {adam.server_lr:g}, tau {adam.tau:g}) | 0.780 ± 0.028 (n=2)" in rows["FedAdam"]
-    assert "s0: 0.800, s1: 0.760" in rows["FedAdam"]
+    assert "s0: 0.800, s1: 0.760 |" in rows["FedAdam"]
     assert rows["FedAvg"].endswith("| - | - |  |") and "(eta 1)" in rows["FedAvg"]
     assert tuning.main(["--presets", "k5", "--report-only"]) == 2
 
@@ -93,6 +98,9 @@ def test_the_full_presets_cells_are_named_by_their_half_decades(
     assert "| FedAdam | 0.1 | 0.001 | 0.770 | 0.770 | 0.500 |" in rows[2]
     assert rows[3].startswith("| FedAdam | 0.0316 | 0.001 | - | - | - |")
     adam = tuning.ALGORITHMS["fedadam"]  # each algorithm's default is one of its cells, named so
-    assert sum("(the default)" in r for r in rows) == len(tuning.FULL)
+    assert sum("(the default)" in r for r in rows) == len(tuning.FULL["k10"])
     named = f"| FedAdam (the default) | {adam.server_lr:.3g} | {adam.tau:g} |"
     assert any(named in r for r in rows)
+    k3 = dict(tuning.full_runs())["k3grid_fedyogi_lr1e-2_tau1e-3"]  # a second preset's cells
+    assert "--config=configs/study_rotten_tomatoes.py:k3" in k3 and "--server-lr=0.01" in k3
+    assert tuning._full_table("k3")[2].startswith("| FedYogi")

@@ -28,7 +28,13 @@ from fedcore_helpers import (
 from fedjax_split.errors import UserError
 from fedjax_split.fed import aggregation, privacy, server_optimizers
 from fedjax_split.fed.aggregation import Aggregator
-from fedjax_split.fed.client import ClientSpec, make_client_fns
+from fedjax_split.fed.client import (
+    ClientSpec,
+    client_optimizer,
+    linear_warmup_decay,
+    make_client_fns,
+    make_client_update,
+)
 from fedjax_split.fed.roles import flatten_paths, merge_params, split_params
 from fedjax_split.fed.wire import cast_to_wire
 from fedjax_split.sim.rounds import (
@@ -671,3 +677,50 @@ def test_update_factors_flip_an_attackers_update(chunk_size: int | None) -> None
     for x, y in zip(jax.tree.leaves(new_local), jax.tree.leaves(honest[1]), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert bool(np.all(result.accepted))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1], ids=["stacked", "one-at-a-time"])
+def test_a_linear_client_schedule_runs_over_each_clients_own_steps(chunk_size) -> None:
+    """Clients of 6, 2 and 4 real steps each warm up and decay over their own steps, stacked
+    (padded to the longest) or one at a time: equal to each client's update run alone."""
+    opt = client_optimizer("sgd", 0.3, schedule="linear", warmup_ratio=0.3, clip_norm=1.0)
+    client = dataclasses.replace(CLIENT, optimizer=opt)
+    spec = RoundSpec(client, FEDAVG, "float32", chunk_size=chunk_size, donate=False)
+    state, new_local, result = _run(spec, LAYERS)
+    assert [int(s) for s in result.metrics.num_steps] == [6, 2, 4]
+    update = jax.jit(make_client_update(client))
+    g0, _ = split_params(PARAMS, critical_layer=LAYERS)
+    alone = []
+    for k in range(K):
+        own = {p: v[k] for p, v in CLIENT_PARAMS.items()}
+        own.update(flatten_paths(g0))
+        key = jax.random.fold_in(jax.random.fold_in(SEED_KEY, 0), k)
+        new, _, _ = update(_unflatten(own), {}, STEPS[k], key)
+        alone.append({p: np.asarray(v) for p, v in flatten_paths(new).items()})
+    for path, value in flatten_paths(state.global_params).items():
+        want = _numpy_weighted_mean(alone, path)
+        np.testing.assert_allclose(np.asarray(value), want, rtol=2e-5, atol=2e-6, err_msg=path)
+    # one schedule for all (the longest client's 6 steps) would end elsewhere: the test can fail
+    wrong = dataclasses.replace(client, optimizer=optax.chain(
+        optax.clip_by_global_norm(1.0), optax.sgd(0.3), _fixed_total(0.3, 6)))  # fmt: skip
+    state_wrong, _, _ = _run(RoundSpec(wrong, FEDAVG, "float32", donate=False), LAYERS)
+    pairs = zip(jax.tree.leaves(state.global_params), jax.tree.leaves(state_wrong.global_params),
+                strict=True)  # fmt: skip
+    diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in pairs)
+    assert diff > 1e-4
+
+
+def _fixed_total(ratio: float, total: int) -> optax.GradientTransformation:
+    """`linear_warmup_decay` whose total is fixed at `total` whatever the client's steps."""
+    inner = linear_warmup_decay(ratio)
+
+    def init(params):
+        state = inner.init(params)
+        return state._replace(total_steps=jnp.int32(total)), None
+
+    def update(updates, state, params=None):
+        del params
+        scaled, new = inner.update(updates, state[0]._replace(total_steps=jnp.int32(total)))
+        return scaled, (new, None)
+
+    return optax.GradientTransformation(init, update)

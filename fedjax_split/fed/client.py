@@ -66,15 +66,108 @@ def default_client_optimizer(
     return optax.adamw(learning_rate, weight_decay=weight_decay, mask=_decay_mask)
 
 
+CLIENT_OPTIMIZERS = ("adamw", "sgd")
+LR_SCHEDULES = ("constant", "linear")
+
+
+class RoundScheduleState(NamedTuple):
+    """`linear_warmup_decay`'s state: the steps taken this round and the client's steps in it."""
+
+    count: jax.Array  # int32
+    total_steps: jax.Array  # int32: set by `ClientFns.init` from the client's own steps
+
+
+def linear_warmup_decay(warmup_ratio: float) -> optax.GradientTransformation:
+    """Scales the updates by transformers' `get_linear_schedule_with_warmup` over one client's
+    round (FedNLP's client schedule): with W = ceil(total * warmup_ratio), step k's factor is
+    k / max(1, W) below W, then max(0, (total - k) / max(1, total - W)). So the first step of a
+    round with warmup moves nothing, as in torch, where the scheduler steps after the optimiser.
+    `total` is each client's own number of steps this round, which `init` cannot know: the
+    client update sets it (`with_total_steps`), so clients of different sizes decay to zero each
+    at its own last step."""
+    if not 0.0 <= warmup_ratio < 1.0:
+        raise UserError(f"--warmup-ratio must be in [0, 1), got {warmup_ratio}")
+
+    def init(params: Any) -> RoundScheduleState:
+        del params
+        return RoundScheduleState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32))
+
+    def update(updates: Any, state: RoundScheduleState, params: Any = None):
+        del params
+        total = state.total_steps.astype(jnp.float32)
+        warmup = jnp.ceil(total * warmup_ratio)
+        k = state.count.astype(jnp.float32)
+        factor = jnp.where(
+            k < warmup,
+            k / jnp.maximum(1.0, warmup),
+            jnp.maximum(0.0, (total - k) / jnp.maximum(1.0, total - warmup)),
+        )
+        scaled = jax.tree.map(lambda u: (u * factor).astype(u.dtype), updates)
+        return scaled, RoundScheduleState(state.count + 1, state.total_steps)
+
+    return optax.GradientTransformation(init, update)
+
+
+def with_total_steps(opt_state: Any, total_steps: jax.Array | int | None) -> Any:
+    """`opt_state` with every `RoundScheduleState`'s total set to the client's steps this round;
+    a state without a round schedule is returned as it is."""
+    scheduled = optax.tree_utils.tree_get_all_with_path(opt_state, "total_steps")
+    if not scheduled:
+        return opt_state
+    if total_steps is None:
+        raise UserError("a linear client schedule needs each client's number of steps this round")
+    return optax.tree_utils.tree_set(opt_state, total_steps=jnp.asarray(total_steps, jnp.int32))
+
+
 def client_optimizer(
-    name: str, learning_rate: optax.ScalarOrSchedule, weight_decay: float = 0.01
+    name: str,
+    learning_rate: float,
+    weight_decay: float = 0.01,
+    *,
+    schedule: str = "constant",
+    warmup_ratio: float = 0.0,
+    clip_norm: float | None = None,
 ) -> optax.GradientTransformation:
-    """Client optimiser by name: "adamw" (default) or "sgd" (the paper's Algorithm 1)."""
-    if name == "adamw":
-        return default_client_optimizer(learning_rate, weight_decay)
-    if name == "sgd":
-        return optax.sgd(learning_rate)
-    raise UserError(f"unknown client optimizer {name!r}; use adamw or sgd")
+    """Client optimiser by name: "adamw" (default) or "sgd" (the paper's Algorithm 1), with the
+    gradient clipped to a global L2 norm first if `clip_norm` is given and, with the "linear"
+    schedule, the learning rate warmed up and decayed over each client's round
+    (`linear_warmup_decay`): FedNLP's client is `client_optimizer("sgd", 5e-5,
+    schedule="linear", warmup_ratio=0.06, clip_norm=1.0)`. The defaults are the bare optimiser
+    (no chain), as every earlier run trained."""
+    if name not in CLIENT_OPTIMIZERS:
+        raise UserError(f"unknown client optimizer {name!r}; use adamw or sgd")
+    if schedule not in LR_SCHEDULES:
+        raise UserError(f"unknown learning-rate schedule {schedule!r}; use constant or linear")
+    if schedule == "constant" and warmup_ratio:
+        raise UserError("--warmup-ratio needs --lr-schedule linear")
+    if clip_norm is not None and not clip_norm > 0:
+        raise UserError(f"--client-clip-norm must be positive, got {clip_norm}")
+    base = (default_client_optimizer(learning_rate, weight_decay) if name == "adamw"
+            else optax.sgd(learning_rate))  # fmt: skip
+    if schedule == "constant" and clip_norm is None:
+        return base
+    parts = [optax.clip_by_global_norm(clip_norm)] if clip_norm is not None else []
+    parts.append(base)
+    if schedule == "linear":  # after the optimiser: AdamW's decoupled decay is scheduled too
+        parts.append(linear_warmup_decay(warmup_ratio))
+    return optax.chain(*parts)
+
+
+def round_scheduled(optimizer: optax.GradientTransformation) -> bool:
+    """Whether `optimizer` holds a `linear_warmup_decay`, whose state needs the client's steps."""
+    shapes = jax.eval_shape(optimizer.init, {"w": jax.ShapeDtypeStruct((1, 1), jnp.float32)})
+    return bool(optax.tree_utils.tree_get_all_with_path(shapes, "total_steps"))
+
+
+def real_steps(segments: Sequence[Segment]) -> jax.Array:
+    """A client's optimiser steps in a round (int32): its steps that are not padding and hold at
+    least one real example, the count `ClientState.steps` reaches. Traceable."""
+    total = jnp.zeros([], jnp.int32)
+    for seg in segments:
+        rows = jnp.reshape(seg.example_mask, (seg.step_mask.shape[0], -1))
+        real = jnp.logical_and(seg.step_mask, jnp.sum(rows, axis=1) > 0)
+        total = total + jnp.sum(real, dtype=jnp.int32)
+    return total
 
 
 def step_rng(client_rng: jax.Array, step: jax.Array | int) -> jax.Array:
@@ -107,15 +200,16 @@ class ClientFns(NamedTuple):
     """The client update in three pure pieces, so that a round can compile one scan per segment
     shape (length buckets x epochs repeat shapes) instead of one per segment."""
 
-    init: Callable[[Any, Any], ClientState]
+    init: Callable[..., ClientState]
     train_segment: Callable[[ClientState, Segment, Any, jax.Array, Any], ClientState]
     finish: Callable[[ClientState], tuple[Any, Any, ClientMetrics]]
 
 
 def make_client_fns(spec: ClientSpec) -> ClientFns:
-    """`init(global, local)`, `train_segment(state, segment, received_global, rng, constants)`
-    (one segment, arrays [S, B, T] or packed; `received_global` is the downloaded global part
-    FedProx pulls towards; `constants` the frozen parameters, fp32, not trained) and
+    """`init(global, local, total_steps=None)` (the client's steps this round, `real_steps`: a
+    linear client schedule needs it), `train_segment(state, segment, received_global, rng,
+    constants)` (one segment, arrays [S, B, T] or packed; `received_global` is the downloaded
+    global part FedProx pulls towards; `constants` the frozen parameters, fp32, not trained) and
     `finish(state) -> (global, local, metrics)`. All pure and jit/vmap-able."""
     opt = spec.optimizer
 
@@ -133,10 +227,11 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def init(global_params: Any, local_params: Any) -> ClientState:
+    def init(global_params: Any, local_params: Any, total_steps: Any = None) -> ClientState:
         trainable = (global_params, local_params)
         zero = jnp.zeros([], jnp.float32)
-        return ClientState(trainable, opt.init(trainable), jnp.zeros([], jnp.int32), zero, zero)
+        opt_state = with_total_steps(opt.init(trainable), total_steps)
+        return ClientState(trainable, opt_state, jnp.zeros([], jnp.int32), zero, zero)
 
     def train_segment(
         state: ClientState, segment: Segment, received: Any, rng: jax.Array, constants: Any = None
@@ -190,7 +285,7 @@ def make_client_update(
         rng: jax.Array,
         constants: Any = None,
     ):
-        state = fns.init(global_params, local_params)
+        state = fns.init(global_params, local_params, real_steps(segments))
         for seg in segments:
             state = fns.train_segment(state, seg, global_params, rng, constants)
         return fns.finish(state)

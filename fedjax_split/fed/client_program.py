@@ -26,7 +26,14 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_split.data.batch import Batch
-from fedjax_split.fed.client import ClientMetrics, ClientSpec, ClientState, make_client_fns
+from fedjax_split.fed.client import (
+    ClientMetrics,
+    ClientSpec,
+    ClientState,
+    make_client_fns,
+    real_steps,
+    round_scheduled,
+)
 from fedjax_split.fed.privacy import clip_upload
 from fedjax_split.fed.roles import merge_params, select
 from fedjax_split.fed.server import upload
@@ -75,7 +82,8 @@ def download(
 class ClientProgram(NamedTuple):
     """One client's round in three jitted pieces; `segment_one` compiles once per step shape.
 
-    start_one(global_wire, local, key) -> client_state
+    start_one(global_wire, local, key, total_steps=None) -> client_state (total_steps: the
+      client's steps this round, `fed.client.real_steps`, which a linear client schedule needs)
     segment_one(client_state, global_wire, segment [S, ...], key, frozen) -> client_state
     finish_one(client_state) -> (upload in fp32, new local part, metrics)
     clip_one(upload, global_wire, bound) -> (upload with its update clipped to norm `bound`, the
@@ -102,9 +110,11 @@ def _client_functions(
     wire = wire_dtype(wire_name)
     fns = make_client_fns(client)
 
-    def start_one(global_wire: Any, local: Any, key: jax.Array) -> ClientState:
+    def start_one(
+        global_wire: Any, local: Any, key: jax.Array, total_steps: jax.Array | None = None
+    ) -> ClientState:
         del key  # the key enters at every step; kept in the signature for symmetry with segments
-        return fns.init(download(global_wire, trained)[0], local)
+        return fns.init(download(global_wire, trained)[0], local, total_steps)
 
     def segment_one(
         client_state: ClientState, global_wire: Any, seg: Any, key: jax.Array, frozen: Any = None
@@ -144,7 +154,8 @@ def client_round(
     """
     program = client_functions(spec)
     frozen = {} if frozen is None else frozen
-    state = program.start_one(global_wire, local, key)
+    total = jnp.int32(real_steps(segments)) if round_scheduled(spec.client.optimizer) else None
+    state = program.start_one(global_wire, local, key, total)
     for seg in segments:
         state = program.segment_one(state, global_wire, seg.for_training(), key, frozen)
     return program.finish_one(state)

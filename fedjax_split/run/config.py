@@ -35,6 +35,8 @@ AGGREGATORS = ("mean", "trimmed-mean", "median")  # fed.aggregation.RULES
 ACCOUNTANTS = ("rdp", "pld")  # fed.accounting
 ATTACKS = ("none", "scale", "sign-flip")
 LAYER_SCHEDULES = ("none", "fedbt")
+CLIENT_OPTIMIZERS = ("adamw", "sgd")  # fed.client.client_optimizer's names
+LR_SCHEDULES = ("constant", "linear")
 
 
 _TASK_KINDS = {"glue": "a GLUE task", "offline": "an offline corpus", "ner": "a NER task"}
@@ -210,7 +212,29 @@ class ExperimentConfig:
     rounds: int = _setting(10, "Number of federated rounds.")
     local_epochs: int = _setting(3, "Epochs each client trains on its data per round.")
     batch_size: int = _setting(16, "Client mini-batch size.")
-    lr: float = _setting(2e-5, "Client AdamW learning rate.")
+    lr: float = _setting(2e-5, "Client learning rate (AdamW's; SGD's with --client-optimizer sgd).")
+    client_optimizer: str = _setting(
+        "adamw",
+        "Client optimiser: AdamW (weight decay 0.01 on matrices) or plain SGD (FedNLP's FedAvg "
+        "and FedProx clients). Fresh each round.",
+        choices=CLIENT_OPTIMIZERS,
+    )
+    lr_schedule: str = _setting(
+        "constant",
+        "Client learning rate over each round: constant, or linear (transformers' "
+        "get_linear_schedule_with_warmup over the client's own steps in the round, FedNLP's).",
+        choices=LR_SCHEDULES,
+    )
+    warmup_ratio: float = _setting(
+        0.0, "--lr-schedule linear: the share of a client's steps in a round spent warming up "
+        "(FedNLP's 0.06).",
+    )
+    client_clip_norm: float | None = _setting(
+        None,
+        "Clip each client step's gradient to this global L2 norm (FedNLP's 1.0); not client-level "
+        "DP's clipping (--dp-clip), which clips a round's update.",
+        metavar="C",
+    )
     mu: float = _setting(0.01, "FedProx proximal weight (used only with --algorithm fedprox).")
     quantize: str = _setting(
         "none",
@@ -575,6 +599,7 @@ def validate(config: ExperimentConfig) -> None:
             ) from None
     validate_lora(config)
     validate_schedule(config)
+    validate_client_optimizer(config)
     validate_processes(config)
     if config.data_dir is not None and not Path(config.data_dir).is_dir():
         raise UserError(f"data dir {config.data_dir!r} does not exist; pass an existing --data-dir")
@@ -630,6 +655,16 @@ def validate_schedule(config: ExperimentConfig) -> None:
     if config.lora_rank is not None:
         raise UserError("--layer-schedule fedbt trains whole layers; drop --lora-rank (or the "
                         "schedule)")  # fmt: skip
+
+
+def validate_client_optimizer(config: ExperimentConfig) -> None:
+    """--warmup-ratio in [0, 1) and only with the linear schedule; --client-clip-norm > 0."""
+    _positive(config, "client_clip_norm")
+    if not (math.isfinite(config.warmup_ratio) and 0 <= config.warmup_ratio < 1):
+        raise UserError(f"--warmup-ratio must be in [0, 1), got {config.warmup_ratio}")
+    if config.warmup_ratio and config.lr_schedule != "linear":
+        raise UserError("--warmup-ratio needs --lr-schedule linear (the constant rate has no "
+                        "warm-up)")  # fmt: skip
 
 
 def validate_processes(config: ExperimentConfig) -> None:

@@ -317,8 +317,8 @@ def model_parts(config: ExperimentConfig, pre: Any, critical_layer: int) -> Any:
 
 
 def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: Any) -> Any:
-    """The round's static description: client update (objective, AdamW, FedProx mu), server
-    optimiser, wire dtype, clients at once, devices."""
+    """The round's static description: client update (objective, client optimiser, FedProx mu),
+    server optimiser, wire dtype, clients at once, devices."""
     import jax
 
     from fedjax_split.fed import algorithms, client
@@ -328,7 +328,10 @@ def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: A
     client_spec = client.ClientSpec(
         apply=apply,
         objective=task.objective,
-        optimizer=client.default_client_optimizer(config.lr),
+        optimizer=client.client_optimizer(
+            config.client_optimizer, config.lr, schedule=config.lr_schedule,
+            warmup_ratio=config.warmup_ratio, clip_norm=config.client_clip_norm,
+        ),  # fmt: skip
         prox_mu=config.prox_mu,
     )
     return rounds.RoundSpec(

@@ -69,6 +69,8 @@ from fedjax_split.fed.client import (
     ClientSpec,
     ClientState,
     make_client_fns,
+    real_steps,
+    round_scheduled,
 )
 from fedjax_split.fed.client_program import client_functions, client_rngs, download, round_rng
 from fedjax_split.fed.privacy import clip_upload, server_key
@@ -339,13 +341,15 @@ def stacked_functions(spec: RoundSpec) -> StackedFns:
         sharding = NamedSharding(spec.mesh, PartitionSpec(CLIENT_AXIS))
         return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, sharding), tree)
 
-    def start(state: ServerState, local_params: Any, client_ids: jax.Array, rng: jax.Array):
+    def start(state: ServerState, local_params: Any, client_ids: jax.Array, rng: jax.Array,
+              total_steps: jax.Array | None = None):  # fmt: skip
         pad = -client_ids.shape[0] % num_devices
         padded_keys = _pad_clients(client_keys(state.round, rng, client_ids), pad)
         received = download(state.global_params, spec.trained)[0]
-        client_states = jax.vmap(fns.init, in_axes=(None, 0), axis_size=padded_keys.shape[0])(
-            received, _pad_clients(local_params, pad)
-        )
+        steps = None if total_steps is None else _pad_clients(total_steps, pad, 0)
+        init = jax.vmap(fns.init, in_axes=(None, 0, None if steps is None else 0),
+                        axis_size=padded_keys.shape[0])  # fmt: skip
+        client_states = init(received, _pad_clients(local_params, pad), steps)
         return shard(client_states), shard(padded_keys)
 
     def segment(
@@ -457,6 +461,7 @@ def _run_one_at_a_time(
     on_progress: ProgressHook | None = None,
     factors: Any = None,
     local_like: Any = None,
+    totals: Sequence[int | None] | None = None,
 ) -> tuple[ServerState, Any, ClientMetrics, Any]:
     """One-at-a-time round with client i on devices[i % D]: each device runs its clients one
     after another while the other devices run theirs. Each client runs the client program
@@ -480,13 +485,7 @@ def _run_one_at_a_time(
     keys = fns.keys(server_state.round, rng, ids)
     # the received global part and the frozen one, put once on each device that has clients
     here = {d: jax.device_put((server_state.global_params, frozen), devices[d]) for d in used}
-    states: dict[int, Any] = {}
-    own_keys: dict[int, Any] = {}
-    for i in mine:
-        device = devices[i % num_devices]
-        local = jax.device_put(jax.tree.map(lambda x, k=slot[i]: x[k], local_params), device)
-        own_keys[i] = jax.device_put(keys[i], device)
-        states[i] = fns.start_one(here[i % num_devices][0], local, own_keys[i])
+    states, own_keys = _start_clients(fns, devices, here, keys, mine, local_params, totals)
     # Programs are enqueued one per device in turn (client d's first step, client d + 1's on the
     # next device, ...), so that no device waits for the host to reach its clients; the host only
     # enqueues, it reads nothing back.
@@ -526,13 +525,37 @@ def _run_one_at_a_time(
     return state, new_local, metrics, checks
 
 
+def _start_clients(
+    fns: OneAtATimeFns,
+    devices: tuple[Any, ...],
+    here: dict[int, Any],
+    keys: jax.Array,
+    mine: Sequence[int],
+    local_params: Any,
+    totals: Sequence[int | None] | None,
+) -> tuple[dict[int, Any], dict[int, Any]]:
+    """The client states of this process's clients `mine`, each on its device (client i on
+    devices[i % D], its local part row k of `local_params` for the k-th of `mine`), and their
+    keys there; `totals`: each client's steps this round for a linear client schedule, or None."""
+    states: dict[int, Any] = {}
+    own_keys: dict[int, Any] = {}
+    for k, i in enumerate(mine):
+        device = devices[i % len(devices)]
+        local = jax.device_put(jax.tree.map(lambda x, k=k: x[k], local_params), device)
+        own_keys[i] = jax.device_put(keys[i], device)
+        total = None if totals is None else jnp.int32(totals[i])
+        states[i] = fns.start_one(here[i % len(devices)][0], local, own_keys[i], total)
+    return states, own_keys
+
+
 def _sent_like(
     fns: OneAtATimeFns, server_state: ServerState, local_like: Any, key: jax.Array, dp: bool
 ) -> Any:
     """The shapes of what a client sends (upload, metrics[, norm]), for a process that trained
     none of the round's clients; `local_like`: a client's local part's shapes."""
     def sent(global_wire: Any, local: Any, k: jax.Array, bound: Any) -> Any:
-        upload_i, _, metrics_i = fns.finish_one(fns.start_one(global_wire, local, k))
+        steps = jnp.zeros([], jnp.int32)  # shapes only: any count of steps
+        upload_i, _, metrics_i = fns.finish_one(fns.start_one(global_wire, local, k, steps))
         if not dp:
             return upload_i, metrics_i
         clipped, norm = fns.clip_one(upload_i, global_wire, bound)
@@ -553,10 +576,12 @@ def _run_stacked(
     frozen: Any,
     on_progress: ProgressHook | None = None,
     factors: Any = None,
+    totals: Sequence[int] | None = None,
 ) -> tuple[ServerState, Any, ClientMetrics, Any]:
     """Stacked round: the clients' steps stacked step by step, all clients in each call."""
     watcher = None if on_progress is None else _Watcher(on_progress, segments, 1)
-    client_states, keys = fns.start(server_state, local_params, ids, rng)
+    steps = None if totals is None else jnp.asarray(totals, jnp.int32)
+    client_states, keys = fns.start(server_state, local_params, ids, rng, steps)
     for j, seg in enumerate(stack_clients(segments)):
         seg = seg.for_training()
         client_states = fns.segment(client_states, server_state.global_params, seg, keys, frozen)
@@ -624,17 +649,20 @@ def run_round(
     factors = None if update_factors is None else jnp.asarray(update_factors, jnp.float32)
     if processes.count() > 1 and local_like is None:  # every process stops, none waits
         raise ValueError("run_round with several processes needs local_like")
+    totals = None  # each client's steps this round, for a linear client schedule
+    if round_scheduled(spec.client.optimizer):
+        totals = [None if c is None else int(real_steps(c)) for c in segments]
     if one_at_a_time(spec):
         state, new_local, metrics, (accepted, norms) = _run_one_at_a_time(
             one_at_a_time_functions(spec), round_devices(spec), server_state, local_params, ids,
-            rng, segments, weights, frozen, on_progress, factors, local_like,
+            rng, segments, weights, frozen, on_progress, factors, local_like, totals,
         )  # fmt: skip
     else:
         if processes.count() > 1:
             raise UserError("several processes train one client at a time: use chunk_size=1")
         state, new_local, metrics, (accepted, norms) = _run_stacked(
             stacked_functions(spec), server_state, local_params, ids, rng, segments, weights,
-            frozen, on_progress, factors,
+            frozen, on_progress, factors, totals,
         )  # fmt: skip
     train_loss = metrics.loss_sum / jnp.maximum(metrics.num_examples, 1.0)
     result = RoundResult(
