@@ -6,7 +6,7 @@ import pytest
 
 from fedjax_split.models import lora
 from fedjax_split.models.bert import BertConfig
-from fedjax_split.run.method import describe
+from fedjax_split.run.method import client_words, describe
 
 SIX = BertConfig(hidden_size=32, num_hidden_layers=6, num_attention_heads=2, intermediate_size=64)
 
@@ -82,3 +82,12 @@ def test_describe_fedbt_names_a_freeze() -> None:
     line = describe("fedavg", 6, 6, num_frozen=12_345_678, freeze=freeze, cycle=3)
     assert line.endswith(f"only the trained part is uploaded; --freeze {freeze!r}: 12,345,678 "
                          "parameters frozen in all")  # fmt: skip
+
+
+def test_the_client_optimiser_is_said_only_when_it_is_not_the_default() -> None:
+    assert client_words("adamw", 2e-5, "constant", 0.0, None) == ""
+    assert client_words("sgd", 5e-5, "linear", 0.06, 1.0) == (
+        "; clients: SGD at lr 5e-05, linear warm-up (6%) and decay each round, gradients "
+        "clipped to norm 1")  # fmt: skip
+    assert client_words("adamw", 1e-4, "linear", 0.0, None) == (
+        "; clients: AdamW at lr 0.0001, linear decay each round")  # fmt: skip

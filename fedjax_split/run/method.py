@@ -77,6 +77,22 @@ def describe(
     return line
 
 
+def client_words(optimizer: str, lr: float, schedule: str, warmup_ratio: float,
+                 clip_norm: float | None) -> str:  # fmt: skip
+    """The client optimiser, said when it is not the default AdamW at a constant rate: e.g. ";
+    clients: SGD at lr 5e-05, linear warm-up (6%) and decay each round, gradients clipped to norm
+    1". Empty for the default, whose rate every run's config.json holds."""
+    if optimizer == "adamw" and schedule == "constant" and clip_norm is None:
+        return ""
+    words = [f"{'SGD' if optimizer == 'sgd' else 'AdamW'} at lr {lr:g}"]
+    if schedule == "linear":
+        warm = f"warm-up ({warmup_ratio:.0%}) and " if warmup_ratio else ""
+        words.append(f"linear {warm}decay each round")
+    if clip_norm is not None:
+        words.append(f"gradients clipped to norm {clip_norm:g}")
+    return "; clients: " + ", ".join(words)
+
+
 def _fedbt(algo: Any, title: str, cycle: int, num_layers: int, quantize: str) -> str:
     """E.g. "FedBT fine-tuning, cycle of 3 of 6 layers: round 1 trains layer 6 + head, round 2
     layers 5-6 + head, round 3 layers 4-6 + head, then again; embeddings + layers 1-3 frozen;

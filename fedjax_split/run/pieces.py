@@ -422,14 +422,15 @@ def model_meta(model: Model) -> dict[str, Any]:
 
 def method_line(config: ExperimentConfig, model: Model) -> str:
     """The run's method as a person says it (`run.method.describe`), for its first line."""
-    from fedjax_split.run.method import describe
+    from fedjax_split.run.method import client_words, describe
 
     return describe(
         config.algorithm, model.critical_layer, model.config.num_hidden_layers,
         quantize=config.quantize, num_frozen=model.num_frozen, freeze=config.freeze,
         mu=config.prox_mu, lora=model.config if model.config.lora_targets else None,
         cycle=model.cycle_factor,
-    )  # fmt: skip
+    ) + client_words(config.client_optimizer, config.lr, config.lr_schedule, config.warmup_ratio,
+                     config.client_clip_norm)  # fmt: skip
 
 
 def check_partition(meta: dict[str, Any], part: Any, what: str) -> None:
