@@ -121,7 +121,7 @@ def with_total_steps(opt_state: Any, total_steps: jax.Array | int | None) -> Any
 
 def client_optimizer(
     name: str,
-    learning_rate: float,
+    learning_rate: optax.ScalarOrSchedule,
     weight_decay: float = 0.01,
     *,
     schedule: str = "constant",
