@@ -81,6 +81,16 @@ def test_the_check_table_says_each_algorithms_defaults(
     assert f"(eta {adam.server_lr:g}, tau {adam.tau:g}) | 0.780 ± 0.028 (n=2)" in rows["FedAdam"]
     assert "s0: 0.800, s1: 0.760 |" in rows["FedAdam"]
     assert rows["FedAvg"].endswith("| - | - |  |") and "(eta 1)" in rows["FedAvg"]
+    # no check run of FedYogi: its full-preset cell at the defaults stands for seed 0
+    yogi = tuning.ALGORITHMS["fedyogi"]
+    monkeypatch.setitem(tuning.FULL, "k10", {"fedyogi": [(yogi.server_lr, yogi.tau), (1.0, 0.1)]})
+    _run(tmp_path, tuning.full_name("k10", "fedyogi", 1.0, 0.1), 0.3)
+    rows = {line.split(" (")[0].lstrip("| "): line for line in tuning._check_table("k10")[2:]}
+    assert rows["FedYogi"].endswith("| - | - |  |")  # the default cell has not run
+    cell = tuning.full_name("k10", "fedyogi", yogi.server_lr, yogi.tau)
+    _run(tmp_path, cell, 0.77)
+    rows = {line.split(" (")[0].lstrip("| "): line for line in tuning._check_table("k10")[2:]}
+    assert rows["FedYogi"].endswith(f"| 0.770 (n=1) | s0: 0.770 | `{cell}` |")
     assert tuning.main(["--presets", "k5", "--report-only"]) == 2
 
 

@@ -187,15 +187,29 @@ def _check_table(preset: str) -> list[str]:
     lines = ["| algorithm (registry defaults) | final accuracy, mean ± sd | each seed | runs |",
              "|---|---|---|---|"]  # fmt: skip
     for alg in CHECKS:
-        done = [(s, r) for s in SEEDS if (r := RUNS.load(check_name(preset, alg, s)))
+        done = [(s, r, name) for s in SEEDS if (r := RUNS.load(name := check_name(preset, alg, s)))
                 and at_defaults(alg, r)]  # fmt: skip
-        values = [v for _, r in done if (v := final(r)) is not None]
+        if not any(s == 0 for s, _, _ in done) and (cell := default_cell(preset, alg)):
+            done.insert(0, (0, cell[1], cell[0]))  # seed 0 at these very flags, run as a cell
+        values = [v for _, r, _ in done if (v := final(r)) is not None]
         a = ALGORITHMS[alg]
         setting = f"eta {a.server_lr:g}" + ("" if a.tau is None else f", tau {a.tau:g}")
-        seeds = ", ".join(f"s{s}: {fmt(final(r))}" for s, r in done) or "-"
-        names = ", ".join(f"`{check_name(preset, alg, s)}`" for s, _ in done)
+        seeds = ", ".join(f"s{s}: {fmt(final(r))}" for s, r, _ in done) or "-"
+        names = ", ".join(f"`{name}`" for _, _, name in done)
         lines.append(f"| {a.title} ({setting}) | {mean_sd(values)} | {seeds} | {names} |")
     return lines
+
+
+def default_cell(preset: str, alg: str) -> tuple[str, dict[str, Any]] | None:
+    """(name, run) of the full-preset cell at `alg`'s registry defaults, if it ran: seed 0 with
+    the server flags set to what leaving them unset resolves to, so the same run."""
+    a = ALGORITHMS[alg]
+    for eta, tau in FULL.get(preset, {}).get(alg, []):
+        if math.isclose(eta, a.server_lr) and a.tau is not None and math.isclose(tau, a.tau):
+            name = full_name(preset, alg, eta, tau)
+            run = RUNS.load(name)
+            return (name, run) if run else None
+    return None
 
 
 def plot(all_scores: dict[str, dict[tuple[float, float], float]], fedavg: float | None) -> None:
@@ -261,7 +275,7 @@ def report() -> None:
         text += ["![accuracy against eta / tau, and by round on the full preset]"
                  "(figures/fedopt_tuning.png)", ""]  # fmt: skip
     for preset in FULL:
-        text += [f"## Cells on the full preset: {PRESETS[preset][0]}, seed 0", "",
+        text += [f"## Cells on {PRESETS[preset][0]}, seed 0", "",
                  f"`python -m fedjax_split.train {shlex.join(PRESETS[preset][1])} --algorithm=ALG "
                  "--server-lr=ETA --server-tau=TAU`", "", *_full_table(preset), ""]  # fmt: skip
     for preset, (title, flags) in PRESETS.items():
