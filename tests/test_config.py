@@ -160,6 +160,13 @@ def test_trajectory_mismatch_ignores_bookkeeping() -> None:
     # packing and bucketing change the batches, so a run cannot switch them on resume
     assert trajectory_mismatch(saved, ExperimentConfig(packing=False)) == ["packing"]
     assert trajectory_mismatch(saved, ExperimentConfig(bucketing=True)) == ["bucketing"]
+    # a run saved before the client optimiser flags trained AdamW at a constant rate, unclipped
+    old = {k: v for k, v in saved.items() if k not in ("client_optimizer", "lr_schedule",
+                                                       "warmup_ratio", "client_clip_norm")}
+    assert trajectory_mismatch(old, ExperimentConfig()) == []
+    sgd = ExperimentConfig(client_optimizer="sgd", lr_schedule="linear", client_clip_norm=1.0)
+    assert trajectory_mismatch(old, sgd) == ["client_clip_norm", "client_optimizer",
+                                             "lr_schedule"]  # fmt: skip
     assert trajectory_mismatch(saved, ExperimentConfig(paper_fill="sequential")) == ["paper_fill"]
 
 

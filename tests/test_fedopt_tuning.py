@@ -114,3 +114,20 @@ def test_the_full_presets_cells_are_named_by_their_half_decades(
     k3 = dict(tuning.full_runs())["k3grid_fedyogi_lr1e-2_tau1e-3"]  # a second preset's cells
     assert "--config=configs/study_rotten_tomatoes.py:k3" in k3 and "--server-lr=0.01" in k3
     assert tuning._full_table("k3")[2].startswith("| FedYogi")
+
+
+def test_a_check_run_at_an_older_default_is_set_aside_not_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tuning, "RUNS", tuning.Runs(tmp_path))
+    yogi = tuning.ALGORITHMS["fedyogi"]
+    _run(tmp_path, "k3_fedyogi_s0", 0.75, {"server_settings": {"server_lr": 10**-1.5,
+                                                               "server_tau": yogi.tau}})
+    _run(tmp_path, "k3_fedyogi_s1", 0.78, {"server_settings": {"server_lr": yogi.server_lr,
+                                                               "server_tau": yogi.tau}})
+    tuning.set_aside_if_stale("k3_fedyogi_s0", "fedyogi")
+    tuning.set_aside_if_stale("k3_fedyogi_s1", "fedyogi")  # at the defaults: kept
+    assert not (tmp_path / "k3_fedyogi_s0").exists()
+    assert (tmp_path / "k3_fedyogi_s0_at_lr1e-1.5" / "summary.json").is_file()
+    assert (tmp_path / "k3_fedyogi_s0_at_lr1e-1.5.log").is_file()
+    assert (tmp_path / "k3_fedyogi_s1" / "summary.json").is_file()

@@ -200,6 +200,18 @@ def _check_table(preset: str) -> list[str]:
     return lines
 
 
+def set_aside_if_stale(name: str, alg: str) -> None:
+    """A check run that ran an older default is renamed (with its log) to `<name>_at_lr<eta>`,
+    so that the check runs again at the present defaults and nothing run is lost."""
+    run = RUNS.load(name)
+    if run is None or at_defaults(alg, run):
+        return
+    aside = f"{name}_at_lr{exponent(run['config']['server_settings']['server_lr'])}"
+    for suffix in ("", ".log"):
+        (RUNS.directory / f"{name}{suffix}").rename(RUNS.directory / f"{aside}{suffix}")
+    print(f"{name}: ran older defaults; set aside as {aside}", flush=True)
+
+
 def default_cell(preset: str, alg: str) -> tuple[str, dict[str, Any]] | None:
     """(name, run) of the full-preset cell at `alg`'s registry defaults, if it ran: seed 0 with
     the server flags set to what leaving them unset resolves to, so the same run."""
@@ -307,7 +319,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                             if n.split("_")[0] in presets]}  # fmt: skip
         todo = [(n, c) for stage, planned in stages.items() if args.stage in (stage, "all")
                 for n, c in planned if n.split("_")[1] in algs]  # fmt: skip
+        checks = {n for n, _ in check_runs(SEEDS)}
         for run_name, cmd in todo:
+            if run_name in checks:
+                set_aside_if_stale(run_name, run_name.split("_")[1])
             print(RUNS.run(run_name, cmd), flush=True)
     report()
     return 0

@@ -770,10 +770,15 @@ def _saved_server(saved: dict[str, Any]) -> dict[str, float | None] | None:
     return {k: saved.get(k) if saved.get(k) is not None else old[k] for k in old}
 
 
+_ADDED_LATER = ("client_optimizer", "lr_schedule", "warmup_ratio", "client_clip_norm")
+
+
 def trajectory_mismatch(saved: dict[str, Any], config: ExperimentConfig) -> list[str]:
     """Names of settings that differ from a saved run and would change its results on --resume:
     the flags, and the server settings they resolved to (a default may have changed since)."""
     flags = {k: v for k, v in saved.items() if k not in ("server_lr", "server_tau")}
+    # settings added after runs were saved without them: such a run trained at their defaults
+    flags = {**{k: FIELDS[k].default for k in _ADDED_LATER}, **flags}
     names = SCHEMA.trajectory_mismatch(flags, config)  # the server's: as they resolve, below
     ran = _saved_server(saved)
     if ran is not None and ran != server_settings(config):

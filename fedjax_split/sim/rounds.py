@@ -70,7 +70,6 @@ from fedjax_split.fed.client import (
     ClientState,
     make_client_fns,
     real_steps,
-    round_scheduled,
 )
 from fedjax_split.fed.client_program import client_functions, client_rngs, download, round_rng
 from fedjax_split.fed.privacy import clip_upload, server_key
@@ -649,9 +648,9 @@ def run_round(
     factors = None if update_factors is None else jnp.asarray(update_factors, jnp.float32)
     if processes.count() > 1 and local_like is None:  # every process stops, none waits
         raise ValueError("run_round with several processes needs local_like")
-    totals = None  # each client's steps this round, for a linear client schedule
-    if round_scheduled(spec.client.optimizer):
-        totals = [None if c is None else int(real_steps(c)) for c in segments]
+    # each client's steps this round, counted on the host, for a linear client schedule (its
+    # optimiser ignores them otherwise)
+    totals = [None if c is None else int(real_steps(c, np)) for c in segments]
     if one_at_a_time(spec):
         state, new_local, metrics, (accepted, norms) = _run_one_at_a_time(
             one_at_a_time_functions(spec), round_devices(spec), server_state, local_params, ids,
