@@ -137,8 +137,8 @@ def table(data: str) -> tuple[list[str], dict[str, list[tuple[int, float]]]]:
 def _pct(values: Sequence[float]) -> str:
     if not values:
         return "-"
-    lo, hi = min(values), max(values)
-    return f"{100 * lo:.1f}%" if hi - lo < 5e-4 else f"{100 * lo:.1f}-{100 * hi:.1f}%"
+    lo, hi = f"{100 * min(values):.1f}", f"{100 * max(values):.1f}"
+    return f"{lo}%" if lo == hi else f"{lo}-{hi}%"  # one figure where they print alike
 
 
 def plot(all_curves: dict[str, dict[str, list[tuple[int, float]]]]) -> None:

@@ -150,9 +150,9 @@ def client_optimizer(
     """Client optimiser by name: "adamw" (default; weight decay 0.01 unless given) or "sgd" (the
     paper's Algorithm 1, no weight decay), with the gradient clipped to a global L2 norm first if
     `clip_norm` is given and, with the "linear" schedule, the learning rate warmed up and decayed
-    over each client's round (`linear_warmup_decay`): FedNLP's client is `client_optimizer("sgd", 5e-5,
-    schedule="linear", warmup_ratio=0.06, clip_norm=1.0)`. The defaults are the bare optimiser
-    (no chain), as every earlier run trained."""
+    over each client's round (`linear_warmup_decay`): FedNLP's client is
+    `client_optimizer("sgd", 5e-5, schedule="linear", warmup_ratio=0.06, clip_norm=1.0)`. The
+    defaults are the bare optimiser (no chain), as every earlier run trained."""
     if name not in CLIENT_OPTIMIZERS:
         raise UserError(f"unknown client optimizer {name!r}; use adamw or sgd")
     if schedule not in LR_SCHEDULES:
