@@ -67,3 +67,28 @@ def test_the_table_has_a_row_per_finished_run_and_says_not_reached(runs: Path) -
     check, _, _ = study.table("rt", [("fedavg", 8, "5e-4"), ("fedavg", 8, "2e-3")], seeds=(0,))
     assert len(check) == 3  # the header, its rule and the one finished row (no 5e-4 run here)
     assert check[2].startswith("| FedAvg, LoRA r=8 | ")
+
+
+def test_a_finished_study_run_keeps_its_figures_not_its_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs.run deletes a finished run's checkpoints and personal parts; a failed run keeps them
+    (it resumes from them)."""
+    import subprocess
+
+    def fake_train(cmd, **kw):  # what `python -m fedjax_split.train` leaves behind
+        out = Path(cmd[-1].removeprefix("--output-dir="))
+        (out / "checkpoints" / "3").mkdir(parents=True)
+        (out / "clients").mkdir()
+        (out / "metrics.jsonl").write_text("{}\n")
+        if "ok" in out.name:
+            (out / "summary.json").write_text("{}")
+        return 0 if "ok" in out.name else 1
+
+    monkeypatch.setattr(subprocess, "call", fake_train)
+    runs = study.Runs(tmp_path)
+    assert runs.run("ok_run", ["--rounds=3"]).startswith("ok_run: ok")
+    assert sorted(p.name for p in (tmp_path / "ok_run").iterdir()) == ["metrics.jsonl",
+                                                                       "summary.json"]  # fmt: skip
+    assert "FAILED" in runs.run("bad_run", ["--rounds=3"])
+    assert (tmp_path / "bad_run" / "checkpoints" / "3").is_dir()

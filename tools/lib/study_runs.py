@@ -2,14 +2,16 @@
 finished one, and put numbers in tables (mean ± sd over seeds).
 
 Runs are `python -m fedjax_split.train ARGS --output-dir=DIR/<name>`, their output in
-DIR/<name>.log after a line "commit <hash>": a finished run (summary.json) is not run again, an
-interrupted one continues with --resume.
+DIR/<name>.log after a line "commit <hash>": a finished run (summary.json) is not run again (its
+checkpoints are deleted once it finishes: the reports read its figures), an interrupted one
+continues with --resume.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -48,6 +50,8 @@ class Runs:
             f.flush()
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+        if rc == 0 and (out / "summary.json").is_file():
+            drop_checkpoints(out)
         return f"{name}: {'ok' if rc == 0 else f'FAILED (exit {rc})'} in {time.time() - t0:.0f}s"
 
     def load(self, name: str) -> dict[str, Any] | None:
@@ -73,6 +77,13 @@ class Runs:
                 if c not in found:
                     found.append(c)
         return found
+
+
+def drop_checkpoints(run_dir: Path) -> None:
+    """A finished study run's checkpoints and personal parts, which no report reads (a few
+    hundred MB a run: a study's dozens of runs would fill a disk); its figures stay."""
+    for part in ("checkpoints", "clients"):
+        shutil.rmtree(run_dir / part, ignore_errors=True)
 
 
 def final(run: dict[str, Any], key: str = "accuracy") -> float | None:
