@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 
-from study_runs import ROOT, Runs, fmt, mean_sd, write_report  # noqa: E402
+from study_runs import ROOT, Runs, chosen, fmt, mean_sd, write_report  # noqa: E402
 
 RUNS = Runs(ROOT / "runs" / "fedbt_study")
 DOC = ROOT / "docs" / "fedbt_study.md"
@@ -192,14 +192,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help=f"comma-separated, of {', '.join(DATASETS)}")  # fmt: skip
     p.add_argument("--seeds", type=int, default=len(SEEDS), help="run the first N seeds")
     args = p.parse_args(argv)
-    chosen = [d.strip() for d in args.datasets.split(",")]
-    unknown = [d for d in chosen if d not in DATASETS]
-    if unknown:
-        print(f"error: unknown dataset {unknown[0]!r}; use {', '.join(DATASETS)}", file=sys.stderr)
+    datasets = chosen(args.datasets, list(DATASETS), "dataset")
+    if datasets is None:
         return 2
     if not args.report_only:
-        wanted = {name(d, m, s) for s in SEEDS[: args.seeds] for d in chosen for m in METHODS}
-        for run_name, cmd in runs(chosen):
+        wanted = {name(d, m, s) for s in SEEDS[: args.seeds] for d in datasets for m in METHODS}
+        for run_name, cmd in runs(datasets):
             if run_name in wanted:
                 print(RUNS.run(run_name, cmd), flush=True)
     report()

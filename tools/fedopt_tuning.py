@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 
-from study_runs import ROOT, Runs, final, fmt, mean_sd, write_report  # noqa: E402
+from study_runs import ROOT, Runs, chosen, final, fmt, mean_sd, write_report  # noqa: E402
 
 from fedjax_split.fed.algorithms import ALGORITHMS  # noqa: E402
 
@@ -306,9 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--algorithms", default=",".join(ADAPTIVE),
                    help="which algorithms' runs (FedAvg's always)")  # fmt: skip
     args = p.parse_args(argv)
-    presets = [x.strip() for x in args.presets.split(",")]
-    if unknown := [x for x in presets if x not in PRESETS]:
-        print(f"error: unknown preset {unknown[0]!r}; use {', '.join(PRESETS)}", file=sys.stderr)
+    presets = chosen(args.presets, list(PRESETS), "preset")
+    if presets is None:
         return 2
     if not args.report_only:
         algs = {"fedavg", *(x.strip() for x in args.algorithms.split(","))}

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 
-from study_runs import ROOT, Runs, fmt, write_report  # noqa: E402
+from study_runs import ROOT, Runs, chosen, fmt, write_report  # noqa: E402
 
 RUNS = Runs(ROOT / "runs" / "news_study")
 DOC = ROOT / "docs" / "news_study.md"
@@ -106,9 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--report-only", action="store_true", help="only rebuild the report")
     p.add_argument("--only", default=",".join(RUN_LIST), help="which runs: " + ", ".join(RUN_LIST))
     args = p.parse_args(argv)
-    only = [x.strip() for x in args.only.split(",")]
-    if unknown := [x for x in only if x not in RUN_LIST]:
-        print(f"error: unknown run {unknown[0]!r}; use {', '.join(RUN_LIST)}", file=sys.stderr)
+    only = chosen(args.only, list(RUN_LIST), "run")
+    if only is None:
         return 2
     if not args.report_only:
         for name in only:

@@ -79,6 +79,16 @@ class Runs:
         return found
 
 
+def chosen(text: str, known: Sequence[str], what: str) -> list[str] | None:
+    """The comma-separated names of a tool's flag, each one of `known`; None (after a one-line
+    error naming `what` and the choices) if one is not."""
+    names = [x.strip() for x in text.split(",")]
+    if unknown := [x for x in names if x not in known]:
+        print(f"error: unknown {what} {unknown[0]!r}; use {', '.join(known)}", file=sys.stderr)
+        return None
+    return names
+
+
 def drop_checkpoints(run_dir: Path) -> None:
     """A finished study run's checkpoints and personal parts, which no report reads (a few
     hundred MB a run: a study's dozens of runs would fill a disk); its figures stay."""
