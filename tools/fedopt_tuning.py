@@ -166,11 +166,17 @@ def _full_table(preset: str = "k10") -> list[str]:
                        default=None) if run else None  # fmt: skip
             loss = fmt(final(run, "train_loss")) if run else "-"
             a = ALGORITHMS[alg]
-            default = " (the default)" if math.isclose(a.server_lr, eta) and a.tau == tau else ""
+            default = " (the default)" if is_default(alg, eta, tau) else ""
             lines.append(f"| {a.title}{default} | {eta:.3g} | {tau:g} | "
                          f"{fmt(final(run)) if run else '-'} | {fmt(best)} | {loss} | "
                          f"`{full_name(preset, alg, eta, tau)}` |")  # fmt: skip
     return lines
+
+
+def is_default(alg: str, eta: float, tau: float) -> bool:
+    """Whether (eta, tau) is `alg`'s registry default."""
+    a = ALGORITHMS[alg]
+    return math.isclose(eta, a.server_lr) and a.tau is not None and math.isclose(tau, a.tau)
 
 
 def at_defaults(alg: str, run: dict[str, Any]) -> bool:
@@ -215,9 +221,8 @@ def set_aside_if_stale(name: str, alg: str) -> None:
 def default_cell(preset: str, alg: str) -> tuple[str, dict[str, Any]] | None:
     """(name, run) of the full-preset cell at `alg`'s registry defaults, if it ran: seed 0 with
     the server flags set to what leaving them unset resolves to, so the same run."""
-    a = ALGORITHMS[alg]
     for eta, tau in FULL.get(preset, {}).get(alg, []):
-        if math.isclose(eta, a.server_lr) and a.tau is not None and math.isclose(tau, a.tau):
+        if is_default(alg, eta, tau):
             name = full_name(preset, alg, eta, tau)
             run = RUNS.load(name)
             return (name, run) if run else None
