@@ -233,6 +233,44 @@ def wait_ended(procs: Sequence[Any], seconds: float) -> None:
                 time.sleep(0.02)
 
 
+def _is_worker_of(cmdline: Sequence[str], path: Path) -> bool:
+    return "fedjax_split.deploy.worker" in cmdline and str(path) in cmdline
+
+
+def _workers_of(path: Path, settle_seconds: float = 1.0) -> list[Any]:
+    """The processes serving `path`, by command line.
+
+    A process caught in the middle of its exec shows an empty command line for a moment: the
+    parent of a vforked child resumes before the kernel has set the new program's arguments. Such
+    a process (a user process, not a zombie) is read again until its command line shows, for at
+    most `settle_seconds`, so that a worker started just before `stop` is not missed."""
+    import psutil
+
+    found, unsettled = [], []
+    for proc in psutil.process_iter(["cmdline", "status", "ppid"]):
+        info = proc.info
+        if _is_worker_of(info["cmdline"] or [], path):
+            found.append(proc)
+        elif (not info["cmdline"] and info["status"] not in (None, psutil.STATUS_ZOMBIE)
+              and info["ppid"] not in (None, 0, 2) and proc.pid != 2):  # fmt: skip
+            unsettled.append(proc)  # kernel threads (children of pid 2) never show one
+    deadline = time.monotonic() + settle_seconds
+    while unsettled and time.monotonic() < deadline:
+        time.sleep(0.02)
+        still = []
+        for proc in unsettled:
+            try:
+                cmdline = proc.cmdline()
+            except psutil.Error:
+                continue  # ended, or not ours to read
+            if _is_worker_of(cmdline, path):
+                found.append(proc)
+            elif not cmdline:
+                still.append(proc)
+        unsettled = still
+    return found
+
+
 def stop(state_dir: str | Path, wait_seconds: float = 10.0) -> None:
     """Ends the worker of `state_dir`, if one runs (the local launcher, at its end), and waits
     until it has ended: a caller that stops a node's processes may count on none being left.
@@ -245,12 +283,10 @@ def stop(state_dir: str | Path, wait_seconds: float = 10.0) -> None:
 
     path = socket_path(state_dir)
     doomed = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if "fedjax_split.deploy.worker" in cmdline and str(path) in cmdline:
-            with contextlib.suppress(psutil.Error):
-                proc.send_signal(signal.SIGKILL)
-                doomed.append(proc)
+    for proc in _workers_of(path):
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signal.SIGKILL)
+            doomed.append(proc)
     wait_ended(doomed, wait_seconds)
     for stale in (Path(f"{path}.pid"), path):
         with contextlib.suppress(FileNotFoundError):
