@@ -38,9 +38,9 @@ def test_the_table_gives_the_last_pooled_figure_and_its_trace(
     monkeypatch.setattr(study, "RUNS", study.Runs(tmp_path))
     d = tmp_path / "central"
     d.mkdir()
-    records = [{"round": 1, "pooled": {"accuracy": 0.61}, "train_loss": 1.5},
-               {"round": 2, "pooled": {"accuracy": 0.7}, "train_loss": 0.9},
-               {"round": 3, "pooled": None, "train_loss": 0.8}]  # fmt: skip
+    records = [{"round": 1, "pooled": {"accuracy": 0.61}, "train_loss": 1.5, "cum_flops": 2e15},
+               {"round": 2, "pooled": {"accuracy": 0.7}, "train_loss": 0.9, "cum_flops": 4e15},
+               {"round": 3, "pooled": None, "train_loss": 0.8, "cum_flops": 6e15}]  # fmt: skip
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in records) + "\n")
     (d / "summary.json").write_text(json.dumps({"seconds": 61.2}))
     (d / "config.json").write_text("{}")
@@ -50,3 +50,13 @@ def test_the_table_gives_the_last_pooled_figure_and_its_trace(
     assert "| 0.7000 | 1: 0.610, 2: 0.700 | 0.800 | 61 |" in central
     assert "not run yet" in rows[study.RUN_LIST["fedavg"][0]]
     assert "| 0.5142 |" in rows["FedNLP: DistilBERT FedAvg, round 22"]
+    # the figure: computation in PFLOP against accuracy, evaluated rounds only, finished runs only
+    assert study.curves() == {study.RUN_LIST["central"][0]: [(2.0, 0.61), (4.0, 0.7)]}
+    monkeypatch.setattr(study, "FIGURE", tmp_path / "fig.png")
+    monkeypatch.setattr(study, "DOC", tmp_path / "doc.md")
+    monkeypatch.setattr(study, "DISCUSSION", tmp_path / "discussion.md")
+    (tmp_path / "discussion.md").write_text("## by hand\n")
+    study.report()
+    assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
+    doc = (tmp_path / "doc.md").read_text()
+    assert "(figures/news_study.png)" in doc and doc.rstrip().endswith("## by hand")
