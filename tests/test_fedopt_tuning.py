@@ -131,3 +131,11 @@ def test_a_check_run_at_an_older_default_is_set_aside_not_lost(
     assert (tmp_path / "k3_fedyogi_s0_at_lr1e-1.5" / "summary.json").is_file()
     assert (tmp_path / "k3_fedyogi_s0_at_lr1e-1.5.log").is_file()
     assert (tmp_path / "k3_fedyogi_s1" / "summary.json").is_file()
+    # a second stale run at the same lr (its log lost) goes beside the first, not over it
+    _run(tmp_path, "k3_fedyogi_s0", 0.74, {"server_settings": {"server_lr": 10**-1.5,
+                                                               "server_tau": yogi.tau}})
+    (tmp_path / "k3_fedyogi_s0.log").unlink()
+    tuning.set_aside_if_stale("k3_fedyogi_s0", "fedyogi")
+    assert (tmp_path / "k3_fedyogi_s0_at_lr1e-1.5_2" / "summary.json").is_file()
+    assert (tmp_path / "k3_fedyogi_s0_at_lr1e-1.5.log").is_file()  # the first one's, kept
+    assert not (tmp_path / "k3_fedyogi_s0").exists()

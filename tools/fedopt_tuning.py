@@ -212,9 +212,14 @@ def set_aside_if_stale(name: str, alg: str) -> None:
     run = RUNS.load(name)
     if run is None or at_defaults(alg, run):
         return
-    aside = f"{name}_at_lr{exponent(run['config']['server_settings']['server_lr'])}"
+    base = f"{name}_at_lr{exponent(run['config']['server_settings']['server_lr'])}"
+    aside, n = base, 1
+    while any((RUNS.directory / f"{aside}{s}").exists() for s in ("", ".log")):
+        n += 1  # one set aside at this lr already: a second one is not renamed over it
+        aside = f"{base}_{n}"
     for suffix in ("", ".log"):
-        (RUNS.directory / f"{name}{suffix}").rename(RUNS.directory / f"{aside}{suffix}")
+        if (RUNS.directory / f"{name}{suffix}").exists():
+            (RUNS.directory / f"{name}{suffix}").rename(RUNS.directory / f"{aside}{suffix}")
     print(f"{name}: ran older defaults; set aside as {aside}", flush=True)
 
 
