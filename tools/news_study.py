@@ -112,7 +112,7 @@ def plot(lines: dict[str, list[tuple[float, float]]]) -> None:
     import matplotlib.pyplot as plt
 
     FIGURE.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(7.5, 5.5))
     for label, pts in lines.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
     for (label, value), style in zip(PUBLISHED, (":", "--"), strict=True):
@@ -121,7 +121,8 @@ def plot(lines: dict[str, list[tuple[float, float]]]) -> None:
     ax.set_ylabel("accuracy, global model, pooled test documents")
     ax.set_title("20 Newsgroups, MiniLM-L6 (seed 0)")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=7)
+    ax.set_xlim(left=0)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13))  # below: no line hidden
     fig.tight_layout()
     fig.savefig(FIGURE, dpi=120)
     plt.close(fig)
