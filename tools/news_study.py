@@ -62,10 +62,15 @@ PUBLISHED = [
 ]
 
 
+def evaluated(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """A run's records that scored the one global model: `pooled` (every client's test split
+    together; the centralised run's one client is its whole test split)."""
+    return [r for r in run["records"] if (r.get("pooled") or {}).get("accuracy") is not None]
+
+
 def figure(run: dict[str, Any]) -> tuple[int, float] | None:
-    """(round, accuracy) of the last evaluation of the one global model: `pooled` (every
-    client's test split together; the centralised run's one client is its whole test split)."""
-    scored = [r for r in run["records"] if (r.get("pooled") or {}).get("accuracy") is not None]
+    """(round, accuracy) of the last evaluation of the one global model."""
+    scored = evaluated(run)
     return (scored[-1]["round"], scored[-1]["pooled"]["accuracy"]) if scored else None
 
 
@@ -80,8 +85,7 @@ def table() -> list[str]:
         if run is None:
             lines.append(f"| {label} | not run yet | | | | `runs/news_study/{name}` |")
             continue
-        points = [(r["round"], r["pooled"]["accuracy"]) for r in run["records"]
-                  if (r.get("pooled") or {}).get("accuracy") is not None]  # fmt: skip
+        points = [(r["round"], r["pooled"]["accuracy"]) for r in evaluated(run)]
         trace = ", ".join(f"{k}: {v:.3f}" for k, v in points)
         losses = [r["train_loss"] for r in run["records"] if r.get("train_loss") is not None]
         last, seconds = figure(run), run["summary"].get("seconds", 0)
@@ -99,9 +103,8 @@ def curves() -> dict[str, list[tuple[float, float]]]:
     for name, (label, _) in RUN_LIST.items():
         run = RUNS.load(name)
         if run is not None:
-            out[label] = [(r["cum_flops"] / 1e15, r["pooled"]["accuracy"]) for r in run["records"]
-                          if (r.get("pooled") or {}).get("accuracy") is not None
-                          and "cum_flops" in r]  # fmt: skip
+            out[label] = [(r["cum_flops"] / 1e15, r["pooled"]["accuracy"])
+                          for r in evaluated(run) if "cum_flops" in r]  # fmt: skip
     return out
 
 
