@@ -57,3 +57,27 @@ def test_every_method_runs_at_each_seed_before_the_next_seed() -> None:
     assert "--layer-schedule=fedbt" in args and "--seed=2" in args and "--critical-layer=L" in args
     assert "--model-layers=2" in dict(planned)["rt_trunc2_s0"]
     assert study.main(["--datasets", "imdb"]) == 2
+
+
+def test_the_report_rewrites_the_sections_whose_runs_are_here_and_keeps_the_others(
+    runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    doc, discussion = tmp_path / "docs" / "study.md", tmp_path / "docs" / "discussion.md"
+    doc.parent.mkdir()
+    monkeypatch.setattr(study, "DOC", doc)
+    monkeypatch.setattr(study, "DISCUSSION", discussion)
+    monkeypatch.setattr(study, "FIGURE_DIR", tmp_path / "figures")
+    rt, news = (f"## {study.DATASETS[d][0]}" for d in ("rt", "news"))
+    kept = [news, "", "Runs at commit(s) 0ld0ne.", "", "| an earlier table |", ""]
+    doc.write_text("\n".join(["# old", "", rt, "", "| a stale rt table |", "", *kept,
+                              "## What the numbers allow", "", "old discussion"]))  # fmt: skip
+    discussion.write_text("## What the numbers allow\n\nby hand\n")
+    study.report()
+    text = doc.read_text()
+    assert "a stale rt table" not in text and "Runs at commit(s) abc1234." in text
+    assert "| 0.790 ± 0.010 (n=3) |" in text  # rt's table from the runs here
+    assert "\n".join(kept) in text  # 20 Newsgroups, whose runs are not here, kept as it was
+    assert text.index(rt) < text.index(news) < text.index("by hand")
+    assert "old discussion" not in text and text.count("## What the numbers allow") == 1
+    assert (tmp_path / "figures" / "fedbt_study_rt.png").stat().st_size > 0
+    assert not (tmp_path / "figures" / "fedbt_study_news.png").exists()
