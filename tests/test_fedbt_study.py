@@ -81,3 +81,4 @@ def test_the_report_rewrites_the_sections_whose_runs_are_here_and_keeps_the_othe
     assert "old discussion" not in text and text.count("## What the numbers allow") == 1
     assert (tmp_path / "figures" / "fedbt_study_rt.png").stat().st_size > 0
     assert not (tmp_path / "figures" / "fedbt_study_news.png").exists()
+    assert not study.pyplot().get_fignums()  # the figure is freed once written

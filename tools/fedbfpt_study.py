@@ -43,6 +43,10 @@ from typing import Any
 
 from fedjax_split.run.outputs import read_json, read_jsonl
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+
+from study_runs import pyplot, save_figure  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "fedbfpt_study"
 DOC = ROOT / "docs" / "fedbfpt.md"
@@ -298,12 +302,7 @@ def bert_base_accounting() -> list[str]:
 
 def plots(runs: dict[str, dict[str, Any]]) -> list[str]:
     """PNG figures; returns their markdown lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    FIGURES.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     lines = []
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for m, run in runs.items():
@@ -330,8 +329,7 @@ def plots(runs: dict[str, dict[str, Any]]) -> list[str]:
                  "(word embeddings frozen unless the label says otherwise)")
     fig.tight_layout()
     path = FIGURES / "fedbfpt_mlm.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     lines.append(f"![held-out MLM loss against computation and communication]({path.name})")
 
     points = []
@@ -356,8 +354,7 @@ def plots(runs: dict[str, dict[str, Any]]) -> list[str]:
         fig.suptitle("Downstream NER against the cost of further pre-training")
         fig.tight_layout()
         path = FIGURES / "fedbfpt_f1_cost.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
+        save_figure(fig, path)
         lines.append(f"![NERO F1 against pre-training cost]({path.name})")
     return [f"{x.replace('](', '](figures/')}" for x in lines]
 

@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 
-from study_runs import ROOT, Runs, chosen, fmt, mean_sd, write_report  # noqa: E402
+from study_runs import ROOT, Runs, chosen, fmt, mean_sd, pyplot, save_figure, write_report  # noqa: E402
 
 RUNS = Runs(ROOT / "runs" / "fedbt_study")
 DOC = ROOT / "docs" / "fedbt_study.md"
@@ -148,12 +148,7 @@ def figure_path(data: str) -> Path:
 def plot(data: str, curves: dict[str, list[tuple[int, float]]]) -> None:
     """One dataset's seed-0 curves: its own file, so that a section kept from an earlier report
     (its runs gone from this machine) keeps its figure too."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    FIGURE_DIR.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 4.0))
     for lab, pts in curves.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=lab)
@@ -162,8 +157,7 @@ def plot(data: str, curves: dict[str, list[tuple[int, float]]]) -> None:
     ax.set_title(f"{DATASETS[data][0]} (seed 0)", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(figure_path(data), dpi=120)
-    plt.close(fig)
+    save_figure(fig, figure_path(data))
 
 
 def section(data: str) -> list[str] | None:

@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 
-from study_runs import ROOT, Runs, chosen, final, fmt, mean_sd, write_report  # noqa: E402
+from study_runs import ROOT, Runs, chosen, final, fmt, mean_sd, pyplot, save_figure, write_report  # noqa: E402
 
 from fedjax_split.fed.algorithms import ALGORITHMS  # noqa: E402
 
@@ -237,12 +237,7 @@ def default_cell(preset: str, alg: str) -> tuple[str, dict[str, Any]] | None:
 def plot(all_scores: dict[str, dict[tuple[float, float], float]], fedavg: float | None) -> None:
     """Left: the tuning preset's accuracy against eta / tau; right: the full K=10 preset's
     accuracy by round, FedAvg's (the check run at seed 0) beside each cell's."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     for alg, scores in all_scores.items():
         pts = sorted(scores.items(), key=lambda kv: kv[0][0] / kv[0][1])
@@ -271,8 +266,7 @@ def plot(all_scores: dict[str, dict[tuple[float, float], float]], fedavg: float 
     right.set_title("Full K=10 preset, 10 rounds, seed 0")
     right.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(FIGURE, dpi=120)
-    plt.close(fig)
+    save_figure(fig, FIGURE)
 
 
 def report() -> None:

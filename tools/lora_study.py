@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 
-from study_runs import ROOT, Runs, final, fmt, mean_sd, write_report  # noqa: E402
+from study_runs import ROOT, Runs, final, fmt, mean_sd, pyplot, save_figure, write_report  # noqa: E402
 
 RUNS = Runs(ROOT / "runs" / "lora_study")
 DOC = ROOT / "docs" / "lora_study.md"
@@ -158,12 +158,7 @@ def table(
 def plot(
     all_curves: dict[str, dict[str, list[tuple[float, float]]]], priors: dict[str, float | None]
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(all_curves), figsize=(6 * len(all_curves), 4.2), squeeze=False)
     for ax, (data, curves) in zip(axes[0], all_curves.items(), strict=True):
         for i, (lab, pts) in enumerate(curves.items()):
@@ -178,8 +173,7 @@ def plot(
         ax.set_title(DATASETS[data][0])
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(FIGURE, dpi=120)
-    plt.close(fig)
+    save_figure(fig, FIGURE)
 
 
 def report() -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 
-from study_runs import ROOT, Runs, chosen, fmt, write_report  # noqa: E402
+from study_runs import ROOT, Runs, chosen, fmt, pyplot, save_figure, write_report  # noqa: E402
 
 RUNS = Runs(ROOT / "runs" / "news_study")
 DOC = ROOT / "docs" / "news_study.md"
@@ -109,12 +109,7 @@ def curves() -> dict[str, list[tuple[float, float]]]:
 
 
 def plot(lines: dict[str, list[tuple[float, float]]]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    FIGURE.parent.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 5.5))
     for label, pts in lines.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label)
@@ -127,8 +122,7 @@ def plot(lines: dict[str, list[tuple[float, float]]]) -> None:
     ax.set_xlim(left=0)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13))  # below: no line hidden
     fig.tight_layout()
-    fig.savefig(FIGURE, dpi=120)
-    plt.close(fig)
+    save_figure(fig, FIGURE)
 
 
 def report() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 
-from study_runs import ROOT, Runs, final, fmt, mean_sd, write_report  # noqa: E402
+from study_runs import ROOT, Runs, final, fmt, mean_sd, pyplot, save_figure, write_report  # noqa: E402
 
 STUDY = Runs(ROOT / "runs" / "privacy_study")
 load = STUDY.load
@@ -102,20 +102,6 @@ def attack_runs() -> list[tuple[str, list[str]]]:
     return out
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def dp_table() -> tuple[list[str], dict[str, list[tuple[float, float, float]]]]:
     lines = ["| method | noise multiplier z | epsilon (delta 1e-3) | accuracy, mean ± sd over "
              "seeds | each seed | clients that trained: accuracy | majority label |",
@@ -164,12 +150,7 @@ def attack_table() -> tuple[list[str], dict[str, list[float]]]:
 def plots(
     curves: dict[str, list[tuple[float, float, float]]], series: dict[str, list[float]]
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    FIGURES.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for i, (label, pts) in enumerate(curves.items()):
         color = f"C{i}"
@@ -188,8 +169,7 @@ def plots(
     ax.set_title("Client-level DP, 100 clients, ~20 a round")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(FIGURES / "privacy_epsilon.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, FIGURES / "privacy_epsilon.png")
     fig, ax = plt.subplots(figsize=(9, 4.2))
     for label, accs in series.items():
         ax.plot(range(1, len(accs) + 1), accs, "o-", label=label)
@@ -199,8 +179,7 @@ def plots(
     ax.set_title(f"One client in ten attacking, 10 clients (mean of {len(ATTACK_SEEDS)} seeds)")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    fig.savefig(FIGURES / "privacy_attack.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, FIGURES / "privacy_attack.png")
 
 
 def report() -> None:

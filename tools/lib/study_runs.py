@@ -115,6 +115,24 @@ def mean_sd(values: Sequence[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f} (n={len(values)})"
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend: a study writes figure files and opens no window
+    (and imports matplotlib only when it plots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Writes a study's figure at the studies' one resolution (its folder made) and frees it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+
+
 def write_report(doc: Path, lines: list[str], discussion: Path) -> None:
     """Writes a study's generated report with its hand-written discussion (if any) appended."""
     if discussion.is_file():  # written by hand from the tables the study generated
