@@ -204,7 +204,10 @@ def report() -> None:
             "at the end says what the numbers allow.", ""]  # fmt: skip
     earlier = earlier_sections()
     for data in DATASETS:
-        text += section(data) or earlier.get(data, [])
+        fresh = section(data)
+        if fresh and data in earlier:  # say so: git diff then shows what the runs here replaced
+            print(f"{data}: the earlier section is rewritten from the runs on this machine")
+        text += fresh or earlier.get(data, [])
     write_report(DOC, text, DISCUSSION)
 
 
