@@ -31,7 +31,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 
-from study_runs import ROOT, Runs, chosen, fmt, mean_sd, pyplot, save_figure, write_report  # noqa: E402
+from study_runs import (  # noqa: E402
+    ROOT,
+    Runs,
+    chosen,
+    evaluated,
+    fmt,
+    mean_sd,
+    pyplot,
+    save_figure,
+    write_report,
+)
 
 RUNS = Runs(ROOT / "runs" / "fedbt_study")
 DOC = ROOT / "docs" / "fedbt_study.md"
@@ -76,7 +86,7 @@ def runs(datasets: Sequence[str]) -> list[tuple[str, list[str]]]:
 
 def figure(run: dict[str, Any], metric: str) -> float | None:
     """The final global model's figure: `pooled` (the whole model is shared in every method)."""
-    scored = [r for r in run["records"] if (r.get("pooled") or {}).get(metric) is not None]
+    scored = evaluated(run, metric)
     return scored[-1]["pooled"][metric] if scored else None
 
 
@@ -122,8 +132,7 @@ def table(data: str) -> tuple[list[str], dict[str, list[tuple[int, float]]]]:
             f"{statistics.mean(secs):.0f} |"
         )
         if 0 in done:
-            curves[label] = [(r["round"], r["pooled"][metric]) for r in done[0]["records"]
-                             if (r.get("pooled") or {}).get(metric) is not None]  # fmt: skip
+            curves[label] = [(r["round"], r["pooled"][metric]) for r in evaluated(done[0], metric)]
     diffs = [figure(r, metric) - figure(base[s], metric) for s in SEEDS
              if (r := RUNS.load(name(data, "fedbt", s))) and base[s] is not None]  # fmt: skip
     own = [r["summary"].get("flops_share_of_bert_fl") for s in SEEDS

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 
-from study_runs import ROOT, Runs, chosen, fmt, pyplot, save_figure, write_report  # noqa: E402
+from study_runs import ROOT, Runs, chosen, evaluated, fmt, pyplot, save_figure, write_report  # noqa: E402
 
 RUNS = Runs(ROOT / "runs" / "news_study")
 DOC = ROOT / "docs" / "news_study.md"
@@ -60,12 +60,6 @@ PUBLISHED = [
     ("FedNLP: DistilBERT centralised", 0.8686),
     ("FedNLP: DistilBERT FedAvg, round 22", 0.5142),
 ]
-
-
-def evaluated(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """A run's records that scored the one global model: `pooled` (every client's test split
-    together; the centralised run's one client is its whole test split)."""
-    return [r for r in run["records"] if (r.get("pooled") or {}).get("accuracy") is not None]
 
 
 def figure(run: dict[str, Any]) -> tuple[int, float] | None:

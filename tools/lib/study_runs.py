@@ -102,6 +102,12 @@ def final(run: dict[str, Any], key: str = "accuracy") -> float | None:
     return scored[-1][key] if scored else None
 
 
+def evaluated(run: dict[str, Any], metric: str = "accuracy") -> list[dict[str, Any]]:
+    """A run's records that scored the one global model on `metric`: `pooled` (every client's
+    test split together; a centralised run's one client is its whole test split)."""
+    return [r for r in run["records"] if (r.get("pooled") or {}).get(metric) is not None]
+
+
 def fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
