@@ -98,6 +98,11 @@ def _share(run: dict[str, Any], base: dict[str, Any] | None, key: str) -> float 
     return None if not whole or part is None else part / whole
 
 
+def _shares(done: dict[int, Any], base: dict[int, Any], key: str) -> list[float]:
+    """Each seed's share of the same seed's BERT-FL run (seeds without one left out)."""
+    return [x for s, r in done.items() if (x := _share(r, base.get(s), key)) is not None]
+
+
 def _paired(diffs: list[float]) -> str:
     """Mean ± sd of the per-seed differences and a paired t-test's two-sided p."""
     if len(diffs) < 2:
@@ -117,14 +122,14 @@ def table(data: str) -> tuple[list[str], dict[str, list[tuple[int, float]]]]:
     lines = [f"| method | final {metric} (pooled test rows), mean ± sd | each seed | FLOPs share "
              "of BERT-FL | upload share | run seconds |", "|---|---|---|---|---|---|"]  # fmt: skip
     curves: dict[str, list[tuple[int, float]]] = {}
-    base = {s: RUNS.load(name(data, "bertfl", s)) for s in SEEDS}
+    loaded = {m: {s: r for s in SEEDS if (r := RUNS.load(name(data, m, s)))} for m in METHODS}
+    base = loaded["bertfl"]
     for method, (label, _) in METHODS.items():
-        done = {s: r for s in SEEDS if (r := RUNS.load(name(data, method, s)))}
+        done = loaded[method]
         if not done:
             continue
         values = [v for r in done.values() if (v := figure(r, metric)) is not None]
-        flops = [x for s, r in done.items() if (x := _share(r, base[s], "cum_flops")) is not None]
-        up = [x for s, r in done.items() if (x := _share(r, base[s], "cum_bytes_up")) is not None]
+        flops, up = (_shares(done, base, key) for key in ("cum_flops", "cum_bytes_up"))
         secs = [r["summary"]["seconds"] for r in done.values()]
         lines.append(
             f"| {label} | {mean_sd(values)} | {', '.join(fmt(v) for v in values)} | "
@@ -133,10 +138,9 @@ def table(data: str) -> tuple[list[str], dict[str, list[tuple[int, float]]]]:
         )
         if 0 in done:
             curves[label] = [(r["round"], r["pooled"][metric]) for r in evaluated(done[0], metric)]
-    diffs = [figure(r, metric) - figure(base[s], metric) for s in SEEDS
-             if (r := RUNS.load(name(data, "fedbt", s))) and base[s] is not None]  # fmt: skip
-    own = [r["summary"].get("flops_share_of_bert_fl") for s in SEEDS
-           if (r := RUNS.load(name(data, "fedbt", s)))]  # fmt: skip
+    fedbt = loaded["fedbt"]
+    diffs = [figure(r, metric) - figure(base[s], metric) for s, r in fedbt.items() if s in base]
+    own = [r["summary"].get("flops_share_of_bert_fl") for r in fedbt.values()]
     lines += ["", f"FedBT minus BERT-FL, seed by seed: {_paired(diffs)}. FedBT's own summary "
               f"puts its FLOPs at {_pct([x for x in own if x is not None])} of BERT-FL's on its "
               "very batches."]  # fmt: skip
