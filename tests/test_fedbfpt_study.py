@@ -112,3 +112,26 @@ def test_the_fair_studys_runs() -> None:
 def test_the_papers_communication_share_from_bert_base_shapes() -> None:
     lines = study.bert_base_accounting()
     assert "109,514,298" in lines[0] and "7,710,522" in lines[0] and "**7.04%**" in lines[0]
+
+
+def test_the_pretraining_stage_runs_the_pretrain_module_with_its_commit_logged(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """main's runs go through study_runs.Runs: `python -m fedjax_split.pretrain` for the
+    warm-ups and the further pre-training, each log opened by the commit it ran at."""
+    import subprocess
+
+    calls = []
+
+    def fake(cmd, **kw):
+        calls.append(cmd)
+        return 1  # nothing finishes: the report has no runs to show
+
+    monkeypatch.setattr(study, "RUNS", tmp_path)
+    monkeypatch.setattr(subprocess, "call", fake)
+    assert study.main(["--only", "pretrain"]) == 0
+    assert len(calls) == 2 + len(study.METHODS)
+    assert all(c[1:3] == ["-m", "fedjax_split.pretrain"] for c in calls)
+    assert calls[0][-1] == f"--output-dir={tmp_path / 'warmup_head'}"
+    assert (tmp_path / "warmup.log").read_text().startswith("commit ")
+    assert "pretrain_bert-fl: FAILED (exit 1, see" in capsys.readouterr().out

@@ -23,29 +23,25 @@ What makes it fair (issue 29; the first study, at commit 04a79d2, had none of it
     python tools/fedbfpt_study.py --only pretrain           # one stage: pretrain | finetune
 
 Runs are `python -m fedjax_split.pretrain ...` and `python -m fedjax_split.train ...` into
-runs/fedbfpt_study/<name>; a finished run (summary.json) is not run again, an interrupted one is
-continued with --resume, so the study can run in parts. One run at a time (2 cores).
+runs/fedbfpt_study/<name> through tools/lib/study_runs.py: each log opens with the commit the run
+ran at, a finished run (summary.json) is not run again and loses its checkpoints, an interrupted
+one is continued with --resume, so the study can run in parts. One run at a time (2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import shlex
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fedjax_split.run.outputs import read_json, read_jsonl
-
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
 
-from study_runs import pyplot, save_figure  # noqa: E402
+from study_runs import Runs, pyplot, save_figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "runs" / "fedbfpt_study"
@@ -93,40 +89,16 @@ SEEDS = (0, 1, 2, 3, 4)
 
 
 def pretrain_runs() -> list[tuple[str, list[str]]]:
-    warmups = [(name, [sys.executable, "-m", "fedjax_split.pretrain", *flags])
-               for name, flags in (("warmup_head", WARMUP_HEAD), ("warmup", WARMUP))]  # fmt: skip
-    return warmups + [
-        (f"pretrain_{m}", [sys.executable, "-m", "fedjax_split.pretrain", *PRETRAIN, *extra])
-        for m, (_, extra) in METHODS.items()
-    ]
+    """The warm-ups, then each method's further pre-training: `python -m fedjax_split.pretrain`."""
+    warmups = [("warmup_head", WARMUP_HEAD), ("warmup", WARMUP)]
+    return warmups + [(f"pretrain_{m}", [*PRETRAIN, *extra]) for m, (_, extra) in METHODS.items()]
 
 
 def finetune_runs() -> list[tuple[str, list[str]]]:
-    out = []
-    for seed in SEEDS:
-        for m in METHODS:
-            model = RUNS / f"pretrain_{m}" / "model"
-            cmd = [sys.executable, "-m", "fedjax_split.train", *FINETUNE, f"--model={model}",
-                   f"--seed={seed}"]  # fmt: skip
-            out.append((f"nero_{m}_s{seed}", cmd))
-    return out
-
-
-def run_one(name: str, cmd: list[str]) -> str:
-    out = RUNS / name
-    if (out / "summary.json").is_file():
-        return f"{name}: done before"
-    cmd = [*cmd, f"--output-dir={out}"]
-    if out.exists():  # interrupted: continue from its last checkpoint
-        cmd.append("--resume")
-    RUNS.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    log = RUNS / f"{name}.log"
-    with open(log, "a") as f:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
-    status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {log})"
-    return f"{name}: {status} in {time.time() - t0:.0f}s"
+    """Each pre-trained model fine-tuned on NERO at each seed: `python -m fedjax_split.train`."""
+    return [(f"nero_{m}_s{seed}", [*FINETUNE, f"--model={RUNS / f'pretrain_{m}' / 'model'}",
+                                   f"--seed={seed}"])
+            for seed in SEEDS for m in METHODS]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,15 +106,8 @@ def run_one(name: str, cmd: list[str]) -> str:
 
 
 def load(name: str) -> dict[str, Any] | None:
-    d = RUNS / name
-    if not (d / "summary.json").is_file():
-        return None
-    return {
-        "dir": d,
-        "config": read_json(d / "config.json"),
-        "summary": read_json(d / "summary.json"),
-        "records": read_jsonl(d / "metrics.jsonl"),
-    }
+    """A finished run (study_runs.Runs.load), from RUNS as it is now (tests point it elsewhere)."""
+    return Runs(RUNS).load(name)
 
 
 def fmt(x: float | None, digits: int = 2) -> str:
@@ -462,16 +427,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.report_only:
         stages = []
         if args.only in (None, "pretrain"):
-            stages += pretrain_runs()
+            stages += [(n, a, "fedjax_split.pretrain") for n, a in pretrain_runs()]
         if args.only in (None, "finetune"):
-            stages += finetune_runs()
-        for name, cmd in stages:
+            stages += [(n, a, "fedjax_split.train") for n, a in finetune_runs()]
+        for name, run_args, module in stages:
             if name.startswith("nero_"):
                 m = name.split("_")[1]
                 if not (RUNS / f"pretrain_{m}" / "summary.json").is_file():
                     print(f"{name}: waiting for pretrain_{m}", flush=True)
                     continue
-            print(run_one(name, cmd), flush=True)
+            print(Runs(RUNS).run(name, run_args, module), flush=True)
     report()
     return 0
 

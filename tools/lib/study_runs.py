@@ -36,23 +36,26 @@ class Runs:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
 
-    def run(self, name: str, args: Sequence[str]) -> str:
+    def run(self, name: str, args: Sequence[str], module: str = "fedjax_split.train") -> str:
+        """`python -m module ARGS` into DIR/<name> (fedjax_split.pretrain writes the same files)."""
         out = self.directory / name
         if (out / "summary.json").is_file():
             return f"{name}: done before"
-        cmd = [sys.executable, "-m", "fedjax_split.train", *args, f"--output-dir={out}"]
+        cmd = [sys.executable, "-m", module, *args, f"--output-dir={out}"]
         if out.exists():
             cmd.append("--resume")
         self.directory.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        with open(self.directory / f"{name}.log", "a") as f:
+        log = self.directory / f"{name}.log"
+        with open(log, "a") as f:
             f.write(f"commit {commit()}\n{shlex.join(cmd)}\n")
             f.flush()
             env = {**os.environ, "PYTHONUNBUFFERED": "1"}
             rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc == 0 and (out / "summary.json").is_file():
             drop_checkpoints(out)
-        return f"{name}: {'ok' if rc == 0 else f'FAILED (exit {rc})'} in {time.time() - t0:.0f}s"
+        status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {log})"
+        return f"{name}: {status} in {time.time() - t0:.0f}s"
 
     def load(self, name: str) -> dict[str, Any] | None:
         """A finished run's summary, records, config and commits; None if it has not finished."""
