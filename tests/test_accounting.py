@@ -18,6 +18,7 @@ from scipy.stats import norm
 from fedjax_split.errors import UserError
 from fedjax_split.fed import accounting
 from fedjax_split.fed.accounting import Mechanism
+from fedjax_split.fed.privacy import DPSpec
 
 
 def _analytic_gaussian_epsilon(s: float, delta: float) -> float:
@@ -164,3 +165,87 @@ def test_importing_the_module_loads_no_accountant() -> None:
                          cwd=Path(__file__).resolve().parents[1], timeout=120)  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
+
+
+# Adaptive clipping (fed/privacy.py): a round releases two Gaussians, the clipped updates' sum
+# (sensitivity C, noise z_delta C) and the centred count of unclipped clients (sensitivity 1/2,
+# tests/test_privacy.py checks it by hand; noise sigma_b), while the accountant is told z alone.
+
+
+def _rdp_epsilon(event: dp_accounting.DpEvent, delta: float) -> float:
+    relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    acc = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+    acc.compose(event)
+    return float(acc.get_epsilon(delta))
+
+
+def _round_event(spec: DPSpec, count_sensitivity: float, q: float) -> dp_accounting.DpEvent:
+    """One round of adaptive clipping as two Gaussians, each as a multiplier over its own
+    sensitivity, Poisson-sampled as one when q < 1 (a client is in both or in neither)."""
+    event: dp_accounting.DpEvent = dp_accounting.ComposedDpEvent([
+        dp_accounting.GaussianDpEvent(float(spec.update_noise_multiplier)),
+        dp_accounting.GaussianDpEvent(float(spec.sigma_b / count_sensitivity)),
+    ])  # fmt: skip
+    if q < 1:
+        event = dp_accounting.PoissonSampledDpEvent(q, event)
+    return event
+
+
+@pytest.mark.parametrize(
+    ("m", "z", "q", "rounds", "delta", "count_stddev"),
+    [
+        (20, 1.0, 0.2, 6, 1e-3, None),  # tools/privacy_study.py's DP setting
+        (100, 0.8, 0.05, 50, 1e-5, None),
+        (40, 1.2, 1.0, 10, 1e-5, None),  # every client every round
+        (10, 0.3, 0.3, 3, 1e-5, None),
+        (5, 1.0, 0.5, 8, 1e-5, 4.0),  # an explicit count noise
+    ],
+)  # fmt: skip
+def test_adaptive_clippings_two_gaussians_cost_the_epsilon_reported(
+    m: int, z: float, q: float, rounds: int, delta: float, count_stddev: float | None
+) -> None:
+    spec = DPSpec(clip=1.0, noise_multiplier=z, denominator=float(m), target_quantile=0.5,
+                  count_stddev=count_stddev)  # fmt: skip
+    reported = accounting.epsilon(Mechanism(z, q), rounds, delta)
+    # dp_accounting's RDP accepts a Poisson-sampled composition of Gaussians
+    want = _rdp_epsilon(dp_accounting.SelfComposedDpEvent(_round_event(spec, 0.5, q), rounds),
+                        delta)  # fmt: skip
+    assert reported == pytest.approx(want, rel=1e-9)
+    # the updates' share alone would cost less: the count's noise takes part of the budget
+    alone = accounting.epsilon(Mechanism(spec.update_noise_multiplier, q), rounds, delta)
+    assert alone < reported
+    if q == 1:
+        # PLD composes the two Gaussians too (it takes no Poisson sample of a composition; there
+        # the pair is still exactly one Gaussian of multiplier z: the noise scaled to 1 in each
+        # coordinate, one client moves the pair by a vector of norm at most
+        # sqrt(z_delta^-2 + (2 sigma_b)^-2) = 1 / z, so RDP's check above covers q < 1)
+        relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+        pld = dp_accounting.pld.PLDAccountant(neighboring_relation=relation)
+        pld.compose(dp_accounting.SelfComposedDpEvent(_round_event(spec, 0.5, q), rounds))
+        got = accounting.epsilon(Mechanism(z, q, "pld"), rounds, delta)
+        assert got == pytest.approx(pld.get_epsilon(delta), rel=1e-6)
+
+
+def test_an_uncentred_count_would_cost_more_than_the_epsilon_reported() -> None:
+    """The defect the centred count fixes: a count of unclipped clients moves by 1 per client,
+    so with z_delta split off for a sensitivity of 1/2 the round is one Gaussian of multiplier
+    (z_delta^-2 + sigma_b^-2)^-1/2 < z, and the run would spend more than it reports."""
+    m, z, q, rounds, delta = 20, 1.0, 0.2, 6, 1e-3  # tools/privacy_study.py's DP setting
+    spec = DPSpec(clip=1.0, noise_multiplier=z, denominator=float(m), target_quantile=0.5)
+    assert spec.sigma_b == 1.0
+    z_delta = (1 / z**2 - 1 / (2 * spec.sigma_b) ** 2) ** -0.5  # by hand: (1 - 1/4)^-1/2
+    assert spec.update_noise_multiplier == pytest.approx(z_delta, rel=1e-12)
+    reported = accounting.epsilon(Mechanism(z, q), rounds, delta)
+    centred = _rdp_epsilon(dp_accounting.SelfComposedDpEvent(_round_event(spec, 0.5, q), rounds),
+                           delta)  # fmt: skip
+    uncentred = _rdp_epsilon(
+        dp_accounting.SelfComposedDpEvent(_round_event(spec, 1.0, q), rounds), delta
+    )
+    z_uncentred = (z_delta**-2 + spec.sigma_b**-2) ** -0.5  # sqrt(4/7) = 0.756
+    assert z_uncentred == pytest.approx(math.sqrt(4 / 7), rel=1e-12)
+    single = dp_reference_epsilon(z_uncentred, q, rounds, delta)
+    assert uncentred == pytest.approx(single, rel=1e-9)
+    assert reported == pytest.approx(centred, rel=1e-9)
+    # the numbers docs/privacy.md quotes, as dp_accounting gives them above
+    assert round(reported, 2) == 3.12 and round(uncentred, 2) == 5.30
+    assert uncentred > 1.6 * reported

@@ -307,3 +307,88 @@ def test_fedbt_shares_the_whole_model_and_names_its_run_dir() -> None:
     assert resolve_config().run_dir.name == "sst2_fedavg_chalf_K3_s0"
     assert resolve_config(overrides={"model_layers": 3}).run_dir.name == (
         "sst2_fedavg_chalf_l3_K3_s0")  # fmt: skip
+
+
+# --aggregator trimmed-mean must cut at least one client at each end: floor(f M) >= 1
+PLAIN_MEAN = "clients at each end, i.e. it is the plain unweighted mean: use "
+
+
+@pytest.mark.parametrize(
+    ("values", "want"),
+    [
+        # the defaults: M = 3, f = 0.1; 1/3 rounds up to 0.34, 1 / 0.1 = 10
+        ({}, "floor(0.1 x 3) = 0 " + PLAIN_MEAN
+         + "--trim-fraction 0.34 or more with 3 clients a round, or at least 10 clients a round"),
+        # M = clients-per-round: 1/9 = 0.111.. up to 0.12
+        ({"clients": 20, "clients_per_round": 9}, "floor(0.1 x 9) = 0 " + PLAIN_MEAN
+         + "--trim-fraction 0.12 or more with 9 clients a round, or at least 10 clients a round"),
+        # 0.3 x 3 = 0.9; 0.3 x 4 = 1.2
+        ({"trim_fraction": 0.3}, "floor(0.3 x 3) = 0 " + PLAIN_MEAN
+         + "--trim-fraction 0.34 or more with 3 clients a round, or at least 4 clients a round"),
+        # 0.07 x 14 = 0.98, 0.07 x 15 = 1.05; 1/14 = 0.0714.. up to 0.072
+        ({"clients": 14, "trim_fraction": 0.07}, "floor(0.07 x 14) = 0 " + PLAIN_MEAN
+         + "--trim-fraction 0.072 or more with 14 clients a round, or at least 15 clients a round"),
+        # in floats (1/49) x 49 = 0.9999999999999999, and the trimmed mean cuts floor of that: 0
+        ({"clients": 49, "trim_fraction": 1 / 49}, "floor(0.0204082 x 49) = 0 " + PLAIN_MEAN
+         + "--trim-fraction 0.021 or more with 49 clients a round, or at least 50 clients a round"),
+        # a fraction of 0 never trims: only the fraction can fix it
+        ({"clients": 5, "trim_fraction": 0.0}, "floor(0 x 5) = 0 " + PLAIN_MEAN
+         + "--trim-fraction 0.2 or more with 5 clients a round"),
+        # 2 clients: no fraction below 1/2 cuts one, so only more clients can fix it
+        ({"clients": 2, "trim_fraction": 0.45}, "floor(0.45 x 2) = 0 " + PLAIN_MEAN
+         + "at least 3 clients a round"),
+        ({"clients": 2}, "floor(0.1 x 2) = 0 " + PLAIN_MEAN + "at least 10 clients a round"),
+        ({"clients": 1, "trim_fraction": 0.0}, "floor(0 x 1) = 0 " + PLAIN_MEAN
+         + "at least 3 clients a round and --trim-fraction 0.34 or more"),
+    ],
+)  # fmt: skip
+def test_a_trimmed_mean_that_trims_nobody_is_refused(values: dict, want: str) -> None:
+    with pytest.raises(UserError) as err:
+        resolve_config(overrides={"aggregator": "trimmed-mean", **values})
+    message = str(err.value)
+    assert message == "--aggregator trimmed-mean cuts " + want
+    assert "\n" not in message
+
+
+def test_the_fixes_the_refusal_names_trim_and_are_the_least_that_do() -> None:
+    trimmed = {"aggregator": "trimmed-mean"}
+    # the paper's 3 clients: 0.34 trims (floor(1.02) = 1), 0.33 does not (floor(0.99) = 0)
+    assert resolve_config(overrides={**trimmed, "trim_fraction": 0.34}).trim_fraction == 0.34
+    with pytest.raises(UserError, match="plain unweighted mean"):
+        resolve_config(overrides={**trimmed, "trim_fraction": 0.33})
+    # exactly 1/3 trims one of 3 too: (1/3) x 3 is 1.0 in floats
+    resolve_config(overrides={**trimmed, "trim_fraction": 1 / 3})
+    # the default 0.1: 10 clients a round trim one at each end, 9 do not
+    assert resolve_config(overrides={**trimmed, "clients": 10}).sampled_clients == 10
+    resolve_config(overrides={**trimmed, "clients": 20, "clients_per_round": 10})
+    with pytest.raises(UserError, match=r"floor\(0.1 x 9\)"):
+        resolve_config(overrides={**trimmed, "clients": 20, "clients_per_round": 9})
+    resolve_config(overrides={**trimmed, "clients": 50, "trim_fraction": 1 / 49})
+    # the other rules take any number of clients; the fraction is for the trimmed mean only
+    resolve_config(overrides={"aggregator": "median"})
+    resolve_config(overrides={"trim_fraction": 0.0})
+    # with DP the trimmed mean is refused for DP's reason, whatever it would trim
+    with pytest.raises(UserError, match="with DP"):
+        resolve_config(overrides={**trimmed, "dp_noise_multiplier": 0.1, "dp_clip": 1.0})
+
+
+def test_train_and_flower_refuse_a_trimmed_mean_that_trims_nobody_alike() -> None:
+    """The command lines of train and of the Flower federation, and the ServerApp's settings from
+    the run config, all resolve through `resolve_config` and so refuse it the same."""
+    import dataclasses
+
+    from fedjax_split import flower, train
+    from fedjax_split.deploy import protocol
+
+    want = "--aggregator trimmed-mean cuts floor(0.1 x 3) = 0 "
+    for parse in (train.config_from_args, lambda argv: flower.parse(argv)[0]):
+        with pytest.raises(UserError) as err:
+            parse(["--aggregator", "trimmed-mean"])
+        assert str(err.value).startswith(want) and "\n" not in str(err.value)
+        assert parse(["--aggregator", "trimmed-mean", "--clients", "10"]).aggregator == (
+            "trimmed-mean")  # fmt: skip
+    experiment = dataclasses.replace(ExperimentConfig(), aggregator="trimmed-mean").to_dict()
+    run_config = {protocol.EXPERIMENT: json.dumps(experiment)}
+    with pytest.raises(UserError) as err:
+        resolve_config(overrides=protocol.experiment_values(run_config))
+    assert str(err.value).startswith(want)

@@ -14,7 +14,6 @@ import pytest
 
 from fedjax_split.errors import UserError
 from fedjax_split.fed import aggregation, privacy
-from fedjax_split.fed.client_program import client_rngs, round_rng
 from fedjax_split.fed.privacy import DPSpec
 
 F32, BF16 = jnp.dtype("float32"), jnp.dtype("bfloat16")
@@ -163,23 +162,6 @@ def test_the_same_key_gives_the_same_noise_and_another_key_other_noise() -> None
     assert np.abs(np.corrcoef(a, c)[0, 1]) < 0.15 and not np.any(a == c)
 
 
-def test_the_servers_key_is_no_clients_key() -> None:
-    run = jax.random.key(11)
-    for r in (0, 1, 5):
-        round_key = round_rng(run, r)
-        server = jax.random.key_data(privacy.server_key(round_key))
-        # by hand: fold_in of 2^32 - 1, an id above every client's
-        want = jax.random.fold_in(jax.random.fold_in(run, r), np.uint32(2**32 - 1))
-        np.testing.assert_array_equal(server, jax.random.key_data(want))
-        clients = np.asarray(jax.random.key_data(client_rngs(round_key, np.arange(5000))))
-        assert not np.any(np.all(clients == np.asarray(server), axis=1))
-        assert not np.array_equal(server, jax.random.key_data(round_key))
-    # one key per round
-    keys = {tuple(np.asarray(jax.random.key_data(privacy.server_key(round_rng(run, r)))))
-            for r in range(20)}  # fmt: skip
-    assert len(keys) == 20
-
-
 def test_update_noise_multiplier_by_hand() -> None:
     assert DPSpec(clip=1.0, noise_multiplier=0.7, denominator=3.0).update_noise_multiplier == 0.7
     # sigma_b = 20 / 20 = 1: z_delta = (0.5^-2 - 2^-2)^-1/2 = 3.75^-1/2
@@ -206,14 +188,87 @@ def test_next_clip_by_hand() -> None:
     got = float(privacy.next_clip(spec, jnp.float32(2.0), norms, valid, key))
     # the count's noise: this key's standard normal deviate (the one draw next_clip makes)
     deviate = float(jax.random.normal(key, (), jnp.float32))
-    b = (3 + 0.2 * deviate) / 4  # within 2.0: clients 0, 1, 3
+    # within 2.0: clients 0, 1, 3 (+1/2 each), over: client 2 (-1/2): centred sum 1
+    b = (1 + 0.2 * deviate) / 4 + 0.5
     assert got == pytest.approx(2.0 * math.exp(-0.2 * (b - 0.5)), rel=1e-6)
     got = float(privacy.next_clip(spec, jnp.float32(1.0), norms, valid, key))
-    b = (2 + 0.2 * deviate) / 4  # within 1.0: clients 0 and 3
+    b = (0 + 0.2 * deviate) / 4 + 0.5  # within 1.0: clients 0 and 3, over: 1 and 2
     assert got == pytest.approx(math.exp(-0.2 * (b - 0.5)), rel=1e-6)
     # a fixed clip norm stays put
     fixed = DPSpec(clip=1.0, noise_multiplier=0.1, denominator=4.0)
     assert float(privacy.next_clip(fixed, jnp.float32(0.25), norms, valid, key)) == 0.25
+
+
+def test_next_clip_with_fewer_valid_clients_than_the_denominator_by_hand() -> None:
+    """Where k valid clients < the denominator M the centred count differs from the plain count
+    of unclipped clients (b = n / M + (M - k) / 2M, not n / M): this tells them apart."""
+    spec = DPSpec(clip=1.0, noise_multiplier=0.1, denominator=4.0, target_quantile=0.3)
+    norms = np.array([0.5, 1.5, 2.5, 1.0, 0.1], np.float32)
+    key = jax.random.key(8)
+    deviate = float(jax.random.normal(key, (), jnp.float32))
+    cases = [
+        # clients 0 and 3 valid, both within 1.0: centred sum 1/2 + 1/2 = 1
+        (np.array([True, False, False, True, False]), 1.0),
+        # clients 1 and 2 valid, both over 1.0: -1
+        (np.array([False, True, True, False, False]), -1.0),
+        # client 1 alone, over 1.0: -1/2
+        (np.array([False, True, False, False, False]), -0.5),
+        # nobody: the count is its noise alone
+        (np.zeros(5, bool), 0.0),
+    ]
+    for valid, centred in cases:
+        got = float(privacy.next_clip(spec, jnp.float32(1.0), norms, valid, key))
+        b = (centred + 0.2 * deviate) / 4 + 0.5
+        assert got == pytest.approx(math.exp(-0.2 * (b - 0.3)), rel=1e-6), valid
+    # the uncentred count (2 + noise) / 4 would give another clip norm in the first case
+    uncentred = math.exp(-0.2 * ((2 + 0.2 * deviate) / 4 - 0.3))
+    got = float(privacy.next_clip(spec, jnp.float32(1.0), norms, cases[0][0], key))
+    assert abs(got - uncentred) > 1e-3
+
+
+def _centred_by_hand(norms: list[float], bound: float, valid: list[bool]) -> float:
+    """+1/2 for a valid client within the bound, -1/2 for a valid one over it, 0 if invalid."""
+    return sum((0.5 if n <= bound else -0.5) for n, ok in zip(norms, valid, strict=True) if ok)
+
+
+def _centred(norms: list[float], bound: float, valid: list[bool]) -> float:
+    out = privacy.centred_count(np.asarray(norms, np.float32).reshape(-1), jnp.float32(bound),
+                                np.asarray(valid, bool).reshape(-1))  # fmt: skip
+    assert out.dtype == jnp.float32 and out.shape == ()
+    return float(out)
+
+
+@pytest.mark.parametrize(
+    ("norms", "valid"),
+    [
+        ([], []),  # nobody
+        ([0.5], [True]),
+        ([0.5, 1.5, 2.5, 1.0], [True] * 4),  # 1.0 exactly at the bound counts as within
+        ([3.0, 4.0, 5.0], [True] * 3),  # every client clipped
+        ([0.1, 0.2, 0.3], [True] * 3),  # none clipped
+        ([0.5, 1.5, 2.5, 1.0, 0.1, 7.0], [True, False, True, True, False, False]),  # invalid ones
+        ([0.5, 1.5], [False, False]),  # only invalid clients
+    ],
+)  # fmt: skip
+def test_one_client_moves_the_released_count_by_at_most_one_half(norms, valid) -> None:
+    """The add-or-remove sensitivity of the count next_clip releases is 1/2 (what the split of
+    the noise between the updates and the count assumes), whoever the client is."""
+    bound = 1.0
+    base = _centred(norms, bound, valid)
+    assert base == _centred_by_hand(norms, bound, valid)
+    # remove each client in turn
+    for i in range(len(norms)):
+        rest_n, rest_v = norms[:i] + norms[i + 1:], valid[:i] + valid[i + 1:]
+        moved = abs(_centred(rest_n, bound, rest_v) - base)
+        assert moved == (0.5 if valid[i] else 0.0) and moved <= 0.5
+    # add a client within the bound, at it, over it (clipped), or invalid
+    for norm, ok in ((0.0, True), (1.0, True), (1.0 + 1e-6, True), (100.0, True), (0.5, False),
+                     (100.0, False)):  # fmt: skip
+        for at in (0, len(norms)):
+            more_n, more_v = norms[:at] + [norm] + norms[at:], valid[:at] + [ok] + valid[at:]
+            moved = _centred(more_n, bound, more_v) - base
+            assert moved == ((0.5 if norm <= bound else -0.5) if ok else 0.0)
+            assert abs(moved) <= 0.5
 
 
 def test_adaptive_clip_moves_towards_the_target_quantile() -> None:
@@ -270,3 +325,15 @@ def test_good_settings_are_accepted() -> None:
     DPSpec(clip=1.0, noise_multiplier=0.0, denominator=1.0)  # clipping without noise
     DPSpec(clip=1e-6, noise_multiplier=100.0, denominator=0.5)
     DPSpec(clip=1.0, noise_multiplier=0.99, denominator=10.0, target_quantile=0.5)
+
+
+def test_adaptive_clippings_limit_on_z_says_what_it_is_and_what_to_do() -> None:
+    # M = 10: sigma_b = 10 / 20 = 0.5, so z must stay below 2 x 0.5 = 1
+    with pytest.raises(UserError) as info:
+        DPSpec(clip=1.0, noise_multiplier=1.0, denominator=10.0, target_quantile=0.5)
+    assert str(info.value) == (
+        "adaptive clipping needs --dp-noise-multiplier below 2 x the count's noise (1), got 1: "
+        "the centred count's noise is sigma_b = 0.5 (M / 20 with M clients a round); use more "
+        "clients a round or a lower multiplier"
+    )
+    DPSpec(clip=1.0, noise_multiplier=0.999, denominator=10.0, target_quantile=0.5)

@@ -14,10 +14,13 @@ from fedjax_split.errors import UserError
 from fedjax_split.fed.robust import (
     check_trim_fraction,
     clip_factors,
+    fewest_clients_trimmed,
     finite_clients,
+    least_trimming_fraction,
     masked,
     median,
     scale_clients,
+    trim_count,
     trimmed_mean,
     update_norms,
 )
@@ -67,6 +70,68 @@ def test_trimmed_mean_odd_and_even_number_of_clients() -> None:
     # k = 4, t = floor(0.2 * 4) = 0: the plain mean of the first four clients.
     _check(trimmed_mean(_tree(), FIRST_FOUR, 0.2), [14 / 4, 19 / 4, 11 / 4],
            [[6 / 4, 12 / 4], [9 / 4, 7 / 4]])  # fmt: skip
+
+
+def test_a_short_round_that_trims_nobody_is_the_plain_unweighted_mean() -> None:
+    """A run set to trim (M = 5 at 0.2: one at each end) whose round gets fewer clients (a
+    Flower node that failed): with k = 4 valid, floor(0.2 x 4) = 0, so that round is the plain
+    unweighted mean of the four, outliers and all; with k = 5 the same call trims."""
+    a = A.copy()
+    a[0, 0] = 1000.0  # client 0 an outlier in the first coordinate
+    _check(trimmed_mean(_tree(a), FIRST_FOUR, 0.2), [1013 / 4, 19 / 4, 11 / 4],
+           [[6 / 4, 12 / 4], [9 / 4, 7 / 4]])  # fmt: skip
+    # k = 5: t = 1 drops 2 and 1000 of [2, 3, 4, 7, 1000] (client 4's 3 in): the mean of 3, 4, 7
+    assert float(trimmed_mean(_tree(a), ALL, 0.2)["a"][0]) == pytest.approx(14 / 3, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("fraction", "k", "want"),
+    [
+        (0.1, 3, 0), (0.1, 9, 0), (0.1, 10, 1), (0.1, 25, 2), (1 / 3, 3, 1), (0.34, 3, 1),
+        (0.33, 3, 0), (0.45, 2, 0), (0.49, 4, 1), (0.4, 5, 2), (0.0, 100, 0), (0.2, 0, 0),
+        # floats: (1/49) x 49 = 0.9999999999999999 and 0.29 x 100 = 28.999999999999996
+        (1 / 49, 49, 0), (0.29, 100, 28),
+    ],
+)  # fmt: skip
+def test_trim_count_by_hand(fraction: float, k: int, want: int) -> None:
+    assert trim_count(fraction, k) == want
+    # ... and the trimmed mean drops that many: the values 0..k-1 plus a huge last one
+    if k > 0:
+        x = np.arange(k, dtype=np.float32)
+        x[-1] = 1e6
+        got = float(trimmed_mean({"x": x}, np.ones(k, bool), fraction)["x"])
+        kept = x[want:k - want].astype(np.float64)
+        assert got == pytest.approx(kept.mean(), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("fraction", "want"),
+    [(0.1, 10), (1 / 3, 3), (0.34, 3), (0.3, 4), (0.07, 15), (0.25, 4), (0.49, 3), (0.01, 100),
+     (1 / 49, 50), (0.0, None)],
+)  # fmt: skip
+def test_fewest_clients_trimmed_by_hand(fraction: float, want: int | None) -> None:
+    assert fewest_clients_trimmed(fraction) == want
+    if want is not None:
+        assert trim_count(fraction, want) == 1
+        assert want == 3 or trim_count(fraction, want - 1) == 0
+
+
+@pytest.mark.parametrize(
+    ("k", "want"),
+    [(1, None), (2, None), (3, 0.34), (4, 0.25), (7, 0.15), (9, 0.12), (10, 0.1), (11, 0.091),
+     (49, 0.021), (100, 0.01), (101, 0.01), (200, 0.005)],
+)  # fmt: skip
+def test_least_trimming_fraction_by_hand(k: int, want: float | None) -> None:
+    """About 1 / k, rounded up to two significant digits: what the refusal tells a person."""
+    assert least_trimming_fraction(k) == want
+
+
+def test_least_trimming_fraction_trims_and_one_step_less_does_not() -> None:
+    for k in range(3, 400):
+        f = least_trimming_fraction(k)
+        assert f is not None and 1 / k <= f < 0.5 and trim_count(f, k) >= 1, k
+        step = 10 ** math.floor(math.log10(f) - 1 + 1e-9)  # the second significant digit
+        assert trim_count(f - step, k) == 0, k  # e.g. 0.33 of 3, 0.09 of 10, 0.090 of 11
 
 
 def test_trim_zero_is_the_plain_mean() -> None:

@@ -3,7 +3,11 @@
 Each round adds Gaussian noise of std z * C to the sum of client updates clipped to norm C, over a
 Poisson sample of the clients (each independently with probability q); neighbouring datasets
 differ by adding or removing one client's whole data. The (epsilon, delta) guarantee after R rounds
-is dp_accounting's (RDP or PLD accountant) for that event: the accountant is the library's only
+is dp_accounting's (RDP or PLD accountant) for that event. With adaptive clipping a round releases
+two Gaussians, the updates' sum (noise z_delta C) and the centred count of unclipped clients
+(sensitivity 1/2, noise sigma_b: `fed.privacy`); one client moves the pair, in units of each noise,
+by at most sqrt(z_delta^-2 + (2 sigma_b)^-2) = 1 / z, so the round is exactly one Gaussian of
+multiplier z, sampled or not, and the accountant is told z. The accountant is the library's only
 source of privacy numbers, so none of its mathematics is repeated here. dp_accounting is imported
 inside the functions, so importing this module loads nothing heavy.
 """

@@ -10,13 +10,21 @@ get no noise.
 
 Adaptive clipping (Andrew et al. 2021, "Differentially private learning with adaptive clipping"):
 C follows a target quantile gamma of the clients' update norms, C <- C * exp(-eta (b - gamma)),
-with b the noised fraction of clients whose update norm was at most C; the count's noise sigma_b
-takes part of the privacy budget, so the updates' noise multiplier becomes
-z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) and the accountant is given z (their Theorem 1).
+with b the noised fraction of clients whose update norm was at most C. The count is centred, as
+in TF-Privacy's QuantileEstimatorQuery: each client taken into the round contributes
+1[norm <= C] - 1/2 (`centred_count`), the server adds N(0, sigma_b^2) to that sum, and
+b = noised sum / denominator + 1/2 (with k clients of n unclipped, b = n / M + (M - k) / 2M before
+noise: in a round short of M clients the absent ones count as half unclipped, as with TF-Privacy's
+expected_records). Adding or removing one client moves the sum by exactly 1/2
+(the uncentred count of unclipped clients would move by 1), which is what the split of the noise
+assumes: a round releases two Gaussians, the updates' sum (sensitivity C, noise z_delta C) and the
+centred count (sensitivity 1/2, noise sigma_b), which together are one Gaussian of multiplier z
+with z^-2 = z_delta^-2 + (2 sigma_b)^-2. So z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2), defined
+only for z < 2 sigma_b, and the accountant is given z (their Theorem 1).
 
-Keys: the server's noise for round r comes from fold_in(round key, SERVER_KEY_ID), an id no client
-has (clients' keys are fold_in(round key, client id)), so noise and training never share a key and
-a resumed run draws the same noise.
+Keys: the server's noise for a round is drawn from the key the caller passes, the round's key from
+the server's secret (`fed.secret`: 256 bits of OS entropy, never the run's seed, which config.json
+and every node know), so nobody but the server can regenerate the noise.
 """
 
 from __future__ import annotations
@@ -30,8 +38,6 @@ import jax.numpy as jnp
 
 from fedjax_split.errors import UserError
 from fedjax_split.fed.server import upload as wire_upload
-
-SERVER_KEY_ID = 2**32 - 1  # fold_in data of the server's key: above every client id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +64,12 @@ class DPSpec:
                 "leave it out for a fixed clip norm"
             )
         if self.adaptive and self.noise_multiplier >= 2 * self.sigma_b:
+            source = " (M / 20 with M clients a round)" if self.count_stddev is None else ""
             raise UserError(
                 f"adaptive clipping needs --dp-noise-multiplier below 2 x the count's noise "
-                f"({2 * self.sigma_b:g}); raise the clients a round or lower the multiplier"
+                f"({2 * self.sigma_b:g}), got {self.noise_multiplier:g}: the centred count's "
+                f"noise is sigma_b = {self.sigma_b:g}{source}; use more clients a round or a "
+                "lower multiplier"
             )
 
     @property
@@ -74,7 +83,9 @@ class DPSpec:
 
     @property
     def update_noise_multiplier(self) -> float:
-        """z_delta: the updates' share of the noise (all of it with a fixed clip norm)."""
+        """z_delta: the updates' share of the noise (all of it with a fixed clip norm). The
+        centred count's sensitivity is 1/2, so its noise sigma_b counts as a Gaussian of
+        multiplier 2 sigma_b, and z_delta^-2 + (2 sigma_b)^-2 = z^-2 (module docstring)."""
         z = self.noise_multiplier
         if not self.adaptive or z == 0:
             return z
@@ -84,11 +95,6 @@ class DPSpec:
 def init_state(spec: DPSpec) -> dict[str, jax.Array]:
     """The server's DP state: the clip norm of the next round."""
     return {"clip": jnp.asarray(spec.clip, jnp.float32)}
-
-
-def server_key(round_key: jax.Array) -> jax.Array:
-    """The server's key for a round's noise (module docstring)."""
-    return jax.random.fold_in(round_key, jnp.uint32(SERVER_KEY_ID))
 
 
 def global_norm(tree: Any) -> jax.Array:
@@ -134,14 +140,23 @@ def noised_mean(spec: DPSpec, clipped_sum: Any, bound: jax.Array, key: jax.Array
     return jax.tree.map(lambda s, n: (s + n) / spec.denominator, clipped_sum, noise)
 
 
+def centred_count(norms: jax.Array, bound: jax.Array, valid: jax.Array) -> jax.Array:
+    """sum over the valid clients of 1[norm <= bound] - 1/2, fp32: the count adaptive clipping
+    releases. Centred so that one client added or removed moves it by exactly 1/2, the
+    sensitivity `DPSpec.update_noise_multiplier` assumes; an invalid client adds 0."""
+    unclipped = jnp.asarray(norms, jnp.float32) <= jnp.asarray(bound, jnp.float32)
+    return jnp.sum(jnp.where(jnp.asarray(valid, bool), jnp.where(unclipped, 0.5, -0.5), 0.0))
+
+
 def next_clip(
     spec: DPSpec, bound: jax.Array, norms: jax.Array, valid: jax.Array, key: jax.Array
 ) -> jax.Array:
-    """Adaptive clipping's next clip norm from this round's update norms (before clipping); the
-    bound itself when the clip norm is fixed."""
+    """Adaptive clipping's next clip norm from this round's update norms (before clipping), by the
+    noised centred count (module docstring); the bound itself when the clip norm is fixed."""
     if not spec.adaptive:
         return bound
-    unclipped = jnp.sum(jnp.where(valid & (norms <= bound), 1.0, 0.0))
-    noised = unclipped + spec.sigma_b * jax.random.normal(key, (), jnp.float32)
-    fraction = noised / spec.denominator
+    noised = centred_count(norms, bound, valid) + spec.sigma_b * jax.random.normal(
+        key, (), jnp.float32
+    )
+    fraction = noised / spec.denominator + 0.5
     return bound * jnp.exp(-spec.clip_learning_rate * (fraction - spec.target_quantile))

@@ -91,12 +91,44 @@ def check_trim_fraction(x: float) -> float:
     return x
 
 
+def trim_count(trim_fraction: float, k: int) -> int:
+    """How many of k valid values the trimmed mean drops from each end: floor(trim_fraction * k)
+    of the Python float product (what `trimmed_mean` does, so that a check made before a run
+    agrees with it), clamped to keep at least one value."""
+    return max(0, min(math.floor(trim_fraction * k), (k - 1) // 2))
+
+
+def fewest_clients_trimmed(trim_fraction: float) -> int | None:
+    """The fewest valid clients of which `trim_fraction` drops at least one from each end (None
+    for a fraction of 0, which never trims)."""
+    if not trim_fraction > 0:
+        return None
+    k = max(3, math.floor(1 / trim_fraction) - 1)  # just below 1 / f: the float product decides
+    while trim_count(trim_fraction, k) == 0:
+        k += 1
+    return k
+
+
+def least_trimming_fraction(k: int) -> float | None:
+    """The least --trim-fraction, written with two significant digits and rounded up, that drops
+    at least one of k valid clients from each end (about 1 / k); None when k < 3, where no
+    fraction below 1/2 drops any."""
+    if k < 3:
+        return None
+    digits = 2
+    while 10**digits < 10 * k:  # two significant digits of 1 / k
+        digits += 1
+    n = -(-(10**digits) // k)  # ceil(10^digits / k), exactly
+    while trim_count(n / 10**digits, k) == 0:  # the float product may still fall short of 1
+        n += 1
+    return n / 10**digits
+
+
 def _trim_counts(trim_fraction: float, num_clients: int) -> jax.Array:
     """int32 [K + 1]: how many values to drop from each end when k clients are valid, indexed by
     k. Tabulated in Python so that floor(trim_fraction * k) is exact rather than an fp32 product,
     and clamped to keep at least one value."""
-    counts = [max(0, min(math.floor(trim_fraction * k), (k - 1) // 2))
-              for k in range(num_clients + 1)]  # fmt: skip
+    counts = [trim_count(trim_fraction, k) for k in range(num_clients + 1)]
     return jnp.asarray(counts, jnp.int32)
 
 

@@ -337,7 +337,9 @@ class ExperimentConfig:
         choices=AGGREGATORS,
     )
     trim_fraction: float = _setting(
-        0.1, "--aggregator trimmed-mean: the fraction of clients cut at each end, per coordinate."
+        0.1,
+        "--aggregator trimmed-mean: the fraction of clients cut at each end, per coordinate: "
+        "floor(fraction x M) of M clients a round, which must be at least 1 (0.1 needs 10).",
     )
     max_update_norm: float | None = _setting(
         None, "Clip each client's update of the global part to this L2 norm (no noise).",
@@ -368,6 +370,18 @@ class ExperimentConfig:
         None, "DP: stop before the round that would take epsilon past this budget.",
         metavar="EPS",
     )  # fmt: skip
+    dp_insecure_reproducible_noise: bool = _setting(
+        False,
+        "DP: draw the server's noise and client sample from --seed, not from a secret, so that "
+        "a run can be repeated noise for noise (tests, studies). Anyone who knows the seed can "
+        "then remove the noise: no privacy guarantee holds, and the run says so.",
+    )
+    dp_publish_clients: bool = _setting(
+        False,
+        "DP: write each client's figures (sampled clients, update norms, losses, metrics) to "
+        "metrics.jsonl and summary.json as without DP; the guarantee does not cover them. By "
+        "default they go to the server-private private/clients.jsonl only.",
+    )
     attack: str = _setting(
         "none",
         "A study's attack (simulation only): --attack-fraction of the clients upload their "
@@ -437,6 +451,7 @@ _NON_TRAJECTORY = {
     "data_dir",
     "site_data",  # where the sites' files are (the partition check covers what they hold)
     "model",
+    "dp_publish_clients",  # where the per-client figures are written, not what they are
 }
 SCHEMA = Schema(ExperimentConfig, _NON_TRAJECTORY)
 FIELDS = SCHEMA.fields
@@ -695,13 +710,17 @@ def validate_aggregation(config: ExperimentConfig) -> None:
     _positive(config, "dp_noise_multiplier", zero_ok=True)
     if not 0 <= config.trim_fraction < 0.5:
         raise UserError(f"--trim-fraction must be in [0, 0.5), got {config.trim_fraction}")
+    if config.aggregator == "trimmed-mean" and not config.dp:  # with DP: refused below
+        check_trimming(config.trim_fraction, config.sampled_clients)
     if not 0 < config.dp_delta < 1:
         raise UserError(f"--dp-delta must be in (0, 1), got {config.dp_delta}")
     if not 0 < config.attack_fraction <= 1:
         raise UserError(f"--attack-fraction must be in (0, 1], got {config.attack_fraction}")
-    dp_only = ("dp_clip", "dp_clip_quantile", "dp_max_epsilon")
+    dp_only = ("dp_clip", "dp_clip_quantile", "dp_max_epsilon", "dp_insecure_reproducible_noise",
+               "dp_publish_clients")  # fmt: skip
     if not config.dp:
-        given = [f"--{n.replace('_', '-')}" for n in dp_only if getattr(config, n) is not None]
+        given = [f"--{n.replace('_', '-')}" for n in dp_only
+                 if getattr(config, n) not in (None, False)]  # fmt: skip
         if given:
             raise UserError(
                 f"{given[0]} needs --dp-noise-multiplier (client-level DP); for clipping without "
@@ -720,6 +739,30 @@ def validate_aggregation(config: ExperimentConfig) -> None:
     from fedjax_split.run import safeguards
 
     safeguards.aggregator(config)  # the DP settings' own checks (the quantile, z < M/10, ...)
+
+
+def check_trimming(trim_fraction: float, clients: int) -> None:
+    """A UserError unless the trimmed mean of `clients` a round cuts at least one from each end:
+    with floor(f M) = 0 (the default 0.1 below 10 clients, e.g. the paper's 3) it would silently
+    be the plain unweighted mean. The numbers it suggests are `fed.robust`'s own counts."""
+    from fedjax_split.fed import robust
+
+    if robust.trim_count(trim_fraction, clients) > 0:
+        return
+    fraction = robust.least_trimming_fraction(clients)
+    fewest = robust.fewest_clients_trimmed(trim_fraction)
+    if fraction is None:  # under 3 clients no fraction below 1/2 cuts any
+        fix = (f"at least {fewest} clients a round" if fewest is not None else
+               f"at least 3 clients a round and --trim-fraction "
+               f"{robust.least_trimming_fraction(3):g} or more")  # fmt: skip
+    else:
+        fix = f"--trim-fraction {fraction:g} or more with {clients} clients a round"
+        if fewest is not None:
+            fix += f", or at least {fewest} clients a round"
+    raise UserError(
+        f"--aggregator trimmed-mean cuts floor({trim_fraction:g} x {clients}) = 0 clients at each "
+        f"end, i.e. it is the plain unweighted mean: use {fix}"
+    )
 
 
 def validate_critical_layer(config: ExperimentConfig, num_layers: int) -> int:
