@@ -201,7 +201,7 @@ TINY_EMBEDDINGS = TINY_VOCAB * 32 + 64 * 32 + 2 * 32 + 2 * 32
 
 def tiny_args(model: Path, data: Path, out: Path, **extra: object) -> list[str]:
     """CLI flags of a tiny, fast run (4 rounds, 3 clients, critical layer 1 of 2); a flag
-    given None is left out."""
+    given None is left out, one given True is a switch."""
     flags = {
         "task": "sst2",
         "model": str(model),
@@ -217,4 +217,5 @@ def tiny_args(model: Path, data: Path, out: Path, **extra: object) -> list[str]:
         "seed": 0,
     }
     flags.update({k.replace("_", "-"): v for k, v in extra.items()})
-    return [f"--{k}={v}" for k, v in flags.items() if v is not None]  # None: the flag left out
+    # None: the flag left out; True: a switch given alone (--dp-insecure-reproducible-noise)
+    return [f"--{k}" if v is True else f"--{k}={v}" for k, v in flags.items() if v is not None]

@@ -395,7 +395,7 @@ def test_the_nodes_keep_the_local_parts_of_the_oldest_kept_checkpoint(
     sent: list[int] = []
     monkeypatch.setattr(server, "run_round", lambda run, ex, r, h, o, keep: sent.append(keep))
     task = SimpleNamespace(primary_metric="f1")
-    run = SimpleNamespace(config=SimpleNamespace(run_dir=tmp_path), rounds=9,
+    run = SimpleNamespace(config=SimpleNamespace(run_dir=tmp_path, dp=False), rounds=9,
                           model=SimpleNamespace(task=task))  # fmt: skip
     flower = server.FlowerServer(run, None, server.DeployOptions())
     flower.step(1, [])

@@ -480,8 +480,11 @@ def test_ner_run_reports_entity_f1_per_client_and_learns(ner_run: Path) -> None:
     assert summary["primary_metric"] == "f1"
 
 
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _records(run_dir: Path, private: bool = False) -> list[dict]:
+    """metrics.jsonl's records, or with `private` the server-private file's (a DP run's
+    per-client figures)."""
+    path = run_dir / "private" / "clients.jsonl" if private else run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()]
 
 
 def test_dp_budget_ends_the_run_after_the_last_round_within_it(
@@ -503,7 +506,7 @@ def test_dp_budget_ends_the_run_after_the_last_round_within_it(
     assert "--dp-max-epsilon 2.8 allows 2 of the 4 rounds (epsilon 2.49 after them)" in err
     assert "Gaussian noise z = 2" in err and "Poisson-sampled at rate 0.666667" in err
     run = files["base"] / "dp_budget"
-    records = _records(run)
+    records = _records(run, private=True)
     assert [r["round"] for r in records] == [1, 2]
     for r in records:
         assert r["epsilon"] == pytest.approx(spent(r["round"]), rel=1e-9)
@@ -576,7 +579,7 @@ def test_lora_with_client_level_dp_clips_and_noises_the_adapters(files: dict[str
     cfg = _config(files, name, critical_layer=1, lora_rank=2, dp_noise_multiplier=0.5,
                   dp_clip=0.01, dp_delta=1e-3)  # fmt: skip
     summary = experiment.run_experiment(cfg, progress=False)
-    records = _records(files["base"] / name)
+    records = _records(files["base"] / name, private=True)
     assert 0 < records[0]["epsilon"] < records[1]["epsilon"]
     assert all(len(r["update_norms"]) == 3 for r in records)
     assert summary["frozen_params"] > 0 and summary["global_params"] == _lora_count_by_hand(
@@ -696,3 +699,150 @@ def test_fedbt_freezes_the_layers_below_its_cycle(files: dict[str, Path]) -> Non
     assert layers == {"layer_0"}
     for path, value in frozen.items():
         np.testing.assert_array_equal(np.asarray(value), np.asarray(pretrained[path]), path)
+
+
+# Client-level DP's secret noise (fed/secret.py): what a run releases, resumes and publishes.
+DP_FLAGS = {"critical_layer": 1, "dp_clip": 0.01, "dp_delta": 1e-3, "seed": 4,
+            "checkpoint_every": 1, "keep_checkpoints": 2}  # fmt: skip
+
+
+def _released(run_dir: Path, round_: int) -> dict[str, np.ndarray]:
+    """The global part the server released after `round_` (its checkpoint's server state)."""
+    from fedjax_split.fed.roles import flatten_paths
+
+    arrays, _ = RunCheckpointer(checkpoint_dir(run_dir)).restore_untyped(round_)
+    return {p: np.asarray(v, np.float64)
+            for p, v in flatten_paths(arrays["server_state"]["global_params"]).items()}
+
+
+def _seed_noise(seed: int, round_: int, like: dict[str, np.ndarray], z: float, clip: float,
+                denominator: float) -> dict[str, np.ndarray]:
+    """The attack on the noise as it was drawn before fed/secret.py: everything from config.json
+    (the seed, z, C, M) and the round. The server's key was fold_in(fold_in(key(seed), round),
+    2^32 - 1), split into the updates' and the count's keys, then one fold_in per leaf in the
+    tree's order (fed.privacy.noise_like); the result on the mean is noise * z * C / M."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), round_), np.uint32(2**32 - 1))
+    noise_key = jax.random.split(key)[0]
+    from fedjax_split.fed.roles import flatten_paths, unflatten_paths
+
+    tree = unflatten_paths({p: np.zeros(v.shape, np.float32) for p, v in like.items()})
+    leaves, treedef = jax.tree.flatten(tree)
+    drawn = [np.asarray(jax.random.normal(jax.random.fold_in(noise_key, i), np.shape(x),
+                                          np.float32), np.float64) * z * clip / denominator
+             for i, x in enumerate(leaves)]  # fmt: skip
+    return flatten_paths(jax.tree.unflatten(treedef, drawn))
+
+
+def test_dp_noise_is_secret_each_run_draws_its_own_and_the_seed_does_not_regenerate_it(
+    files: dict[str, Path],
+) -> None:
+    """Two runs of one config and seed: with z > 0 they release different global parts (each
+    run's own secret noise); with z = 0 the same ones. The attack that worked before (regenerate
+    the noise from config.json's seed and subtract it from the released part, against the same
+    run without noise) recovers nothing now; under --dp-insecure-reproducible-noise the noise
+    does follow the seed, as the flag says."""
+    runs = {}
+    for name, z, extra in (("dp_a", 1.0, {}), ("dp_b", 1.0, {}), ("dp_z0_a", 0.0, {}),
+                           ("dp_z0_b", 0.0, {}),
+                           ("dp_insecure_a", 1.0, {"dp_insecure_reproducible_noise": True}),
+                           ("dp_insecure_b", 1.0, {"dp_insecure_reproducible_noise": True})):
+        cfg = _config(files, name, rounds=1, dp_noise_multiplier=z, **DP_FLAGS, **extra)
+        experiment.run_experiment(cfg, progress=False)
+        runs[name] = _released(files["base"] / name, 1)
+    paths = sorted(runs["dp_a"])
+
+    def differ(a: str, b: str) -> float:
+        return max(float(np.abs(runs[a][p] - runs[b][p]).max()) for p in paths)
+
+    assert differ("dp_z0_a", "dp_z0_b") == 0.0  # no noise: the clients' training is the seed's
+    assert differ("dp_insecure_a", "dp_insecure_b") == 0.0  # the opt-out: the seed's noise
+    assert differ("dp_a", "dp_b") > 1e-3  # each run's own secret noise (z C / M = 0.0033)
+    # the noise each run added: its release minus the noiseless run's
+    noise = {n: {p: runs[n][p] - runs["dp_z0_a"][p] for p in paths} for n in ("dp_a", "dp_b")}
+    for n in ("dp_a", "dp_b"):
+        flat = np.concatenate([noise[n][p].ravel() for p in paths])
+        assert flat.std() == pytest.approx(1.0 * 0.01 / 3, rel=0.05)
+    # the regeneration attack, from config.json alone
+    saved = json.loads((files["base"] / "dp_a" / "config.json").read_text())
+    guess = _seed_noise(saved["seed"], 1, runs["dp_a"], saved["dp_noise_multiplier"],
+                        saved["dp_clip"], saved["clients"])  # fmt: skip
+    for n in ("dp_a", "dp_b"):
+        resid = np.concatenate([(noise[n][p] - guess[p]).ravel() for p in paths])
+        flat = np.concatenate([noise[n][p].ravel() for p in paths])
+        # subtracting the guess does not remove the noise: it adds as much again
+        assert resid.std() == pytest.approx(np.sqrt(2) * flat.std(), rel=0.05)
+    # nothing published or configured holds the secret: it is in the checkpoint alone
+    secret = RunCheckpointer(checkpoint_dir(files["base"] / "dp_a")).restore_untyped(1)[0][
+        "dp_secret"]  # fmt: skip
+    hexed = np.asarray(secret, np.uint8)[:-1].tobytes().hex()
+    for name in ("config.json", "metrics.jsonl", "summary.json", "partition.json"):
+        text = (files["base"] / "dp_a" / name).read_text()
+        assert hexed not in text and "dp_secret" not in text
+
+
+def test_a_dp_run_resumes_with_its_own_secret_to_the_uninterrupted_result(
+    files: dict[str, Path],
+) -> None:
+    """A DP run's secret is in its checkpoints: a copy of the run taken back to round 1's
+    checkpoint and resumed draws the noise and Poisson sample the uninterrupted run drew, bit for
+    bit (a fresh secret would draw others: the test above)."""
+    import shutil
+
+    name = "dp_resume"
+    cfg = _config(files, name, rounds=3, dp_noise_multiplier=0.15, clients_per_round=2,
+                  dp_clip_quantile=0.5, **{**DP_FLAGS, "keep_checkpoints": 3})  # fmt: skip
+    experiment.run_experiment(cfg, progress=False)
+    run = files["base"] / name
+    copy = files["base"] / f"{name}_copy"
+    shutil.copytree(run, copy)
+    for r in (2, 3):
+        shutil.rmtree(checkpoint_dir(copy) / str(r))
+    experiment.run_experiment({**cfg, "output_dir": str(copy), "resume": True}, progress=False)
+
+    def timeless(records: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if "seconds" not in k} for r in records]
+
+    assert timeless(_records(copy, private=True)) == timeless(_records(run, private=True))
+    assert timeless(_records(copy)) == timeless(_records(run))
+    for p, v in _released(run, 3).items():
+        np.testing.assert_array_equal(_released(copy, 3)[p], v)
+
+
+def test_a_dp_run_publishes_no_per_client_figure_unless_asked(files: dict[str, Path]) -> None:
+    """With DP, metrics.jsonl and summary.json hold what the guarantee covers and the means over
+    clients (named as outside it); the sample, each client's norm, loss and metrics are in the
+    server-private private/clients.jsonl, a folder only its owner can read.
+    --dp-publish-clients writes them as without DP, and the summary says the guarantee excludes
+    them."""
+    import stat
+
+    from fedjax_split.run import safeguards
+
+    cfg = _config(files, "dp_private", dp_noise_multiplier=0.5, **DP_FLAGS)
+    summary = experiment.run_experiment(cfg, progress=False)
+    run = files["base"] / "dp_private"
+    public, private = _records(run), _records(run, private=True)
+    assert len(public) == len(private) == 2
+    for pub, full in zip(public, private, strict=True):
+        assert not set(safeguards.PER_CLIENT) & set(pub)
+        assert {"clients_sampled", "update_norms", "train_loss_clients"} <= set(full)
+        assert pub["num_rejected"] == len(full["clients_rejected"]) == 0
+        assert pub == {k: v for k, v in full.items()
+                       if k not in safeguards.PER_CLIENT} | {"num_rejected": 0}  # fmt: skip
+    assert "clients" in private[-1] and "accuracy" in public[-1]  # evaluated: means published
+    assert stat.S_IMODE((run / "private").stat().st_mode) == 0o700
+    on_disk = json.loads((run / "summary.json").read_text())
+    assert "clients" not in on_disk["final"] and "clients" not in summary["final"]
+    privacy = on_disk["privacy"]
+    assert privacy["per_client_figures"] == "private/clients.jsonl"
+    assert privacy["noise"].startswith("secret") and "global parts" in privacy["covers"]
+    assert any("evaluation" in x for x in privacy["not_covered"])
+
+    cfg = _config(files, "dp_public", dp_noise_multiplier=0.5, dp_publish_clients=True, **DP_FLAGS)
+    experiment.run_experiment(cfg, progress=False)
+    run = files["base"] / "dp_public"
+    assert all("update_norms" in r and "clients_sampled" in r for r in _records(run))
+    assert not (run / "private").exists()
+    privacy = json.loads((run / "summary.json").read_text())["privacy"]
+    assert privacy["per_client_figures"] == "metrics.jsonl"
+    assert any("--dp-publish-clients" in x for x in privacy["not_covered"])

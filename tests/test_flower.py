@@ -81,8 +81,12 @@ def _args(env: dict, out: Path, **extra: object) -> list[str]:
     return tiny_args(env["model"], env["data"], out, **{**FAST, **extra})
 
 
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+def _metrics(run: Path, private: bool = False) -> list[dict]:
+    """metrics.jsonl's records; with `private`, every figure: a DP run's server-private file
+    where it has one."""
+    path = run / "private" / "clients.jsonl"
+    path = path if private and path.is_file() else run / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()]
 
 
 def _comparable(record: dict) -> dict:
@@ -302,21 +306,24 @@ def _federation_equals_simulation(
     sim = _simulate(env, f"{name}_sim", **flags)
     got, want = _metrics(out), _metrics(sim)
     assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
+    got, want = _metrics(out, private=True), _metrics(sim, private=True)
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
     assert all(r["clients_failed"] == [] == r["clients_rejected"] for r in got)
     sent = [json.loads(x) for f in record_dir.glob("*.jsonl") for x in f.read_text().splitlines()]
     return out, sim, sent
 
 
 def test_dp_run_equals_simulation_clipping_at_the_nodes_noise_at_the_server(env: dict) -> None:
-    """Client-level DP on Flower (Poisson sampling at 2/3, adaptive clipping, noise z = 0.1):
-    every round equals the simulation's, epsilon and the clip norm included. The server sends
-    each round's clip norm down, each node clips its own update and reports the update's norm
-    before clipping; the noise is the server's."""
+    """Client-level DP on Flower (Poisson sampling at 2/3, adaptive clipping, noise z = 0.1)
+    under --dp-insecure-reproducible-noise, so that two runs draw one noise: every round equals
+    the simulation's, epsilon and the clip norm included. The server sends each round's clip norm
+    down, each node clips its own update and reports the update's norm before clipping; the
+    noise is the server's."""
     flags = {"critical_layer": 1, "rounds": 2, "eval_every": 2, "clients_per_round": 2,
              "dp_noise_multiplier": 0.1, "dp_clip": 0.05, "dp_clip_quantile": 0.5,
-             "dp_delta": 1e-3}  # fmt: skip
+             "dp_delta": 1e-3, "dp_insecure_reproducible_noise": True}  # fmt: skip
     out, sim, sent = _federation_equals_simulation(env, "dp", flags)
-    got = _metrics(out)
+    got = _metrics(out, private=True)
     epsilons = [r["epsilon"] for r in got]
     assert 0 < epsilons[0] < epsilons[1]
     assert got[0]["dp_clip"] == float(np.float32(0.05))  # the server state holds it in fp32
@@ -560,3 +567,47 @@ def test_write_app_gives_a_flower_app_that_flower_accepts(env: dict, tmp_path: P
     settings = json.loads(config["tool"]["flwr"]["app"]["config"][protocol.EXPERIMENT])
     assert settings["clients"] == 3 and settings["critical_layer"] == 1
     assert Path(settings["output_dir"]).is_absolute()
+
+
+def test_a_dp_federation_with_secret_noise_differs_from_the_simulation_only_by_its_noise(
+    env: dict,
+) -> None:
+    """Client-level DP on Flower with the server's own secret (the default), every client every
+    round, a fixed clip norm: the first round's training is the simulation's to the bit (the same
+    global part went down, the clients' randomness is the seed's), but the released global parts
+    differ (each server draws its own noise). The secret is in the server's checkpoint alone: no
+    message to a node carries it or a round's noise key."""
+    import jax
+
+    from fedjax_split.fed.roles import flatten_paths
+    from fedjax_split.fed.secret import ServerSecret
+    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+
+    flags = {"critical_layer": 1, "rounds": 2, "eval_every": 2, "dp_noise_multiplier": 0.5,
+             "dp_clip": 0.05, "dp_delta": 1e-3}  # fmt: skip
+    out, record_dir = env["base"] / "dp_secret", env["base"] / "dp_secret_sent"
+    res = _run(env, "fedjax_split.flower", _args(env, out, **flags),
+               **{protocol.RECORD_ENV: str(record_dir)})  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    _no_processes_left(str(out))
+    sim = _simulate(env, "dp_secret_sim", **flags)
+    got, want = _metrics(out, private=True), _metrics(sim, private=True)
+    for key in ("train_loss", "train_loss_clients", "update_norms", "clients_sampled", "dp_clip",
+                "epsilon"):
+        assert got[0][key] == want[0][key], key
+    fed, simulated = (RunCheckpointer(checkpoint_dir(d)).restore_untyped(2)[0] for d in (out, sim))
+    a = flatten_paths(fed["server_state"]["global_params"])
+    b = flatten_paths(simulated["server_state"]["global_params"])
+    assert all(not np.array_equal(np.asarray(a[p]), np.asarray(b[p])) for p in a)
+    secret = ServerSecret.from_array(fed["dp_secret"])
+    assert not secret.reproducible
+    forbidden = [np.asarray(fed["dp_secret"], np.uint8)[:-1].tobytes().hex()] + [
+        str(int(w)) for r in (1, 2) for w in np.asarray(jax.random.key_data(secret.noise_key(r)))
+    ]
+    sent = [json.loads(x) for f in record_dir.glob("*.jsonl") for x in f.read_text().splitlines()]
+    server_sent = [e for e in sent if e["sender"] == "server"]
+    assert server_sent and all("config_values" in e for e in server_sent)
+    for e in server_sent:
+        values = json.dumps(e["config_values"])
+        assert not any(f in values for f in forbidden)
+        assert not any("secret" in k or "noise" in k for c in e["configs"].values() for k in c)

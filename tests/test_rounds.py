@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ from fedjax_split.fed.client import (
     make_client_update,
 )
 from fedjax_split.fed.roles import flatten_paths, merge_params, split_params
+from fedjax_split.fed.secret import ServerSecret
 from fedjax_split.fed.wire import cast_to_wire
 from fedjax_split.sim.rounds import (
     RoundSpec,
@@ -556,18 +558,22 @@ def _dp_spec(chunk_size: int | None, clip: float = 0.1, z: float = 0.5,
                      aggregator=Aggregator(dp=dp))  # fmt: skip
 
 
-def _dp_run(spec: RoundSpec, rng: jax.Array = SEED_KEY, **kw):
+SECRET = ServerSecret.from_seed(5)  # the tests' noise: reproducible on purpose
+
+
+def _dp_run(spec: RoundSpec, rng: jax.Array = SEED_KEY, noise_key: Any = None, **kw):
     g, _ = split_params(PARAMS, critical_layer=1)
     _, local = _setup(1)
     state = init_server_state(g, FEDAVG, "float32", aggregation.init_state(spec.aggregator))
-    return run_round(spec, state, local, WEIGHTS, STEPS, rng, **kw)
+    noise_key = SECRET.noise_key(0) if noise_key is None else noise_key
+    return run_round(spec, state, local, WEIGHTS, STEPS, rng, noise_key=noise_key, **kw)
 
 
 def _count_deviate(round_index: int = 0) -> float:
     """The standard normal deviate of adaptive clipping's count noise in a round, derived here:
-    the second half of the split of the server's key, fold_in(round key, 2^32 - 1)."""
-    server = jax.random.fold_in(jax.random.fold_in(SEED_KEY, round_index), np.uint32(2**32 - 1))
-    return float(jax.random.normal(jax.random.split(server)[1], (), jnp.float32))
+    the second half of the split of the round's noise key."""
+    key = SECRET.noise_key(round_index)
+    return float(jax.random.normal(jax.random.split(key)[1], (), jnp.float32))
 
 
 def _update(state, start) -> dict:
@@ -624,13 +630,26 @@ def test_a_dp_rounds_noise_is_z_clip_over_m_and_its_seeds() -> None:
     assert noise.size == _global_param_count(1)
     assert noise.std() == pytest.approx(0.5 * 0.1 / 3, rel=0.06)
     assert abs(noise.mean()) < 5 * (0.5 * 0.1 / 3) / math.sqrt(noise.size)
-    # the same key: bit for bit the same round; another key: another round
+    # the same keys: bit for bit the same round; another noise key, the same run key: the
+    # clients train alike (their local parts are the same) and only the noise differs
     again = _dp_run(_dp_spec(1, z=0.5))
     for x, y in zip(jax.tree.leaves((noisy, new_local)), jax.tree.leaves(again[:2]), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    other = _dp_run(_dp_spec(1, z=0.5), rng=jax.random.key(43))[0]
+    other, other_local, _ = _dp_run(_dp_spec(1, z=0.5), noise_key=ServerSecret.fresh().noise_key(0))
     bias = "embeddings/LayerNorm/bias"
     assert not np.any(flatten_paths(other.master)[bias] == flatten_paths(noisy.master)[bias])
+    for x, y in zip(jax.tree.leaves(other_local), jax.tree.leaves(new_local), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1], ids=["stacked", "one-at-a-time"])
+def test_a_dp_round_without_the_servers_noise_key_is_refused(chunk_size: int | None) -> None:
+    g, _ = split_params(PARAMS, critical_layer=1)
+    _, local = _setup(1)
+    spec = _dp_spec(chunk_size)
+    state = init_server_state(g, FEDAVG, "float32", aggregation.init_state(spec.aggregator))
+    with pytest.raises(ValueError, match="secret noise key"):  # never a key made from the seed
+        run_round(spec, state, local, WEIGHTS, STEPS, SEED_KEY)
 
 
 @pytest.mark.parametrize("quantile", [None, 0.5], ids=["fixed-clip", "adaptive-clip"])
@@ -639,7 +658,8 @@ def test_a_dp_round_that_sampled_nobody_moves_the_global_part_by_noise_alone(qua
     g0, _ = split_params(PARAMS, critical_layer=1)
     start = init_server_state(g0, FEDAVG, "float32", aggregation.init_state(spec.aggregator))
     local = {"anything": jnp.ones(2)}
-    state, new_local, result = run_round(spec, start, local, np.zeros(0), [], SEED_KEY)
+    state, new_local, result = run_round(spec, start, local, np.zeros(0), [], SEED_KEY,
+                                         noise_key=SECRET.noise_key(0))  # fmt: skip
     assert new_local is local and int(state.round) == 1
     assert result.bytes_up == result.bytes_down == 0
     assert result.train_loss.shape == result.accepted.shape == result.update_norms.shape == (0,)
@@ -649,9 +669,9 @@ def test_a_dp_round_that_sampled_nobody_moves_the_global_part_by_noise_alone(qua
     clip = float(state.aggregator["clip"])
     if quantile is None:
         assert clip == pytest.approx(0.2)
-    else:  # nobody within the clip norm: b is the count noise alone, the norm grows
-        b = 0.15 * _count_deviate() / 3
-        assert clip == pytest.approx(0.2 * math.exp(-0.2 * (b - 0.5)), rel=1e-6) and clip > 0.2
+    else:  # nobody counted: the centred count is its noise alone, b = noise / 3 + 1/2
+        b = 0.15 * _count_deviate() / 3 + 0.5
+        assert clip == pytest.approx(0.2 * math.exp(-0.2 * (b - 0.5)), rel=1e-6) and clip != 0.2
     # without DP an empty round leaves the global part exactly where it was
     plain = init_server_state(g0, FEDAVG, "float32")
     state, _, _ = run_round(SPEC_FEDAVG, plain, local, np.zeros(0), [], SEED_KEY)

@@ -4,11 +4,16 @@ events built here), the rounds a budget allows, and the lines and record fields 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import struct
+
 import numpy as np
 import pytest
 from fedcore_helpers import dp_reference_epsilon
 
 from fedjax_split.fed import aggregation
+from fedjax_split.fed.secret import ServerSecret
 from fedjax_split.run import safeguards
 from fedjax_split.run.config import resolve_config
 
@@ -46,7 +51,8 @@ def test_dp_with_fewer_clients_a_round_samples_each_client_independently() -> No
     config = _config(clients=100, clients_per_round=10, dp_noise_multiplier=1.0, dp_clip=1.0,
                      seed=3)  # fmt: skip
     assert config.poisson_sampling
-    draws = [safeguards.sample(config, r) for r in range(1, 301)]
+    secret = ServerSecret.fresh()
+    draws = [safeguards.sample(config, r, secret) for r in range(1, 301)]
     sizes = np.array([len(d) for d in draws])
     # 30,000 Bernoulli(0.1) draws: the rate within 4 standard errors (0.0017) of 0.1
     assert abs(sizes.mean() / 100 - 0.1) < 0.007
@@ -56,22 +62,50 @@ def test_dp_with_fewer_clients_a_round_samples_each_client_independently() -> No
     assert counts.min() > 10 and counts.max() < 55  # binomial(300, 0.1): mean 30, sd 5.2
     for d in draws:
         assert d.tolist() == sorted(set(d.tolist()))
-    # the same seed and round draw the same clients (a resumed run); another seed other ones
-    np.testing.assert_array_equal(safeguards.sample(config, 17), draws[16])
-    other = resolve_config(overrides={**config.to_dict(), "seed": 4})
-    assert any(not np.array_equal(safeguards.sample(other, r), draws[r - 1])
-               for r in range(1, 6))  # fmt: skip
-    # the draw of numpy's generator seeded with (seed, round, the sampling's purpose 1)
-    want = np.flatnonzero(np.random.default_rng([3, 17, 1]).random(100) < 0.1)
-    np.testing.assert_array_equal(draws[16], want)
+    # the same secret and round draw the same clients (a resumed run, whose checkpoint holds
+    # the secret); another run of the same config, with its own secret, other ones
+    np.testing.assert_array_equal(safeguards.sample(config, 17, secret), draws[16])
+    again = ServerSecret.from_array(secret.to_array())
+    np.testing.assert_array_equal(safeguards.sample(config, 17, again), draws[16])
+    rerun = safeguards.server_secret(config)
+    assert sum(np.array_equal(safeguards.sample(config, r, rerun), draws[r - 1])
+               for r in range(1, 21)) <= 2  # fmt: skip
+    # by hand: client i is in when HMAC-SHA256(secret, "sample" | r | i)'s first 53 bits, as a
+    # fraction, are below the rate
+    key = secret.to_array()[:-1].tobytes()
+    fractions = [(int.from_bytes(hmac.new(key, b"sample" + struct.pack(">qq", 17, i),
+                                         hashlib.sha256).digest()[:8], "big") >> 11) / 2.0**53
+                 for i in range(100)]  # fmt: skip
+    np.testing.assert_array_equal(draws[16], np.flatnonzero(np.asarray(fractions) < 0.1))
+
+
+def test_the_poisson_sample_cannot_be_recomputed_from_the_seed() -> None:
+    """config.json holds the seed: a sample drawn from it, as one was before, would tell anyone
+    who took part. Each run's sample follows its own secret; only the opt-out follows the seed."""
+    config = _config(clients=200, clients_per_round=20, dp_noise_multiplier=1.0, dp_clip=1.0,
+                     seed=3)  # fmt: skip
+    secret = safeguards.server_secret(config)
+    assert not secret.reproducible
+    for r in (1, 2, 3):
+        from_seed = np.flatnonzero(np.random.default_rng([3, r, 1]).random(200) < 0.1)
+        assert not np.array_equal(safeguards.sample(config, r, secret), from_seed)
+    with pytest.raises(ValueError, match="secret"):
+        safeguards.sample(config, 1)  # never a fallback to the seed
+    insecure = resolve_config(overrides={**config.to_dict(),
+                                         "dp_insecure_reproducible_noise": True})  # fmt: skip
+    a, b = safeguards.server_secret(insecure), safeguards.server_secret(insecure)
+    assert a.reproducible and a == b
+    np.testing.assert_array_equal(safeguards.sample(insecure, 4, a),
+                                  safeguards.sample(insecure, 4, b))  # fmt: skip
 
 
 def test_poisson_sampling_may_draw_nobody() -> None:
     config = _config(clients=3, clients_per_round=1, dp_noise_multiplier=1.0, dp_clip=1.0)
-    sizes = [len(safeguards.sample(config, r)) for r in range(1, 60)]
+    secret = ServerSecret.fresh()
+    sizes = [len(safeguards.sample(config, r, secret)) for r in range(1, 60)]
     # each round is empty with probability (2/3)^3 = 0.3
     assert 0 in sizes and max(sizes) >= 2
-    empty = safeguards.sample(config, sizes.index(0) + 1)
+    empty = safeguards.sample(config, sizes.index(0) + 1, secret)
     assert empty.shape == (0,) and empty.dtype == np.int32
 
 
@@ -220,11 +254,15 @@ def test_start_lines_state_the_mechanism_and_the_rounds_a_budget_allows() -> Non
     config = _dp(rounds=10, dp_max_epsilon=2.0)
     allowed = safeguards.rounds_allowed(config)
     lines = safeguards.start_lines(config, allowed)
-    assert lines[0] == safeguards.line(config) and len(lines) == 2
+    assert lines[0] == safeguards.line(config) and len(lines) == 3
+    assert "private/clients.jsonl" in lines[1]  # where the per-client figures went
     eps = dp_reference_epsilon(1.1, 0.2, allowed, 1e-5)
-    assert lines[1] == (f"--dp-max-epsilon 2 allows {allowed} of the 10 rounds "
+    assert lines[2] == (f"--dp-max-epsilon 2 allows {allowed} of the 10 rounds "
                         f"(epsilon {eps:.3g} after them)")  # fmt: skip
-    assert len(safeguards.start_lines(_dp(rounds=10), 10)) == 1  # no budget: no second line
+    assert len(safeguards.start_lines(_dp(rounds=10), 10)) == 2  # no budget: no such line
+    insecure = safeguards.start_lines(_dp(dp_insecure_reproducible_noise=True), 10)
+    assert insecure[1].startswith("WARNING: --dp-insecure-reproducible-noise")
+    assert "no privacy guarantee holds" in insecure[1]
 
 
 def test_only_the_simulation_runs_a_simulated_attack() -> None:

@@ -172,20 +172,28 @@ def test_sigkilled_run_resumes_to_the_same_result(env: dict, straight: Path) -> 
 
 def test_sigkilled_dp_run_resumes_to_the_same_result(env: dict) -> None:
     """Client-level DP with adaptive clipping (the clip norm is server state the checkpoint must
-    carry) and one of 3 clients a round (Poisson: seed 0 samples clients 1 and 2, then nobody,
-    then 0 and 2), SIGKILLed once round 1's checkpoint is on disk, then resumed: every record as
-    the straight run's, the server's noise included."""
+    carry) and one of 3 clients a round (Poisson: at seed 0 the opt-out's sample is client 1,
+    then nobody twice, as `_opt_out_sample` works out), SIGKILLed once round 1's checkpoint is
+    on disk, then
+    resumed: every record as the straight run's, the server's noise included. Two separate runs
+    draw the same noise only under --dp-insecure-reproducible-noise (a run's own secret is
+    restored from its checkpoint: tests/test_experiment.py resumes one without the opt-out)."""
     flags = {"rounds": 3, "clients_per_round": 1, "dp_noise_multiplier": 0.05, "dp_clip": 0.05,
              "dp_clip_quantile": 0.5}  # fmt: skip
+    opt_out = "--dp-insecure-reproducible-noise"
     straight, out = env["base"] / "dp_straight", env["base"] / "dp_killed"
-    res = _cli(env, _args(env, straight, **flags))
+    res = _cli(env, [*_args(env, straight, **flags), opt_out])
     assert res.returncode == 0, res.stderr
-    _sigkill_after_checkpoint(env, _args(env, out, **flags), out, 1)
-    res = _cli(env, [*_args(env, out, **flags), "--resume"])
+    assert "WARNING: --dp-insecure-reproducible-noise" in res.stderr
+    _sigkill_after_checkpoint(env, [*_args(env, out, **flags), opt_out], out, 1)
+    res = _cli(env, [*_args(env, out, **flags), opt_out, "--resume"])
     assert res.returncode == 0, res.stderr
-    want = _metrics(straight)
-    assert _without_time(_metrics(out)) == _without_time(want)
-    assert [r["clients_sampled"] for r in want] == [[1, 2], [], [0, 2]]
+    assert _without_time(_metrics(out)) == _without_time(_metrics(straight))
+    # the per-client figures are in the server's private file, and resume alike
+    want = _private(straight)
+    assert _without_time(_private(out)) == _without_time(want)
+    assert not any("clients_sampled" in r or "update_norms" in r for r in _metrics(out))
+    assert [r["clients_sampled"] for r in want] == SAMPLED_BY_THE_OPT_OUT
     clips = [r["dp_clip"] for r in want]
     # the first round's clip norm (in fp32), then one that moved every round
     assert clips[0] == pytest.approx(0.05, rel=1e-7) and len(set(clips)) == 3
@@ -195,6 +203,32 @@ def test_sigkilled_dp_run_resumes_to_the_same_result(env: dict) -> None:
     a = json.loads((out / "summary.json").read_text())
     b = json.loads((straight / "summary.json").read_text())
     assert a["privacy"] == b["privacy"] and a["privacy"]["adaptive_clip_quantile"] == 0.5
+    assert a["privacy"]["noise"].startswith("INSECURE")
+
+
+def _private(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "private" / "clients.jsonl").read_text().splitlines()]
+
+
+def _opt_out_sample() -> list[list[int]]:
+    """The clients --dp-insecure-reproducible-noise samples at seed 0 (3 clients, rate 1/3),
+    worked out here from its definition: HMAC-SHA256 under SHA-256(label | seed), per client."""
+    import hashlib
+    import hmac
+    import struct
+
+    label = b"fedjax_split: DP noise from the seed (insecure, reproducible)"
+    key = hashlib.sha256(label + (0).to_bytes(16, "big", signed=True)).digest()
+    out = []
+    for r in (1, 2, 3):
+        draws = [int.from_bytes(hmac.new(key, b"sample" + struct.pack(">qq", r, i),
+                                         hashlib.sha256).digest()[:8], "big") >> 11
+                 for i in range(3)]  # fmt: skip
+        out.append([i for i, d in enumerate(draws) if d / 2.0**53 < 1 / 3])
+    return out
+
+
+SAMPLED_BY_THE_OPT_OUT = _opt_out_sample()
 
 
 THREE_DIRS = f"{ROOT}/docs,{ROOT}/tests,{ROOT}/configs"  # any three directories

@@ -97,9 +97,9 @@ def experiment_values(run_config: Any, key: str = EXPERIMENT) -> dict[str, Any]:
 
 def record_sent(message: Any, sender: str) -> Any:
     """Logs what `message` carries (every array's record, path, dtype, shape and sha256 of its
-    bytes; every config and metric key) to $FEDJAX_SPLIT_FLOWER_RECORD/<sender>-<pid>.jsonl when
-    that is set; returns the message. Called on the Message object handed to Flower, so nothing
-    that is sent escapes it."""
+    bytes; every config and metric key, and the configs' values) to
+    $FEDJAX_SPLIT_FLOWER_RECORD/<sender>-<pid>.jsonl when that is set; returns the message.
+    Called on the Message object handed to Flower, so nothing that is sent escapes it."""
     where = os.environ.get(RECORD_ENV)
     if not where:
         return message
@@ -121,6 +121,9 @@ def record_sent(message: Any, sender: str) -> Any:
         "type": message.metadata.message_type,
         "arrays": arrays,
         "configs": {k: sorted(r) for k, r in content.config_records.items()},
+        # their values too, as text: what a test checks a node is never sent (DP's secret)
+        "config_values": {k: {key: str(v) for key, v in r.items()}
+                          for k, r in content.config_records.items()},
         "metrics": {k: sorted(r) for k, r in content.metric_records.items()},
     }
     Path(where).mkdir(parents=True, exist_ok=True)

@@ -347,6 +347,9 @@ class ServerRun:
     tag_names: tuple[str, ...] = ()  # a token task's tag vocabulary (its metrics' names)
     bert_fl_bytes: int | None = None  # with a layer schedule: the whole model's bytes (run.costs)
     paths: Any = None  # run.costs.ModelPaths of the model: what its FLOP counts need
+    # client-level DP: the server's secret for its noise and Poisson sample (fed.secret); never
+    # in a message to a node, in config.json or in a log; kept in the server's checkpoints
+    secret: Any = None
 
 
 def _shares(node_id: int, cfg: Any, cid: int) -> list[float] | None:
@@ -389,19 +392,21 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
         bert_fl_bytes=(None if model.cycle_factor is None
                        else costs.model_bytes(model, spec.wire_dtype)),  # fmt: skip
         paths=costs.paths_of(model),
+        secret=safeguards.server_secret(config),
     )
 
 
 @functools.lru_cache(maxsize=32)
 def server_step(spec: Any) -> Callable[..., Any]:
-    """(state, uploads, weights, run key, norms) -> (state, (accepted, norms)), jitted per round
-    spec: the simulation's one-at-a-time combine, minus the local parts the server never sees."""
+    """(state, uploads, weights, noise key, norms) -> (state, (accepted, norms)), jitted per
+    round spec: the simulation's one-at-a-time combine, minus the local parts the server never
+    sees."""
     import jax
 
     from fedjax_split.sim import rounds
 
-    def step(state: Any, uploads: tuple, weights: Any, rng: Any, norms: Any) -> Any:
-        agg = rounds.aggregate_uploads(spec, state, list(uploads), weights, rng, norms)
+    def step(state: Any, uploads: tuple, weights: Any, noise_key: Any, norms: Any) -> Any:
+        agg = rounds.aggregate_uploads(spec, state, list(uploads), weights, noise_key, norms)
         return rounds.server_step(spec, state, agg), (agg.valid, agg.norms)
 
     return jax.jit(step)
@@ -559,7 +564,7 @@ def run_round(
 
     config = run.config
     t0 = time.perf_counter()
-    sampled = safeguards.sample(config, r)  # with DP and M < K: Poisson, possibly nobody
+    sampled = safeguards.sample(config, r, run.secret)  # DP, M < K: Poisson, possibly nobody
     state = run.server_state
     sent = codec.encode(state.global_params, run.model.round_spec.wire_dtype)
     clip = float(state.aggregator["clip"]) if config.dp else None  # this round's clip norm
@@ -578,14 +583,16 @@ def run_round(
             f"round {r}: no sampled client replied ({'; '.join(sorted(set(failed.values())))}); "
             "check the SuperNodes, then continue with --resume"
         )
-    rng = jax.random.key(config.seed)
+    # the round's noise key, from the server's secret alone (no node has it)
+    noise_key = rounds.checked_noise_key(spec, None if run.secret is None
+                                         else run.secret.noise_key(r))  # fmt: skip
     weights_np = np.asarray(taken.weights, np.float32)
     if taken.uploads:
         norms = None if taken.norms is None else np.asarray(taken.norms, np.float32)
         run.server_state, (valid, agg_norms) = server_step(spec)(
-            state, tuple(taken.uploads), weights_np, rng, norms)  # fmt: skip
+            state, tuple(taken.uploads), weights_np, noise_key, norms)  # fmt: skip
     else:  # nobody sampled, or every upload rejected: the server's step on nothing
-        run.server_state = rounds.server_only_step(spec)(state, rng)
+        run.server_state = rounds.server_only_step(spec)(state, noise_key)
         valid, agg_norms = np.zeros([0], bool), np.zeros([0], np.float32)
     jax.block_until_ready(run.server_state)
     t_train = time.perf_counter()
@@ -720,6 +727,8 @@ class FlowerServer:
     state and the run's id, by which each node finds its own local parts again."""
 
     def __init__(self, run: ServerRun, exchange: Exchange, options: DeployOptions) -> None:
+        from fedjax_split.run import safeguards
+
         self.run = run
         self.exchange = exchange
         self.options = options
@@ -729,13 +738,19 @@ class FlowerServer:
         # the oldest kept checkpoint's round: nodes keep the local parts every kept checkpoint
         # needs (`sim.client_store.prune`, as the simulation prunes its store to min(kept))
         self.keep_from = 0
+        # with DP, what metrics.jsonl may publish of a record (the driver's `publish`)
+        self.publish = (functools.partial(safeguards.public_record, run.config)
+                        if safeguards.withheld(run.config) else None)  # fmt: skip
 
     def arrays(self) -> dict[str, Any]:
         """The server state and, as the simulation's checkpoint has it, the frozen part (when
         there is one), so that an export needs nothing but the checkpoint and the client's local
-        part; the local parts are on the nodes."""
+        part; the local parts are on the nodes. With DP, the server's secret too (the checkpoint
+        is the server's alone), so that --resume draws the noise a straight run would."""
         frozen = self.run.model.frozen
-        return {"server_state": self.run.server_state, **({"frozen": frozen} if frozen else {})}
+        secret = {} if self.run.secret is None else {"dp_secret": self.run.secret.to_array()}
+        return {"server_state": self.run.server_state, **secret,
+                **({"frozen": frozen} if frozen else {})}  # fmt: skip
 
     def meta(self) -> dict[str, Any]:
         from fedjax_split.run import pieces
@@ -745,6 +760,7 @@ class FlowerServer:
         return {**meta, "deploy": "flower", "run_id": run.run_id}
 
     def resume(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
+        from fedjax_split.fed.secret import ServerSecret
         from fedjax_split.run import pieces
 
         if meta.get("deploy") != "flower" or "run_id" not in meta:
@@ -754,6 +770,8 @@ class FlowerServer:
             )
         pieces.check_partition(meta, self.run.partition, "the nodes' data")
         self.run.server_state = arrays["server_state"]
+        if self.run.secret is not None:
+            self.run.secret = ServerSecret.from_array(arrays["dp_secret"])
         self.run.run_id = str(meta["run_id"])
 
     def start(self, start_round: int, note: Callable[[str], None]) -> None:
@@ -787,7 +805,7 @@ class FlowerServer:
         # the labels are on the nodes: the plot has no majority-label line
         plot = plots.write_fine_tuning_plot(self.run_dir, history, self.run.config, self.run.model)
         return {
-            **pieces.summary(self.run.config, self.run.model, history),
+            **pieces.summary(self.run.config, self.run.model, history, self.publish),
             **safeguards.summary(self.run.config, list(history)),
             **costs.summary(history),
             "plot": None if plot is None else str(plot),

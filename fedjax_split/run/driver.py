@@ -41,6 +41,9 @@ class Run(Protocol):
     # Optional `writes` (default True): False for the processes of a multi-process simulation
     # other than process 0 (`sim.processes`), which run every step but write none of the
     # driver's files and show no progress.
+    # Optional `publish` (default None): record -> what metrics.jsonl may publish of it (client-
+    # level DP withholds the per-client figures: `run.safeguards.public_record`); the whole
+    # record then goes to the server-private private/clients.jsonl (`outputs.PRIVATE_DIR`).
 
     def arrays(self) -> dict[str, Any]:
         """What a checkpoint holds as arrays (the restore target's structure too)."""
@@ -145,10 +148,17 @@ def drive(
     try:
         start_round, history = _restore(run, checkpointer, resume)
         # From here on we write.
+        publish = getattr(run, "publish", None)  # optional: see Run
+        private = None if publish is None else run_dir / outputs.PRIVATE_DIR / "clients.jsonl"
         if writes:
             run_dir.mkdir(parents=True, exist_ok=True)
             outputs.write_json(run_dir / "config.json", config)
-            outputs.write_jsonl(run_dir / "metrics.jsonl", history)  # on resume: to the checkpoint
+            # on resume: to the checkpoint
+            outputs.write_jsonl(run_dir / "metrics.jsonl",
+                                history if publish is None else [publish(h) for h in history])
+            if private is not None:
+                outputs.private_dir(run_dir)  # readable by the server's owner alone
+                outputs.write_jsonl(private, history)
             if start_round < run.rounds:
                 (run_dir / "summary.json").unlink(missing_ok=True)  # stale until this run ends
         bar = outputs.Progress(run.rounds, start_round, enabled=progress and writes)
@@ -162,7 +172,10 @@ def drive(
                 record = run.step(r, history)
                 history.append(record)
                 if writes:
-                    outputs.append_jsonl(run_dir / "metrics.jsonl", record)
+                    outputs.append_jsonl(run_dir / "metrics.jsonl",
+                                         record if publish is None else publish(record))
+                    if private is not None:
+                        outputs.append_jsonl(private, record)
                 if writes and due(r, checkpoint_every, run.rounds):
                     t0 = time.perf_counter()
                     checkpointer.save(r, run.arrays(), {**run.meta(), "history": history})

@@ -11,6 +11,7 @@ call `run_experiment`); `python -m fedjax_split.train` is a thin wrapper.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from fedjax_split.errors import UserError
+from fedjax_split.fed.secret import ServerSecret
 from fedjax_split.run import costs as costs_mod
 from fedjax_split.run import driver, pieces, plots, safeguards
 from fedjax_split.run.config import (
@@ -65,11 +67,14 @@ def build(config: ExperimentConfig) -> Setup:
     return Setup(config, model, pool, part, eval_batches)
 
 
-def round_batches(setup: Setup, r: int) -> list[list[Any] | None]:
+def round_batches(
+    setup: Setup, r: int, secret: ServerSecret | None = None
+) -> list[list[Any] | None]:
     """Round r's training steps of each sampled client (a pure function of the config, r and the
-    client's own examples); None for the clients another process trains (`sim.processes`)."""
+    client's own examples); None for the clients another process trains (`sim.processes`).
+    `secret`: the server's, for DP's Poisson sample."""
     config = setup.config
-    sampled = safeguards.sample(config, r)
+    sampled = safeguards.sample(config, r, secret)
     mine = own_positions(setup, len(sampled))
     return [
         pieces.client_steps(config, setup.model.task, setup.pool,
@@ -200,6 +205,11 @@ class Simulation:
         self.paths = costs_mod.paths_of(model)
         self.bert_fl_bytes = (None if model.cycle_factor is None
                               else costs_mod.model_bytes(model, spec.wire_dtype))  # fmt: skip
+        # DP's secret noise and sample (fed.secret): one secret for the run, process 0's
+        self.secret = shared_secret(safeguards.server_secret(config))
+        # with DP, what metrics.jsonl may publish of a record (the driver's `publish`)
+        self.publish = (functools.partial(safeguards.public_record, config)
+                        if safeguards.withheld(config) else None)  # fmt: skip
 
     def plot(self, records: Sequence[dict[str, Any]]) -> Path | None:
         """plot.png from the records so far (None before the first evaluation)."""
@@ -215,7 +225,9 @@ class Simulation:
     def arrays(self) -> dict[str, Any]:
         """The server's state and the frozen part (when there is one), so that an export needs
         nothing but the run directory; the clients' local parts are versioned in the store."""
-        state = {"server_state": self.server_state}
+        state: dict[str, Any] = {"server_state": self.server_state}
+        if self.secret is not None:  # the checkpoint is the server's: --resume draws alike
+            state["dp_secret"] = self.secret.to_array()
         return {**state, "frozen": self.frozen} if self.frozen else state
 
     def meta(self) -> dict[str, Any]:
@@ -234,6 +246,8 @@ class Simulation:
                 "start a new run in another --output-dir"
             )
         self.server_state = arrays["server_state"]
+        if self.secret is not None:
+            self.secret = ServerSecret.from_array(arrays["dp_secret"])
         self.frozen = arrays.get("frozen", self.frozen)
         self.newest = pieces.newest_rounds(meta["history"])  # each client's part in the store
 
@@ -280,11 +294,11 @@ class Simulation:
 
         setup, config = self.setup, self.setup.config
         t0 = time.perf_counter()
-        sampled = safeguards.sample(config, r)
+        sampled = safeguards.sample(config, r, self.secret)
         if self.prefetched is not None and self.prefetched[0] == r:
             segments = self.prefetched[1]
         else:
-            segments = round_batches(setup, r)
+            segments = round_batches(setup, r, self.secret)
         self.prefetched = None
         num_examples = np.asarray(
             [len(setup.partition.clients[i].train) for i in sampled], np.float32
@@ -303,9 +317,10 @@ class Simulation:
             jax.random.key(config.seed), client_ids=sampled, frozen=self.frozen,
             on_progress=hook, update_factors=safeguards.attack_factors(config, sampled),
             local_like=self.local_like,
+            noise_key=None if self.secret is None else self.secret.noise_key(r),
         )  # fmt: skip
         if r < self.rounds:  # the round runs asynchronously: batch the next one meanwhile
-            self.prefetched = (r + 1, round_batches(setup, r + 1))
+            self.prefetched = (r + 1, round_batches(setup, r + 1, self.secret))
         costs = round_costs(setup, self.paths, spec, segments, sampled)  # gathered, if need be
         losses = np.asarray(result.train_loss, np.float64)  # waits for the round's last program
         if len(own):
@@ -343,7 +358,7 @@ class Simulation:
         run_dir = self.run_dir
         plot = self.plot(history)
         return {
-            **pieces.summary(self.setup.config, self.setup.model, history),
+            **pieces.summary(self.setup.config, self.setup.model, history, self.publish),
             **safeguards.summary(self.setup.config, list(history)),
             **costs_mod.summary(history),
             "majority_label": self.majority,  # the primary metric of the label priors, no model
@@ -356,6 +371,18 @@ class Simulation:
             "client_store_bytes": 0 if self.store is None else self.store.nbytes(),
             "checkpoint_seconds": stats.checkpoint_seconds,
         }
+
+
+def shared_secret(secret: ServerSecret | None) -> ServerSecret | None:
+    """The run's server secret, the same in every process of a multi-process simulation (all of
+    them are the server): process 0's."""
+    from fedjax_split.sim import processes
+
+    if secret is None or processes.count() == 1:
+        return secret
+    return ServerSecret.from_array(
+        np.frombuffer(processes.gather_bytes(secret.to_array().tobytes())[0], np.uint8)
+    )
 
 
 def run_experiment(

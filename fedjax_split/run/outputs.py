@@ -2,7 +2,8 @@
 
 Files in a run directory: `config.json` (resolved config), `partition.json`, `metrics.jsonl` (one
 JSON object per round, exact), `summary.json` (at the end, rounded for reading), `checkpoints/`;
-a fine-tuning run's `plot.png` (run.plots). JSON files are written to a
+a fine-tuning run's `plot.png` (run.plots); with client-level DP, `private/` (the server's alone:
+the per-client figures a DP run does not publish, docs/privacy.md). JSON files are written to a
 temporary name and renamed, so a killed run never leaves half a file.
 """
 
@@ -19,7 +20,17 @@ from typing import Any, TextIO
 
 from fedjax_split import atomic
 
-RESULT_FILES = ("config.json", "partition.json", "metrics.jsonl", "summary.json", "checkpoints")
+RESULT_FILES = ("config.json", "partition.json", "metrics.jsonl", "summary.json", "checkpoints",
+                "private")
+PRIVATE_DIR = "private"  # the server's own: what a DP run does not publish (docs/privacy.md)
+
+
+def private_dir(run_dir: str | Path) -> Path:
+    """The run's server-private folder, created readable by its owner alone."""
+    path = Path(run_dir) / PRIVATE_DIR
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
 
 
 def _clean(value: Any) -> Any:

@@ -623,10 +623,14 @@ def trained_clients(history: Sequence[dict[str, Any]], now: Sequence[int] = ()) 
 
 
 def summary(
-    config: ExperimentConfig, model: Model, history: Sequence[dict[str, Any]]
+    config: ExperimentConfig,
+    model: Model,
+    history: Sequence[dict[str, Any]],
+    publish: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """A fine-tuning run at a glance (the simulation's and the Flower server's summary.json):
-    final and best primary metric, bytes, time, parameter counts."""
+    final and best primary metric, bytes, time, parameter counts. `publish`: what a record may
+    publish (client-level DP's `run.safeguards.public_record`), or None: all of it."""
     metric = model.task.primary_metric
     evaluated = [h for h in history if h.get(metric) is not None and np.isfinite(h[metric])]
     last = history[-1] if history else {}
@@ -640,7 +644,8 @@ def summary(
         "num_layers": model.config.num_hidden_layers,
         "rounds": len(history),
         "primary_metric": metric,
-        "final": {k: v for k, v in final_eval.items() if k not in ("clients_sampled",)},
+        "final": {k: v for k, v in (final_eval if publish is None else publish(final_eval)).items()
+                  if k not in ("clients_sampled",)},  # fmt: skip
         "best_round": best.get("round"),
         "best": best.get(metric),
         **{k: last[k] if history else 0 for k in ("cum_bytes_up", "cum_bytes_down", "cum_bytes")},

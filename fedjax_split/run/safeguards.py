@@ -2,8 +2,9 @@
 accounting, and the attack a study simulates against them.
 
 The same for the simulation and the Flower server: which clients a round samples (Poisson with
-DP, so that the accountant's amplification holds), the `fed.aggregation.Aggregator`, the privacy
-spent after each round (`fed.accounting`) and the rounds a budget allows.
+DP, so that the accountant's amplification holds, drawn from the server's secret), the
+`fed.aggregation.Aggregator`, the privacy spent after each round (`fed.accounting`), the rounds
+a budget allows, and what of a round's record a DP run may publish (`public_record`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from fedjax_split.fed.secret import ServerSecret
 from fedjax_split.run.config import ExperimentConfig
 
 ATTACK_PURPOSE = 2  # np.random.default_rng([seed, ATTACK_PURPOSE]) draws the attackers
@@ -48,16 +50,54 @@ def mechanism(config: ExperimentConfig) -> Any:
     return accounting.Mechanism(float(config.dp_noise_multiplier), rate, config.dp_accountant)
 
 
-def sample(config: ExperimentConfig, r: int) -> np.ndarray:
+def server_secret(config: ExperimentConfig) -> ServerSecret | None:
+    """A new run's server secret for DP's noise and sample (`fed.secret`): from the OS's entropy,
+    or from the seed under --dp-insecure-reproducible-noise; None without DP."""
+    if not config.dp:
+        return None
+    return ServerSecret.for_run(config.seed, config.dp_insecure_reproducible_noise)
+
+
+def sample(config: ExperimentConfig, r: int, secret: ServerSecret | None = None) -> np.ndarray:
     """Round r's clients: every client; M of K without replacement; or, with DP and M < K, each
     client independently with probability M/K (Poisson: the sampling the accountant assumes;
-    a round may then have no client at all)."""
+    a round may then have no client at all), drawn from the server's `secret`: a sample anyone
+    could recompute from the seed would void the amplification by sampling."""
     from fedjax_split.sim import rounds
 
     if config.poisson_sampling:
-        return rounds.poisson_sample(config.clients, config.sampled_clients / config.clients,
-                                     config.seed, r)  # fmt: skip
+        if secret is None:
+            raise ValueError("DP's Poisson sample needs the server's secret (fed.secret)")
+        return secret.poisson_sample(config.clients, config.sampled_clients / config.clients, r)
     return rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
+
+
+# A round record's fields that name or measure single clients: outside DP's guarantee (which
+# covers the global parts released), so a DP run keeps them in the server-private file only.
+PER_CLIENT = ("clients_sampled", "train_loss_clients", "clients", "update_norms",
+              "clients_rejected", "clients_failed", "eval_failed")  # fmt: skip
+COVERED = "the sequence of global parts the server releases (and the adaptive clip norm)"
+NOT_COVERED = (
+    "evaluation on the clients' own test data (its means over clients are published)",
+    "the number of clients taking part each round (its bytes and costs are published)",
+)
+
+
+def withheld(config: ExperimentConfig) -> bool:
+    """Whether the run's published files leave out the per-client figures: DP without
+    --dp-publish-clients."""
+    return config.dp and not config.dp_publish_clients
+
+
+def public_record(config: ExperimentConfig, record: dict[str, Any]) -> dict[str, Any]:
+    """What metrics.jsonl and summary.json publish of a round's record: all of it, or under DP
+    (`withheld`) the record less its per-client fields, with the count of uploads rejected."""
+    if not withheld(config):
+        return record
+    out = {k: v for k, v in record.items() if k not in PER_CLIENT}
+    if "clients_rejected" in record:
+        out["num_rejected"] = len(record["clients_rejected"])
+    return out
 
 
 def attackers(config: ExperimentConfig) -> np.ndarray:
@@ -132,6 +172,13 @@ def start_lines(config: ExperimentConfig, rounds: int) -> list[str]:
     (`rounds`: `rounds_allowed`'s), for the simulation and the Flower server alike."""
     first = line(config)
     out = [] if first is None else [first]
+    if config.dp and config.dp_insecure_reproducible_noise:
+        out.append("WARNING: --dp-insecure-reproducible-noise: the DP noise and client sample "
+                   "follow --seed, so anyone who knows it can remove the noise; no privacy "
+                   "guarantee holds for this run, whatever epsilon says")  # fmt: skip
+    elif withheld(config):
+        out.append("DP: per-client figures go to private/clients.jsonl (the server's own), not "
+                   "to metrics.jsonl")  # fmt: skip
     if rounds < config.rounds and config.dp_max_epsilon is not None:
         out.append(f"--dp-max-epsilon {config.dp_max_epsilon:g} allows {rounds} of the "
                    f"{config.rounds} rounds (epsilon {epsilon(config, rounds):.3g} after them)")
@@ -181,6 +228,15 @@ def summary(config: ExperimentConfig, history: list[dict[str, Any]]) -> dict[str
             mech, config.dp_delta)  # fmt: skip
         out["privacy"] = {
             **event,
+            "noise": ("INSECURE: regenerable from the seed (--dp-insecure-reproducible-noise); "
+                      "no guarantee holds" if config.dp_insecure_reproducible_noise
+                      else "secret: drawn from the server's OS-entropy key"),
+            "covers": COVERED,
+            "not_covered": [*NOT_COVERED, *(("each client's figures in metrics.jsonl "
+                                             "(--dp-publish-clients)",)
+                                            if config.dp_publish_clients else ())],
+            "per_client_figures": ("metrics.jsonl" if config.dp_publish_clients
+                                   else "private/clients.jsonl"),
             "clip": config.dp_clip,
             "adaptive_clip_quantile": config.dp_clip_quantile,
             "weighting": "uniform over the expected clients a round",

@@ -72,8 +72,9 @@ from fedjax_split.fed.client import (
     real_steps,
 )
 from fedjax_split.fed.client_program import client_functions, client_rngs, download, round_rng
-from fedjax_split.fed.privacy import clip_upload, server_key
+from fedjax_split.fed.privacy import clip_upload
 from fedjax_split.fed.roles import select
+from fedjax_split.fed.secret import no_noise_key
 from fedjax_split.fed.server import ServerState, init_server_state, server_update, upload
 from fedjax_split.fed.wire import cast_to_wire, tree_bytes, wire_dtype
 from fedjax_split.sim import processes
@@ -187,11 +188,6 @@ def sample_clients(
     return np.sort(rng.choice(num_clients, size=clients_per_round, replace=False)).astype(np.int32)
 
 
-def poisson_sample(num_clients: int, rate: float, seed: int, round_index: int) -> np.ndarray:
-    """Sorted ids of a round's clients, each taking part independently with probability `rate`
-    (Poisson sampling: what DP's amplification by sampling assumes); possibly none."""
-    rng = np.random.default_rng([seed, round_index, SAMPLING_PURPOSE])
-    return np.flatnonzero(rng.random(num_clients) < rate).astype(np.int32)
 
 
 def replicate(tree: Any, num_clients: int) -> Any:
@@ -237,36 +233,33 @@ def server_step(spec: RoundSpec, state: ServerState, agg: Aggregated) -> ServerS
                          wire_dtype(spec.wire_dtype), spec.trained)  # fmt: skip
 
 
-def _server_key(state: ServerState, rng: jax.Array) -> jax.Array:
-    return server_key(round_rng(rng, state.round))
-
-
 def aggregate_uploads(
     spec: RoundSpec,
     state: ServerState,
     uploads: list[Any],
     num_examples: jax.Array,
-    rng: jax.Array,
+    noise_key: jax.Array,
     norms: jax.Array | None = None,
     factors: jax.Array | None = None,
 ) -> Aggregated:
     """The server's aggregation of K separate uploads (fp32 wire images, in client order), with
-    the round's server key from the run's key `rng`: the one-at-a-time round's and the Flower
-    server's (`deploy.server`), so that both compute the same aggregate. `norms`: the clients'
-    update norms before DP's clipping, as they report them."""
+    the round's secret noise key (`fed.secret.ServerSecret.noise_key`): the one-at-a-time round's
+    and the Flower server's (`deploy.server`), so that both compute the same aggregate. `norms`:
+    the clients' update norms before DP's clipping, as they report them."""
     received = download(state.global_params, spec.trained)[0]
     return aggregate_each(spec.aggregator, uploads, received, num_examples, state.aggregator,
-                          _server_key(state, rng), norms, factors)  # fmt: skip
+                          noise_key, norms, factors)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=32)
 def server_only_step(spec: RoundSpec) -> Callable[..., Any]:
-    """(server state, run key) -> server state: a round that sampled no client (client-level
+    """(server state, noise key) -> server state: a round that sampled no client (client-level
     DP's Poisson sampling may draw none), the server's step on nothing (DP's noise still runs).
     The simulation's and the Flower server's."""
 
-    def nobody(state: ServerState, rng: jax.Array) -> ServerState:
-        return server_step(spec, state, aggregate_uploads(spec, state, [], jnp.zeros([0]), rng))
+    def nobody(state: ServerState, noise_key: jax.Array) -> ServerState:
+        return server_step(spec, state,
+                           aggregate_uploads(spec, state, [], jnp.zeros([0]), noise_key))
 
     return jax.jit(nobody)
 
@@ -276,8 +269,8 @@ class StackedFns(NamedTuple):
 
     start(server_state, local_params [K], client_ids, rng) -> (client_states, keys)
     segment(client_states, global_wire, segment [K, S, ...], keys, frozen) -> client_states
-    finish(server_state, client_states, num_examples, rng, factors) -> (server_state, new_local,
-      metrics, (accepted, update norms)); factors: `fed.aggregation.tampered`'s, or None
+    finish(server_state, client_states, num_examples, noise_key, factors) -> (server_state,
+      new_local, metrics, (accepted, update norms)); factors: `fed.aggregation.tampered`'s, or None
     Client states and keys are padded with weight-0 clients to a multiple of the device count.
     """
 
@@ -362,7 +355,7 @@ def stacked_functions(spec: RoundSpec) -> StackedFns:
         return train(client_states, received, data, keys, constants)
 
     def finish(state: ServerState, client_states: ClientState, num_examples: jax.Array,
-               rng: jax.Array, factors: jax.Array | None = None):  # fmt: skip
+               noise_key: jax.Array, factors: jax.Array | None = None):  # fmt: skip
         num_sampled = num_examples.shape[0]
         pad = client_states.steps.shape[0] - num_sampled
         weights = _pad_clients(jnp.asarray(num_examples, jnp.float32), pad, 0.0)
@@ -375,7 +368,7 @@ def stacked_functions(spec: RoundSpec) -> StackedFns:
         if factors is not None:
             factors = _pad_clients(factors, pad, 1.0)
         agg = aggregate(spec.aggregator, uploads, received, weights, state.aggregator,
-                        _server_key(state, rng), norms, factors)  # fmt: skip
+                        noise_key, norms, factors)  # fmt: skip
         unpad = lambda x: x[:num_sampled]  # noqa: E731
         return (server_step(spec, state, agg), jax.tree.map(unpad, new_locals),
                 jax.tree.map(unpad, metrics), (unpad(agg.valid), unpad(agg.norms)))  # fmt: skip
@@ -391,7 +384,8 @@ def stacked_functions(spec: RoundSpec) -> StackedFns:
 class OneAtATimeFns(NamedTuple):
     """A one-at-a-time round's jitted pieces: the client program (`fed.client_program`:
     start_one, segment_one, finish_one, clip_one, each client's state in its own buffers), then
-    combine(server_state, uploads, metrics, num_examples, rng, norms, factors) -> (server_state,
+    combine(server_state, uploads, metrics, num_examples, noise_key, norms, factors) ->
+    (server_state,
     metrics [K], (accepted, update norms)) on one device (uploads and metrics: tuples in client
     order; norms: the clients' before DP's clipping, or None; factors: `tampered`'s, or None);
     stack(tuple of local parts) -> [K'] the trained clients' local parts; keys(round, rng,
@@ -416,11 +410,12 @@ def one_at_a_time_functions(spec: RoundSpec) -> OneAtATimeFns:
     `fed.client_program.client_round` runs, and the aggregation."""
 
     def combine(state: ServerState, uploads: tuple, metrics: tuple, num_examples: jax.Array,
-                rng: jax.Array, norms: jax.Array | None = None,
+                noise_key: jax.Array, norms: jax.Array | None = None,
                 factors: jax.Array | None = None):  # fmt: skip
         # The plain mean makes no stacked copy of the clients' global parts: it sums them where
         # they lie.
-        agg = aggregate_uploads(spec, state, list(uploads), num_examples, rng, norms, factors)
+        agg = aggregate_uploads(spec, state, list(uploads), num_examples, noise_key, norms,
+                                factors)  # fmt: skip
         return server_step(spec, state, agg), _stack(metrics), (agg.valid, agg.norms)
 
     return OneAtATimeFns(
@@ -454,6 +449,7 @@ def _run_one_at_a_time(
     local_params: Any,
     ids: jax.Array,
     rng: jax.Array,
+    noise_key: jax.Array,
     segments: Sequence[Sequence[Batch] | None],
     weights: np.ndarray,
     frozen: Any,
@@ -518,7 +514,8 @@ def _run_one_at_a_time(
     received = jax.device_put(processes.gather_clients(sent, owner, like), at)
     uploads, metrics, *norms = zip(*received, strict=True)
     state, metrics, checks = fns.combine(jax.device_put(server_state, at), uploads, metrics,
-                                         weights, rng, jnp.stack(norms[0]) if dp else None,
+                                         weights, noise_key,
+                                         jnp.stack(norms[0]) if dp else None,
                                          factors)  # fmt: skip
     new_local = fns.stack(tuple(jax.device_put(locals_, at))) if locals_ else None
     return state, new_local, metrics, checks
@@ -570,6 +567,7 @@ def _run_stacked(
     local_params: Any,
     ids: jax.Array,
     rng: jax.Array,
+    noise_key: jax.Array,
     segments: Sequence[Sequence[Batch]],
     weights: np.ndarray,
     frozen: Any,
@@ -586,7 +584,7 @@ def _run_stacked(
         client_states = fns.segment(client_states, server_state.global_params, seg, keys, frozen)
         if watcher is not None:
             watcher.enqueued(client_states, [(i, j) for i, c in enumerate(segments) if j < len(c)])
-    return fns.finish(server_state, client_states, weights, rng, factors)
+    return fns.finish(server_state, client_states, weights, noise_key, factors)
 
 
 def client_bytes(spec: RoundSpec, global_params: Any) -> tuple[int, int]:
@@ -609,6 +607,7 @@ def run_round(
     on_progress: ProgressHook | None = None,
     update_factors: Any = None,
     local_like: Any = None,
+    noise_key: jax.Array | None = None,
 ) -> tuple[ServerState, Any, RoundResult]:
     """Runs one round for the sampled clients.
 
@@ -617,7 +616,7 @@ def run_round(
       num_examples: [K] training examples per client (the aggregation weights N_i).
       segments: for each sampled client, its steps in order (`batching.client_batches`: batches
         [S, B, ...], padded or packed).
-      rng: the run's key; the round counter is folded in here.
+      rng: the run's key (the clients' randomness); the round counter is folded in here.
       client_ids: [K] global ids of the sampled clients (default 0..K-1), for their keys.
       frozen: the frozen parameters, one copy for every client (default none).
       on_progress: called with a `RoundProgress` as the clients' programs finish (the module's
@@ -627,6 +626,9 @@ def run_round(
         multi-process simulation that trains none of the round's clients (`sim.processes`);
         with several processes, `local_params` and `segments` hold only this process's
         clients' (others' segments None) and the local parts returned are theirs.
+      noise_key: the round's key for the server's DP noise, from the server's secret
+        (`fed.secret.ServerSecret.noise_key`), never from `rng`: a DP round without one is
+        refused. Unused without DP.
     K = 0 (client-level DP's Poisson sampling drew nobody) runs the server's step alone.
     Returns: new server state, new local parts [K], and the round's RoundResult.
     """
@@ -636,8 +638,9 @@ def run_round(
             f"num_examples must be K non-negative counts with a positive sum, got {weights}"
         )
     num_sampled = weights.shape[0]
+    noise_key = checked_noise_key(spec, noise_key)
     if num_sampled == 0:
-        return _run_nobody(spec, server_state, local_params, rng)
+        return _run_nobody(spec, server_state, local_params, noise_key)
     if len(segments) != num_sampled:
         raise ValueError(f"{len(segments)} clients' steps for {num_sampled} sampled clients")
     if client_ids is None:
@@ -654,14 +657,14 @@ def run_round(
     if one_at_a_time(spec):
         state, new_local, metrics, (accepted, norms) = _run_one_at_a_time(
             one_at_a_time_functions(spec), round_devices(spec), server_state, local_params, ids,
-            rng, segments, weights, frozen, on_progress, factors, local_like, totals,
+            rng, noise_key, segments, weights, frozen, on_progress, factors, local_like, totals,
         )  # fmt: skip
     else:
         if processes.count() > 1:
             raise UserError("several processes train one client at a time: use chunk_size=1")
         state, new_local, metrics, (accepted, norms) = _run_stacked(
-            stacked_functions(spec), server_state, local_params, ids, rng, segments, weights,
-            frozen, on_progress, factors, totals,
+            stacked_functions(spec), server_state, local_params, ids, rng, noise_key, segments,
+            weights, frozen, on_progress, factors, totals,
         )  # fmt: skip
     train_loss = metrics.loss_sum / jnp.maximum(metrics.num_examples, 1.0)
     result = RoundResult(
@@ -671,11 +674,21 @@ def run_round(
     return state, new_local, result
 
 
+def checked_noise_key(spec: RoundSpec, noise_key: jax.Array | None) -> jax.Array:
+    """The round's noise key; without DP a fixed key nothing draws from. DP without a key is a
+    programming error: a key made up here would be public."""
+    if noise_key is not None:
+        return noise_key
+    if spec.aggregator.dp is not None:
+        raise ValueError("a DP round needs the server's secret noise key (fed.secret)")
+    return no_noise_key()
+
+
 def _run_nobody(
-    spec: RoundSpec, server_state: ServerState, local_params: Any, rng: jax.Array
+    spec: RoundSpec, server_state: ServerState, local_params: Any, noise_key: jax.Array
 ) -> tuple[ServerState, Any, RoundResult]:
     """A round without clients: the server's step alone, nothing sent, empty [0] figures."""
     empty = jnp.zeros([0], jnp.float32)
     metrics = ClientMetrics(empty, empty, jnp.zeros([0], jnp.int32))
     result = RoundResult(empty, 0, 0, metrics, jnp.zeros([0], bool), empty)
-    return server_only_step(spec)(server_state, rng), local_params, result
+    return server_only_step(spec)(server_state, noise_key), local_params, result
