@@ -168,10 +168,13 @@ def skew_note(run_dir: str | Path, client: int) -> str | None:
 
     run_dir = Path(run_dir)
     try:
-        part = outputs.read_json(run_dir / "partition.json")
-        # a DP run's per-client figures are in the server's private file (run.safeguards)
-        private = run_dir / outputs.PRIVATE_DIR / "clients.jsonl"
-        records = outputs.read_jsonl(private if private.is_file() else run_dir / "metrics.jsonl")
+        # a DP run's per-client figures are in the server's private folder (run.safeguards)
+        def own(name: str, public: str) -> Path:
+            private = run_dir / outputs.PRIVATE_DIR / name
+            return private if private.is_file() else run_dir / public
+
+        part = outputs.read_json(own("partition.json", "partition.json"))
+        records = outputs.read_jsonl(own("clients.jsonl", "metrics.jsonl"))
         shares = part["realised_shares"][client]
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return None

@@ -831,6 +831,10 @@ def test_a_dp_run_publishes_no_per_client_figure_unless_asked(files: dict[str, P
                        if k not in safeguards.PER_CLIENT} | {"num_rejected": 0}  # fmt: skip
     assert "clients" in private[-1] and "accuracy" in public[-1]  # evaluated: means published
     assert stat.S_IMODE((run / "private").stat().st_mode) == 0o700
+    # each client's examples and label shares are the server's too; the export still finds them
+    assert (run / "private" / "partition.json").is_file() and not (run / "partition.json").exists()
+    note = export.skew_note(run, 0)
+    assert note is not None and note.startswith("client 0's data are")
     on_disk = json.loads((run / "summary.json").read_text())
     assert "clients" not in on_disk["final"] and "clients" not in summary["final"]
     privacy = on_disk["privacy"]
@@ -842,7 +846,7 @@ def test_a_dp_run_publishes_no_per_client_figure_unless_asked(files: dict[str, P
     experiment.run_experiment(cfg, progress=False)
     run = files["base"] / "dp_public"
     assert all("update_norms" in r and "clients_sampled" in r for r in _records(run))
-    assert not (run / "private").exists()
+    assert not (run / "private").exists() and (run / "partition.json").is_file()
     privacy = json.loads((run / "summary.json").read_text())["privacy"]
     assert privacy["per_client_figures"] == "metrics.jsonl"
     assert any("--dp-publish-clients" in x for x in privacy["not_covered"])

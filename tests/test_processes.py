@@ -39,7 +39,9 @@ def _settings(files: dict[str, Path], **kw: object) -> dict[str, object]:
 
 
 def _flags(settings: dict[str, object]) -> list[str]:
-    return [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    """The settings as flags; True: a switch given alone."""
+    return [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}")
+            for k, v in settings.items()]  # fmt: skip
 
 
 def _two_processes(
@@ -73,13 +75,17 @@ def _two_processes(
     return results[::-1]  # process 0's first
 
 
-def _records(run: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+def _records(run: Path, private: bool = False) -> list[dict]:
+    """metrics.jsonl's rows, or with `private` a DP run's server-private ones, without times."""
+    path = run / "private" / "clients.jsonl" if private else run / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
     return [{k: v for k, v in r.items() if k not in TIMES} for r in rows]
 
 
 def _assert_same_run(one: Path, two: Path) -> None:
     assert _records(one) == _records(two)
+    if (one / "private").is_dir():
+        assert _records(one, private=True) == _records(two, private=True)
     stores = [sorted((run / "clients").rglob("*.npz")) for run in (one, two)]
     assert [p.relative_to(one) for p in stores[0]] == [p.relative_to(two) for p in stores[1]]
     for a, b in zip(*stores, strict=True):
@@ -111,14 +117,16 @@ def test_two_processes_of_two_devices_equal_one_process_with_two(files: dict[str
 def test_a_resumed_two_process_dp_run_with_an_idle_process_equals_one_process(
     files: dict[str, Path],
 ) -> None:
-    # FedSplitBERT (a local part) with client-level DP, whose Poisson sampling (seed 0, 2 of 3)
-    # draws clients [1, 2], [0], [0, 2], [1]: in rounds 2 and 4 process 1 trains nobody, yet
-    # joins every exchange; every client clips its own update where it trains
+    # FedSplitBERT (a local part) with client-level DP, whose Poisson sampling (2 of 3) draws
+    # clients [0, 1], [1, 2], [2], [0, 2] under the opt-out at seed 0 (two separate runs draw
+    # one noise and sample only so): in round 3 process 1 trains nobody, yet joins every
+    # exchange; every client clips its own update where it trains
     settings = _settings(files, clients_per_round=2, rounds=4, dp_noise_multiplier=0.5,
-                         dp_clip=1.0)  # fmt: skip
+                         dp_clip=1.0, dp_insecure_reproducible_noise=True)  # fmt: skip
     one = files["base"] / "one_dp"
     run_experiment({**settings, "cpu_devices": 2, "output_dir": str(one)}, progress=False)
-    assert [r["clients_sampled"] for r in _records(one)] == [[1, 2], [0], [0, 2], [1]]
+    assert [r["clients_sampled"] for r in _records(one, private=True)] == [[0, 1], [1, 2], [2],
+                                                                           [0, 2]]  # fmt: skip
     two = files["base"] / "two_dp"
     stopped = _two_processes(files, two, *_flags(settings),
                              env={"FEDJAX_SPLIT_STOP_AFTER_ROUND": "2"})  # fmt: skip

@@ -781,7 +781,8 @@ class FlowerServer:
         run, config, model = self.run, self.run.config, self.run.model
         self.keep_from = oldest_checkpoint(self.run_dir, start_round)
         names = partition_names(config, model.task)
-        partition_mod.save_partition(run.partition, self.run_dir / "partition.json",
+        partition_mod.save_partition(run.partition,
+                                     safeguards.partition_path(config, self.run_dir),
                                      realised=run.shares, label_names=names)  # fmt: skip
         note(pieces.method_line(config, model))
         for line in safeguards.start_lines(config, self.rounds):

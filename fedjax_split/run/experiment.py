@@ -265,7 +265,8 @@ class Simulation:
                 ClientStore(self.run_dir / CLIENTS_DIR).rewind(start_round)
             else:  # a fresh run (or one that finished no round): no checkpoint needs what is there
                 ClientStore.create(self.run_dir / CLIENTS_DIR, model.local0)
-            partition_mod.save_partition(setup.partition, self.run_dir / "partition.json",
+            partition_mod.save_partition(setup.partition,
+                                         safeguards.partition_path(config, self.run_dir),
                                          labels, label_names=names)  # fmt: skip
         processes.barrier("client store ready")
         # each client's newest part is known from the rounds' sampled clients, so a process

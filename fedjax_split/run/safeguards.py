@@ -9,6 +9,7 @@ a budget allows, and what of a round's record a DP run may publish (`public_reco
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -87,6 +88,16 @@ def withheld(config: ExperimentConfig) -> bool:
     """Whether the run's published files leave out the per-client figures: DP without
     --dp-publish-clients."""
     return config.dp and not config.dp_publish_clients
+
+
+def partition_path(config: ExperimentConfig, run_dir: Path) -> Path:
+    """Where the run writes partition.json (each client's examples and label shares): the run
+    directory, or under DP (`withheld`) the server-private folder, created here."""
+    from fedjax_split.run import outputs
+
+    if not withheld(config):
+        return run_dir / "partition.json"
+    return outputs.private_dir(run_dir) / "partition.json"
 
 
 def public_record(config: ExperimentConfig, record: dict[str, Any]) -> dict[str, Any]:
