@@ -775,7 +775,7 @@ def test_dp_noise_is_secret_each_run_draws_its_own_and_the_seed_does_not_regener
     secret = RunCheckpointer(checkpoint_dir(files["base"] / "dp_a")).restore_untyped(1)[0][
         "dp_secret"]  # fmt: skip
     hexed = np.asarray(secret, np.uint8)[:-1].tobytes().hex()
-    for name in ("config.json", "metrics.jsonl", "summary.json", "partition.json"):
+    for name in ("config.json", "metrics.jsonl", "summary.json"):
         text = (files["base"] / "dp_a" / name).read_text()
         assert hexed not in text and "dp_secret" not in text
 
