@@ -174,7 +174,7 @@ def skew_note(run_dir: str | Path, client: int) -> str | None:
             return private if private.is_file() else run_dir / public
 
         part = outputs.read_json(own("partition.json", "partition.json"))
-        records = outputs.read_jsonl(own("clients.jsonl", "metrics.jsonl"))
+        records = outputs.read_jsonl(own(outputs.PRIVATE_RECORDS, "metrics.jsonl"))
         shares = part["realised_shares"][client]
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return None

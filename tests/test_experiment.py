@@ -721,10 +721,10 @@ def _seed_noise(seed: int, round_: int, like: dict[str, np.ndarray], z: float, c
     (the seed, z, C, M) and the round. The server's key was fold_in(fold_in(key(seed), round),
     2^32 - 1), split into the updates' and the count's keys, then one fold_in per leaf in the
     tree's order (fed.privacy.noise_like); the result on the mean is noise * z * C / M."""
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), round_), np.uint32(2**32 - 1))
-    noise_key = jax.random.split(key)[0]
     from fedjax_split.fed.roles import flatten_paths, unflatten_paths
 
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), round_), np.uint32(2**32 - 1))
+    noise_key = jax.random.split(key)[0]
     tree = unflatten_paths({p: np.zeros(v.shape, np.float32) for p, v in like.items()})
     leaves, treedef = jax.tree.flatten(tree)
     drawn = [np.asarray(jax.random.normal(jax.random.fold_in(noise_key, i), np.shape(x),

@@ -738,9 +738,7 @@ class FlowerServer:
         # the oldest kept checkpoint's round: nodes keep the local parts every kept checkpoint
         # needs (`sim.client_store.prune`, as the simulation prunes its store to min(kept))
         self.keep_from = 0
-        # with DP, what metrics.jsonl may publish of a record (the driver's `publish`)
-        self.publish = (functools.partial(safeguards.public_record, run.config)
-                        if safeguards.withheld(run.config) else None)  # fmt: skip
+        self.publish = safeguards.publisher(run.config)  # DP: the per-client figures kept private
 
     def arrays(self) -> dict[str, Any]:
         """The server state and, as the simulation's checkpoint has it, the frozen part (when
@@ -748,7 +746,9 @@ class FlowerServer:
         part; the local parts are on the nodes. With DP, the server's secret too (the checkpoint
         is the server's alone), so that --resume draws the noise a straight run would."""
         frozen = self.run.model.frozen
-        secret = {} if self.run.secret is None else {"dp_secret": self.run.secret.to_array()}
+        from fedjax_split.fed.secret import CHECKPOINT_KEY
+
+        secret = {} if self.run.secret is None else {CHECKPOINT_KEY: self.run.secret.to_array()}
         return {"server_state": self.run.server_state, **secret,
                 **({"frozen": frozen} if frozen else {})}  # fmt: skip
 
@@ -760,7 +760,7 @@ class FlowerServer:
         return {**meta, "deploy": "flower", "run_id": run.run_id}
 
     def resume(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
-        from fedjax_split.fed.secret import ServerSecret
+        from fedjax_split.fed.secret import CHECKPOINT_KEY, ServerSecret
         from fedjax_split.run import pieces
 
         if meta.get("deploy") != "flower" or "run_id" not in meta:
@@ -771,7 +771,7 @@ class FlowerServer:
         pieces.check_partition(meta, self.run.partition, "the nodes' data")
         self.run.server_state = arrays["server_state"]
         if self.run.secret is not None:
-            self.run.secret = ServerSecret.from_array(arrays["dp_secret"])
+            self.run.secret = ServerSecret.from_array(arrays[CHECKPOINT_KEY])
         self.run.run_id = str(meta["run_id"])
 
     def start(self, start_round: int, note: Callable[[str], None]) -> None:

@@ -37,6 +37,7 @@ import numpy as np
 
 SECRET_BYTES = 32  # 256 bits of OS entropy
 NOISE_IMPL = "rbg"  # a JAX key of 4 x 32 bits (threefry's has 2)
+CHECKPOINT_KEY = "dp_secret"  # the secret's name among a server checkpoint's arrays
 _INSECURE_LABEL = b"fedjax_split: DP noise from the seed (insecure, reproducible)"
 
 

@@ -149,7 +149,8 @@ def drive(
         start_round, history = _restore(run, checkpointer, resume)
         # From here on we write.
         publish = getattr(run, "publish", None)  # optional: see Run
-        private = None if publish is None else run_dir / outputs.PRIVATE_DIR / "clients.jsonl"
+        private = (None if publish is None
+                   else run_dir / outputs.PRIVATE_DIR / outputs.PRIVATE_RECORDS)  # fmt: skip
         if writes:
             run_dir.mkdir(parents=True, exist_ok=True)
             outputs.write_json(run_dir / "config.json", config)

@@ -11,7 +11,6 @@ call `run_experiment`); `python -m fedjax_split.train` is a thin wrapper.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from fedjax_split.errors import UserError
-from fedjax_split.fed.secret import ServerSecret
+from fedjax_split.fed.secret import CHECKPOINT_KEY, ServerSecret
 from fedjax_split.run import costs as costs_mod
 from fedjax_split.run import driver, pieces, plots, safeguards
 from fedjax_split.run.config import (
@@ -207,9 +206,7 @@ class Simulation:
                               else costs_mod.model_bytes(model, spec.wire_dtype))  # fmt: skip
         # DP's secret noise and sample (fed.secret): one secret for the run, process 0's
         self.secret = shared_secret(safeguards.server_secret(config))
-        # with DP, what metrics.jsonl may publish of a record (the driver's `publish`)
-        self.publish = (functools.partial(safeguards.public_record, config)
-                        if safeguards.withheld(config) else None)  # fmt: skip
+        self.publish = safeguards.publisher(config)  # DP: the per-client figures kept private
 
     def plot(self, records: Sequence[dict[str, Any]]) -> Path | None:
         """plot.png from the records so far (None before the first evaluation)."""
@@ -227,7 +224,7 @@ class Simulation:
         nothing but the run directory; the clients' local parts are versioned in the store."""
         state: dict[str, Any] = {"server_state": self.server_state}
         if self.secret is not None:  # the checkpoint is the server's: --resume draws alike
-            state["dp_secret"] = self.secret.to_array()
+            state[CHECKPOINT_KEY] = self.secret.to_array()
         return {**state, "frozen": self.frozen} if self.frozen else state
 
     def meta(self) -> dict[str, Any]:
@@ -247,7 +244,7 @@ class Simulation:
             )
         self.server_state = arrays["server_state"]
         if self.secret is not None:
-            self.secret = ServerSecret.from_array(arrays["dp_secret"])
+            self.secret = ServerSecret.from_array(arrays[CHECKPOINT_KEY])
         self.frozen = arrays.get("frozen", self.frozen)
         self.newest = pieces.newest_rounds(meta["history"])  # each client's part in the store
 

@@ -23,6 +23,7 @@ from fedjax_split import atomic
 RESULT_FILES = ("config.json", "partition.json", "metrics.jsonl", "summary.json", "checkpoints",
                 "private")
 PRIVATE_DIR = "private"  # the server's own: what a DP run does not publish (docs/privacy.md)
+PRIVATE_RECORDS = "clients.jsonl"  # in PRIVATE_DIR: a DP run's whole round records
 
 
 def private_dir(run_dir: str | Path) -> Path:

@@ -9,6 +9,8 @@ a budget allows, and what of a round's record a DP run may publish (`public_reco
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,12 @@ def partition_path(config: ExperimentConfig, run_dir: Path) -> Path:
     if not withheld(config):
         return run_dir / "partition.json"
     return outputs.private_dir(run_dir) / "partition.json"
+
+
+def publisher(config: ExperimentConfig) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+    """The driver's `publish` (what metrics.jsonl may publish of a record): `public_record` under
+    DP (`withheld`), else None (everything, and no private file)."""
+    return functools.partial(public_record, config) if withheld(config) else None
 
 
 def public_record(config: ExperimentConfig, record: dict[str, Any]) -> dict[str, Any]:

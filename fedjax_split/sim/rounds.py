@@ -188,8 +188,6 @@ def sample_clients(
     return np.sort(rng.choice(num_clients, size=clients_per_round, replace=False)).astype(np.int32)
 
 
-
-
 def replicate(tree: Any, num_clients: int) -> Any:
     """Stacks `num_clients` copies of `tree` on a new leading client axis."""
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients,) + jnp.shape(x)), tree)
