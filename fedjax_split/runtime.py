@@ -11,8 +11,11 @@
   It works best before JAX starts its threads, which is why the commands apply it first.
 - JAX's persistent compilation cache, on by default beside the offline assets, so that a second
   run loads what the first compiled. JAX keys entries on the program, its version and the
-  backend, so a stale entry is never used. The user's own JAX_COMPILATION_CACHE_DIR wins;
-  FEDJAX_SPLIT_XLA_CACHE=off leaves JAX as it is.
+  backend, so a stale entry is never used. Every program is kept, however fast it compiled
+  (JAX keeps only those of a second or more unless told otherwise), so that a second identical run
+  compiles nothing; on a GPU, XLA's per-fusion autotuning results are kept beside them (JAX's
+  default, `jax_persistent_cache_enable_xla_caches`). The user's own JAX_COMPILATION_CACHE_DIR
+  wins (with JAX's threshold); FEDJAX_SPLIT_XLA_CACHE=off leaves JAX as it is.
 - Several CPU devices (`--cpu-devices`), so that clients trained one at a time can be dealt to
   them: two streams of small ops keep two cores busier than one. The count must be set before
   JAX starts its backends. docs/benchmarks.md has what each setting measured.
@@ -28,6 +31,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
+from fedjax_split import compilation
 from fedjax_split.errors import UserError
 
 MALLOC_ENV = "FEDJAX_SPLIT_MALLOC"  # auto (default): tune glibc's malloc; system: leave it as it is
@@ -94,6 +98,7 @@ def check_malloc_setting() -> None:
 
 
 XLA_CACHE_ENV = "FEDJAX_SPLIT_XLA_CACHE"  # on (default) | off
+MIN_COMPILE_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"  # JAX's own; ours: 0
 
 
 def enable_xla_cache() -> Path | None:
@@ -115,6 +120,8 @@ def enable_xla_cache() -> Path | None:
 
     path = cache_dir() / "xla"
     jax.config.update("jax_compilation_cache_dir", str(path))
+    if MIN_COMPILE_ENV not in os.environ:  # every program: a second run compiles nothing
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path
 
 
@@ -195,6 +202,7 @@ def apply(cpu_devices: int | None = None, processes: tuple[Any, ...] = ()) -> Ap
     check_malloc_setting()
     tune_malloc()
     one_line_warnings()
+    compilation.watch()  # before the first compilation
     cache = enable_xla_cache()
     if cpu_devices is not None:  # jax.distributed.initialize fixes the count it finds set
         import jax

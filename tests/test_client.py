@@ -62,6 +62,15 @@ def test_two_sgd_steps_match_reference_gradient(num_labels: int) -> None:
     np.testing.assert_allclose(float(metrics.loss_sum), sum(losses), rtol=1e-5)
 
 
+def _train_both(apply, params, alone, padded, key):
+    """(update, global, local, its result on `alone`, on `padded`): one client update (AdamW,
+    FedProx, jitted) on the same real steps without and with masked ones."""
+    spec = ClientSpec(apply, CLASSIFICATION, default_client_optimizer(1e-3), prox_mu=0.01)
+    update = jax.jit(make_client_update(spec))
+    g, loc = split_params(params, critical_layer=1)
+    return update, g, loc, update(g, loc, alone, key), update(g, loc, padded, key)
+
+
 def test_padded_steps_leave_client_bitwise_unchanged() -> None:
     apply, params = tiny_model(dropout=0.1)
     rng = np.random.default_rng(1)
@@ -79,12 +88,8 @@ def test_padded_steps_leave_client_bitwise_unchanged() -> None:
     no_rows = jax.tree.map(lambda v: v[:1].copy(), alone[0])
     padded.append(no_rows.replace(example_mask=np.zeros_like(no_rows.example_mask)))
 
-    spec = ClientSpec(apply, CLASSIFICATION, default_client_optimizer(1e-3), prox_mu=0.01)
-    update = jax.jit(make_client_update(spec))
-    g, loc = split_params(params, critical_layer=1)
     key = jax.random.key(3)
-    a = update(g, loc, alone, key)
-    b = update(g, loc, padded, key)
+    update, g, loc, a, b = _train_both(apply, params, alone, padded, key)
     _assert_trees_equal(a, b)
     assert int(b[2].num_steps) == 6
     # and the padding really was there to be ignored: without masks the result differs
@@ -167,40 +172,193 @@ def test_adamw_decays_matrices_only() -> None:
     np.testing.assert_array_equal(np.asarray(updates["bias"]), np.zeros(2))
 
 
-def test_packed_segments_train_like_padded_ones() -> None:
-    """The same batches, packed or padded, give the same update (no dropout to differ)."""
-    from fedjax_split.data.batching import Batching, client_batches
+def _pool(rng: np.random.Generator, lengths: np.ndarray):
+    """A Tokenized pool of random ids (within the tiny model's vocabulary) of these lengths."""
     from fedjax_split.data.tokenization import Tokenized
+
+    return Tokenized(
+        [rng.integers(1, 50, n).astype(np.int32) for n in lengths],
+        [(np.arange(n) > n // 2).astype(np.int32) for n in lengths],
+        np.asarray(lengths, np.int32),
+    )
+
+
+def _steps_of(parts: list) -> list[list]:
+    """A client's parts cut into its steps at each last_part."""
+    steps, current = [], []
+    for p in parts:
+        current.append(p)
+        if bool(p.last_part[0]):
+            steps.append(current)
+            current = []
+    assert not current
+    return steps
+
+
+def _one_segment(parts: list):
+    """A client's parts [1, ...] as one segment [S, ...] (one scan: one compilation)."""
+    return jax.tree.map(lambda *x: np.concatenate(x), *parts)
+
+
+def test_packed_segments_train_like_padded_ones() -> None:
+    """The same batches, packed or padded, give the same update (no dropout to differ), packing
+    computing fewer positions; a step whose tokens exceed a part spans two, as one update."""
+    from fedjax_split.data.batching import Batching, client_batches
 
     apply, params = tiny_model(dropout=0.0)
     rng = np.random.default_rng(4)
-    lengths = rng.integers(2, 16, 22)
-    tok = Tokenized(
-        [rng.integers(1, 50, n).astype(np.int32) for n in lengths],
-        [(np.arange(n) > n // 2).astype(np.int32) for n in lengths],
-        lengths.astype(np.int32),
-    )
+    # mostly short examples, a quarter long: packed parts of the mean batch plus 2.5 sigma
+    # (40 tokens here) beat B rows of the longest (4 x 16 = 64), and one step needs two parts
+    lengths = np.where(rng.random(22) < 0.25, rng.integers(12, 16, 22), rng.integers(2, 8, 22))
+    tok = _pool(rng, lengths)
     labels = rng.integers(0, 3, 22)
     kw = dict(epochs=2, seed=1)
     padded = client_batches(tok, np.arange(22), labels, Batching(4, packing=False), **kw)
-    # rows of 16 slots: the default (at least 64) would floor N at B W / 4 = 64 tokens a step
+    # rows of 16 slots: the default W (at least 64) would make N at least 64 tokens a part
     packing = Batching(4, packing=True, row_width=16)
     packed = client_batches(tok, np.arange(22), labels, packing, **kw)
-    for x, y in zip(padded, packed, strict=True):
-        np.testing.assert_array_equal(x.example_index, y.example_index)
+    steps = _steps_of(packed)
+    assert len(packed) > len(steps) == len(padded)  # some step spans two parts
+    for x, step in zip(padded, steps, strict=True):  # the same examples in the same slots
+        np.testing.assert_array_equal(
+            x.example_index, np.max([p.example_index for p in step], axis=0)
+        )
     assert sum(s.input_ids.size for s in packed) < sum(s.input_ids.size for s in padded)
 
     spec = ClientSpec(apply, CLASSIFICATION, default_client_optimizer(1e-2))
     update = jax.jit(make_client_update(spec))
     g, loc = split_params(params, critical_layer=1)
-    a = update(g, loc, padded, jax.random.key(0))
-    b = update(g, loc, packed, jax.random.key(0))
+    a = update(g, loc, [_one_segment(padded)], jax.random.key(0))
+    b = update(g, loc, [_one_segment(packed)], jax.random.key(0))
     assert float(a[2].loss_sum) == pytest.approx(float(b[2].loss_sum), rel=1e-5)
+    assert int(a[2].num_steps) == int(b[2].num_steps) == len(padded)
+    assert float(a[2].num_examples) == float(b[2].num_examples) == 44
     for x, y in zip(jax.tree.leaves(a[:2]), jax.tree.leaves(b[:2]), strict=True):
         np.testing.assert_allclose(x, y, atol=2e-5)
     # the updates really moved the weights (so agreeing is not trivial)
     assert np.abs(a[0]["embeddings"]["word_embeddings"]["embedding"] - g["embeddings"][
         "word_embeddings"]["embedding"]).max() > 1e-3  # fmt: skip
+
+
+def _cut_and_whole(batch: int = 8, n: int = 24, seed: int = 6):
+    """One client's steps twice: in parts of a B W token budget (one part a step) and in parts of
+    one row (N = W = 16, R = 2: several parts a step); the same examples, the same slots."""
+    from fedjax_split.data.batching import Batching, client_batches
+
+    rng = np.random.default_rng(seed)
+    tok = _pool(rng, rng.integers(2, 16, n))
+    labels = rng.integers(0, 3, n)
+    kw = dict(epochs=2, seed=[3, 0], client_id=1)
+    whole = client_batches(tok, np.arange(n), labels, Batching(batch, row_width=16,
+                           part_tokens=batch * 16), **kw)  # fmt: skip
+    cut = client_batches(tok, np.arange(n), labels, Batching(batch, row_width=16,
+                         part_tokens=16), **kw)  # fmt: skip
+    assert all(bool(p.last_part[0]) for p in whole)  # one part a step
+    steps = _steps_of(cut)
+    assert len(steps) == len(whole) and sum(len(s) >= 2 for s in steps) > len(steps) // 2
+    for x, step in zip(whole, steps, strict=True):
+        np.testing.assert_array_equal(
+            x.example_index, np.max([p.example_index for p in step], axis=0)
+        )
+    return whole, cut
+
+
+def test_a_step_cut_into_parts_trains_like_the_step_in_one_part() -> None:
+    """SGD, no dropout: a step spread over several parts (gradients summed, one update at the
+    step's last part, divided by the step's examples) ends where the step in one part does, up to
+    the order of float sums; updating at every part instead moves elsewhere."""
+    apply, params = tiny_model(dropout=0.0)
+    whole, cut = _cut_and_whole()
+    spec = ClientSpec(apply, CLASSIFICATION, optax.sgd(0.5))
+    update = jax.jit(make_client_update(spec))
+    g, loc = split_params(params, critical_layer=1)
+    key = jax.random.key(2)
+    a = update(g, loc, [_one_segment(whole)], key)
+    b = update(g, loc, [_one_segment(cut)], key)
+    for x, y in zip(jax.tree.leaves(a[:2]), jax.tree.leaves(b[:2]), strict=True):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
+    assert int(a[2].num_steps) == int(b[2].num_steps) == len(whole) == 6
+    assert float(a[2].num_examples) == float(b[2].num_examples) == 48
+    assert float(b[2].loss_sum) == pytest.approx(float(a[2].loss_sum), rel=1e-6)
+    moved = max(float(np.abs(x - y).max()) for x, y in
+                zip(jax.tree.leaves(a[:2]), jax.tree.leaves((g, loc)), strict=True))  # fmt: skip
+    assert moved > 1e-2
+    # an update at every part (each on a part's mean) is another training altogether
+    every = [p.replace(last_part=np.ones_like(p.last_part)) for p in cut]
+    c = update(g, loc, [_one_segment(every)], key)
+    assert int(c[2].num_steps) == len(cut) > 6
+    far = max(float(np.abs(x - y).max()) for x, y in
+              zip(jax.tree.leaves(a[:2]), jax.tree.leaves(c[:2]), strict=True))  # fmt: skip
+    assert far > 1e-3, far
+
+
+def test_a_steps_parts_take_their_dropout_keys_by_fold_in() -> None:
+    """With dropout, a step's part 0 draws fold_in(rng, step) and its part p > 0 fold_in of that
+    with p: the client update against a hand loop over the parts (SGD on the sum of the parts'
+    summed losses over the step's examples)."""
+    from fedjax_split.data.batch import apply_batch
+
+    apply, params = tiny_model(dropout=0.2)
+    _, cut = _cut_and_whole(batch=4, n=10, seed=8)
+    lr, key = 0.5, jax.random.key(5)
+    spec = ClientSpec(apply, CLASSIFICATION, optax.sgd(lr))
+    g, loc = split_params(params, critical_layer=1)
+    new_g, new_l, metrics = jax.jit(make_client_update(spec))(g, loc, [_one_segment(cut)], key)
+
+    def summed_loss(w, part, k):
+        logits = apply_batch(apply, w, part, train=True, rng=k)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        per = -jnp.take_along_axis(logp, jnp.asarray(part.labels)[:, None], axis=1)[:, 0]
+        return jnp.sum(per * part.example_mask)
+
+    grad = jax.jit(jax.grad(summed_loss))
+    p, k = params, 0
+    for step in _steps_of(cut):
+        total, units = None, 0.0
+        for q, part in enumerate(step):
+            part = jax.tree.map(lambda v: v[0], part.for_training())
+            part_key = step_rng(key, k) if q == 0 else jax.random.fold_in(step_rng(key, k), q)
+            d = grad(p, part, part_key)
+            total = d if total is None else jax.tree.map(jnp.add, total, d)
+            units += float(part.example_mask.sum())
+        p = jax.tree.map(lambda w, d, u=units: w - lr * d / u, p, total)
+        k += 1
+    for x, y in zip(jax.tree.leaves(merge_params(new_g, new_l)), jax.tree.leaves(p), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    assert int(metrics.num_steps) == k
+
+
+def test_masked_parts_leave_a_multi_part_step_bitwise_unchanged() -> None:
+    """Masked parts (step_mask False) inside a step of several parts, after it, and those that
+    stacking with a client of more parts appends, change no bit (dropout on, AdamW, FedProx): they
+    neither add gradients, count a part (which would move the dropout keys) nor end a step,
+    even when a masked copy carries last_part."""
+    from fedjax_split.data.batching import stack_clients
+
+    apply, params = tiny_model(dropout=0.1)
+    whole, cut = _cut_and_whole(batch=4, n=10, seed=9)
+    alone = [_one_segment(cut)]
+    # stacking with a client of more parts appends masked parts of the same shape
+    mine = [jax.tree.map(lambda v: v[0], s) for s in stack_clients([cut, cut + cut[:3]])]
+    assert len(mine) == len(cut) + 3 and not any(m.step_mask[0] for m in mine[len(cut) :])
+    # masked copies of real parts: a step's first part inside the step, a step's last part
+    # (last_part True) before its step ends, and every part once more after all
+    first = _steps_of(cut)[0]
+    assert len(first) >= 2
+    masked = [p.replace(step_mask=np.zeros_like(p.step_mask)) for p in cut]
+    order = [first[0], masked[len(first) - 1], masked[0], *first[1:], *mine[len(first):],
+             *masked]  # fmt: skip
+    padded = [_one_segment(order[:5]), _one_segment(order[5:])]
+
+    key = jax.random.key(4)
+    update, g, loc, a, b = _train_both(apply, params, alone, padded, key)
+    _assert_trees_equal(a, b)
+    assert int(b[2].num_steps) == len(whole) == int(real_steps(padded, np))
+    # and the masked parts really were there to be ignored: without their masks it differs
+    c = update(g, loc, [s.replace(step_mask=np.ones_like(s.step_mask)) for s in padded], key)
+    assert not np.array_equal(
+        np.asarray(c[1]["classifier"]["kernel"]), np.asarray(b[1]["classifier"]["kernel"])
+    )
 
 
 @pytest.mark.parametrize(("total", "ratio"), [(10, 0.25), (19, 0.06), (7, 0.0), (50, 0.3)])

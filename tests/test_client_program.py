@@ -115,8 +115,8 @@ def test_one_at_a_time_round_is_client_round_per_client_bit_for_bit(
         finished.append((up, new_local, metrics))
     # ... and the round's server step is the aggregation of exactly those uploads
     combine = one_at_a_time_functions(spec).combine
-    uploads, _, metrics = zip(*finished, strict=True)
-    combined = combine(state, uploads, metrics, WEIGHTS, SEED_KEY)[0]
+    uploads = tuple(up for up, _, _ in finished)
+    combined = combine(state, uploads, WEIGHTS, SEED_KEY)[0]
     for x, y in zip(jax.tree.leaves(combined), jax.tree.leaves(got_state), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     before, after = flatten_paths(state.master), flatten_paths(got_state.master)

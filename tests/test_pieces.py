@@ -207,15 +207,30 @@ def test_concat_examples_joins_every_per_row_field_in_order() -> None:
 
 
 def test_sites_rows_are_as_wide_as_max_length_allows_whatever_their_data() -> None:
-    """A site sees no pool: its packed rows come from --max-length, so all sites agree."""
+    """A site sees no pool: its rows (packed W, padded T) come from --max-length, and its packed
+    parts' tokens from the batch size and W alone, so all sites agree. A pool's rows come from
+    its longest example (at least 64 packed, 8 padded) and its parts' N from the pool itself."""
     from types import SimpleNamespace
 
     from fedjax_split.data.tokenization import Tokenized
+    from fedjax_split.tasks.registry import get_task
 
     short = Tokenized([np.ones(3, np.int32)], [np.zeros(3, np.int32)], np.array([3]))
-    sites = SimpleNamespace(packing=True, site_data="a,b", max_length=100)
+    long = Tokenized([np.ones(13, np.int32)], [np.zeros(13, np.int32)], np.array([13]))
+    sites = SimpleNamespace(packing=True, site_data="a,b", max_length=100, batch_size=16,
+                            bucketing=False)  # fmt: skip
     assert pieces.row_width(sites, short) == 104  # 100 rounded up to a multiple of 8
     assert pieces.row_width(SimpleNamespace(**{**vars(sites), "max_length": 16}), short) == 64
-    pool = SimpleNamespace(packing=True, site_data=None, max_length=100)
+    pool = SimpleNamespace(**{**vars(sites), "site_data": None})
     assert pieces.row_width(pool, short) == 64  # the pool's longest example, at least 64
-    assert pieces.row_width(SimpleNamespace(**{**vars(sites), "packing": False}), short) is None
+    padded_sites = SimpleNamespace(**{**vars(sites), "packing": False})
+    assert pieces.row_width(padded_sites, short) == 104  # padded T: the same bound
+    padded_pool = SimpleNamespace(**{**vars(pool), "packing": False})
+    assert pieces.row_width(padded_pool, short) == 8 and pieces.row_width(padded_pool, long) == 16
+    # N of a site's parts: B half-full rows of W (whole rows), from the config alone
+    task = get_task("sst2")
+    how = pieces.batching_of(sites, task, 104)
+    assert (how.batch_size, how.row_width, how.part_tokens) == (16, 104, 8 * 104)
+    assert pieces.batching_of(sites, task, 104, evaluation=True).part_tokens == 16 * 104  # B 32
+    assert pieces.batching_of(pool, task, 64).part_tokens is None  # from the pool when batching
+    assert pieces.batching_of(padded_sites, task, 104).part_tokens is None

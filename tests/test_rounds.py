@@ -297,7 +297,8 @@ def test_bad_weights_are_user_errors() -> None:
 
 
 def _packed_segments() -> list[list]:
-    """Each client's packed steps (different sizes: stacked, some steps are masked)."""
+    """Each client's packed parts (different numbers: stacked, some parts are masked); with
+    parts of 32 tokens (R = 3 rows of 16) most steps of 4 examples span two parts."""
     from fedjax_split.data.batching import Batching, client_batches
     from fedjax_split.data.tokenization import Tokenized
 
@@ -310,12 +311,14 @@ def _packed_segments() -> list[list]:
     )
     clients = [np.arange(0, 6), np.arange(6, 30), np.arange(30, 40)]
     labels = rng.integers(0, 3, 40)
-    return [
-        # a coarse ladder (powers of two) keeps the shapes, hence compilations, few
-        client_batches(tok, ix, labels, Batching(4, row_width=16, steps_per_octave=1), epochs=2,
-                       seed=3, client_id=c)  # fmt: skip
+    how = Batching(4, row_width=16, part_tokens=32)
+    parts = [
+        client_batches(tok, ix, labels, how, epochs=2, seed=3, client_id=c)
         for c, ix in enumerate(clients)
     ]
+    for c, ix in zip(parts, clients, strict=True):  # some steps of several parts
+        assert len(c) > sum(bool(p.last_part[0]) for p in c) == 2 * -(-ix.size // 4)
+    return parts
 
 
 def test_packed_round_vmapped_chunked_and_one_at_a_time_agree() -> None:

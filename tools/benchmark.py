@@ -166,11 +166,9 @@ def run(args: argparse.Namespace) -> dict:
     offsets = np.cumsum([0] + [len(x) for x in lengths])
     clients_ix = [np.arange(offsets[i], offsets[i + 1]) for i in range(args.clients)]
     labels = np.random.default_rng([0, 13]).integers(0, 2, offsets[-1])
-    row_width = batching.default_row_width(tokens) if args.packing else None
-    how = batching.Batching(
-        batch_size=args.batch_size, bucketing=args.bucketing, max_length=args.max_length,
-        packing=args.packing, row_width=row_width,
-    )  # fmt: skip
+    # the run's one shape (W, N) from the pool, as a run chooses it
+    how = batching.resolved(tokens, batching.Batching(
+        batch_size=args.batch_size, bucketing=args.bucketing, packing=args.packing))
     parts = [  # [client][step]: each client's own steps, built from its examples alone
         batching.client_batches(tokens, ix, labels, how, epochs=args.local_epochs, seed=0,
                                 client_id=i)  # fmt: skip

@@ -32,6 +32,9 @@ class Batch:
     example_mask: Array | None = None  # float32 [B]: 1 real example, 0 padding row
     step_mask: Array | None = None  # bool []: False = a padded step (the client stays unchanged)
     example_index: Array | None = None  # int32 [B]: pool index of each row, -1 for padding
+    # bool []: this part ends its step, the client updates after it (a packed step of more
+    # tokens than one part holds spans several parts: `batching`); None: every batch is a step
+    last_part: Array | None = None
 
     packed: ClassVar[bool] = False
 
@@ -45,7 +48,8 @@ class Batch:
 
     def model_inputs(self) -> Batch:
         """Only what the model reads: tokens and layout (labels and masks None)."""
-        return self.replace(labels=None, example_mask=None, step_mask=None, example_index=None)
+        return self.replace(labels=None, example_mask=None, step_mask=None, example_index=None,
+                            last_part=None)
 
 
 @struct.dataclass(kw_only=True)

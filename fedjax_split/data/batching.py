@@ -30,15 +30,20 @@ costs nothing whatever the batch's mix of lengths. Attention runs on R rows of W
 decreasing; token_slots [1, N] and cls_index [1, B] map back (`models.bert.Layout`). A token
 task's labels follow the stream ([1, N]).
 
-Shapes: a step's size (T padded, N packed) is its longest example (padded) or its real tokens
-(packed) rounded up to a ladder of `steps_per_octave` sizes per power of two (multiples of
-`pad_to_multiple`), so that the same few shapes recur in every round and compile once. W is
-run-wide (`row_width`, default from the pool's longest example), R follows N (a batch that needs
-more rows takes a larger N), and N is at least B W / 4, so that an epoch's last, partial batch
-does not add a small shape per client (docs/benchmarks.md counts the shapes and the padding of a
-run). Padding rows (example_mask 0) of padded batches get input_ids = pad_id and attend to
-position 0 only, so a model never sees an all-masked attention row (which could produce NaN that a
-zero weight cannot cancel).
+Shapes: one per run for training and one for evaluation, whatever the clients, rounds and data
+sizes, so that the client's program and the evaluation program each compile once (the paper pads
+every input to 128 tokens; t5x/seqio and MaxText fix their shapes likewise). Padded: [B, T] with T =
+`row_width`, run-wide (the pool's longest example rounded up, or --max-length's bound for sites
+without a pool). Packed: a step's examples go into one or more *parts* of a fixed shape, N stream
+tokens (`part_tokens`), R = ceil(N / W) + 1 attention rows of W slots and B example slots; a step
+whose tokens do not fit one part continues in the next (first fit, longest first), and the client
+program accumulates the parts' gradients and updates once at the step's last part (`last_part`), so
+a step is still one update on its B examples. N is run-wide too: by default the mean batch's tokens
+plus 2.5 standard deviations (`default_part_tokens`: one part for all but about one step in a
+hundred). An epoch's last, partial batch is masked rows of the same shape. Evaluation parts take the
+examples in order, as many as fit. Padding rows (example_mask 0) of padded batches get input_ids =
+pad_id and attend to position 0 only, so a model never sees an all-masked attention row (which could
+produce NaN that a zero weight cannot cancel).
 
 Dropout (`models.bert.dropout`) draws each element's mask from its flat index, so growing a
 leading axis (a packed stream's tokens, attention rows) when clients are stacked leaves every
@@ -106,26 +111,9 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _ladder(n: int, multiple: int, steps_per_octave: int) -> int:
-    """n rounded up to a multiple of `multiple` and to one of `steps_per_octave` points per power
-    of two (at most 1/steps_per_octave of the size apart): step sizes vary with every batch, and
-    a ladder makes their shapes, hence compilations, recur."""
-    n = max(int(n), 1)
-    step = max(multiple, 2 ** (n.bit_length() - 1) // steps_per_octave)
-    return _round_up(n, step)
-
-
-def _width(longest: int, multiple: int, steps_per_octave: int, max_length: int | None) -> int:
-    """T of a padded step: its longest example on the ladder, not past max_length (the examples
-    are already truncated to it, so the cap never cuts a token)."""
-    t = _ladder(longest, multiple, steps_per_octave)
-    if max_length is not None:
-        t = min(t, max(max_length, longest))
-    return t
-
-
 def default_row_width(tokenized: Any, pack_width: int = PACK_WIDTH, multiple: int = 8) -> int:
-    """W of packed attention rows for a pool: `pack_width`, or its longest example rounded up.
+    """W of packed attention rows (T of padded batches: pass `pack_width=multiple`) for a pool:
+    `pack_width`, or its longest example rounded up.
 
     A run-wide constant (every client of the pool gets the same W, so shapes recur): pass it as
     `Batching.row_width` when a client holds only part of the pool."""
@@ -137,6 +125,31 @@ def row_width_for(max_length: int, pack_width: int = PACK_WIDTH, multiple: int =
     """W of packed attention rows for examples of at most `max_length` tokens (truncation's
     bound): what a client that sees no pool takes, the same for every client of a run."""
     return max(pack_width, _round_up(int(max_length), multiple))
+
+
+PART_SIGMAS = 2.5  # a part holds the mean batch's tokens plus this many standard deviations
+
+
+def default_part_tokens(
+    lengths: np.ndarray, batch_size: int, row_width: int, multiple: int = 8
+) -> int:
+    """N of packed parts for a pool of example `lengths`: the tokens of a mean batch of B plus
+    2.5 standard deviations of a batch's tokens (sqrt(B) of an example's), rounded up to a
+    multiple of 8, at least one row of W and at most B rows (which hold any batch). Random
+    batches of B then fit one part but about one in a hundred; one that does not takes two.
+    (A larger N pads every step; a smaller one adds a part, mostly empty, to more of them.)"""
+    lengths = np.asarray(lengths, np.float64)
+    if lengths.size == 0:
+        return row_width
+    need = batch_size * lengths.mean() + PART_SIGMAS * np.sqrt(batch_size) * lengths.std()
+    return int(min(max(_round_up(int(np.ceil(need)), multiple), row_width),
+                   batch_size * row_width))  # fmt: skip
+
+
+def part_tokens_for(batch_size: int, row_width: int) -> int:
+    """N of packed parts without a pool (sites with their own data): B half-full rows of W, the
+    same at every site of a run."""
+    return max(row_width, _round_up(batch_size * row_width // 2, row_width))
 
 
 def _epoch_batches(
@@ -252,7 +265,7 @@ def _assemble_packed(
             lens = packed.lengths[rows[i, j, slots]]
             r, c, used = _first_fit(lens, row_width)
             if used > num_rows or lens.sum() > num_tokens:
-                raise AssertionError("a batch does not fit its bucket's packed shape")
+                raise AssertionError("a batch does not fit the run's packed shape")
             at = 0
             for e in np.lexsort((c, r)):  # stream order = row-major slot order
                 n, start = int(lens[e]), int(packed.offsets[rows[i, j, slots[e]]])
@@ -301,11 +314,12 @@ class Batching:
     """How a client cuts its examples into steps; the same for every client of a run.
 
     Run-wide and static, so that every client (simulated or federated) builds its steps alike and
-    their shapes recur. `batch_size` B; `objective` (label dtype, per-token labels); `packing`
-    (token streams, else padded rows); `bucketing` with `window` (length-sorted windows, training
-    only); `shuffle` (training only); `pad_to_multiple` and `steps_per_octave` (the shape
-    ladder); `max_length` (cap of padded T); `row_width` (packed W, None: the longest example of
-    the `tokenized` passed, so pass the pool's when a client holds only part of it); `pad_id`.
+    all of them have one shape. `batch_size` B; `objective` (label dtype, per-token labels);
+    `packing` (token streams in parts, else padded rows); `bucketing` with `window`
+    (length-sorted windows, training only); `shuffle` (training only); `pad_to_multiple` (of T,
+    W and N); `row_width` (packed W, padded T; None: the longest example of the `tokenized`
+    passed, so pass the pool's when a client holds only part of it); `part_tokens` (packed N;
+    None: `default_part_tokens` of the `tokenized` passed, likewise); `pad_id`.
     """
 
     batch_size: int
@@ -315,21 +329,32 @@ class Batching:
     window: int = 200
     shuffle: bool = True
     pad_to_multiple: int = 8
-    steps_per_octave: int = 4
-    max_length: int | None = None
     row_width: int | None = None
+    part_tokens: int | None = None
     pad_id: int = 0
 
 
 def _resolve(packed: Packed, how: Batching) -> Batching:
-    """`how` checked, with a packed run's `row_width` filled in from `packed` when unset."""
-    if how.batch_size < 1 or how.pad_to_multiple < 1 or how.steps_per_octave < 1:
-        raise ValueError("batch_size, pad_to_multiple and steps_per_octave must be >= 1")
-    if how.packing and how.row_width is None:
-        return dataclasses.replace(
-            how, row_width=default_row_width(packed, multiple=how.pad_to_multiple)
+    """`how` checked, with W (T) and a packed run's N filled in from `packed` when unset."""
+    if how.batch_size < 1 or how.pad_to_multiple < 1:
+        raise ValueError("batch_size and pad_to_multiple must be >= 1")
+    if how.row_width is None:
+        floor = PACK_WIDTH if how.packing else how.pad_to_multiple
+        how = dataclasses.replace(
+            how, row_width=default_row_width(packed, floor, multiple=how.pad_to_multiple)
         )
+    if how.packing and how.part_tokens is None:
+        n = default_part_tokens(packed.lengths, how.batch_size, how.row_width,
+                                how.pad_to_multiple)  # fmt: skip
+        how = dataclasses.replace(how, part_tokens=n)
+    if how.packing and how.part_tokens < how.row_width:
+        raise ValueError(f"part_tokens {how.part_tokens} is under one row of {how.row_width}")
     return how
+
+
+def resolved(tokenized: Any, how: Batching) -> Batching:
+    """`how` with the shapes a run's batches take (W, N) filled in from the pool `tokenized`."""
+    return _resolve(pack(tokenized), how)
 
 
 def _prepare(
@@ -341,38 +366,97 @@ def _prepare(
     labels = np.asarray(labels)
     _check_labels(packed, labels, how.objective)
     ix = np.asarray(indices, dtype=np.int64).reshape(-1)
-    return packed, labels, ix, _resolve(packed, how)
+    sh = _resolve(packed, how)
+    longest = int(packed.lengths[ix].max(initial=0))
+    if longest > sh.row_width:
+        what = "attention rows of" if sh.packing else "padded rows of"
+        raise ValueError(f"an example of {longest} tokens does not fit {what} {sh.row_width} "
+                         "slots; pass a wider row_width")  # fmt: skip
+    return packed, labels, ix, sh
 
 
-def _step(packed: Packed, batch: np.ndarray, labels: np.ndarray, sh: Batching) -> Batch:
-    """One step [1, B, ...] of the pool indices `batch` (at most B; the rest are padding rows);
-    `sh` is resolved (`_resolve`: a packed run's row_width set)."""
-    rows = np.full((1, 1, sh.batch_size), -1, np.int64)
-    rows[0, 0, : batch.size] = batch
-    real_step = np.array([[batch.size > 0]])
-    lengths = packed.lengths[batch]
+def _num_rows(sh: Batching) -> int:
+    """R of a packed part: the rows N tokens fill, and one more for first fit's gaps."""
+    return -(-sh.part_tokens // sh.row_width) + 1
+
+
+def _fits(free: list[int], used: int, n: int, sh: Batching) -> int | None:
+    """The row (first fit) where an example of n tokens goes in a part with rows `free` and
+    `used` tokens; len(free) for a new row; None if it does not fit the part."""
+    if used + n > sh.part_tokens:
+        return None
+    row = next((j for j, f in enumerate(free) if f >= n), len(free))
+    return row if row < _num_rows(sh) else None
+
+
+def _parts(lengths: np.ndarray, sh: Batching) -> list[np.ndarray]:
+    """A training step's examples (positions into `lengths`) in parts: longest first, each into
+    the first part where it fits (first fit over the parts' rows), a new part when none has room.
+    Within a part this is `_first_fit`'s own order, so the part assembles as placed."""
+    parts: list[tuple[list[int], list[int], list[int]]] = []  # (members, free rows, [tokens])
+    for i in np.argsort(-lengths, kind="stable"):
+        n = int(lengths[i])
+        fits = ((p, _fits(p[1], p[2][0], n, sh)) for p in parts)
+        part, row = next(((p, r) for p, r in fits if r is not None), (None, 0))
+        if part is None:
+            part = ([], [], [0])
+            parts.append(part)
+        members, free, used = part
+        if row == len(free):
+            free.append(sh.row_width)
+        free[row] -= n
+        used[0] += n
+        members.append(int(i))
+    return [np.sort(np.asarray(m, np.int64)) for m, _, _ in parts]
+
+
+def _eval_parts(lengths: np.ndarray, sh: Batching) -> list[np.ndarray]:
+    """Test examples in order, as many as fit each packed part (B slots, N tokens, R rows as
+    `_assemble_packed` fills them: first fit, longest first)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths.tolist()):
+        fits = (len(current) < sh.batch_size and used + n <= sh.part_tokens
+                and _first_fit(lengths[[*current, i]], sh.row_width)[2] <= _num_rows(sh))
+        if current and not fits:
+            groups.append(current)
+            current, used = [], 0
+        current.append(i)
+        used += n
+    return [np.asarray(g, np.int64) for g in [*groups, current] if g]
+
+
+def _part(
+    packed: Packed, slots: np.ndarray, labels: np.ndarray, sh: Batching, last: bool
+) -> Batch:
+    """One part [1, B, ...]: pool indices `slots` [B] (-1: not in this part) in the run's one
+    shape; `last`: the part that ends its step (the client updates after it)."""
+    rows = slots.reshape(1, 1, -1)
+    real_step = np.array([[True]])
     dtype = sh.objective.label_dtype
     if not sh.packing:
-        longest = int(lengths.max(initial=1))
-        t = _width(longest, sh.pad_to_multiple, sh.steps_per_octave, sh.max_length)
-        out = _assemble(packed, rows, real_step, labels, t, dtype, sh.pad_id)
+        out = _assemble(packed, rows, real_step, labels, sh.row_width, dtype, sh.pad_id)
     else:
-        if lengths.size and lengths.max() > sh.row_width:
-            raise ValueError(f"an example of {int(lengths.max())} tokens does not fit attention "
-                             f"rows of {sh.row_width} slots; pass a wider row_width")
-        # R follows N (one row more than the tokens need), so the shape is N's alone and recurs;
-        # a batch whose first-fit needs more rows takes the next N up the ladder
-        needed = _first_fit(lengths, sh.row_width)[2] if lengths.size else 1
-        # at least a quarter of B full rows: an epoch's last, partial batch would otherwise add
-        # a small shape of its own for every client and round
-        floor = sh.batch_size * sh.row_width // 4
-        n = _ladder(max(int(lengths.sum()), floor), sh.pad_to_multiple, sh.steps_per_octave)
-        while -(-n // sh.row_width) + 1 < needed:
-            n = _ladder(n + 1, sh.pad_to_multiple, sh.steps_per_octave)
-        r = -(-n // sh.row_width) + 1
-        out = _assemble_packed(packed, rows, real_step, labels, n, r, sh.row_width, dtype,
-                               sh.pad_id)  # fmt: skip
-    return jax.tree.map(lambda x: x[0], out)  # drop the client axis of 1
+        out = _assemble_packed(packed, rows, real_step, labels, sh.part_tokens, _num_rows(sh),
+                               sh.row_width, dtype, sh.pad_id)  # fmt: skip
+    out = jax.tree.map(lambda x: x[0], out)  # drop the client axis of 1
+    return out.replace(last_part=np.array([last]))
+
+
+def _step_parts(packed: Packed, batch: np.ndarray, labels: np.ndarray, sh: Batching
+                ) -> list[Batch]:  # fmt: skip
+    """One step of the pool indices `batch` (at most B, each in its batch slot) as its parts:
+    one padded part, or as many packed parts as its tokens need."""
+    members = [np.arange(batch.size)]
+    if sh.packing:
+        members = _parts(packed.lengths[batch], sh)
+    out = []
+    for k, m in enumerate(members):
+        slots = np.full(sh.batch_size, -1, np.int64)
+        slots[m] = batch[m]
+        out.append(_part(packed, slots, labels, sh, last=k == len(members) - 1))
+    return out
 
 
 def client_batches(
@@ -385,15 +469,17 @@ def client_batches(
     seed: int | Sequence[int],
     client_id: int = 0,
 ) -> list[Batch]:
-    """One client's training steps for a round, in order, each a batch [1, B, ...].
+    """One client's training steps for a round, in order, as parts [1, B, ...] of the run's one
+    shape (a packed step of more tokens than a part holds spans several: `last_part` marks its
+    end).
 
     `indices` are the client's examples (pool indices into `tokenized` / `labels`); `seed` (an int
     or a sequence such as [seed, round]) and `client_id` fix every random choice, so the result
     depends on nothing but this client's examples and the run-wide `how`. E epochs of
     ceil(n / B) steps; each epoch shuffles the examples afresh (`how.bucketing`: sorted in
     windows, see the module docstring). Pass `pack(tokenized)` to avoid re-flattening the ragged
-    tokens every round, and `how.row_width` (`default_row_width` of the whole pool) when
-    `tokenized` is not the pool every client shares.
+    tokens every round, and `how.row_width` / `how.part_tokens` (`resolved` on the whole pool)
+    when `tokenized` is not the pool every client shares.
     """
     if epochs < 1:
         raise ValueError("epochs must be >= 1")
@@ -407,24 +493,29 @@ def client_batches(
         batches = _epoch_batches(packed.lengths[ix], sh.batch_size, rng, window)
         if sh.bucketing and rng is not None:  # similar lengths in a batch, the batches in any order
             batches = [batches[j] for j in rng.permutation(len(batches))]
-        steps.extend(_step(packed, ix[b], labels, sh) for b in batches)
+        for b in batches:
+            steps.extend(_step_parts(packed, ix[b], labels, sh))
     return steps
 
 
 def client_eval_batches(
     tokenized: Any, indices: np.ndarray, labels: np.ndarray, how: Batching
 ) -> list[Batch]:
-    """One client's test examples once each, as batches [1, B, ...]; padded batches take them
-    sorted by length (similar lengths share a batch and a shape), packed ones in order (a full
-    packed batch's stream then holds about B times the mean length: one or two shapes, where
-    sorted batches would climb the ladder). Map predictions back with `example_index`.
-    Each example is seen once, in this fixed order: `how`'s bucketing, window and shuffle are
-    not used."""
+    """One client's test examples once each, in order, in batches [1, B, ...] of the run's one
+    evaluation shape: padded, B at a time; packed, as many as a part holds (at most B). Map
+    predictions back with `example_index`. `how`'s bucketing, window and shuffle are not used."""
     packed, labels, ix, sh = _prepare(tokenized, indices, labels, how)
-    if not sh.packing:
-        ix = ix[np.argsort(packed.lengths[ix], kind="stable")]
-    b = sh.batch_size
-    return [_step(packed, ix[i : i + b], labels, sh) for i in range(0, ix.size, b)]
+    if sh.packing:
+        groups = _eval_parts(packed.lengths[ix], sh)
+    else:
+        groups = [np.arange(i, min(i + sh.batch_size, ix.size))
+                  for i in range(0, ix.size, sh.batch_size)]  # fmt: skip
+    out = []
+    for g in groups:
+        slots = np.full(sh.batch_size, -1, np.int64)
+        slots[: g.size] = ix[g]
+        out.append(_part(packed, slots, labels, sh, last=True))
+    return out
 
 
 def _size(batch: Batch) -> tuple[int, int]:
@@ -522,9 +613,9 @@ def make_client_batches(
     return stack_clients(per_client, how.pad_id)
 
 
-def padding_waste(segments: Sequence[Batch], skip_masked_steps: bool = False) -> float:
-    """Fraction of computed token positions that are padding, over batches of any leading axes
-    (one client's steps [S, ...] or stacked ones [K, S, ...]).
+def positions(segments: Sequence[Batch], skip_masked_steps: bool = False) -> tuple[int, int]:
+    """(real tokens, computed token positions) over batches of any leading axes (one client's
+    steps [S, ...] or stacked ones [K, S, ...]).
 
     Padding rows and positions always count as computed; masked steps (step_mask False) too,
     unless `skip_masked_steps` (clients trained one at a time skip them). Packed batches count
@@ -542,4 +633,10 @@ def padding_waste(segments: Sequence[Batch], skip_masked_steps: bool = False) ->
         else:
             tokens = seg.attention_mask * seg.example_mask[..., None].astype(np.int64)
         real += int(np.sum(tokens * steps.reshape(steps.shape + (1,) * (tokens.ndim - steps.ndim))))
+    return real, computed
+
+
+def padding_waste(segments: Sequence[Batch], skip_masked_steps: bool = False) -> float:
+    """Fraction of computed token positions that are padding (`positions`)."""
+    real, computed = positions(segments, skip_masked_steps)
     return 0.0 if computed == 0 else 1.0 - real / computed

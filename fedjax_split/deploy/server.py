@@ -396,20 +396,13 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
     )
 
 
-@functools.lru_cache(maxsize=32)
 def server_step(spec: Any) -> Callable[..., Any]:
-    """(state, uploads, weights, noise key, norms) -> (state, (accepted, norms)), jitted per
-    round spec: the simulation's one-at-a-time combine, minus the local parts the server never
-    sees."""
-    import jax
-
+    """(state, uploads, weights, noise key, norms) -> (state, (accepted, norms)): the
+    simulation's one-at-a-time server step (`sim.rounds.server_round`), minus the local parts
+    the server never sees."""
     from fedjax_split.sim import rounds
 
-    def step(state: Any, uploads: tuple, weights: Any, noise_key: Any, norms: Any) -> Any:
-        agg = rounds.aggregate_uploads(spec, state, list(uploads), weights, noise_key, norms)
-        return rounds.server_step(spec, state, agg), (agg.valid, agg.norms)
-
-    return jax.jit(step)
+    return functools.partial(rounds.server_round, spec)
 
 
 def _decode_upload(

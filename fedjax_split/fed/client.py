@@ -10,10 +10,16 @@ The optimiser state is initialised afresh at the start of every round: that is F
 and keeping AdamW moments per client would cost two extra copies of the model per client. A
 learning-rate schedule of the client optimiser therefore runs over the local steps of one round.
 
-Padded steps (step_mask False, from clients with fewer batches) leave parameters AND optimiser state
-exactly as they were, by selecting the old values rather than multiplying an update by zero.
-Dropout keys are `fold_in(rng, k)` with k the number of real steps taken so far, so padding does not
-shift a client's key sequence either: a padded client ends bitwise where it would alone.
+A step (one mini-batch of B examples, one optimiser update) arrives as one or more parts of the
+run's one shape (`data.batching`: a packed step of more tokens than a part holds spans several).
+Each part adds the gradient of its summed loss to the step's sum; the step's last part
+(`last_part`) divides by the step's loss units (examples, or labelled tokens), adds FedProx's
+gradient and updates, so the update is the gradient of the step's mean loss however the step was
+cut. Padded parts (step_mask False, from clients with fewer parts) leave parameters AND optimiser
+state exactly as they were, by selecting the old values rather than multiplying an update by
+zero. Dropout keys are `fold_in(rng, k)` with k the number of real steps taken so far (a step's
+part p > 0: `fold_in` of that with p), so padding does not shift a client's key sequence either:
+a padded client ends bitwise where it would alone.
 """
 
 from __future__ import annotations
@@ -174,15 +180,23 @@ def client_optimizer(
     return optax.chain(*parts)
 
 
+def ends_step(seg: Segment, xp: Any = jnp) -> Any:
+    """[S] whether each part of a segment ends its step (`last_part`; None: every part does)."""
+    if seg.last_part is None:
+        return xp.ones(seg.step_mask.shape, bool)
+    return xp.reshape(xp.asarray(seg.last_part), seg.step_mask.shape)
+
+
 def real_steps(segments: Sequence[Segment], xp: Any = jnp) -> Any:
-    """A client's optimiser steps in a round: its steps that are not padding and hold at least
-    one real example, the count `ClientState.steps` reaches. `xp=jnp` traces (an int32 array);
-    a host that holds the batches counts them with `xp=np` (an integer, no device work)."""
+    """A client's optimiser steps in a round: the parts that are not padding, hold at least one
+    real example and end their step, the count `ClientState.steps` reaches. `xp=jnp` traces (an
+    int32 array); a host that holds the batches counts them with `xp=np` (an integer, no device
+    work)."""
     total = xp.zeros([], xp.int32)
     for seg in segments:
         rows = xp.reshape(xp.asarray(seg.example_mask), (seg.step_mask.shape[0], -1))
         real = xp.logical_and(xp.asarray(seg.step_mask), xp.sum(rows, axis=1) > 0)
-        total = total + xp.sum(real, dtype=xp.int32)
+        total = total + xp.sum(xp.logical_and(real, ends_step(seg, xp)), dtype=xp.int32)
     return total
 
 
@@ -210,6 +224,9 @@ class ClientState(NamedTuple):
     steps: jax.Array  # int32 real steps so far: the index of the next dropout key
     loss_sum: jax.Array  # fp32 sum of the data losses
     num_examples: jax.Array  # fp32 loss units seen (see ClientMetrics)
+    grad_sum: Any = None  # the current step's parts' summed-loss gradients (like params)
+    step_units: jax.Array | None = None  # fp32 the current step's loss units so far
+    part: jax.Array | None = None  # int32 the current step's parts so far
 
 
 class ClientFns(NamedTuple):
@@ -230,50 +247,73 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
     opt = spec.optimizer
 
     def loss_fn(
-        trainable: tuple[Any, Any], received: Any, batch: Batch, key: jax.Array, constants: Any
-    ):
+        trainable: tuple[Any, Any], batch: Batch, key: jax.Array, constants: Any
+    ) -> tuple[jax.Array, jax.Array]:
         g, loc = trainable
         params = merge_params(g, loc, constants)
         logits = apply_batch(spec.apply, params, batch, train=True, rng=key)
-        loss_sum, n = spec.objective.loss_sums(logits, batch.labels, batch.example_mask)
-        loss = loss_sum / jnp.maximum(n, 1.0)
-        if spec.prox_mu:
-            loss = loss + prox_term(g, received, spec.prox_mu)
-        return loss, (loss_sum, n)
+        return spec.objective.loss_sums(logits, batch.labels, batch.example_mask)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    prox_grad = jax.grad(prox_term)
 
     def init(global_params: Any, local_params: Any, total_steps: Any = None) -> ClientState:
         trainable = (global_params, local_params)
         zero = jnp.zeros([], jnp.float32)
         opt_state = with_total_steps(opt.init(trainable), total_steps)
-        return ClientState(trainable, opt_state, jnp.zeros([], jnp.int32), zero, zero)
+        start = jnp.zeros([], jnp.int32)
+        return ClientState(trainable, opt_state, start, zero, zero,
+                           jax.tree.map(jnp.zeros_like, trainable), zero, start)  # fmt: skip
+
+    def update(state: ClientState, received: Any) -> ClientState:
+        """The step's update from its parts' gradients: that of the step's mean loss."""
+        params = state.params
+        grads = jax.tree.map(lambda x: x / jnp.maximum(state.step_units, 1.0), state.grad_sum)
+        if spec.prox_mu:
+            g_grads = jax.tree.map(jnp.add, grads[0],
+                                   prox_grad(params[0], received, spec.prox_mu))  # fmt: skip
+            grads = (g_grads, grads[1])
+        updates, new_opt_state = opt.update(grads, state.opt_state, params)
+        zero = jnp.zeros([], jnp.float32)
+        return state._replace(
+            params=optax.apply_updates(params, updates),
+            opt_state=new_opt_state,
+            steps=state.steps + 1,
+            grad_sum=jax.tree.map(jnp.zeros_like, state.grad_sum),
+            step_units=zero,
+            part=jnp.zeros([], jnp.int32),
+        )
 
     def train_segment(
         state: ClientState, segment: Segment, received: Any, rng: jax.Array, constants: Any = None
     ) -> ClientState:
         constants = {} if constants is None else constants
-        def real_step(state: ClientState, batch: Batch) -> ClientState:
-            params, opt_state = state.params, state.opt_state
-            key = step_rng(rng, state.steps)
-            (_, (loss_sum, n)), grads = grad_fn(params, received, batch, key, constants)
-            updates, new_opt_state = opt.update(grads, opt_state, params)
-            return ClientState(
-                optax.apply_updates(params, updates),
-                new_opt_state,
-                state.steps + 1,
-                state.loss_sum + loss_sum,
-                state.num_examples + n,
+
+        def real_part(state: ClientState, batch: Batch) -> ClientState:
+            key = step_rng(rng, state.steps)  # a step's later parts draw keys of their own
+            key = jax.lax.cond(state.part == 0, lambda: key,
+                               lambda: jax.random.fold_in(key, state.part))  # fmt: skip
+            (loss_sum, n), grads = grad_fn(state.params, batch, key, constants)
+            state = state._replace(
+                grad_sum=jax.tree.map(jnp.add, state.grad_sum, grads),
+                step_units=state.step_units + n,
+                part=state.part + 1,
+                loss_sum=state.loss_sum + loss_sum,
+                num_examples=state.num_examples + n,
             )
+            return jax.lax.cond(batch.last_part, lambda s: update(s, received), lambda s: s,
+                                state)  # fmt: skip
 
         def step(state: ClientState, batch: Batch) -> tuple[ClientState, None]:
-            # A step with no real example is padding too (AdamW would still decay the weights).
-            # lax.cond skips the work of a padded step when clients run one at a time
+            # A part with no real example is padding too (AdamW would still decay the weights).
+            # lax.cond skips the work of a padded part when clients run one at a time
             # (chunk_size=1); under vmap it becomes a select, which keeps the state exactly.
             real = jnp.logical_and(batch.step_mask, jnp.sum(batch.example_mask) > 0)
-            return jax.lax.cond(real, real_step, lambda s, _: s, state, batch), None
+            return jax.lax.cond(real, real_part, lambda s, _: s, state, batch), None
 
-        return jax.lax.scan(step, state, segment.for_training())[0]
+        seg = segment.for_training()
+        seg = seg.replace(last_part=ends_step(seg))
+        return jax.lax.scan(step, state, seg)[0]
 
     def finish(state: ClientState) -> tuple[Any, Any, ClientMetrics]:
         new_global, new_local = state.params

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from fedjax_split import compilation
 from fedjax_split.errors import UserError
 from fedjax_split.run import outputs
 
@@ -145,6 +146,8 @@ def drive(
     writes = getattr(run, "writes", True)
     checkpointer = RunCheckpointer(checkpoint_dir(run_dir), max_to_keep=keep_checkpoints)
     stats = Stats()
+    compiled = compilation.watch()
+    first = compiled.mark()
     try:
         start_round, history = _restore(run, checkpointer, resume)
         # From here on we write.
@@ -168,9 +171,12 @@ def drive(
             if watch is not None:
                 watch(bar)
             run.start(start_round, bar.note)
+            bar.note(cache_line())
             for r in range(start_round + 1, run.rounds + 1):
                 bar.round_start(r)
+                mark = compiled.mark()
                 record = run.step(r, history)
+                record.update(compile_fields(compiled.since(mark)))
                 history.append(record)
                 if writes:
                     outputs.append_jsonl(run_dir / "metrics.jsonl",
@@ -189,10 +195,29 @@ def drive(
             bar.close()
     finally:
         checkpointer.close()
-    summary = run.summary(history, stats)
+    summary = {**run.summary(history, stats),
+               "compilation": compilation.report(compiled.since(first))}  # fmt: skip
     if writes:
         outputs.write_summary(run_dir / "summary.json", summary)
     return summary
+
+
+def compile_fields(events: Sequence[compilation.Compiled]) -> dict[str, Any]:
+    """A round's record of its compiling: the seconds (summary.json's `compilation` names the
+    programs and what the cache served)."""
+    return {"compile_seconds": compilation.report(events)["compile_seconds"]}
+
+
+def cache_line() -> str:
+    """Where compiled programs are kept between runs, and how much is there."""
+    import jax
+
+    where = jax.config.jax_compilation_cache_dir
+    if not where:
+        return ("compilation cache: off (every run compiles its programs; "
+                "unset FEDJAX_SPLIT_XLA_CACHE=off to keep them)")  # fmt: skip
+    size = sum(f.stat().st_size for f in Path(where).rglob("*") if f.is_file())
+    return f"compilation cache: {where} ({size / 1e6:.0f} MB; a second identical run loads from it)"
 
 
 def due(r: int, every: int, rounds: int) -> bool:

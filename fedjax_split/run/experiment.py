@@ -190,6 +190,7 @@ class Simulation:
         self.frozen = model.frozen  # one copy for every client, never trained or sent
         self.store = store  # sim.client_store.ClientStore: each client's local part
         self.prefetched: tuple[int, list[Any]] | None = None  # (round, its clients' steps)
+        self.positions = np.zeros(2, np.int64)  # real tokens, positions computed (training)
         self.newest: dict[int, int] = {}  # client -> the round of its newest stored part
         # what the label priors alone score: the plot's dashed line and the summary's figure
         self.majority = plots.majority_score(
@@ -320,6 +321,8 @@ class Simulation:
         if r < self.rounds:  # the round runs asynchronously: batch the next one meanwhile
             self.prefetched = (r + 1, round_batches(setup, r + 1, self.secret))
         costs = round_costs(setup, self.paths, spec, segments, sampled)  # gathered, if need be
+        self.positions += pieces.positions([s for seg in segments if seg is not None
+                                            for s in seg])  # fmt: skip
         losses = np.asarray(result.train_loss, np.float64)  # waits for the round's last program
         if len(own):
             self.store.save(r, own, new_local)
@@ -360,6 +363,10 @@ class Simulation:
             **safeguards.summary(self.setup.config, list(history)),
             **costs_mod.summary(history),
             "majority_label": self.majority,  # the primary metric of the label priors, no model
+            # the share of the positions training computed that were real tokens, over the
+            # rounds this process ran (the rest is the fixed shapes' padding)
+            "fill": (round(float(self.positions[0] / self.positions[1]), 4)
+                     if self.positions[1] else None),  # fmt: skip
             "plot": None if plot is None else str(plot),
             "round_devices": len(rounds.round_devices(self.setup.model.round_spec)),
             "allocator": runtime.allocator(),  # the seconds depend on it

@@ -452,17 +452,16 @@ def load_tokenized(config: ExperimentConfig, task: Any, examples: Any, model_dir
     return batching.pack(sources.tokenize_examples(examples, tokenizer, task, config.max_length))
 
 
-def row_width(config: ExperimentConfig, tokenized: Any) -> int | None:
-    """Packed batches' attention rows: run-wide, from the pool's longest example (None: padded).
-    Sites with their own data see no pool: theirs come from --max-length, the longest any
-    example can be, so that every site cuts the same shapes without the others' data."""
+def row_width(config: ExperimentConfig, tokenized: Any) -> int:
+    """W of packed attention rows, T of padded batches: run-wide, from the pool's longest
+    example. Sites with their own data see no pool: theirs come from --max-length, the longest
+    any example can be, so that every site cuts the same shapes without the others' data."""
     from fedjax_split.data import batching
 
-    if not config.packing:
-        return None
+    floor = batching.PACK_WIDTH if config.packing else 8
     if config.site_data is not None:
-        return batching.row_width_for(config.max_length)
-    return batching.default_row_width(tokenized)
+        return batching.row_width_for(config.max_length, floor)
+    return batching.default_row_width(tokenized, floor)
 
 
 def eval_batch_size(config: ExperimentConfig) -> int:
@@ -474,15 +473,22 @@ def batching_of(
     config: ExperimentConfig, task: Any, width: int | None, *, evaluation: bool = False
 ) -> Any:
     """The run's `batching.Batching` (every client's, every round's), from the config alone;
-    `evaluation`: with the evaluation batch size (`eval_batch_size`)."""
+    `evaluation`: with the evaluation batch size (`eval_batch_size`). A packed part's tokens come
+    from the pool (`batching.default_part_tokens`), or, for sites with their own data, from the
+    config alone (`batching.part_tokens_for`), the same at every site."""
     from fedjax_split.data import batching
 
+    size = eval_batch_size(config) if evaluation else config.batch_size
+    part_tokens = None
+    if config.packing and config.site_data is not None and width is not None:
+        part_tokens = batching.part_tokens_for(size, width)
     return batching.Batching(
-        batch_size=eval_batch_size(config) if evaluation else config.batch_size,
+        batch_size=size,
         objective=task.objective,
         packing=config.packing,
         bucketing=config.bucketing,
         row_width=width,
+        part_tokens=part_tokens,
     )
 
 
@@ -512,11 +518,21 @@ def client_steps(
 def client_eval_steps(
     config: ExperimentConfig, task: Any, pool: Pool, indices: np.ndarray
 ) -> list[Any]:
-    """One client's test batches (its own examples, once each, sorted by length)."""
+    """One client's test batches (its own examples, once each, in order, the run's one
+    evaluation shape)."""
     from fedjax_split.data import batching
 
     how = batching_of(config, task, pool.row_width, evaluation=True)
     return batching.client_eval_batches(pool.tokenized, indices, pool.labels, how)
+
+
+def positions(parts: Sequence[Any]) -> np.ndarray:
+    """[real tokens, computed positions] of a round's training parts (the rest is the fixed
+    shapes' padding: `data.batching`); masked parts, which a client running alone skips, are not
+    counted."""
+    from fedjax_split.data import batching
+
+    return np.asarray(batching.positions(parts, skip_masked_steps=True), np.int64)
 
 
 def score(task: Any, examples: Any, res: Any) -> dict[str, float]:

@@ -6,19 +6,19 @@ its own batches (`batching.client_eval_batches`); a model scores them one jitted
 (predictions, labels) into metrics (`tasks.compute_metrics`), e.g. with `client_metrics`.
 
 `evaluate_client` scores one client (what a Flower node runs). `evaluate_personalised` scores many,
-batched across clients, because with 1,000 clients each holds a few test examples, which fill less
-than half of its one batch (a packed batch has at least B W / 4 tokens), and most clients share
-one model (every client that never trained holds the store's initial part). For each model that
-several clients share, the real content of their batches (real rows; a packed batch's used stream
-and attention rows) is packed into batches of the very shapes the clients' own batches have, run
-by the program `evaluate_client` runs. Why those shapes: the model computes row by row (a token's
-dense layers, an attention row, a pooled example), so the same program on the same shapes computes
-each row bit for bit as in the client's own batch, and predictions, scores included, are exactly
-`evaluate_client`'s (tests/test_evaluation.py). Other shapes change XLA:CPU's rounding (measured
-here: `vmap` over stacked local parts moves MiniLM's logits by ~3e-7, a stream of 4,096 tokens or
-more takes another matmul path) and buy nothing on a CPU, where the time is the model's arithmetic
-per token (a longer stream runs no faster per token), so clients with a local part of their own
-are scored one model at a time. Clients are taken in groups to bound memory (`GROUP`).
+batched across clients, because with 1,000 clients each holds a few test examples, which fill a
+small share of its one batch (every batch has the run's one evaluation shape), and most clients
+share one model (every client that never trained holds the store's initial part). For each model
+that several clients share, the real content of their batches (real rows; a packed batch's used
+stream and attention rows) is packed into batches of the very shapes the clients' own batches have,
+run by the program `evaluate_client` runs. Why those shapes: the model computes row by row (a
+token's dense layers, an attention row, a pooled example), so the same program on the same shapes
+computes each row bit for bit as in the client's own batch, and predictions, scores included, are
+exactly `evaluate_client`'s (tests/test_evaluation.py). Other shapes change XLA:CPU's rounding
+(measured here: `vmap` over stacked local parts moves MiniLM's logits by ~3e-7, a stream of 4,096
+tokens or more takes another matmul path) and buy nothing on a CPU, where the time is the model's
+arithmetic per token (a longer stream runs no faster per token), so clients with a local part of
+their own are scored one model at a time. Clients are taken in groups to bound memory (`GROUP`).
 
 `evaluate_pooled` scores a single model on the union of the clients' test data (FedNLP's figure
 for a global model).

@@ -3,10 +3,10 @@
 Sequences (`text_corpora.sequences`) all have one width T, so every batch has the shape [B, T]
 and a client's steps are cut into segments of a fixed number of steps S ([S, B, T]; the last one
 padded with masked steps, step_mask False, which the client update skips): one compiled program
-serves every client, round and epoch. That is why this is not `batching.client_batches`, whose
-shapes follow each client's and round's examples (packed streams on a ladder of sizes, or length
-buckets): right for sentence tasks of very different lengths, more compilations here, where the
-document stream makes all sequences full but a client's last.
+serves every client, round and epoch. That is why this is not `batching.client_batches`, which
+packs sentences of very different lengths into parts of one shape (a step may span several):
+here the document stream makes all sequences full but a client's last, and S steps a call cut
+the host's dispatches.
 
 Randomness: `seed` is a sequence such as [run seed, round, client]; each epoch's order comes from
 `default_rng([*seed, SHUFFLE, epoch])` and the masks from `default_rng([*seed, MASK])`, so a
