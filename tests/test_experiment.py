@@ -152,7 +152,7 @@ def test_progress_inside_rounds_and_the_time_left_change_no_result(
     assert not lines[-1].endswith(" left")  # none after the last
 
     def results(run_dir: Path) -> list:
-        drop = ("seconds", "train_seconds", "eval_seconds", "cum_seconds")
+        drop = ("seconds", "train_seconds", "eval_seconds", "cum_seconds", "compile_seconds")
         return [{k: v for k, v in json.loads(x).items() if k not in drop}
                 for x in (run_dir / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
 

@@ -67,11 +67,11 @@ def test_packed_forward_flops_match_the_models_matmuls():
     params = init_params(config, jax.random.key(0))
     lengths = [7, 3, 12, 5, 9]
     tok = Tokenized([jnp.ones(n, jnp.int32) for n in lengths], None, lengths)
-    how = Batching(5, packing=True, row_width=16)
+    how = Batching(5, packing=True, row_width=16, part_tokens=40)  # the 36 tokens in one part
     (seg,) = make_client_batches(tok, [range(5)], [0] * 5, how, epochs=1, seed=0)
     step = jax.tree.map(lambda v: v[0, 0], seg)
     n, (r, w) = step.input_ids.shape[0], step.attention_mask.shape
-    assert n == 40 and w == 16  # 36 tokens rounded up to a multiple of 8
+    assert n == 40 and w == 16 and r == 40 // 16 + 1 + 1  # R = ceil(N / W) + 1
     jaxpr = jax.make_jaxpr(
         lambda p: make_apply(config)(p, step.input_ids, step.attention_mask,
                                      step.token_type_ids, train=False, **step.layout())
@@ -127,7 +127,7 @@ def _packed_segment():
 
     lengths = [7, 3, 12, 5, 9]
     tok = Tokenized([jnp.ones(n, jnp.int32) for n in lengths], None, lengths)
-    how = Batching(5, packing=True, row_width=16)
+    how = Batching(5, packing=True, row_width=16, part_tokens=40)  # the 36 tokens in one part
     (seg,) = make_client_batches(tok, [range(5)], [0] * 5, how, epochs=1, seed=0)
     return seg
 

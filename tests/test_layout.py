@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "fedjax_split"
 # Bottom to top. A module imports its own layer or layers below it. The commands and the Flower
 # apps are on top: nothing imports them.
 LAYERS = [
-    {"errors"},
+    {"errors", "compilation"},
     {"assets", "atomic", "runtime"},
     {"tasks"},
     {"models"},

@@ -23,7 +23,7 @@ from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 from fedjax_split.run.experiment import run_experiment
 from fedjax_split.sim import processes
 
-TIMES = ("seconds", "train_seconds", "eval_seconds")
+TIMES = ("seconds", "train_seconds", "eval_seconds", "compile_seconds")
 
 
 @pytest.fixture(scope="module")

@@ -238,6 +238,25 @@ class ClientFns(NamedTuple):
     finish: Callable[[ClientState], tuple[Any, Any, ClientMetrics]]
 
 
+def _update(spec: ClientSpec, state: ClientState, received: Any) -> ClientState:
+    """A step's update from its parts' summed-loss gradients: that of the step's mean loss (plus
+    FedProx's pull on the global part towards `received`)."""
+    params = state.params
+    grads = jax.tree.map(lambda x: x / jnp.maximum(state.step_units, 1.0), state.grad_sum)
+    if spec.prox_mu:
+        pull = jax.grad(prox_term)(params[0], received, spec.prox_mu)
+        grads = (jax.tree.map(jnp.add, grads[0], pull), grads[1])
+    updates, new_opt_state = spec.optimizer.update(grads, state.opt_state, params)
+    return state._replace(
+        params=optax.apply_updates(params, updates),
+        opt_state=new_opt_state,
+        steps=state.steps + 1,
+        grad_sum=jax.tree.map(jnp.zeros_like, state.grad_sum),
+        step_units=jnp.zeros([], jnp.float32),
+        part=jnp.zeros([], jnp.int32),
+    )
+
+
 def make_client_fns(spec: ClientSpec) -> ClientFns:
     """`init(global, local, total_steps=None)` (the client's steps this round, `real_steps`: a
     linear client schedule needs it), `train_segment(state, segment, received_global, rng,
@@ -255,7 +274,6 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
         return spec.objective.loss_sums(logits, batch.labels, batch.example_mask)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    prox_grad = jax.grad(prox_term)
 
     def init(global_params: Any, local_params: Any, total_steps: Any = None) -> ClientState:
         trainable = (global_params, local_params)
@@ -264,25 +282,6 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
         start = jnp.zeros([], jnp.int32)
         return ClientState(trainable, opt_state, start, zero, zero,
                            jax.tree.map(jnp.zeros_like, trainable), zero, start)  # fmt: skip
-
-    def update(state: ClientState, received: Any) -> ClientState:
-        """The step's update from its parts' gradients: that of the step's mean loss."""
-        params = state.params
-        grads = jax.tree.map(lambda x: x / jnp.maximum(state.step_units, 1.0), state.grad_sum)
-        if spec.prox_mu:
-            g_grads = jax.tree.map(jnp.add, grads[0],
-                                   prox_grad(params[0], received, spec.prox_mu))  # fmt: skip
-            grads = (g_grads, grads[1])
-        updates, new_opt_state = opt.update(grads, state.opt_state, params)
-        zero = jnp.zeros([], jnp.float32)
-        return state._replace(
-            params=optax.apply_updates(params, updates),
-            opt_state=new_opt_state,
-            steps=state.steps + 1,
-            grad_sum=jax.tree.map(jnp.zeros_like, state.grad_sum),
-            step_units=zero,
-            part=jnp.zeros([], jnp.int32),
-        )
 
     def train_segment(
         state: ClientState, segment: Segment, received: Any, rng: jax.Array, constants: Any = None
@@ -301,8 +300,8 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
                 loss_sum=state.loss_sum + loss_sum,
                 num_examples=state.num_examples + n,
             )
-            return jax.lax.cond(batch.last_part, lambda s: update(s, received), lambda s: s,
-                                state)  # fmt: skip
+            return jax.lax.cond(batch.last_part, lambda s: _update(spec, s, received),
+                                lambda s: s, state)  # fmt: skip
 
         def step(state: ClientState, batch: Batch) -> tuple[ClientState, None]:
             # A part with no real example is padding too (AdamW would still decay the weights).
