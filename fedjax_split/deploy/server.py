@@ -5,7 +5,7 @@ Each round: sample clients as the simulation does (`run.safeguards.sample`: Pois
 client-level DP), send each sampled client's SuperNode the global part in the wire dtype (as bits,
 `codec`; with DP, the round's clip norm, to which the client clips its update), wait for the
 replies up to `round_timeout`, validate and decode the uploads to fp32 and step the server with the
-simulation's own seam, `sim.rounds.aggregate_uploads` (`fed.aggregation`: the example-weighted
+simulation's own seam, `sim.rounds.server_round` (`fed.aggregation`: the example-weighted
 mean in fp32 and client order, a robust rule, or DP's clipped sum plus Gaussian noise from the
 server's key) then `server_update` (Delta against the copy sent, any optax server optimiser on the
 fp32 master); Flower's own strategies and FedAvg are not used. The aggregator's state (DP's clip
@@ -34,7 +34,6 @@ parts again after a restart (it keeps those of the oldest kept checkpoint on).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import secrets
 import sys
@@ -396,15 +395,6 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
     )
 
 
-def server_step(spec: Any) -> Callable[..., Any]:
-    """(state, uploads, weights, noise key, norms) -> (state, (accepted, norms)): the
-    simulation's one-at-a-time server step (`sim.rounds.server_round`), minus the local parts
-    the server never sees."""
-    from fedjax_split.sim import rounds
-
-    return functools.partial(rounds.server_round, spec)
-
-
 def _decode_upload(
     reply: Any, expected: Mapping[str, Any], wire: str, dtypes: Mapping[str, np.dtype]
 ) -> Any:
@@ -582,8 +572,9 @@ def run_round(
     weights_np = np.asarray(taken.weights, np.float32)
     if taken.uploads:
         norms = None if taken.norms is None else np.asarray(taken.norms, np.float32)
-        run.server_state, (valid, agg_norms) = server_step(spec)(
-            state, tuple(taken.uploads), weights_np, noise_key, norms)  # fmt: skip
+        # the simulation's one-at-a-time server step, minus the local parts it never sees
+        run.server_state, (valid, agg_norms) = rounds.server_round(
+            spec, state, tuple(taken.uploads), weights_np, noise_key, norms)  # fmt: skip
     else:  # nobody sampled, or every upload rejected: the server's step on nothing
         run.server_state = rounds.server_only_step(spec)(state, noise_key)
         valid, agg_norms = np.zeros([0], bool), np.zeros([0], np.float32)

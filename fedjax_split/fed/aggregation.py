@@ -9,8 +9,9 @@ axis: XLA:CPU lowers that reduction of a broadcast product to a slow strided loo
 tables such as the embeddings costs more than the loop (docs/benchmarks.md measures it). Both
 entry points add in the same order, but XLA:CPU may fuse the first multiply-adds of one and not
 of the other, so they agree to an ulp or so, not always bit for bit (tests/test_aggregation.py).
-What must agree bit for bit, the one-at-a-time simulation and a Flower server, both use
-`weighted_mean_each`.
+What must agree bit for bit, the one-at-a-time simulation and a Flower server, both add the
+uploads one at a time with `add_upload` (`sim.rounds.server_round`, one program a client, so that
+its compilation does not depend on K); `aggregate_each` adds them with the same pieces.
 
 `aggregate` is the server's whole aggregation step around that mean: it validates every upload
 (a non-finite one is left out of the round, as a client of weight 0), and with an `Aggregator`
@@ -209,6 +210,31 @@ def aggregate(
     return Aggregated(mean, state, valid, jnp.where(use, reported, 0.0))
 
 
+def empty_sum(received: Any) -> Any:
+    """The plain mean's running sum before any upload: fp32 zeros shaped like `received`."""
+    return jax.tree.map(lambda r: jnp.zeros(jnp.shape(r), jnp.float32), received)
+
+
+def usable_weights(valid: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The plain mean's weights [K]: each usable upload's (finite, `valid`, and of weight > 0)
+    share of their total weight, 0 for the others; and whether any upload is usable."""
+    weights = jnp.asarray(weights, jnp.float32)
+    use = valid & (weights > 0)
+    return _normalised(jnp.where(use, weights, 0.0)), jnp.any(use)
+
+
+def add_upload(acc: Any, upload: Any, ok: jax.Array, w: jax.Array) -> Any:
+    """acc + w * upload in fp32, the plain mean's step for one client (nothing of an upload that
+    is not finite, `ok` False: a NaN times a zero weight would still be NaN)."""
+    return jax.tree.map(lambda a, x: a + w * jnp.where(ok, x, 0.0).astype(jnp.float32), acc,
+                        upload)  # fmt: skip
+
+
+def settled_mean(acc: Any, received: Any, any_use: jax.Array) -> Any:
+    """The plain mean's result: the sum, or the global part received when no upload counted."""
+    return jax.tree.map(lambda m, r: jnp.where(any_use, m, r), acc, received)
+
+
 def aggregate_each(
     aggregator: Aggregator,
     uploads: Sequence[Any],
@@ -220,15 +246,15 @@ def aggregate_each(
     factors: jax.Array | None = None,
 ) -> Aggregated:
     """`aggregate` of K separate uploads (one tree per client). The plain mean sums them where
-    they lie (`weighted_mean_each`, no stacked copy); the other rules stack them first."""
+    they lie (`add_upload`, no stacked copy); the other rules stack them first."""
     weights = jnp.asarray(weights, jnp.float32)
     if aggregator.plain and factors is None and jax.tree.leaves(uploads):
         valid = finite_each(uploads)
-        use = valid & (weights > 0)
-        kept = [jax.tree.map(lambda x, ok=ok: jnp.where(ok, x, 0.0), u)
-                for u, ok in zip(uploads, valid, strict=True)]  # fmt: skip
-        mean = weighted_mean_each(kept, jnp.where(use, weights, 0.0))
-        mean = jax.tree.map(lambda m, r: jnp.where(jnp.any(use), m, r), mean, received)
+        w, any_use = usable_weights(valid, weights)
+        acc = empty_sum(received)
+        for i, upload in enumerate(uploads):
+            acc = add_upload(acc, upload, valid[i], w[i])
+        mean = settled_mean(acc, received, any_use)
         return Aggregated(mean, state, valid, jnp.zeros(weights.shape, jnp.float32))
     if uploads:
         stacked = jax.tree.map(lambda *x: jnp.stack(x), *uploads)

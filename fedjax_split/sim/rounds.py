@@ -65,9 +65,13 @@ from fedjax_split.errors import UserError
 from fedjax_split.fed.aggregation import (
     Aggregated,
     Aggregator,
+    add_upload,
     aggregate,
     aggregate_each,
+    empty_sum,
     finite_each,
+    settled_mean,
+    usable_weights,
 )
 from fedjax_split.fed.client import (
     ClientFns,
@@ -287,32 +291,22 @@ class StreamedFns(NamedTuple):
 
 @functools.lru_cache(maxsize=32)
 def streamed_functions(spec: RoundSpec) -> StreamedFns:
-    """The jitted pieces of the plain mean's server step for `spec` (cached per spec)."""
+    """The jitted pieces of the plain mean's server step for `spec` (cached per spec):
+    `fed.aggregation`'s own, which `aggregate_each` runs in one program."""
 
     def check(upload: Any) -> jax.Array:
         return finite_each([upload])[0]
 
-    def weigh(valid: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-        use = valid & (jnp.asarray(weights, jnp.float32) > 0)
-        w = jnp.where(use, jnp.asarray(weights, jnp.float32), 0.0)
-        return w / jnp.sum(w), jnp.any(use)
-
-    def add(acc: Any, upload: Any, ok: jax.Array, w: jax.Array) -> Any:
-        return jax.tree.map(lambda a, x: a + w * jnp.where(ok, x, 0.0).astype(jnp.float32),
-                            acc, upload)  # fmt: skip
-
     def start(state: ServerState) -> Any:
-        received = download(state.global_params, spec.trained)[0]
-        return jax.tree.map(lambda r: jnp.zeros(jnp.shape(r), jnp.float32), received)
+        return empty_sum(download(state.global_params, spec.trained)[0])
 
     def finish(state: ServerState, acc: Any, any_use: jax.Array) -> ServerState:
-        received = download(state.global_params, spec.trained)[0]
-        mean = jax.tree.map(lambda m, r: jnp.where(any_use, m, r), acc, received)
+        mean = settled_mean(acc, download(state.global_params, spec.trained)[0], any_use)
         return server_step(spec, state, Aggregated(mean, state.aggregator, jnp.zeros([0], bool),
                                                    jnp.zeros([0], jnp.float32)))  # fmt: skip
 
-    return StreamedFns(jax.jit(check), jax.jit(weigh), jax.jit(add, donate_argnums=(0,)),
-                       jax.jit(start),
+    return StreamedFns(jax.jit(check), jax.jit(usable_weights),
+                       jax.jit(add_upload, donate_argnums=(0,)), jax.jit(start),
                        jax.jit(finish, donate_argnums=(0,) if spec.donate else ()))  # fmt: skip
 
 
@@ -339,8 +333,8 @@ def server_round(
     sum, one steps the server, each compiled once whatever K is. One program over all K uploads
     (the rules that need them side by side: robust ones, DP) took seconds to compile, more with
     K (1.9 s at K = 3, 6 s at K = 30 for MiniLM's lower half on this CPU), and again for every
-    new K (Poisson sampling draws one each round). Same arithmetic, in the same order, as
-    `fed.aggregation.aggregate_each`'s mean."""
+    new K (Poisson sampling draws one each round). The pieces are `fed.aggregation`'s, which
+    `aggregate_each` runs in one program."""
     if not uploads:
         raise ValueError("server_round needs at least one upload (server_only_step: none)")
     weights = jnp.asarray(weights, jnp.float32)
