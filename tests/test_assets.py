@@ -203,3 +203,17 @@ def test_real_minilm_fetch():
     assert h == "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
     for f in ("config.json", "vocab.txt", "tokenizer.json"):
         assert (path / f).is_file()
+
+
+def test_help_is_a_users_not_the_module_docstring(capsys):
+    """`--help` says what the command does, its commands and an example; the module docstring,
+    written for developers (its API, its atomic rename), stays out of it."""
+    with pytest.raises(SystemExit) as e:
+        assets.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "fetch" in text and "list" in text and "examples:" in text
+    assert "python -m fedjax_split.assets fetch minilm-l6" in text
+    assert "python -m fedjax_split.assets list" in text and "FEDJAX_SPLIT_CACHE" in text
+    assert assets.__doc__.splitlines()[0] not in text
+    assert "fetch(name)" not in text and "atomic" not in text and "Asset.root" not in text
