@@ -18,7 +18,6 @@ the run directory `pretrain` writes, equal to it bit for bit but for times.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -28,16 +27,21 @@ from pathlib import Path
 from typing import Any
 
 from fedjax_split.errors import UserError, report
+from fedjax_split.run.settings import DEPLOYMENT, Parser
 
 DEPLOY_FLAGS = ("supernodes", "round_timeout", "connect_timeout", "run_timeout", "write_app")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     """train's parser (one flag per ExperimentConfig field) plus the federation's flags."""
     from fedjax_split.train import build_parser as train_parser
 
     p = train_parser()
     p.prog = "python -m fedjax_split.flower"
+    p.usage = (
+        "%(prog)s [--config FILE[:ARG]] [flags, by section below]\n"
+        "       %(prog)s pretrain [flags] (its own: %(prog)s pretrain --help)"
+    )
     p.description = (
         "Run the federated training as a real Flower federation on this machine: a SuperLink "
         "and one SuperNode per client as separate processes on 127.0.0.1. Writes the run "
@@ -46,22 +50,33 @@ def build_parser() -> argparse.ArgumentParser:
     return add_deploy_flags(p)
 
 
-def add_deploy_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The federation's own flags (`DEPLOY_FLAGS`), fine-tuning's and pre-training's."""
-    p.add_argument("--supernodes", type=int, metavar="N",
-                   help="SuperNodes to start (default: --clients, one per client). Fewer "
-                   "(fine-tuning without --site-data) gives each a block of clients, e.g. "
-                   "partition-ids=0-33.")
-    p.add_argument("--round-timeout", type=float, metavar="S",
-                   help="Seconds the server waits for a round's replies; a client that does not "
-                   "answer is left out of the round and recorded in clients_failed (default 600).")
-    p.add_argument("--connect-timeout", type=float, metavar="S",
-                   help="Seconds the server waits for every SuperNode at the start (default 300).")
-    p.add_argument("--run-timeout", type=float, metavar="S",
-                   help="Seconds the whole run may take before it is stopped (default: none).")
-    p.add_argument("--write-app", metavar="DIR",
-                   help="Only write the Flower App (pyproject.toml with this run's config) to "
-                   "DIR, for `flwr run DIR` against a SuperLink elsewhere, and exit.")  # fmt: skip
+def add_deploy_flags(p: Parser) -> Parser:
+    """The federation's own flags (`DEPLOY_FLAGS`), fine-tuning's and pre-training's, in the
+    parser's deployment section of --help."""
+    group = p.groups[DEPLOYMENT]
+    group.add_argument(
+        "--supernodes", type=int, metavar="N",
+        help="SuperNodes to start (default: --clients, one per client). Fewer (fine-tuning "
+        "without --site-data) gives each a block of clients, e.g. partition-ids=0-33.",
+    )  # fmt: skip
+    group.add_argument(
+        "--round-timeout", type=float, metavar="SECONDS",
+        help="How long the server waits for a round's replies; a client that does not answer is "
+        "left out of the round and recorded in clients_failed (default 600).",
+    )  # fmt: skip
+    group.add_argument(
+        "--connect-timeout", type=float, metavar="SECONDS",
+        help="How long the server waits for every SuperNode at the start (default 300).",
+    )  # fmt: skip
+    group.add_argument(
+        "--run-timeout", type=float, metavar="SECONDS",
+        help="How long the whole run may take before it is stopped (default: none).",
+    )  # fmt: skip
+    group.add_argument(
+        "--write-app", metavar="DIR",
+        help="Only write the Flower App (pyproject.toml with this run's config) to DIR, for "
+        "`flwr run DIR` against a SuperLink elsewhere, and exit.",
+    )  # fmt: skip
     return p
 
 

@@ -12,10 +12,10 @@ and says which checkpoint `--resume` continues from. DIR/model is then a Hugging
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
 from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, resolve
+from fedjax_split.run.settings import Parser
 
 DESCRIPTION = (
     "Federated further pre-training (masked LM) of a BERT encoder on text that stays on the "
@@ -25,7 +25,7 @@ DESCRIPTION = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     """One flag per PretrainConfig setting."""
     return SCHEMA.build_parser("python -m fedjax_split.pretrain", DESCRIPTION)
 

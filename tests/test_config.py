@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from fedjax_split import train
 from fedjax_split.errors import UserError
 from fedjax_split.run.config import (
     ExperimentConfig,
@@ -79,12 +80,15 @@ def test_file_then_flags_later_wins(tmp_path: Path) -> None:
         ({"layer_schedule": "fedbfpt"}, "unknown layer_schedule"),
         ({"server_tau": 0.1}, "--server-tau is for the adaptive servers"),
         ({"algorithm": "fedadam", "server_tau": -1.0}, "--server-tau must be a number > 0"),
-        ({"cycle_factor": 3}, "--cycle-factor needs --layer-schedule fedbt"),
+        ({"cycle_factor": 3}, "--cycle-factor 3 needs --layer-schedule fedbt"),
         ({"layer_schedule": "fedbt", "cycle_factor": 0}, "--cycle-factor must be at least 1"),
-        ({"layer_schedule": "fedbt", "lora_rank": 4}, "trains whole layers; drop --lora-rank"),
+        (
+            {"layer_schedule": "fedbt", "lora_rank": 4},
+            "trains whole layers, not LoRA adapters (--lora-rank 4): drop --lora-rank",
+        ),
         ({"client_optimizer": "lamb"}, "unknown client_optimizer"),
         ({"lr_schedule": "cosine"}, "unknown lr_schedule"),
-        ({"warmup_ratio": 0.06}, "--warmup-ratio needs --lr-schedule linear"),
+        ({"warmup_ratio": 0.06}, "--warmup-ratio 0.06 needs --lr-schedule linear"),
         ({"lr_schedule": "linear", "warmup_ratio": 1.0}, "--warmup-ratio must be in [0, 1)"),
         ({"client_clip_norm": 0.0}, "--client-clip-norm must be a number > 0"),
     ],
@@ -274,15 +278,15 @@ def test_site_data_makes_the_sites_the_clients_and_refuses_pool_settings(tmp_pat
     assert "site_data" not in trajectory_mismatch({"site_data": listed}, real)
     bad = [
         ({"clients": 3}, "--clients 3 but --site-data names 4 sites"),
-        ({"partition": "iid"}, "--partition with --site-data"),
-        ({"alpha": 0.1}, "--alpha with --site-data"),
-        ({"paper_fill": "sequential"}, "--paper-fill with --site-data"),
-        ({"max_examples": 10}, "--max-examples with --site-data"),
-        ({"data_dir": str(tmp_path)}, "--data-dir with --site-data"),
+        ({"partition": "iid"}, "--partition iid with --site-data"),
+        ({"alpha": 0.1}, "--alpha 0.1 with --site-data"),
+        ({"paper_fill": "sequential"}, "--paper-fill sequential with --site-data"),
+        ({"max_examples": 10}, "--max-examples 10 with --site-data"),
+        ({"data_dir": str(tmp_path)}, f"--data-dir {tmp_path} with --site-data"),
         ({"site_data": f"{dirs[0]},,{dirs[1]}"}, "has an empty entry"),
         ({"site_data": f"{dirs[0]},{tmp_path / 'nope'}"}, "site 1's directory"),
         ({"site_data": f"{dirs[0]},{dirs[1]}/../s0"}, "twice (sites 0 and 1)"),
-        ({"site_data": NODE_SITES, "beta": 2.0}, "--beta with --site-data"),
+        ({"site_data": NODE_SITES, "beta": 2.0}, "--beta 2 with --site-data"),
     ]
     for change, needle in bad:
         with pytest.raises(UserError) as err:
@@ -298,7 +302,7 @@ def test_fedbt_shares_the_whole_model_and_names_its_run_dir() -> None:
     for c in (None, 6):
         assert validate_critical_layer(resolve_config(overrides={**fedbt, "critical_layer": c}),
                                        6) == 6  # fmt: skip
-    with pytest.raises(UserError, match="drop --critical-layer 3 .*c = L = 6"):
+    with pytest.raises(UserError, match=r"L = 6\), but --critical-layer 3 keeps .*; drop --crit"):
         validate_critical_layer(resolve_config(overrides={**fedbt, "critical_layer": 3}), 6)
     assert resolve_config(overrides=fedbt).critical_layer is None  # 'half' is L: resumes agree
     assert resolve_config(overrides=fedbt).run_dir.name == "sst2_fedavg_fedbt_K3_s0"
@@ -392,3 +396,64 @@ def test_train_and_flower_refuse_a_trimmed_mean_that_trims_nobody_alike() -> Non
     with pytest.raises(UserError) as err:
         resolve_config(overrides=protocol.experiment_values(run_config))
     assert str(err.value).startswith(want)
+
+
+def _error(argv: list[str], num_layers: int | None = None) -> str:
+    """The one-line error that `train`'s flags `argv` stop with (with `num_layers`: at the check
+    against the model's depth, as the run makes it)."""
+    with pytest.raises(UserError) as err:
+        config = train.config_from_args(argv)
+        if num_layers is not None:
+            validate_critical_layer(config, num_layers)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_an_error_says_whether_a_value_came_from_a_flag_the_file_or_the_default(
+    tmp_path: Path,
+) -> None:
+    cfg = tmp_path / "c.py"
+    cfg.write_text("def get_config():\n    return {'clients': 0}\n")
+    assert _error(["--clients", "0"]) == "--clients must be at least 1, got 0"  # typed: no more
+    assert _error(["--config", str(cfg)]) == f"--clients must be at least 1, got 0 (from {cfg})"
+    assert train.config_from_args(["--config", str(cfg), "--clients", "2"]).clients == 2
+    many = _error(["--clients-per-round", "5"])
+    assert many.endswith("got 5; --clients 3 (the default) sets the clients"), many
+    # FILE.py:ARG is named as given
+    cfg.write_text("def get_config(k):\n    return {'clients': int(k)}\n")
+    assert _error(["--config", f"{cfg}:0"]).endswith(f"got 0 (from {cfg}:0)")
+
+
+def test_fedbt_after_a_file_that_sets_the_critical_layer_names_the_file_and_the_fix() -> None:
+    """The offline preset sets critical_layer 3; with --layer-schedule fedbt the user never typed
+    --critical-layer, so "drop --critical-layer" cannot help: --critical-layer L does."""
+    preset = str(CONFIGS / "offline_rotten_tomatoes.py")
+    err = _error(["--config", preset, "--layer-schedule", "fedbt"], num_layers=6)
+    assert f"--critical-layer 3 (from {preset})" in err
+    assert "pass --critical-layer L" in err and "drop --critical-layer" not in err
+    fixed = train.config_from_args(["--config", preset, "--layer-schedule", "fedbt",
+                                    "--critical-layer", "L"])  # fmt: skip
+    assert validate_critical_layer(fixed, 6) == 6
+    typed = _error(["--critical-layer", "3", "--layer-schedule", "fedbt"], num_layers=6)
+    assert "--critical-layer 3 keeps" in typed and typed.endswith("drop --critical-layer "
+                                                                  "(docs/fedbt.md)")  # fmt: skip
+
+
+def test_a_files_value_that_must_go_is_overridden_by_a_flag_that_works(tmp_path: Path) -> None:
+    cfg = tmp_path / "lora.json"
+    cfg.write_text(json.dumps({"lora_rank": 4, "lora_alpha": 8.0}))
+    err = _error(["--config", str(cfg), "--layer-schedule", "fedbt"])
+    assert f"(--lora-rank 4 (from {cfg})): pass --lora-rank none (or remove lora_rank " in err
+    # the fix it names works (and then lora_alpha, from the file too, is named the same way)
+    err = _error(["--config", str(cfg), "--layer-schedule", "fedbt", "--lora-rank", "none"])
+    assert err.startswith(f"--lora-alpha 8 (from {cfg}) needs --lora-rank R"), err
+
+
+def test_where_values_came_from_is_not_a_setting() -> None:
+    """`origins` is for messages: config.json and the Flower run config do not hold it, and two
+    configs of the same values are equal wherever the values came from."""
+    by_flag = train.config_from_args(["--clients", "2"])
+    assert by_flag.origins["clients"] == "flag" and by_flag.origins["rounds"] == "default"
+    assert "origins" not in by_flag.to_dict() and "origins" not in saved_dict(by_flag)
+    assert by_flag == resolve_config({"clients": 2}) == ExperimentConfig(clients=2)
+    assert "--origins" not in train.build_parser().format_help()

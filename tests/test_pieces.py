@@ -172,7 +172,7 @@ def test_a_token_tasks_vocabulary_comes_from_the_task_or_the_config_never_the_si
         types("ner", site_data=NODE_SITES)
     with pytest.raises(UserError, match="task wnut16 has its own types company,facility"):
         types("wnut16", entity_types="PER")
-    with pytest.raises(UserError, match="--entity-types with task sst2: only a token task"):
+    with pytest.raises(UserError, match="--entity-types PER with task sst2: only a token task"):
         types("sst2", entity_types="PER")
 
 

@@ -246,8 +246,8 @@ BAD = [
     ({"config": f"{ROOT}/configs/table3.py"}, "takes an argument (task)"),
     ({"config": f"{ROOT}/configs/table6_communication.py:mrpc"}, "takes no argument"),
     # the server's safeguards: settings that go together (run.config.validate_aggregation)
-    ({"dp_clip": 1.0}, "--dp-clip needs --dp-noise-multiplier"),
-    ({"dp_max_epsilon": 3.0}, "--dp-max-epsilon needs --dp-noise-multiplier"),
+    ({"dp_clip": 1.0}, "--dp-clip 1 needs --dp-noise-multiplier"),
+    ({"dp_max_epsilon": 3.0}, "--dp-max-epsilon 3 needs --dp-noise-multiplier"),
     ({"dp_noise_multiplier": 1.0}, "--dp-noise-multiplier needs --dp-clip"),
     ({"dp_noise_multiplier": 1.0, "dp_clip": 1.0, "aggregator": "median"},
      "--aggregator median with DP"),
@@ -262,15 +262,16 @@ BAD = [
     ({"dp_noise_multiplier": 0.5, "dp_clip": 1.0, "dp_clip_quantile": 1.5},
      "--dp-clip-quantile must be in (0, 1)"),
     # LoRA (models.lora): the rank first, then the others
-    ({"lora_alpha": 4.0}, "--lora-alpha needs --lora-rank"),
-    ({"lora_targets": "key"}, "--lora-targets needs --lora-rank"),
+    ({"lora_alpha": 4.0}, "--lora-alpha 4 needs --lora-rank"),
+    ({"lora_targets": "key"}, "--lora-targets key needs --lora-rank"),
     ({"lora_rank": 0}, "--lora-rank must be an integer >= 1"),
     ({"model_layers": 3}, "--model-layers 3 is outside 1..2"),
     ({"model_layers": 0}, "--model-layers must be at least 1"),
     # FedBT's schedule: a cycle inside the model, one shared model
     ({"layer_schedule": "fedbt", "critical_layer": "L", "cycle_factor": 3},
      "--cycle-factor 3 is outside 1..2"),
-    ({"layer_schedule": "fedbt"}, "drop --critical-layer 1 (FedBT shares every layer: c = L = 2)"),
+    ({"layer_schedule": "fedbt"},
+     "(c = L = 2), but --critical-layer 1 keeps the layers above 1 personal; drop --critical"),
     ({"num_processes": 0}, "--num-processes must be at least 1"),
     ({"num_processes": 2, "process_id": 2}, "--process-id must be in 0..1"),
     ({"num_processes": 2, "process_id": 0, "chunk_size": 4}, "several processes train one"),
@@ -284,12 +285,13 @@ BAD = [
     ({"data_dir": None, "site_data": "/nonexistent/a,/nonexistent/b,/nonexistent/c"},
      "--site-data: site 0's directory '/nonexistent/a' does not exist"),
     ({"data_dir": None, "site_data": f"{ROOT},{ROOT}/docs"},
-     "--clients 3 but --site-data names 2 sites; leave --clients out"),
-    ({"site_data": THREE_DIRS}, "--data-dir with --site-data"),
+     "--clients 3 but --site-data names 2 sites; drop --clients"),
+    ({"site_data": THREE_DIRS}, "with --site-data: each client's data are its own site's files, "
+     "not drawn from a pool; drop --data-dir"),
     ({"data_dir": None, "site_data": THREE_DIRS, "partition": "dirichlet"},
-     "--partition with --site-data"),
+     "--partition dirichlet with --site-data"),
     ({"data_dir": None, "site_data": THREE_DIRS, "max_examples": 20},
-     "--max-examples with --site-data"),
+     "--max-examples 20 with --site-data"),
 ]  # fmt: skip
 
 
@@ -514,6 +516,27 @@ def test_config_file_with_flag_override(env: dict, tmp_path: Path) -> None:
     cfg.write_text('def get_config():\n    return {"task": "sst2", "rounds": 9, "seed": 5}\n')
     config = train.config_from_args(["--config", str(cfg), "--rounds", "2"])
     assert (config.rounds, config.seed, config.task) == (2, 5, "sst2")
+
+
+def test_an_error_names_the_config_file_a_value_came_from_and_a_fix_that_works(
+    env: dict, tmp_path: Path
+) -> None:
+    """The command with a config file that sets the critical layer, and --layer-schedule fedbt:
+    the user typed no --critical-layer, so the error says the value is the file's and passes
+    the flag that overrides it; a flag's own error names the flag alone."""
+    out = env["base"] / "never_from_file"
+    cfg = tmp_path / "tiny_split.py"
+    values = {"task": "sst2", "model": str(env["model"]), "data_dir": str(env["data"]),
+              "output_dir": str(out), "critical_layer": 1, "max_length": 16}  # fmt: skip
+    cfg.write_text(f"def get_config():\n    return {values!r}\n")
+    res = _cli(env, ["--config", str(cfg), "--layer-schedule", "fedbt"])
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.startswith("error: --layer-schedule fedbt trains one shared model")
+    assert f"--critical-layer 1 (from {cfg}) keeps the layers above 1 personal" in res.stderr
+    assert f"pass --critical-layer L (or remove critical_layer from {cfg})" in res.stderr
+    res = _cli(env, ["--config", str(cfg), "--clients", "0"])
+    assert res.returncode == 2 and res.stderr == "error: --clients must be at least 1, got 0\n"
+    assert not out.exists()
 
 
 def test_resume_without_any_checkpoint_is_refused(

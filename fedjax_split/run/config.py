@@ -17,7 +17,23 @@ from typing import Any
 
 from fedjax_split.errors import UserError
 from fedjax_split.fed.algorithms import ALGORITHMS, check_tau
-from fedjax_split.run.settings import Schema, load_config_file, optional_int
+from fedjax_split.run.settings import (
+    DEPLOYMENT,
+    FEDERATION,
+    MODEL,
+    OUTPUTS,
+    PERFORMANCE,
+    PRIVACY,
+    TASK,
+    Schema,
+    Settings,
+    as_given,
+    drop,
+    flag_name,
+    load_config_file,
+    optional_int,
+    origin,
+)
 from fedjax_split.run.settings import setting as _setting
 
 __all__ = [
@@ -51,7 +67,8 @@ def _server_lr_help() -> str:
 def _server_tau_help() -> str:
     return (
         "The adaptive servers' tau (the step is lr m / (sqrt(v) + tau)); unset: the algorithm's "
-        "default (" + ", ".join(f"{a.name} {a.tau:g}" for a in ALGORITHMS.values() if a.adaptive)
+        "default ("
+        + ", ".join(f"{a.name} {a.tau:g}" for a in ALGORITHMS.values() if a.adaptive)
         + "; docs/fedopt_tuning.md)."
     )
 
@@ -86,7 +103,7 @@ def critical_layer_value(text: str) -> int | str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class ExperimentConfig:
+class ExperimentConfig(Settings):
     """Everything that defines a run. Defaults are the paper's setting (FedSplitBERT, Table III).
 
     Paper choices (MISSION.md section 1): bert-base-uncased, K=3 clients all taking part, Table I
@@ -97,22 +114,26 @@ class ExperimentConfig:
     rounds to reach 84% on MRPC; Table V uses 3 to 9).
     """
 
-    task: str = _setting("sst2", _task_help)
+    task: str = _setting("sst2", _task_help, group=TASK, metavar="TASK")
     model: str = _setting(
         "bert-base-uncased",
         "Hugging Face model id, local HF-format directory, or the offline alias 'minilm-l6'.",
+        group=MODEL,
+        metavar="MODEL",
     )
     model_layers: int | None = _setting(
         None,
-        "Keep only the first K encoder layers of the pretrained model (a truncated model: the "
+        "Keep only the first LAYERS encoder layers of the pretrained model (a truncated model: the "
         "shallow baselines of FedBT's Table 3, as DistilBERT or TinyBERT's depth); unset: all.",
-        metavar="K",
+        metavar="LAYERS",
+        group=MODEL,
     )
     data_dir: str | None = _setting(
         None,
         "Directory with the task's local files (GLUE TSV/parquet, CoNLL for ner); unset: the hub "
         "or the offline asset.",
         metavar="DIR",
+        group=TASK,
     )
     site_data: str | None = _setting(
         None,
@@ -125,6 +146,7 @@ class ExperimentConfig:
         "fedjax_split.flower) SuperNode k reads DIR_k alone; `node-config`: each SuperNode reads "
         "the data-dir of its own node config (real sites with --write-app, docs/deployment.md).",
         metavar="DIRS",
+        group=TASK,
     )
     entity_types: str | None = _setting(
         None,
@@ -133,11 +155,13 @@ class ExperimentConfig:
         "(no site's tags decide the vocabulary); the offline corpora (wnut16, nero) have their "
         "own; unset for a `ner` pool: the pool's own tags.",
         metavar="TYPES",
+        group=TASK,
     )
     algorithm: str = _setting(
         "fedavg",
         "Server algorithm; FedSplitBERT is any algorithm with --critical-layer < L.",
         choices=tuple(ALGORITHMS),
+        group=MODEL,
     )
     critical_layer: int | str | None = _setting(
         HALF,
@@ -146,6 +170,7 @@ class ExperimentConfig:
         "global (plain FedAvg), 0 = no sharing.",
         metavar="C",
         parse=critical_layer_value,
+        group=MODEL,
     )
     layer_schedule: str = _setting(
         "none",
@@ -155,12 +180,14 @@ class ExperimentConfig:
         "those are uploaded; the embeddings and the layers below the cycle stay frozen). "
         "docs/fedbt.md.",
         choices=LAYER_SCHEDULES,
+        group=MODEL,
     )
     cycle_factor: int | None = _setting(
         None,
         "--layer-schedule fedbt: the cycle's length c, so the top c layers take turns "
         "(unset: L // 2, at least 1: the journal's 6 of 12).",
         metavar="C",
+        group=MODEL,
     )
     freeze: str | None = _setting(
         None,
@@ -168,6 +195,7 @@ class ExperimentConfig:
         "trained nor sent, whatever --critical-layer says; e.g. 'embeddings\\.' or "
         "'embeddings\\.|encoder\\.layer\\.[0-2]\\.'.",
         metavar="REGEX",
+        group=MODEL,
     )
     lora_rank: int | None = _setting(
         None,
@@ -175,9 +203,13 @@ class ExperimentConfig:
         "frozen and only the adapters and the head train; adapters below the critical layer are "
         "shared, those above and the head personal (docs/lora.md). Unset: no LoRA.",
         metavar="R",
+        group=MODEL,
     )
     lora_alpha: float | None = _setting(
-        None, "LoRA: the scale's numerator, updates scaled by alpha / r (unset: 2r).", metavar="A"
+        None,
+        "LoRA: the scale's numerator, updates scaled by alpha / r (unset: 2r).",
+        metavar="A",
+        group=MODEL,
     )
     lora_targets: str = _setting(
         "query|value",
@@ -185,17 +217,24 @@ class ExperimentConfig:
         "'bert.encoder.layer.0.attention.self.query'; the default is PEFT's for BERT, the "
         "attention's query and value ('query|key|value|dense' takes every dense layer).",
         metavar="REGEX",
+        group=MODEL,
     )
-    lora_dropout: float = _setting(0.0, "LoRA: dropout on the adapters' input (PEFT's default 0).")
-    clients: int = _setting(3, "Number of clients K.")
+    lora_dropout: float = _setting(
+        0.0, "LoRA: dropout on the adapters' input (PEFT's default 0).", group=MODEL, metavar="P"
+    )
+    clients: int = _setting(3, "Number of clients K.", group=FEDERATION, metavar="K")
     clients_per_round: int | None = _setting(
-        None, "Clients sampled each round; 'all' = every client (the paper).", metavar="M"
+        None,
+        "Clients sampled each round; 'all' = every client (the paper).",
+        metavar="M",
+        group=FEDERATION,
     )
     partition: str = _setting(
         "paper",
         "How examples are split over clients: the paper's label shares, Dirichlet label skew, "
         "Dirichlet quantity skew, or IID.",
         choices=PARTITIONS,
+        group=TASK,
     )
     paper_fill: str = _setting(
         "exact",
@@ -204,83 +243,132 @@ class ExperimentConfig:
         "'sequential' gives each |D|/K examples filled in client order, so on skewed pools the "
         "last clients miss their shares.",
         choices=PAPER_FILLS,
+        group=TASK,
     )
     alpha: float = _setting(
-        1.0, "Dirichlet concentration for --partition dirichlet (small = more skewed)."
+        1.0,
+        "Dirichlet concentration for --partition dirichlet (small = more skewed).",
+        group=TASK,
+        metavar="ALPHA",
     )
-    beta: float = _setting(1.0, "Dirichlet concentration of client sizes for --partition quantity.")
-    rounds: int = _setting(10, "Number of federated rounds.")
-    local_epochs: int = _setting(3, "Epochs each client trains on its data per round.")
-    batch_size: int = _setting(16, "Client mini-batch size.")
-    lr: float = _setting(2e-5, "Client learning rate (AdamW's; SGD's with --client-optimizer sgd).")
+    beta: float = _setting(
+        1.0,
+        "Dirichlet concentration of client sizes for --partition quantity.",
+        group=TASK,
+        metavar="BETA",
+    )
+    rounds: int = _setting(10, "Number of federated rounds.", group=FEDERATION, metavar="N")
+    local_epochs: int = _setting(
+        3, "Epochs each client trains on its data per round.", group=FEDERATION, metavar="E"
+    )
+    batch_size: int = _setting(16, "Client mini-batch size.", group=MODEL, metavar="B")
+    lr: float = _setting(
+        2e-5,
+        "Client learning rate (AdamW's; SGD's with --client-optimizer sgd).",
+        group=MODEL,
+        metavar="LR",
+    )
     client_optimizer: str = _setting(
         "adamw",
         "Client optimiser: AdamW (weight decay 0.01 on matrices) or plain SGD (FedNLP's FedAvg "
         "and FedProx clients). Fresh each round.",
         choices=CLIENT_OPTIMIZERS,
+        group=MODEL,
     )
     lr_schedule: str = _setting(
         "constant",
         "Client learning rate over each round: constant, or linear (transformers' "
         "get_linear_schedule_with_warmup over the client's own steps in the round, FedNLP's).",
         choices=LR_SCHEDULES,
+        group=MODEL,
     )
     warmup_ratio: float = _setting(
-        0.0, "--lr-schedule linear: the share of a client's steps in a round spent warming up "
+        0.0,
+        "--lr-schedule linear: the share of a client's steps in a round spent warming up "
         "(FedNLP's 0.06).",
+        group=MODEL,
+        metavar="FRACTION",
     )
     client_clip_norm: float | None = _setting(
         None,
         "Clip each client step's gradient to this global L2 norm (FedNLP's 1.0); not client-level "
         "DP's clipping (--dp-clip), which clips a round's update.",
         metavar="C",
+        group=MODEL,
     )
-    mu: float = _setting(0.01, "FedProx proximal weight (used only with --algorithm fedprox).")
+    mu: float = _setting(
+        0.01,
+        "FedProx proximal weight (used only with --algorithm fedprox).",
+        group=MODEL,
+        metavar="MU",
+    )
     quantize: str = _setting(
         "none",
         "Wire dtype of the global weights in both directions (the paper's +16-bit).",
         choices=QUANTIZE,
+        group=FEDERATION,
     )
-    max_length: int = _setting(128, "Tokens per input after truncation.")
+    max_length: int = _setting(
+        128, "Tokens per input after truncation.", group=TASK, metavar="TOKENS"
+    )
     max_examples: int | None = _setting(
         None,
         "Subsample the task to this many examples before partitioning (quick runs).",
         metavar="N",
+        group=TASK,
     )
     seed: int = _setting(
-        0, "The one seed of the run (data subsample, partition, init, batches, dropout)."
+        0,
+        "The one seed of the run (data subsample, partition, init, batches, dropout).",
+        group=TASK,
+        metavar="SEED",
     )
     output_dir: str | None = _setting(
         None,
         "Run directory for metrics.jsonl, summary.json, config.json, partition.json and "
         "checkpoints/ (unset: runs/<task>_<algorithm>_c<c>_K<K>_s<seed>).",
         metavar="DIR",
+        group=OUTPUTS,
     )
-    resume: bool = _setting(False, "Continue the run in --output-dir from its latest checkpoint.")
+    resume: bool = _setting(
+        False, "Continue the run in --output-dir from its latest checkpoint.", group=OUTPUTS
+    )
     config: str | None = _setting(
         None,
         "Python (get_config() -> dict; FILE.py:ARG calls get_config(ARG)) or JSON config "
         "file; flags given override it.",
         metavar="FILE",
     )
-    server_lr: float | None = _setting(None, _server_lr_help)
-    server_tau: float | None = _setting(None, _server_tau_help)
+    server_lr: float | None = _setting(None, _server_lr_help, group=MODEL, metavar="LR")
+    server_tau: float | None = _setting(None, _server_tau_help, group=MODEL, metavar="TAU")
     eval_every: int = _setting(
-        1, "Evaluate the personalised models every N rounds (and after the last)."
+        1,
+        "Evaluate the personalised models every N rounds (and after the last).",
+        group=OUTPUTS,
+        metavar="N",
     )
     checkpoint_every: int = _setting(
-        1, "Save a checkpoint every N rounds (and after the last); 0 = never."
+        1,
+        "Save a checkpoint every N rounds (and after the last); 0 = never.",
+        group=OUTPUTS,
+        metavar="N",
     )
     keep_checkpoints: int = _setting(
         2,
         "How many of the latest checkpoints stay on disk, with the client-store versions they "
         "need (at least 1); --resume and export read the latest.",
         metavar="N",
+        group=OUTPUTS,
     )
     chunk_size: int | None = _setting(
         None,
-        "Train at most this many clients at once (bounds memory); default: one at a time on a "
-        "CPU, all at once on an accelerator.",
+        "Clients trained at once, which picks how a round runs. 1: one at a time, each with its "
+        "own programs, as a Flower client trains (a CPU's default; --cpu-devices deals them "
+        "over devices). N > 1: the accelerator path: the clients' steps stacked and N clients "
+        "vmapped at once on one device (N at least the round's clients: all at once, an "
+        "accelerator's default); memory grows with N.",
+        group=PERFORMANCE,
+        metavar="N",
     )
     cpu_devices: int | None = _setting(
         None,
@@ -289,9 +377,13 @@ class ExperimentConfig:
         "busier, but every program compiles once per device, so it pays in long runs with many "
         "clients (docs/benchmarks.md measures it). Results do not depend on it.",
         metavar="N",
+        group=PERFORMANCE,
     )
     dtype: str = _setting(
-        "float32", "Compute dtype of the model (parameters stay float32).", choices=DTYPES
+        "float32",
+        "Compute dtype of the model (parameters stay float32).",
+        choices=DTYPES,
+        group=PERFORMANCE,
     )
     coordinator: str | None = _setting(
         None,
@@ -299,6 +391,7 @@ class ExperimentConfig:
         "process 0, the same for every process (unset: JAX_COORDINATOR_ADDRESS, if set). Every "
         "process needs --output-dir on a filesystem they all see (docs/scaling.md).",
         metavar="HOST:PORT",
+        group=DEPLOYMENT,
     )
     num_processes: int | None = _setting(
         None,
@@ -307,27 +400,34 @@ class ExperimentConfig:
         "process, one at a time on each, and the results equal one process's that trains them "
         "one at a time (a CPU's default) bit for bit.",
         metavar="N",
+        group=DEPLOYMENT,
     )
     process_id: int | None = _setting(
-        None, "This process's index, 0..N-1 (0 writes the run directory).", metavar="I"
+        None,
+        "This process's index, 0..N-1 (0 writes the run directory).",
+        metavar="I",
+        group=DEPLOYMENT,
     )
     packing: bool = _setting(
         True,
         "Pack each batch's examples end to end into one token stream instead of padding each to "
         "the longest: no padding is computed whatever the mix of lengths (docs/benchmarks.md). "
         "--no-packing pads each batch to its longest example.",
+        group=PERFORMANCE,
     )
     bucketing: bool = _setting(
         False,
         "Sort examples by length inside windows of 200 batches before cutting batches (less "
         "padding without packing), instead of Algorithm 1's plain random mini-batches; batches "
-        "then repeat their membership across epochs (see data/batching.py).",
+        "then repeat their membership across epochs.",
+        group=PERFORMANCE,
     )
     attention: str = _setting(
         "xla",
         "Attention kernel: xla (default, anywhere) or cudnn (jax's fused cuDNN attention; GPU "
         "with --dtype bfloat16; evaluation only, training keeps xla's).",
         choices=ATTENTIONS,
+        group=PERFORMANCE,
     )
     aggregator: str = _setting(
         "mean",
@@ -335,15 +435,18 @@ class ExperimentConfig:
         "coordinate-wise trimmed-mean or median over the clients (unweighted; robust to a few "
         "bad clients).",
         choices=AGGREGATORS,
+        group=PRIVACY,
     )
     trim_fraction: float = _setting(
         0.1,
         "--aggregator trimmed-mean: the fraction of clients cut at each end, per coordinate: "
         "floor(fraction x M) of M clients a round, which must be at least 1 (0.1 needs 10).",
+        group=PRIVACY,
+        metavar="FRACTION",
     )
     max_update_norm: float | None = _setting(
         None, "Clip each client's update of the global part to this L2 norm (no noise).",
-        metavar="NORM",
+        metavar="NORM", group=PRIVACY,
     )  # fmt: skip
     dp_noise_multiplier: float | None = _setting(
         None,
@@ -351,45 +454,62 @@ class ExperimentConfig:
         "sum of the clients' clipped updates of the global part, then a uniform mean (the local "
         "part gets none: it never leaves a client). docs/privacy.md.",
         metavar="Z",
+        group=PRIVACY,
     )
     dp_clip: float | None = _setting(
         None, "DP: each client's update of the global part is clipped to this L2 norm.",
-        metavar="C",
+        metavar="C", group=PRIVACY,
     )  # fmt: skip
     dp_clip_quantile: float | None = _setting(
         None,
         "DP: adaptive clipping (Andrew et al. 2021): the clip norm follows this quantile of the "
         "clients' update norms, starting at --dp-clip.",
         metavar="Q",
+        group=PRIVACY,
     )
-    dp_delta: float = _setting(1e-5, "DP: the delta of the (epsilon, delta) reported.")
+    dp_delta: float = _setting(
+        1e-5, "DP: the delta of the (epsilon, delta) reported.", group=PRIVACY, metavar="DELTA"
+    )
     dp_accountant: str = _setting(
-        "rdp", "DP: the accountant (Google's dp_accounting): rdp or pld.", choices=ACCOUNTANTS
+        "rdp",
+        "DP: the accountant (Google's dp_accounting): rdp or pld.",
+        choices=ACCOUNTANTS,
+        group=PRIVACY,
     )
     dp_max_epsilon: float | None = _setting(
         None, "DP: stop before the round that would take epsilon past this budget.",
-        metavar="EPS",
+        metavar="EPS", group=PRIVACY,
     )  # fmt: skip
     dp_insecure_reproducible_noise: bool = _setting(
         False,
         "DP: draw the server's noise and client sample from --seed, not from a secret, so that "
         "a run can be repeated noise for noise (tests, studies). Anyone who knows the seed can "
         "then remove the noise: no privacy guarantee holds, and the run says so.",
+        group=PRIVACY,
     )
     dp_publish_clients: bool = _setting(
         False,
         "DP: write each client's figures (sampled clients, update norms, losses, metrics) to "
         "metrics.jsonl and summary.json as without DP; the guarantee does not cover them. By "
         "default they go to the server-private private/clients.jsonl only.",
+        group=PRIVACY,
     )
     attack: str = _setting(
         "none",
         "A study's attack (simulation only): --attack-fraction of the clients upload their "
         "update scaled by --attack-scale, or sign-flipped.",
         choices=ATTACKS,
+        group=PRIVACY,
     )
-    attack_fraction: float = _setting(0.1, "--attack: the fraction of clients that attack.")
-    attack_scale: float = _setting(100.0, "--attack scale: the factor on the attackers' updates.")
+    attack_fraction: float = _setting(
+        0.1, "--attack: the fraction of clients that attack.", group=PRIVACY, metavar="FRACTION"
+    )
+    attack_scale: float = _setting(
+        100.0,
+        "--attack scale: the factor on the attackers' updates.",
+        group=PRIVACY,
+        metavar="FACTOR",
+    )
 
     @property
     def dp(self) -> bool:
@@ -428,9 +548,6 @@ class ExperimentConfig:
             how += f"_l{self.model_layers}"
         method = f"{self.algorithm}_{how}"
         return Path("runs") / f"{self.task}_{method}_K{self.clients}_s{self.seed}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 # Fields that do not change the trajectory of a run; everything else must match on --resume.
@@ -509,9 +626,8 @@ def refuse_with_sites(
     {what}", "drop --site-data to {instead}"."""
     given = [n for n in names if getattr(config, n) != fields[n].default]
     if given:
-        flag = "--" + given[0].replace("_", "-")
-        raise UserError(f"{flag} with --site-data: each client's {what}; leave {flag} out (or "
-                        f"drop --site-data to {instead})")  # fmt: skip
+        raise UserError(f"{as_given(config, given[0])} with --site-data: each client's {what}; "
+                        f"{drop(config, given[0])} (or drop --site-data to {instead})")  # fmt: skip
 
 
 def check_site_dirs(config: Any) -> None:
@@ -528,8 +644,9 @@ def check_site_dirs(config: Any) -> None:
     dirs = site_dirs(config)
     if config.clients != len(dirs):
         raise UserError(
-            f"--clients {config.clients} but --site-data names {len(dirs)} sites; leave "
-            "--clients out (each site is one client)"
+            f"{as_given(config, 'clients')} but --site-data names {len(dirs)} sites; "
+            f"{drop(config, 'clients', unset=f'--clients {len(dirs)}')} (each site is one "
+            "client)"
         )
     seen: dict[Path, int] = {}
     for k, d in enumerate(dirs):
@@ -563,53 +680,53 @@ def validate(config: ExperimentConfig) -> None:
     """Checks that need no data or model; `validate_critical_layer` needs the model's depth."""
     SCHEMA.check_choices(config)
     if config.clients < 1:
-        raise UserError(f"--clients must be at least 1, got {config.clients}")
+        raise UserError(f"--clients must be at least 1, got {_got(config, 'clients')}")
     if config.clients_per_round is not None and not 1 <= config.clients_per_round <= config.clients:
         raise UserError(
-            f"--clients-per-round must be in 1..{config.clients} (--clients), "
-            f"got {config.clients_per_round}"
+            f"--clients-per-round must be in 1..{config.clients}, got "
+            f"{_got(config, 'clients_per_round')}; {as_given(config, 'clients')} sets the clients"
         )
     positive_ints = ("rounds", "local_epochs", "batch_size", "max_length", "eval_every",
                      "keep_checkpoints")  # fmt: skip
     for name in positive_ints:
         if getattr(config, name) < 1:
-            flag = "--" + name.replace("_", "-")
-            raise UserError(f"{flag} must be at least 1, got {getattr(config, name)}")
+            raise UserError(f"{flag_name(name)} must be at least 1, got {_got(config, name)}")
     for name in ("max_examples", "chunk_size", "cpu_devices", "model_layers"):
         value = getattr(config, name)
         if value is not None and value < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+            raise UserError(f"{flag_name(name)} must be at least 1, got {_got(config, name)}")
     if config.checkpoint_every < 0:
         raise UserError(
-            f"--checkpoint-every must be >= 0 (0 = never), got {config.checkpoint_every}"
+            f"--checkpoint-every must be >= 0 (0 = never), got {_got(config, 'checkpoint_every')}"
         )
     for name in ("lr", "alpha", "beta"):
         value = getattr(config, name)
         if not (math.isfinite(value) and value > 0):
-            raise UserError(f"--{name} must be a positive number, got {value}")
+            raise UserError(f"--{name} must be a positive number, got {_got(config, name)}")
     if config.server_lr is not None and not (
         math.isfinite(config.server_lr) and config.server_lr > 0
     ):
-        raise UserError(f"--server-lr must be a positive number, got {config.server_lr}")
+        raise UserError(f"--server-lr must be a positive number, got {_got(config, 'server_lr')}")
     _positive(config, "server_tau")
     check_tau(config.algorithm, config.server_tau)
     if not (math.isfinite(config.mu) and config.mu >= 0):
-        raise UserError(f"--mu must be >= 0, got {config.mu}")
+        raise UserError(f"--mu must be >= 0, got {_got(config, 'mu')}")
     if isinstance(config.critical_layer, str) and config.critical_layer != HALF:
         raise UserError(
-            f"--critical-layer must be an integer, 'half' or 'L', got {config.critical_layer!r}"
+            f"--critical-layer must be an integer, 'half' or 'L', got "
+            f"{config.critical_layer!r}{origin(config, 'critical_layer')}"
         )
     if isinstance(config.critical_layer, int) and config.critical_layer < 0:
         raise UserError(
             f"--critical-layer must be in 0..L (L = the model's layers), got "
-            f"{config.critical_layer}"
+            f"{_got(config, 'critical_layer')}"
         )
     if config.freeze is not None:
         try:
             re.compile(config.freeze)
         except re.error as e:
             raise UserError(
-                f"--freeze {config.freeze!r} is not a valid regex ({e}); pass a Python regex "
+                f"{as_given(config, 'freeze')} is not a valid regex ({e}); pass a Python regex "
                 r"over Hugging Face tensor names, e.g. 'embeddings\.'"
             ) from None
     validate_lora(config)
@@ -617,17 +734,23 @@ def validate(config: ExperimentConfig) -> None:
     validate_client_optimizer(config)
     validate_processes(config)
     if config.data_dir is not None and not Path(config.data_dir).is_dir():
-        raise UserError(f"data dir {config.data_dir!r} does not exist; pass an existing --data-dir")
+        raise UserError(f"data dir {config.data_dir!r}{origin(config, 'data_dir')} does not exist; "
+                        "pass an existing --data-dir")  # fmt: skip
     validate_sites(config)
     entity_type_list(config)
     validate_aggregation(config)
+
+
+def _got(config: Any, name: str) -> str:
+    """A setting's value in an error, with where it came from: "0 (from configs/x.py)"."""
+    return f"{getattr(config, name)}{origin(config, name)}"
 
 
 def _positive(config: ExperimentConfig, name: str, zero_ok: bool = False) -> None:
     value = getattr(config, name)
     if value is not None and not (math.isfinite(value) and (value > 0 or zero_ok and value == 0)):
         bound = ">= 0" if zero_ok else "> 0"
-        raise UserError(f"--{name.replace('_', '-')} must be a number {bound}, got {value}")
+        raise UserError(f"{flag_name(name)} must be a number {bound}, got {_got(config, name)}")
 
 
 def lora_settings(config: ExperimentConfig) -> Any:
@@ -644,13 +767,11 @@ def validate_lora(config: ExperimentConfig) -> None:
     """The LoRA flags: the rank first, and the others only with it; their values by
     `models.lora.check_settings` (which the model's configuration runs too)."""
     if config.lora_rank is None:
-        given = [flag for flag, changed in (
-            ("--lora-alpha", config.lora_alpha is not None),
-            ("--lora-targets", config.lora_targets != FIELDS["lora_targets"].default),
-            ("--lora-dropout", config.lora_dropout != 0.0),
-        ) if changed]  # fmt: skip
+        given = [n for n in ("lora_alpha", "lora_targets", "lora_dropout")
+                 if getattr(config, n) != FIELDS[n].default]  # fmt: skip
         if given:
-            raise UserError(f"{given[0]} needs --lora-rank R, the adapters' rank (e.g. 8)")
+            raise UserError(f"{as_given(config, given[0])} needs --lora-rank R, the adapters' "
+                            "rank (e.g. 8)")  # fmt: skip
         return
     from fedjax_split.models.lora import check_settings
 
@@ -663,23 +784,27 @@ def validate_schedule(config: ExperimentConfig) -> None:
     `validate_critical_layer`)."""
     if config.layer_schedule == "none":
         if config.cycle_factor is not None:
-            raise UserError("--cycle-factor needs --layer-schedule fedbt")
+            raise UserError(f"{as_given(config, 'cycle_factor')} needs --layer-schedule fedbt")
         return
     if config.cycle_factor is not None and config.cycle_factor < 1:
-        raise UserError(f"--cycle-factor must be at least 1, got {config.cycle_factor}")
+        raise UserError(f"--cycle-factor must be at least 1, got {_got(config, 'cycle_factor')}")
     if config.lora_rank is not None:
-        raise UserError("--layer-schedule fedbt trains whole layers; drop --lora-rank (or the "
-                        "schedule)")  # fmt: skip
+        raise UserError(
+            f"{as_given(config, 'layer_schedule')} trains whole layers, not LoRA adapters "
+            f"({as_given(config, 'lora_rank')}): "
+            f"{drop(config, 'lora_rank', unset='--lora-rank none')}, or "
+            f"{drop(config, 'layer_schedule')}"
+        )
 
 
 def validate_client_optimizer(config: ExperimentConfig) -> None:
     """--warmup-ratio in [0, 1) and only with the linear schedule; --client-clip-norm > 0."""
     _positive(config, "client_clip_norm")
     if not (math.isfinite(config.warmup_ratio) and 0 <= config.warmup_ratio < 1):
-        raise UserError(f"--warmup-ratio must be in [0, 1), got {config.warmup_ratio}")
+        raise UserError(f"--warmup-ratio must be in [0, 1), got {_got(config, 'warmup_ratio')}")
     if config.warmup_ratio and config.lr_schedule != "linear":
-        raise UserError("--warmup-ratio needs --lr-schedule linear (the constant rate has no "
-                        "warm-up)")  # fmt: skip
+        raise UserError(f"{as_given(config, 'warmup_ratio')} needs --lr-schedule linear (the "
+                        "constant rate has no warm-up)")  # fmt: skip
 
 
 def validate_processes(config: ExperimentConfig) -> None:
@@ -687,9 +812,10 @@ def validate_processes(config: ExperimentConfig) -> None:
     (several processes deal single clients to their devices; a vmapped chunk spans no process)."""
     n, i = config.num_processes, config.process_id
     if n is not None and n < 1:
-        raise UserError(f"--num-processes must be at least 1, got {n}")
+        raise UserError(f"--num-processes must be at least 1, got {_got(config, 'num_processes')}")
     if i is not None and not 0 <= i < (n or 1):
-        raise UserError(f"--process-id must be in 0..{(n or 1) - 1} (--num-processes), got {i}")
+        raise UserError(f"--process-id must be in 0..{(n or 1) - 1} (--num-processes), got "
+                        f"{_got(config, 'process_id')}")  # fmt: skip
     check_chunk_size(config.chunk_size, n or 1)
 
 
@@ -709,29 +835,30 @@ def validate_aggregation(config: ExperimentConfig) -> None:
         _positive(config, name)
     _positive(config, "dp_noise_multiplier", zero_ok=True)
     if not 0 <= config.trim_fraction < 0.5:
-        raise UserError(f"--trim-fraction must be in [0, 0.5), got {config.trim_fraction}")
+        raise UserError(f"--trim-fraction must be in [0, 0.5), got {_got(config, 'trim_fraction')}")
     if config.aggregator == "trimmed-mean" and not config.dp:  # with DP: refused below
         check_trimming(config.trim_fraction, config.sampled_clients)
     if not 0 < config.dp_delta < 1:
-        raise UserError(f"--dp-delta must be in (0, 1), got {config.dp_delta}")
+        raise UserError(f"--dp-delta must be in (0, 1), got {_got(config, 'dp_delta')}")
     if not 0 < config.attack_fraction <= 1:
-        raise UserError(f"--attack-fraction must be in (0, 1], got {config.attack_fraction}")
+        raise UserError(
+            f"--attack-fraction must be in (0, 1], got {_got(config, 'attack_fraction')}"
+        )
     dp_only = ("dp_clip", "dp_clip_quantile", "dp_max_epsilon", "dp_insecure_reproducible_noise",
                "dp_publish_clients")  # fmt: skip
     if not config.dp:
-        given = [f"--{n.replace('_', '-')}" for n in dp_only
-                 if getattr(config, n) not in (None, False)]  # fmt: skip
+        given = [n for n in dp_only if getattr(config, n) not in (None, False)]
         if given:
             raise UserError(
-                f"{given[0]} needs --dp-noise-multiplier (client-level DP); for clipping without "
-                "noise use --max-update-norm"
+                f"{as_given(config, given[0])} needs --dp-noise-multiplier (client-level DP); for "
+                "clipping without noise use --max-update-norm"
             )
         return
     if config.dp_clip is None:
         raise UserError("--dp-noise-multiplier needs --dp-clip C, the clip norm of the updates")
     if config.aggregator != "mean":
         raise UserError(
-            f"--aggregator {config.aggregator} with DP: the noise is calibrated to a sum of "
+            f"{as_given(config, 'aggregator')} with DP: the noise is calibrated to a sum of "
             "clipped updates; use --aggregator mean"
         )
     if config.dp_max_epsilon is not None and config.dp_noise_multiplier == 0:
@@ -772,15 +899,18 @@ def validate_critical_layer(config: ExperimentConfig, num_layers: int) -> int:
     if config.layer_schedule == "fedbt":  # one shared model: the default 'half' becomes L
         if c not in (HALF, None, num_layers):
             raise UserError(
-                f"--layer-schedule fedbt trains the top layers of one shared model; drop "
-                f"--critical-layer {c} (FedBT shares every layer: c = L = {num_layers})"
+                f"{as_given(config, 'layer_schedule')} trains one shared model, every layer "
+                f"shared (c = L = {num_layers}), but {as_given(config, 'critical_layer')} keeps "
+                f"the layers above {c} personal; "
+                f"{drop(config, 'critical_layer', unset='--critical-layer L')} (docs/fedbt.md)"
             )
         c = None
     c = num_layers if c is None else num_layers // 2 if c == HALF else c
     if not 0 <= c <= num_layers:
         raise UserError(
-            f"--critical-layer {c} is outside 0..{num_layers} for model {config.model!r} "
-            f"({num_layers} layers); pass a value in 0..{num_layers}"
+            f"{as_given(config, 'critical_layer')} is outside 0..{num_layers} for model "
+            f"{config.model!r} ({num_layers} layers); pass --critical-layer with a value in "
+            f"0..{num_layers}"
         )
     return c
 

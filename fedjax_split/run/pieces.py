@@ -25,6 +25,7 @@ from fedjax_split.run.config import (
     validate,
     validate_critical_layer,
 )
+from fedjax_split.run.settings import as_given, drop
 
 SUBSAMPLE = 0  # purpose of the subsample's numpy seed (rounds.sample_clients uses 1)
 WIRE_DTYPE = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -157,14 +158,15 @@ def entity_types(config: ExperimentConfig, task: Any) -> tuple[str, ...] | None:
     given = entity_type_list(config)
     if not task.objective.per_token:
         if given is not None:
-            raise UserError(f"--entity-types with task {task.name}: only a token task (ner, "
-                            "wnut16, nero) has entity types; leave it out")  # fmt: skip
+            raise UserError(f"{as_given(config, 'entity_types')} with task {task.name}: only a "
+                            "token task (ner, wnut16, nero) has entity types; "
+                            f"{drop(config, 'entity_types')}")  # fmt: skip
         return None
     if task.entity_types:
         if given is not None and given != task.entity_types:
             raise UserError(
-                f"--entity-types {config.entity_types} but task {task.name} has its own types "
-                f"{','.join(task.entity_types)}; leave --entity-types out"
+                f"{as_given(config, 'entity_types')} but task {task.name} has its own types "
+                f"{','.join(task.entity_types)}; {drop(config, 'entity_types')}"
             )
         return task.entity_types
     if given is None and config.site_data is not None:

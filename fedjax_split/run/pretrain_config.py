@@ -19,7 +19,18 @@ from fedjax_split.data.text.corpus_split import SCHEMES
 from fedjax_split.data.text.text_corpora import CORPORA, MODES, check_corpus_name
 from fedjax_split.errors import UserError
 from fedjax_split.fed.layerwise import LAYER_DRAWS, SCHEDULES
-from fedjax_split.run.settings import Schema
+from fedjax_split.run.settings import (
+    FEDERATION,
+    MODEL,
+    OUTPUTS,
+    PERFORMANCE,
+    TASK,
+    Schema,
+    Settings,
+    as_given,
+    flag_name,
+    origin,
+)
 from fedjax_split.run.settings import setting as _setting
 
 # fedbfpt: one layer + the MLM head a round on small models (PL-SDL); bert-fl: FedAvg of the whole
@@ -31,16 +42,21 @@ DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
-class PretrainConfig:
+class PretrainConfig(Settings):
     """Everything that defines a further pre-training run."""
 
     corpus: str = _setting(
         "pubmed",
         f"Text: {', '.join(CORPORA)} (local: *.txt under --data-dir; hub: a datasets name or "
         "local dir with a 'text' column).",
+        group=TASK,
+        metavar="CORPUS",
     )
     data_dir: str | None = _setting(
-        None, "Directory with the corpus' files (local .txt, or MEDLINE .xml.gz).", metavar="DIR"
+        None,
+        "Directory with the corpus' files (local .txt, or MEDLINE .xml.gz).",
+        metavar="DIR",
+        group=TASK,
     )
     site_data: str | None = _setting(
         None,
@@ -52,16 +68,20 @@ class PretrainConfig:
         "fedjax_split.flower pretrain) SuperNode k reads DIR_k alone; `node-config`: each "
         "SuperNode reads the data-dir of its own node config (real sites, --write-app).",
         metavar="DIRS",
+        group=TASK,
     )
     text_mode: str = _setting(
         "document",
         "document: each client's documents as one token stream cut into full sequences; line: "
         "one sequence per line, truncated.",
         choices=MODES,
+        group=TASK,
     )
     model: str = _setting(
         "bert-base-uncased",
         "Hugging Face model id, local HF directory, or the offline alias 'minilm-l6'.",
+        group=MODEL,
+        metavar="MODEL",
     )
     method: str = _setting(
         "fedbfpt",
@@ -69,50 +89,82 @@ class PretrainConfig:
         "whole model), centralised (one client, all text), truncated (the first "
         "--truncated-layers layers, trained whole), none (no further pre-training).",
         choices=METHODS,
+        group=MODEL,
     )
-    clients: int = _setting(6, "Number of clients K (all take part every round).")
+    clients: int = _setting(
+        6, "Number of clients K (all take part every round).", group=FEDERATION, metavar="K"
+    )
     split: str = _setting(
         "iid",
         "How documents are split over clients: iid, quantity (normal-distributed sizes), source "
         "(by file: PubMed's two baseline files).",
         choices=SCHEMES,
+        group=TASK,
     )
     sigma: float = _setting(
-        0.5, "Standard deviation of the relative client sizes for --split quantity."
+        0.5,
+        "Standard deviation of the relative client sizes for --split quantity.",
+        group=TASK,
+        metavar="SIGMA",
     )
     max_documents: int | None = _setting(
-        None, "Subsample the corpus to this many documents first (CPU runs).", metavar="N"
+        None,
+        "Subsample the corpus to this many documents first (CPU runs).",
+        metavar="N",
+        group=TASK,
     )
     heldout_fraction: float = _setting(
         0.05,
         "Share of the documents held out (on no client) for the MLM loss/accuracy; with "
         "--site-data, of each site's own documents (held out, and scored, where they live).",
+        group=TASK,
+        metavar="FRACTION",
     )
-    rounds: int = _setting(5, "Federated rounds (centralised: epochs over all the text).")
-    local_epochs: int = _setting(1, "Epochs each client trains on its text per round.")
-    batch_size: int = _setting(256, "Client mini-batch size (sequences).")
-    lr: float = _setting(5e-5, "Client AdamW learning rate.")
-    weight_decay: float = _setting(0.01, "AdamW weight decay (not on biases and LayerNorm).")
-    max_length: int = _setting(128, "Tokens per sequence, [CLS] and [SEP] included.")
-    mlm_probability: float = _setting(0.15, "Share of tokens predicted per sequence.")
+    rounds: int = _setting(
+        5,
+        "Federated rounds (centralised: epochs over all the text).",
+        group=FEDERATION,
+        metavar="N",
+    )
+    local_epochs: int = _setting(
+        1, "Epochs each client trains on its text per round.", group=FEDERATION, metavar="E"
+    )
+    batch_size: int = _setting(256, "Client mini-batch size (sequences).", group=MODEL, metavar="B")
+    lr: float = _setting(5e-5, "Client AdamW learning rate.", group=MODEL, metavar="LR")
+    weight_decay: float = _setting(
+        0.01, "AdamW weight decay (not on biases and LayerNorm).", group=MODEL, metavar="DECAY"
+    )
+    max_length: int = _setting(
+        128, "Tokens per sequence, [CLS] and [SEP] included.", group=TASK, metavar="TOKENS"
+    )
+    mlm_probability: float = _setting(
+        0.15, "Share of tokens predicted per sequence.", group=TASK, metavar="P"
+    )
     small_layers: int | None = _setting(
-        None, "Layers of a FedBFPT client's small model (default: L/2).", metavar="L_S"
+        None, "Layers of a FedBFPT client's small model (default: L/2).", metavar="L_S", group=MODEL
     )
     schedule: str = _setting(
         "halving",
         "FedBFPT's trained layer per round: halving (the released code's: each layer about "
         "half the remaining rounds) or every (advance every --schedule-period rounds).",
         choices=SCHEDULES,
+        group=MODEL,
     )
-    schedule_period: int = _setting(1, "Rounds per layer for --schedule every.")
+    schedule_period: int = _setting(
+        1, "Rounds per layer for --schedule every.", group=MODEL, metavar="R"
+    )
     layer_draw: str = _setting(
         "replacement",
         "How a FedBFPT client's deeper layers are drawn: replacement (sorted, a layer may repeat: "
         "the journal's and the released code's draw) or distinct (without replacement).",
         choices=LAYER_DRAWS,
+        group=MODEL,
     )
     truncated_layers: int | None = _setting(
-        None, "Layers k of the truncated baseline's model (default: L/2).", metavar="K"
+        None,
+        "The truncated baseline's model: the first LAYERS layers (default: L/2).",
+        metavar="LAYERS",
+        group=MODEL,
     )
     freeze: str | None = _setting(
         None,
@@ -120,31 +172,52 @@ class PretrainConfig:
         "trained nor sent, whatever the method trains; e.g. 'embeddings\\.|encoder\\.' trains "
         "the MLM head alone.",
         metavar="REGEX",
+        group=MODEL,
     )
     aggregation: str = _setting(
         "weighted",
         "Server mean: weighted by the clients' sequences, or unweighted (the released code).",
         choices=AGGREGATIONS,
+        group=FEDERATION,
     )
-    seed: int = _setting(0, "The one seed (subsample, split, masks, layer draws, dropout).")
+    seed: int = _setting(
+        0,
+        "The one seed (subsample, split, masks, layer draws, dropout).",
+        group=TASK,
+        metavar="SEED",
+    )
     output_dir: str | None = _setting(
         None,
         "Run directory (unset: runs/pretrain_<corpus>_<method>_K<K>_s<seed>).",
         metavar="DIR",
+        group=OUTPUTS,
     )
-    resume: bool = _setting(False, "Continue the run in --output-dir from its latest checkpoint.")
+    resume: bool = _setting(
+        False, "Continue the run in --output-dir from its latest checkpoint.", group=OUTPUTS
+    )
     config: str | None = _setting(
         None,
         "Python (get_config() -> dict; FILE.py:ARG calls get_config(ARG)) or JSON config "
         "file; flags override it.",
         metavar="FILE",
     )
-    eval_every: int = _setting(1, "Evaluate on the held-out text every N rounds (and the last).")
+    eval_every: int = _setting(
+        1,
+        "Evaluate on the held-out text every N rounds (and the last).",
+        group=OUTPUTS,
+        metavar="N",
+    )
     checkpoint_every: int = _setting(
-        1, "Save a checkpoint every N rounds (and after the last); 0 = never."
+        1,
+        "Save a checkpoint every N rounds (and after the last); 0 = never.",
+        group=OUTPUTS,
+        metavar="N",
     )
     dtype: str = _setting(
-        "float32", "Compute dtype of the model (parameters stay float32).", choices=DTYPES
+        "float32",
+        "Compute dtype of the model (parameters stay float32).",
+        choices=DTYPES,
+        group=PERFORMANCE,
     )
 
     @property
@@ -153,9 +226,6 @@ class PretrainConfig:
             return Path(self.output_dir)
         corpus = self.corpus.replace(":", "_").replace("/", "_")
         return Path("runs") / f"pretrain_{corpus}_{self.method}_K{self.clients}_s{self.seed}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 SCHEMA = Schema(
@@ -198,12 +268,17 @@ def validate_sites(config: PretrainConfig) -> None:
         return
     if config.corpus != "local":
         raise UserError(
-            f"--corpus {config.corpus} with --site-data: each site's text is its *.txt files; "
-            "leave --corpus out (or pass local), or drop --site-data"
+            f"{as_given(config, 'corpus')} with --site-data: each site's text is its *.txt "
+            "files; pass --corpus local, or drop --site-data"
         )
     refuse_with_sites(config, _CORPUS_ONLY, FIELDS, "text is its own site's files, not split "
                       "from one corpus", "split one corpus")  # fmt: skip
     check_site_dirs(config)
+
+
+def _got(config: PretrainConfig, name: str) -> str:
+    """A setting's value in an error, with where it came from: "0 (from configs/x.py)"."""
+    return f"{getattr(config, name)}{origin(config, name)}"
 
 
 def validate(config: PretrainConfig) -> None:
@@ -213,33 +288,32 @@ def validate(config: PretrainConfig) -> None:
     for name in ("clients", "rounds", "local_epochs", "batch_size", "eval_every",
                  "schedule_period"):  # fmt: skip
         if getattr(config, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got "
-                            f"{getattr(config, name)}")  # fmt: skip
+            raise UserError(f"{flag_name(name)} must be at least 1, got {_got(config, name)}")
     if config.max_length < 8:
-        raise UserError(f"--max-length must be at least 8, got {config.max_length}")
+        raise UserError(f"--max-length must be at least 8, got {_got(config, 'max_length')}")
     for name in ("max_documents", "small_layers", "truncated_layers"):
         value = getattr(config, name)
         if value is not None and value < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if config.checkpoint_every < 0:
-        raise UserError(f"--checkpoint-every must be >= 0, got {config.checkpoint_every}")
-    if not (math.isfinite(config.lr) and config.lr > 0):
-        raise UserError(f"--lr must be a positive number, got {config.lr}")
-    if not (math.isfinite(config.weight_decay) and config.weight_decay >= 0):
-        raise UserError(f"--weight-decay must be >= 0, got {config.weight_decay}")
-    if not 0 < config.mlm_probability < 1:
-        raise UserError(f"--mlm-probability must be in (0, 1), got {config.mlm_probability}")
-    if not 0 < config.heldout_fraction < 1:
-        raise UserError(f"--heldout-fraction must be in (0, 1), got {config.heldout_fraction}")
-    if not (math.isfinite(config.sigma) and config.sigma >= 0):
-        raise UserError(f"--sigma must be >= 0, got {config.sigma}")
+            raise UserError(f"{flag_name(name)} must be at least 1, got {_got(config, name)}")
+    bounds = {
+        "checkpoint_every": (">= 0", config.checkpoint_every >= 0),
+        "lr": ("a positive number", math.isfinite(config.lr) and config.lr > 0),
+        "weight_decay": (">= 0", math.isfinite(config.weight_decay) and config.weight_decay >= 0),
+        "mlm_probability": ("in (0, 1)", 0 < config.mlm_probability < 1),
+        "heldout_fraction": ("in (0, 1)", 0 < config.heldout_fraction < 1),
+        "sigma": (">= 0", math.isfinite(config.sigma) and config.sigma >= 0),
+    }
+    for name, (bound, ok) in bounds.items():
+        if not ok:
+            raise UserError(f"{flag_name(name)} must be {bound}, got {_got(config, name)}")
     if config.data_dir is not None and not Path(config.data_dir).is_dir():
-        raise UserError(f"data dir {config.data_dir!r} does not exist; pass an existing --data-dir")
+        raise UserError(f"data dir {config.data_dir!r}{origin(config, 'data_dir')} does not exist; "
+                        "pass an existing --data-dir")  # fmt: skip
     if config.freeze is not None:
         try:
             re.compile(config.freeze)
         except re.error as e:
-            raise UserError(f"--freeze {config.freeze!r} is not a valid regex ({e})") from None
+            raise UserError(f"{as_given(config, 'freeze')} is not a valid regex ({e})") from None
     validate_sites(config)
     if config.corpus == "local" and config.data_dir is None and config.site_data is None:
         raise UserError("--corpus local needs --data-dir DIR holding *.txt files (or --site-data)")
@@ -257,6 +331,7 @@ def check_depth(config: PretrainConfig, num_layers: int) -> tuple[int, int]:
         check_small_model(layers, num_layers, small)
     if config.method == "truncated" and not 1 <= k <= num_layers:
         raise UserError(
-            f"--truncated-layers {k} is outside 1..{num_layers} for this {num_layers}-layer model"
+            f"{as_given(config, 'truncated_layers')} is outside 1..{num_layers} for this "
+            f"{num_layers}-layer model; pass --truncated-layers with a value in 1..{num_layers}"
         )
     return small, k

@@ -7,7 +7,9 @@ Resolution order (later wins): dataclass defaults -> `--config FILE` -> flags gi
 the command line. A config file is either a Python file defining `get_config() -> dict`
 (big_vision style, with the run command in its docstring; `--config FILE.py:ARG` calls
 `get_config(ARG)`, so one file holds several configs that differ by one value) or a JSON object.
-Every problem a user can cause is a one-line `UserError`.
+Every problem a user can cause is a one-line `UserError`; one that quotes a setting's value says
+where it came from (`as_given`: a flag, the config file, the default) and gives a fix that works
+from there (`drop`): a user cannot drop a flag they never typed.
 """
 
 from __future__ import annotations
@@ -17,31 +19,111 @@ import dataclasses
 import inspect
 import json
 import runpy
+import shlex
 import sys
 import typing
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from fedjax_split.errors import UserError
+
+# The --help sections, in this order: what a user decides, one section each. A setting names its
+# own (`setting(group=...)`); --config and --help stay in the general section above them.
+TASK = "task and data"
+MODEL = "model and method"
+FEDERATION = "federation"
+PRIVACY = "privacy and robustness"
+DEPLOYMENT = "deployment"
+PERFORMANCE = "performance"
+OUTPUTS = "outputs"
+GROUPS = (TASK, MODEL, FEDERATION, PRIVACY, DEPLOYMENT, PERFORMANCE, OUTPUTS)
 
 
 def setting(
     default: Any,
     help: str | Callable[[], str],
     *,
+    group: str | None = None,
     choices: tuple[str, ...] | None = None,
     metavar: str | None = None,
     parse: Callable[[str], Any] | None = None,
 ) -> Any:
-    """A setting and what its flag needs (help text, allowed values, metavar): the one place
-    each is written; `Schema` generates flags, typing and choice checks from it. A callable help
-    is called when the flags are built, for text generated from a registry that is costly to
-    import. `parse` reads a value written as text (a flag, or a string in a config file) where
-    the annotation's type alone cannot, e.g. an integer or a word such as 'half'; it raises
+    """A setting and what its flag needs (help text, --help section, allowed values, metavar):
+    the one place each is written; `Schema` generates flags, typing and choice checks from it. A
+    callable help is called when the flags are built, for text generated from a registry that is
+    costly to import. `group` is one of `GROUPS` (None: the general section). `parse` reads a
+    value written as text (a flag, or a string in a config file) where the annotation's type
+    alone cannot, e.g. an integer or a word such as 'half'; it raises
     argparse.ArgumentTypeError for a bad value."""
-    metadata = {"help": help, "choices": choices, "metavar": metavar, "parse": parse}
+    if group is not None and group not in GROUPS:
+        raise ValueError(f"unknown settings group {group!r}; use one of {GROUPS}")
+    metadata = {
+        "help": help, "group": group, "choices": choices, "metavar": metavar, "parse": parse
+    }  # fmt: skip
     return dataclasses.field(default=default, metadata=metadata)
+
+
+FLAG, DEFAULT = "flag", "default"  # where a value came from, besides a config file's name
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Base of a settings dataclass: `origins` says where each value came from (`FLAG`,
+    `DEFAULT`, or the --config spec as given), filled by `Schema.resolve` for the errors
+    (`as_given`, `drop`); not a setting: no flag, not saved, not compared. A config built in code
+    has none."""
+
+    origins: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings, as config.json and the Flower run config hold them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "origins"}  # fmt: skip
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def origin(config: Any, name: str) -> str:
+    """Where setting `name`'s value came from, as words to put after it: " (from FILE)",
+    " (the default)", or "" for a flag (the user typed it) or a config built in code."""
+    where = getattr(config, "origins", {}).get(name)
+    if where in (None, FLAG):
+        return ""
+    return " (the default)" if where == DEFAULT else f" (from {where})"
+
+
+def flag_text(name: str, value: Any) -> str:
+    """The flag that sets `name` to `value` (not None), as a user types it: `--lora-rank 8`,
+    `--freeze 'embeddings\\.'`, `--packing`, `--no-packing`."""
+    if isinstance(value, bool):
+        return flag_name(name) if value else "--no-" + flag_name(name)[2:]
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return f"{flag_name(name)} {shlex.quote(text)}"
+
+
+def as_given(config: Any, name: str) -> str:
+    """Setting `name` as it was set, with where from: `--critical-layer 3 (from configs/x.py)`,
+    `--clients 0`; what every error that quotes a setting's value shows."""
+    value = getattr(config, name)
+    shown = flag_name(name) if value is None else flag_text(name, value)
+    return shown + origin(config, name)
+
+
+def drop(config: Any, name: str, unset: str | None = None) -> str:
+    """The fix that takes setting `name` back to its default, whoever set it: "drop --x" for a
+    flag; for a config file's value, the flag that overrides it (`unset`: its text, else the
+    default's flag where that has one) or its line removed from the file."""
+    where = getattr(config, "origins", {}).get(name, FLAG)
+    if where in (FLAG, DEFAULT):
+        return f"drop {flag_name(name)}"
+    default = next(f.default for f in dataclasses.fields(config) if f.name == name)
+    if unset is None and default is not None:
+        unset = flag_text(name, default)
+    remove = f"remove {name} from {where}"
+    return f"pass {unset} (or {remove})" if unset else remove
 
 
 def optional_int(text: str) -> int | None:
@@ -55,6 +137,13 @@ def optional_int(text: str) -> int | None:
 
 
 class Parser(argparse.ArgumentParser):
+    """A command's parser: errors on one line, and the --help sections of `GROUPS` in their
+    order (`groups`; empty ones are not shown), for a command's own flags to join."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.groups = {title: self.add_argument_group(title) for title in GROUPS}
+
     def error(self, message: str) -> typing.NoReturn:  # one line, exit 2, like every user error
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
@@ -146,7 +235,7 @@ class Schema:
 
     def __init__(self, cls: type, non_trajectory: Collection[str] = ()) -> None:
         self.cls = cls
-        self.fields = {f.name: f for f in dataclasses.fields(cls)}
+        self.fields = {f.name: f for f in dataclasses.fields(cls) if "help" in f.metadata}
         self.non_trajectory = frozenset(non_trajectory)
         self._hints = typing.get_type_hints(cls)
 
@@ -187,14 +276,21 @@ class Schema:
         overrides: dict[str, Any] | None = None,
         validate: Callable[[Any], None] | None = None,
     ) -> Any:
-        """Defaults <- config-file values <- explicit overrides (typed), then `validate`."""
+        """Defaults <- config-file values <- explicit overrides (typed), then `validate`. Each
+        value's origin is kept (a `Settings` class): the file is the overrides' `config` as
+        given, where there is one."""
         merged: dict[str, Any] = {}
-        for source in (file_values or {}, overrides or {}):
+        origins = dict.fromkeys(self.fields, DEFAULT)
+        file = str((overrides or {}).get("config") or "the config file")
+        for source, where in ((file_values or {}, file), (overrides or {}, FLAG)):
             for name, value in source.items():
                 if name not in self.fields:
                     known = ", ".join(self.fields)
                     raise UserError(f"unknown setting {name!r}; known settings: {known}")
                 merged[name] = self.coerce(name, value)
+                origins[name] = where
+        if issubclass(self.cls, Settings):
+            merged["origins"] = origins
         config = self.cls(**merged)
         if validate is not None:
             validate(config)
@@ -206,9 +302,9 @@ class Schema:
             choices = field.metadata["choices"]
             value = getattr(config, name)
             if choices and value not in choices:
-                flag = "--" + name.replace("_", "-")
                 raise UserError(
-                    f"unknown {name} {value!r}; pass {flag} one of: {', '.join(choices)}"
+                    f"unknown {name} {value!r}{origin(config, name)}; pass "
+                    f"{flag_name(name)} one of: {', '.join(choices)}"
                 )
 
     def help(self, name: str) -> str:
@@ -216,10 +312,16 @@ class Schema:
         text = self.fields[name].metadata["help"]
         return text() if callable(text) else text
 
-    def build_parser(self, prog: str, description: str) -> argparse.ArgumentParser:
-        """One flag per setting (--config first): type from the annotation, 'L'/'all'/'none'
-        for unset ints, --x/--no-x for booleans; only the flags given are returned."""
-        p = Parser(prog=prog, description=description, argument_default=argparse.SUPPRESS)
+    def build_parser(self, prog: str, description: str) -> Parser:
+        """One flag per setting, in its --help section (--config first, in the general one):
+        type from the annotation, 'L'/'all'/'none' for unset ints, --x/--no-x for booleans;
+        only the flags given are returned."""
+        p = Parser(
+            prog=prog,
+            description=description,
+            usage="%(prog)s [--config FILE[:ARG]] [flags, by section below]",
+            argument_default=argparse.SUPPRESS,
+        )
         names = ["config"] if "config" in self.fields else []
         for name in names + [n for n in self.fields if n != "config"]:
             field = self.fields[name]
@@ -237,7 +339,8 @@ class Schema:
                 kw["type"] = kind
             # an unset default is said in the help's own words ("unset: ...", "default: L/2")
             default = "" if field.default is None else f" (default: {field.default})"
-            p.add_argument("--" + name.replace("_", "-"), help=self.help(name) + default, **kw)
+            where = p if meta.get("group") is None else p.groups[meta["group"]]
+            where.add_argument(flag_name(name), help=self.help(name) + default, **kw)
         return p
 
     def from_args(self, parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Any:
@@ -248,7 +351,7 @@ class Schema:
 
     def trajectory_mismatch(self, saved: dict[str, Any], config: Any) -> list[str]:
         """Settings that differ from a saved run's and would change its results on --resume."""
-        current = dataclasses.asdict(config)
+        current = {name: getattr(config, name) for name in self.fields}
         return sorted(
             k
             for k in current
