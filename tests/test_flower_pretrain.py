@@ -270,7 +270,7 @@ def test_held_out_figures_must_be_the_nodes_share_and_finite() -> None:
 
 BAD_FLAGS = [
     (["--method=centralised"], "does not run on Flower"),
-    (["--site-data=node-config"], "--split with --site-data"),
+    (["--site-data=node-config"], "--split source with --site-data"),
     (["--supernodes=3"], "--supernodes 3 but --clients 2"),
     (["--small-layers=9"], "outside 1..4"),
 ]

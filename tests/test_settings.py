@@ -11,8 +11,12 @@ import pytest
 
 from fedjax_split.errors import UserError
 from fedjax_split.run.settings import (
+    OUTPUTS,
     Schema,
+    Settings,
+    as_given,
     choose,
+    drop,
     load_config_file,
     setting,
     split_config_spec,
@@ -133,3 +137,39 @@ def test_config_arg_mistakes_are_one_line_user_errors(tmp_path) -> None:
     with pytest.raises(UserError, match="unknown size 'x'; pass one of: a, b"):
         choose("x", ("a", "b"), "size")
     assert choose("b", {"a": 1, "b": 2}, "size") == "b"
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept(Settings):
+    count: int | None = setting(None, "How many; unset means all.", metavar="N", group=OUTPUTS)
+    rate: float = setting(0.5, "A rate.", metavar="R")
+    flag: bool = setting(False, "Whether it flies.")
+    pattern: str = setting("a.b", "A regex.", metavar="REGEX")
+    config: str | None = setting(None, "Config file.", metavar="FILE")
+
+
+KEPT = Schema(Kept)
+
+
+def test_each_value_keeps_where_it_came_from(tmp_path) -> None:
+    """A flag, the --config file as given, or the default; what errors quote and how they fix."""
+    cfg = tmp_path / "k.json"
+    cfg.write_text('{"count": 3, "flag": true, "pattern": "x y", "rate": 2}')
+    got = KEPT.resolve(load_config_file(cfg), {"config": str(cfg), "rate": 1.0})
+    assert dict(got.origins) == {"count": str(cfg), "rate": "flag", "flag": str(cfg),
+                                 "pattern": str(cfg), "config": "flag"}  # fmt: skip
+    assert as_given(got, "rate") == "--rate 1"  # typed: said as typed
+    assert as_given(got, "count") == f"--count 3 (from {cfg})"
+    assert as_given(got, "flag") == f"--flag (from {cfg})"
+    assert as_given(got, "pattern") == f"--pattern 'x y' (from {cfg})"  # as a shell reads it
+    assert drop(got, "rate") == "drop --rate"
+    assert drop(got, "flag") == f"pass --no-flag (or remove flag from {cfg})"
+    assert drop(got, "count") == f"remove count from {cfg}"  # a None default: the caller says
+    want = f"pass --count all (or remove count from {cfg})"  # the flag that unsets, if one does
+    assert drop(got, "count", unset="--count all") == want
+    assert as_given(KEPT.resolve(), "rate") == "--rate 0.5 (the default)"
+    assert as_given(Kept(rate=2.0), "rate") == "--rate 2"  # built in code: no origin to say
+    assert got == Kept(count=3, rate=1.0, flag=True, pattern="x y", config=str(cfg))
+    assert "origins" not in got.to_dict() and set(KEPT.fields) == set(got.to_dict())
+    parser = KEPT.build_parser("kept", "Kept.")
+    assert parser.groups["outputs"]._group_actions[0].dest == "count"  # its --help section

@@ -458,7 +458,7 @@ def test_process_exit_status_and_no_traceback(env: dict) -> None:
 def test_dp_flags_without_their_mechanism_are_refused_by_the_command(env: dict) -> None:
     res = _cli(env, _args(env, env["base"] / "never_dp_cli", dp_clip=0.5))
     assert res.returncode == 2
-    assert res.stderr.strip().startswith("error: --dp-clip needs --dp-noise-multiplier")
+    assert res.stderr.strip().startswith("error: --dp-clip 0.5 needs --dp-noise-multiplier")
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert not (env["base"] / "never_dp_cli").exists()
 
