@@ -298,7 +298,7 @@ def node_blocks(clients: int, supernodes: int) -> list[list[int]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fedjax_split.run import driver, pieces, safeguards
+    from fedjax_split.run import driver, outputs, pieces, safeguards
     from fedjax_split.run.config import trajectory_mismatch
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -325,9 +325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     metric = summary["primary_metric"]
     value = summary["final"].get(metric)
     figure = f"{metric} not evaluated" if value is None else f"{metric} {value:.4f}"
+    privacy = outputs.summary_privacy(summary)
     print(
         f"done: {summary['rounds']} rounds on {supernodes} SuperNodes, {figure} (mean over "
-        f"clients); {summary['cum_bytes'] / 1e6:.1f} MB sent; results in {summary['run_dir']}"
+        f"clients); {privacy + '; ' if privacy else ''}{summary['cum_bytes'] / 1e6:.1f} MB sent; "
+        f"results in {summary['run_dir']}"
     )
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fedjax_split.run import outputs
 from fedjax_split.run.config import SCHEMA, ExperimentConfig
 from fedjax_split.run.settings import Parser
 
@@ -59,8 +60,10 @@ def duration(seconds: float) -> str:
 
 
 def done_line(summary: dict) -> str:
-    """The run's last line: its figure beside what the label priors alone score, what it sent,
-    how long its rounds took, and where its plot and results are and how to export a model."""
+    """The run's last lines: its figure beside what the label priors alone score, with DP the
+    epsilon spent (and the budget left), what it sent, how long its rounds took, and where its
+    plot and results are and how to export a model; a warning line last when the figure is at or
+    below the label priors' (`outputs.below_majority`)."""
     metric, run_dir = summary["primary_metric"], summary["run_dir"]
     value = summary["final"].get(metric)
     if value is None:
@@ -69,12 +72,17 @@ def done_line(summary: dict) -> str:
         figure = f"{metric} {value:.4f} (mean over clients)"
         if summary.get("majority_label") is not None:
             figure += f", majority label {summary['majority_label']:.4f}"
+    privacy = outputs.summary_privacy(summary)
+    if privacy is not None:
+        figure += f"; {privacy}"
     plot = f"plot {summary['plot']}, " if summary.get("plot") else ""
+    warning = outputs.below_majority(summary)
     return (
         f"done: {summary['rounds']} rounds, {figure}; {summary['cum_bytes'] / 1e6:.1f} MB sent, "
         f"{duration(summary['seconds'])}\n"
         f"  results in {run_dir} ({plot}summary.json, metrics.jsonl); a client's model: "
         f"python -m fedjax_split.export --run-dir {run_dir} --client 0 --out {run_dir}/client0"
+        + (f"\n{warning}" if warning else "")
     )
 
 

@@ -16,7 +16,7 @@ import pytest
 from fedcore_helpers import dp_reference_epsilon
 from run_fixtures import private_cache, tiny_sst2_files  # noqa: F401 (autouse)
 
-from fedjax_split import export
+from fedjax_split import export, train
 from fedjax_split.data import sources
 from fedjax_split.run import experiment
 from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
@@ -513,6 +513,13 @@ def test_dp_budget_ends_the_run_after_the_last_round_within_it(
         assert r["dp_clip"] == 0.5 and r["clients_rejected"] == []
         assert len(r["update_norms"]) == len(r["clients_sampled"])
     assert summary["rounds"] == 2 and "accuracy" in summary["final"]  # evaluated at its end
+    # every round's line and the done line say the epsilon spent and what is left of the budget
+    said = {r: f"epsilon {spent(r):.3g} of 2.8 ({2.8 - spent(r):.3g} left)" for r in (1, 2)}
+    for r in (1, 2):
+        assert any(x.startswith(f"round {r} |") and f"| {said[r]} |" in x
+                   for x in err.splitlines()), (r, err)  # fmt: skip
+    assert f"; {said[2]} at delta 1e-05; " in train.done_line(summary).splitlines()[0]
+    assert summary["label"] == "FedSplitBERT c=1 + DP z=2"
     on_disk = json.loads((run / "summary.json").read_text())
     privacy = on_disk["privacy"]
     assert privacy["epsilon"] <= privacy["max_epsilon"] == 2.8
@@ -585,6 +592,7 @@ def test_lora_with_client_level_dp_clips_and_noises_the_adapters(files: dict[str
     assert summary["frozen_params"] > 0 and summary["global_params"] == _lora_count_by_hand(
         files["model"], 1, 2
     )
+    assert summary["label"] == "FedSplitBERT c=1 + LoRA r=2 + DP z=0.5"  # the legend's name
 
 
 def test_fedbt_trains_from_layer_l_up_sends_only_that_and_keeps_the_rest_bit_identical(
@@ -608,6 +616,7 @@ def test_fedbt_trains_from_layer_l_up_sends_only_that_and_keeps_the_rest_bit_ide
     head = (h * h + h) + (h * 2 + 2)  # pooler, classifier (2 labels)
     assert summary["global_params"] == 2 * layer + head
     assert summary["frozen_params"] == embeddings and summary["local_params_per_client"] == 0
+    assert summary["label"] == "FedBT cycle 2 (FedAdam) + fp16 wire"  # the legend's name
     whole = embeddings + 2 * layer + head
     uploads = (layer + head, 2 * layer + head, layer + head)
     for r, trained in zip(_records(out), uploads, strict=True):

@@ -595,6 +595,8 @@ def test_a_dp_federation_with_secret_noise_differs_from_the_simulation_only_by_i
     for key in ("train_loss", "train_loss_clients", "update_norms", "clients_sampled", "dp_clip",
                 "epsilon"):
         assert got[0][key] == want[0][key], key
+    # the done line says the epsilon spent (no --dp-max-epsilon: no budget)
+    assert f"; epsilon {want[0]['epsilon']:.3g} at delta 0.001; " in res.stdout, res.stdout
     fed, simulated = (RunCheckpointer(checkpoint_dir(d)).restore_untyped(1)[0] for d in (out, sim))
     a = flatten_paths(fed["server_state"]["global_params"])
     b = flatten_paths(simulated["server_state"]["global_params"])

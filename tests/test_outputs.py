@@ -52,8 +52,8 @@ def test_plain_lines_when_not_a_terminal() -> None:
     bar.close()
     assert stream.getvalue().splitlines() == [
         "hello",
-        "round 3 | loss 0.2500 | accuracy 0.8750 | sent 2.5 MB | 1.5s",
-    ]
+        "round 3 | loss 0.2500 | accuracy 0.8750 | sent 2.5 MB | 1.5s | under a minute left",
+    ]  # one round left (of 4, from round 3) at 1.5 s: the estimate from the first round on
     line = outputs.format_round({**_RECORD, "train_seconds": 1.25, "eval_seconds": 0.25}, None)
     assert line.endswith("| 1.5s (eval 0.2s)")  # the evaluation's share, when it ran
 
@@ -91,8 +91,8 @@ def _inside(done: int, steps: int = 100, clients: int = 4) -> RoundProgress:
 
 def test_lines_inside_a_round_are_rate_limited_and_the_time_left_ignores_compiling() -> None:
     """Off a terminal: the compile line, the first progress report at once, then at most one line
-    every LINE_SECONDS (fake clock), the round's line; after the first round the time left comes
-    from the steady part of the round (from its first report on), not from its compiling."""
+    every LINE_SECONDS (fake clock), the round's line; its time left from the round's wall time
+    less the seconds XLA compiled in it (the record's compile_seconds)."""
     stream, clock = io.StringIO(), _Clock()
     bar = outputs.Progress(5, enabled=True, stream=stream, clock=clock)
     hook = bar.round_hook()
@@ -104,8 +104,8 @@ def test_lines_inside_a_round_are_rate_limited_and_the_time_left_ignores_compili
     for t in range(1, 31):  # 90 more steps in 30 s: 3 s a step, 10 steps (100 examples) in 30 s
         clock.now = 600.0 + t
         hook(_inside(10 + 3 * t))
-    clock.now = 633.0  # the round's end: 90 steps in 33 s since the first report
-    bar.round_done({**_RECORD, "round": 1}, "accuracy")
+    clock.now = 633.0  # the round's end, 600 s of it compiling
+    bar.round_done({**_RECORD, "round": 1, "compile_seconds": 600.0}, "accuracy")
     lines = stream.getvalue().splitlines()
     gap = int(outputs.LINE_SECONDS)
     assert lines[0] == "round 1: compiling the client program (the first round only) ..."
@@ -113,25 +113,106 @@ def test_lines_inside_a_round_are_rate_limited_and_the_time_left_ignores_compili
     assert lines[2] == f"round 1: {(10 + 3 * gap) * 4 // 100}/4 clients done, {10 + 3 * gap}/100 "\
         "steps, 30 examples/s"  # fmt: skip
     assert len(lines) == 3 + 30 // gap  # a line every LINE_SECONDS, then the round's
-    # four rounds left of 100 steps at 33 s / 90 steps: 147 s (the round's 633 s: 42 min)
+    # four rounds left at 633 - 600 = 33 s: 132 s (with the compiling: 42 min)
     assert lines[-1].startswith("round 1 | loss") and lines[-1].endswith("| about 2 min left")
-    stream.truncate(0)
-    stream.seek(0)
-    bar2 = outputs.Progress(41, enabled=True, stream=stream, clock=clock)
-    bar2.round_start(1)
-    clock.now = 1000.0
-    bar2.round_hook()(_inside(10))
-    clock.now = 1090.0  # 90 steps in 90 s: the round's steady time is 100 s
-    bar2.round_done({**_RECORD, "round": 1}, None)
-    assert stream.getvalue().splitlines()[-1].endswith("| about 67 min left")  # 40 x 100 s
-    bar2.round_start(2)
-    clock.now = 1090.0 + 30.0  # later rounds: their own (mean) time
-    bar2.round_done({**_RECORD, "round": 2}, None)
-    assert stream.getvalue().splitlines()[-1].endswith("| about 20 min left")  # 39 x 30 s
-    bar2.round_start(3)
-    clock.now += 330.0
-    bar2.round_done({**_RECORD, "round": 3}, None)
-    assert stream.getvalue().splitlines()[-1].endswith("| about 1.9 h left")  # 38 x 180 s
+
+
+def test_the_time_left_excludes_compiling_by_hand() -> None:
+    """Six rounds, records with known seconds and compile_seconds (no clock: the record's
+    seconds). Round 1, 250 s of which 130 compiling: 120 s a round, five left: 600 s (10 min; the
+    old extrapolation of 250 s: 21 min). Round 2, 70 s of which 10 compiling: from then on the
+    later rounds' mean, 60 s, four left: 240 s. Round 3, 140 s: (60 + 140) / 2 = 100 s, three
+    left: 300 s. The last round: none."""
+    stream = io.StringIO()
+    bar = outputs.Progress(6, enabled=True, stream=stream)
+    for r, seconds, compiled in [(1, 250.0, 130.0), (2, 70.0, 10.0), (3, 140.0, 0.0)]:
+        bar.round_done({**_RECORD, "round": r, "seconds": seconds,
+                        "compile_seconds": compiled}, None)  # fmt: skip
+    lines = stream.getvalue().splitlines()
+    assert [x.rsplit(" | ", 1)[-1] for x in lines] == [
+        "about 10 min left", "about 4 min left", "about 5 min left"]
+    last = outputs.Progress(1, enabled=True, stream=stream)
+    last.round_done({**_RECORD, "round": 1, "compile_seconds": 1.0}, None)
+    assert stream.getvalue().splitlines()[-1].endswith("| 1.5s")  # nothing left to estimate
+
+
+def test_a_wall_clock_round_less_its_compiling_and_later_rounds_by_their_mean() -> None:
+    """With round_start, a round's time is the wall clock's (its checkpoint included): 1090 s
+    with 990 s compiling is 100 s a round; then 30 s, then 330 s (later rounds' mean: 180 s)."""
+    stream, clock = io.StringIO(), _Clock()
+    bar = outputs.Progress(41, enabled=True, stream=stream, clock=clock)
+    for r, end, compiled, want in [(1, 1090.0, 990.0, "about 67 min left"),  # 40 x 100 s
+                                   (2, 1120.0, 0.0, "about 20 min left"),  # 39 x 30 s
+                                   (3, 1450.0, 0.0, "about 1.9 h left")]:  # 38 x 180 s
+        bar.round_start(r)
+        clock.now = end
+        bar.round_done({**_RECORD, "round": r, "compile_seconds": compiled}, None)
+        assert stream.getvalue().splitlines()[-1].endswith(f"| {want}")
+
+
+def test_on_a_terminal_every_rounds_line_stays_above_the_bar() -> None:
+    """tqdm writes each round's line above the bar (a whole line, ended by a newline) instead of
+    into the bar's text, which the next round would overwrite."""
+    stream = _Tty()
+    bar = outputs.Progress(3, enabled=True, stream=stream)
+    for r in (1, 2):
+        bar.round_done({**_RECORD, "round": r}, "accuracy")
+    bar.close()
+    whole = [seg for line in stream.getvalue().split("\n")[:-1] for seg in line.split("\r")]
+    for r, left in ((1, "under a minute left"), (2, "under a minute left")):
+        assert (f"round {r} | loss 0.2500 | accuracy 0.8750 | sent 2.5 MB | 1.5s | {left}"
+                in whole), r  # fmt: skip
+
+
+def test_dp_rounds_say_epsilon_and_the_budget_left() -> None:
+    """A DP record's epsilon in its line, with what is left of --dp-max-epsilon (8 - 2.5 = 5.5);
+    no budget: epsilon alone; no noise (epsilon None): no guarantee."""
+    record = {**_RECORD, "epsilon": 2.5}
+    line = outputs.format_round(record, "accuracy", 8.0)
+    assert line == ("round 3 | loss 0.2500 | accuracy 0.8750 | epsilon 2.5 of 8 (5.5 left) | "
+                    "sent 2.5 MB | 1.5s")  # fmt: skip
+    assert "| epsilon 2.5 | sent" in outputs.format_round(record, "accuracy")
+    assert "| no privacy guarantee (z = 0) |" in outputs.format_round(
+        {**_RECORD, "epsilon": None}, None)  # fmt: skip
+    stream = io.StringIO()
+    bar = outputs.Progress(4, enabled=True, stream=stream, epsilon_budget=3.0)
+    bar.round_done({**record, "epsilon": 1.25}, None)
+    assert "| epsilon 1.25 of 3 (1.75 left) |" in stream.getvalue()
+
+
+def _summary(final: float, majority: float | None, **extra: object) -> dict:
+    return {"primary_metric": "accuracy", "final": {"accuracy": final}, "majority_label": majority,
+            "rounds": 3, "cum_bytes": 10**6, "seconds": 5.0, "run_dir": "runs/x", **extra}
+
+
+def test_a_run_at_or_below_its_majority_label_ends_with_one_warning_line() -> None:
+    """The issue's runs: a DP run that ended exactly on the line (0.6869), a FedBT run below it;
+    one above it has no warning, nor a run without the figure (a regression task)."""
+    from fedjax_split import train
+
+    warning = ("warning: the final accuracy {:.4f} is at or below the majority label's 0.6869: "
+               "the model does no better than each client always predicting its most common "
+               "training label")  # fmt: skip
+    for final in (0.6869, 0.68686, 0.61):  # 0.68686 reads 0.6869, as the done line shows it
+        lines = train.done_line(_summary(final, 0.686899)).splitlines()
+        assert lines[-1] == warning.format(final)
+        assert sum(x.startswith("warning:") for x in lines) == 1
+    for summary in (_summary(0.6871, 0.6869), _summary(0.5, None)):
+        assert "warning" not in train.done_line(summary)
+        assert outputs.below_majority(summary) is None
+
+
+def test_the_done_line_says_dp_epsilon_and_the_budget_left() -> None:
+    from fedjax_split import train
+
+    privacy = {"epsilon": 2.49, "max_epsilon": 2.8, "delta": 1e-5}
+    line = train.done_line(_summary(0.8, 0.6, privacy=privacy)).splitlines()[0]
+    assert line == ("done: 3 rounds, accuracy 0.8000 (mean over clients), majority label 0.6000; "
+                    "epsilon 2.49 of 2.8 (0.31 left) at delta 1e-05; 1.0 MB sent, 5.0 s")
+    no_noise = {"noise_multiplier": 0.0, "epsilon": None, "max_epsilon": None}
+    assert "; no privacy guarantee (z = 0);" in train.done_line(_summary(0.8, 0.6,
+                                                                         privacy=no_noise))
+    assert "epsilon" not in train.done_line(_summary(0.8, 0.6))
 
 
 def test_inside_a_round_on_a_terminal_the_bar_says_it_and_disabled_hooks_nothing() -> None:
@@ -189,23 +270,6 @@ def test_summary_is_rounded_for_reading_with_exact_bytes_beside_megabytes(tmp_pa
     assert (got["rounds"], got["resume"], got["missing"], got["zero"]) == (3, False, None, 0.0)
     assert list(got)[list(got).index("cum_bytes") + 1] == "cum_mb"  # read side by side
     assert summary["final"]["accuracy"] == 0.834733893557423  # the caller's dict is untouched
-
-
-def test_the_first_rounds_time_left_follows_its_second_half() -> None:
-    """Programs of new shapes compile all through a first round: its first half is slow, its
-    second half is what later rounds cost. 50 steps in 100 s, then 50 in 10 s (0.2 s a step) and
-    2 s after the last report: 22 s a round, four left: 88 s (the first-report rule would say
-    8 min)."""
-    stream, clock = io.StringIO(), _Clock()
-    bar = outputs.Progress(5, enabled=True, stream=stream, clock=clock)
-    bar.round_start(1)
-    hook = bar.round_hook()
-    for t, done in [(0.0, 1), (50.0, 25), (100.0, 50), (105.0, 75), (110.0, 100)]:
-        clock.now = t
-        hook(_inside(done))
-    clock.now = 112.0
-    bar.round_done({**_RECORD, "round": 1}, None)
-    assert stream.getvalue().splitlines()[-1].endswith("| about 1 min left")
 
 
 def test_training_says_only_the_first_round_compiles() -> None:

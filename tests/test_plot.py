@@ -125,3 +125,88 @@ def test_safeguard_labels_name_dp_and_the_robust_rule() -> None:
     assert safeguard_label({"aggregator": "median", "max_update_norm": 0.5}) == (
         " + median + norm <= 0.5"
     )
+
+
+def test_run_labels_name_the_method_dp_lora_and_fedbt() -> None:
+    """The issue's four runs (the quick job's c = 3 of MiniLM's 6 layers): each its own name."""
+    from fedjax_split.run.plots import run_label
+
+    plain = {"algorithm": "fedavg", "quantize": "none", "aggregator": "mean"}
+    assert run_label(plain, 3, 6) == "FedSplitBERT c=3"
+    assert run_label({**plain, "dp_noise_multiplier": 1.0}, 3, 6) == "FedSplitBERT c=3 + DP z=1"
+    assert run_label(plain, 3, 6, lora_rank=8) == "FedSplitBERT c=3 + LoRA r=8"
+    assert run_label(plain, 6, 6, lora_rank=8) == "FedAvg + LoRA r=8"
+    assert run_label(plain, 3, 6, cycle=3) == "FedBT cycle 3"
+    assert run_label({**plain, "algorithm": "fedadam", "quantize": "fp16"}, 6, 6, cycle=2) == (
+        "FedBT cycle 2 (FedAdam) + fp16 wire"
+    )
+
+
+def _written_run(d: Path, label: str, config: dict, accs: list[float], majority: float) -> Path:
+    """A run directory as a run leaves it: config.json, metrics.jsonl, summary.json."""
+    _run(d, 3, accs, 1_000_000)
+    (d / "config.json").write_text(json.dumps({"task": "rotten_tomatoes", "critical_layer": 3,
+                                               "output_dir": str(d), **config}))  # fmt: skip
+    (d / "summary.json").write_text(json.dumps({
+        "label": label, "method": "FedSplitBERT, c = 3 of 6: ...", "primary_metric": "accuracy",
+        "majority_label": majority, "final": {"accuracy": accs[-1]}}))  # fmt: skip
+    return d
+
+
+def _four_runs(tmp_path: Path) -> list[Path]:
+    from fedjax_split.run.plots import run_label
+
+    plain = {"algorithm": "fedavg", "quantize": "none", "aggregator": "mean", "seed": 0,
+             "lr": 5e-05}  # fmt: skip
+    dp = {**plain, "dp_noise_multiplier": 1.0}
+    return [_written_run(tmp_path / name, run_label(cfg, 3, 6, **kw), cfg, accs, 0.6869)
+            for name, cfg, kw, accs in [
+                ("plain", plain, {}, [0.7, 0.8]), ("dp", dp, {}, [0.6, 0.6869]),
+                ("lora", {**plain, "lora_rank": 8}, {"lora_rank": 8}, [0.6, 0.75]),
+                ("fedbt", {**plain, "layer_schedule": "fedbt"}, {"cycle": 3}, [0.5, 0.6])]]
+
+
+def test_legends_are_the_methods_the_runs_wrote_and_distinct(tmp_path: Path) -> None:
+    """The plain, DP, LoRA and FedBT runs that config fields labelled `c=3, lr=5e-05` twice."""
+    runs = _four_runs(tmp_path)
+    ax = plot.figures(runs, "accuracy")["rounds"].axes[0]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[:4] == ["FedSplitBERT c=3", "FedSplitBERT c=3 + DP z=1",
+                          "FedSplitBERT c=3 + LoRA r=8", "FedBT cycle 3"]  # fmt: skip
+
+
+def test_runs_of_one_method_add_what_differs_and_nothing_else(tmp_path: Path) -> None:
+    base = {"algorithm": "fedavg", "seed": 0, "lr": 5e-05, "rounds": 3, "data_dir": "d"}
+    runs = [_written_run(tmp_path / name, "FedSplitBERT c=3", {**base, **cfg}, [0.7, 0.8], 0.6)
+            for name, cfg in [("a", {}), ("b", {"seed": 1, "data_dir": "elsewhere"}),
+                              ("c", {"lr": 1e-4})]]  # fmt: skip
+    runs.append(_written_run(tmp_path / "d", "FedAvg", base, [0.7, 0.8], 0.6))
+    configs = [plot.load_run(r)[0] for r in runs]
+    summaries = [plot.load_summary(r) for r in runs]
+    assert plot.run_labels(configs, summaries, [r.name for r in runs]) == [
+        "FedSplitBERT c=3, lr=5e-05, seed=0", "FedSplitBERT c=3, lr=5e-05, seed=1",
+        "FedSplitBERT c=3, lr=0.0001, seed=0", "FedAvg"]  # fmt: skip
+    same = plot.run_labels(configs[:1] * 2, summaries[:1] * 2, ["x", "y"])  # nothing differs
+    assert same == ["FedSplitBERT c=3, x", "FedSplitBERT c=3, y"]
+
+
+def test_the_majority_label_line_is_drawn_on_both_figures(tmp_path: Path) -> None:
+    """One dashed line at the runs' shared majority-label figure; one per run when they differ;
+    none for a metric the figure is not of (it is the primary metric's)."""
+    from fedjax_split.run.plots import MAJORITY
+
+    runs = _four_runs(tmp_path / "four")
+    for fig in plot.figures(runs, "accuracy").values():
+        ax = fig.axes[0]
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert list(lines[MAJORITY].get_ydata()) == [0.6869, 0.6869]
+        assert lines[MAJORITY].get_linestyle() == "--"
+        assert MAJORITY in [t.get_text() for t in ax.get_legend().get_texts()]
+    other = _written_run(tmp_path / "other", "FedAvg", {}, [0.7, 0.8], 0.55)
+    ax = plot.figures([runs[0], other], "accuracy")["mb"].axes[0]
+    refs = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()
+            if line.get_label().startswith("majority")}  # fmt: skip
+    assert refs == {"majority label (FedSplitBERT c=3)": [0.6869, 0.6869],
+                    "majority label (FedAvg)": [0.55, 0.55]}  # fmt: skip
+    ax = plot.figures(runs, "f1")["rounds"].axes[0]
+    assert not [x for x in ax.get_lines() if x.get_label().startswith("majority")]

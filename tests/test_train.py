@@ -95,6 +95,11 @@ def straight(env: dict) -> Path:
     assert res.stderr.splitlines()[0] == (
         "FedSplitBERT, c = 1 of 2: embeddings + layer 1 shared, layer 2 + head personal"
     )
+    # every round's line, each with the time left but the last: from round 1 on (compile
+    # excluded: tests/test_outputs.py computes the figure by hand)
+    rounds = [x for x in res.stderr.splitlines() if re.match(r"round \d \| ", x)]
+    assert [x.split(" ", 2)[1] for x in rounds] == ["1", "2", "3", "4"], res.stderr
+    assert all(x.endswith(" left") for x in rounds[:3]) and not rounds[3].endswith(" left")
     # the last lines a person reads: the figure beside the label priors', MB, time, files
     assert res.stdout.startswith("done: 4 rounds, accuracy 0."), res.stdout
     assert ", majority label 0." in res.stdout and " MB sent, " in res.stdout

@@ -165,7 +165,9 @@ def drive(
                 outputs.write_jsonl(private, history)
             if start_round < run.rounds:
                 (run_dir / "summary.json").unlink(missing_ok=True)  # stale until this run ends
-        bar = outputs.Progress(run.rounds, start_round, enabled=progress and writes)
+        budget = config.get("dp_max_epsilon")  # DP's, if any: the round lines say what is left
+        bar = outputs.Progress(run.rounds, start_round, enabled=progress and writes,
+                               epsilon_budget=budget)  # fmt: skip
         try:
             watch = getattr(run, "watch", None)  # optional: see Run
             if watch is not None:

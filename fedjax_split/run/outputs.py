@@ -160,18 +160,56 @@ def check_run_dir(
         )
 
 
-def format_round(record: dict[str, Any], metric: str | None) -> str:
-    """One short human line for a round's record."""
+def format_round(record: dict[str, Any], metric: str | None,
+                 epsilon_budget: float | None = None) -> str:  # fmt: skip
+    """One short human line for a round's record; with client-level DP (the record has
+    `epsilon`) the privacy spent so far, and what is left of `epsilon_budget` (--dp-max-epsilon)."""
     parts = [f"round {record['round']}"]
     if record.get("train_loss") is not None:
         parts.append(f"loss {record['train_loss']:.4f}")
     if metric and record.get(metric) is not None:
         parts.append(f"{metric} {record[metric]:.4f}")
+    if "epsilon" in record:
+        parts.append(privacy_words(record["epsilon"], epsilon_budget))
     parts.append(f"sent {record['cum_bytes'] / 1e6:.1f} MB")  # cumulative, up + down
     evaluated = record["eval_seconds"]
     took = f"{record['seconds']:.1f}s"
     parts.append(f"{took} (eval {evaluated:.1f}s)" if evaluated else took)
     return " | ".join(parts)
+
+
+def privacy_words(epsilon: float | None, budget: float | None = None,
+                  delta: float | None = None) -> str:  # fmt: skip
+    """DP's spend as a round line and the done line say it: "epsilon 2.49 of 2.8 (0.308 left)";
+    None: clipping without noise, so no guarantee."""
+    if epsilon is None:
+        return "no privacy guarantee (z = 0)"
+    words = f"epsilon {epsilon:.3g}"
+    if budget is not None:
+        words += f" of {budget:g} ({max(budget - epsilon, 0.0):.3g} left)"
+    return words + (f" at delta {delta:g}" if delta is not None else "")
+
+
+def summary_privacy(summary: dict[str, Any]) -> str | None:
+    """A DP run's spend for its done line (`privacy_words` of summary.json's `privacy`); None
+    without DP."""
+    privacy = summary.get("privacy")
+    if not privacy:
+        return None
+    return privacy_words(privacy.get("epsilon"), privacy.get("max_epsilon"), privacy.get("delta"))
+
+
+def below_majority(summary: dict[str, Any]) -> str | None:
+    """The warning line for a run whose final primary metric is at or below what each client's
+    majority label alone scores (compared as the done line shows them, to 4 decimals): such a
+    run learned nothing the label priors do not give. None otherwise, or without the figures."""
+    metric, majority = summary.get("primary_metric"), summary.get("majority_label")
+    value = summary.get("final", {}).get(metric) if metric else None
+    if value is None or majority is None or round(value, 4) > round(majority, 4):
+        return None
+    return (f"warning: the final {metric} {value:.4f} is at or below the majority label's "
+            f"{majority:.4f}: the model does no better than each client always predicting its "
+            "most common training label")  # fmt: skip
 
 
 LINE_SECONDS = 10.0  # not a terminal: at most one line inside a round this often
@@ -187,10 +225,12 @@ class Progress:
       local steps done of the round's, examples per second since the first program finished (so
       that compiling does not count); on a terminal in the bar's text, else a line at most every
       LINE_SECONDS;
-    - after each round (`round_done`): its line, and the time left: rounds left times a round's
-      steady time (the first round in this process by the rate of its second half, when programs
-      of new shapes have mostly compiled, so its compiling does not inflate the estimate; later
-      rounds by their mean).
+    - after each round (`round_done`): its line (on a terminal written above the bar, so that
+      every round's line stays on screen), with DP's epsilon and what is left of
+      `epsilon_budget`, and the time left from the first round on: rounds left times a round's
+      seconds less the seconds XLA spent compiling in it (the record's `compile_seconds`), the
+      first round's until a later one is measured, then the later rounds' mean (the first also
+      traces and loads what later rounds reuse).
     `clock`: the time source (tests pass a fake one).
     """
 
@@ -202,22 +242,21 @@ class Progress:
         enabled: bool = True,
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
+        epsilon_budget: float | None = None,
     ) -> None:
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.total, self.done = total, initial
         self.clock = clock
+        self.epsilon_budget = epsilon_budget
         self._bar = None
         self._round: int | None = None
         self._started = 0.0  # the round's start
-        self._first: tuple[float, int, int] | None = None  # its first report: time, steps, examples
-        self._mid: tuple[float, int] | None = None  # first report half-way or later: time, steps
-        self._last: tuple[float, int] | None = None  # its latest report: time, steps
-        self._steps = 0  # the round's steps (its reports')
+        self._first: tuple[float, int] | None = None  # its first report: time, examples
         self._rounds_here = 0  # rounds done in this process
         self._last_line = -math.inf  # when the last line (or bar text) was written
-        self._first_estimate: float | None = None  # the first round's steady seconds
-        self._later: list[float] = []  # seconds of the later rounds in this process
+        self._first_round: float | None = None  # the first round's seconds less compiling
+        self._later: list[float] = []  # the same of the later rounds in this process
         if enabled and hasattr(self.stream, "isatty") and self.stream.isatty():
             from tqdm.auto import tqdm
 
@@ -231,7 +270,7 @@ class Progress:
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.write(message, file=self.stream)
+            self._bar.write(message, file=self.stream)  # above the bar, kept on screen
         else:
             print(message, file=self.stream, flush=True)
         self._last_line = self.clock()
@@ -242,8 +281,7 @@ class Progress:
         self.note(f"round {round_}: compiling {what} ...")
 
     def round_start(self, round_: int) -> None:
-        self._round, self._started, self._first, self._steps = round_, self.clock(), None, 0
-        self._mid = self._last = None
+        self._round, self._started, self._first = round_, self.clock(), None
 
     def training(self, what: str = "the client program (the first round only)"
                  ) -> Callable[[Any], None] | None:  # fmt: skip
@@ -261,19 +299,15 @@ class Progress:
     def inside(self, progress: Any) -> None:
         """A round's progress: clients_done, clients, steps_done, steps, examples_done."""
         now = self.clock()
-        self._steps = progress.steps
-        self._last = (now, progress.steps_done)
-        if self._mid is None and 2 * progress.steps_done >= progress.steps:
-            self._mid = self._last
         if self._first is None:
-            self._first = (now, progress.steps_done, progress.examples_done)
+            self._first = (now, progress.examples_done)
         elif now - self._last_line < (LINE_SECONDS if self._bar is None else BAR_SECONDS):
             return
         text = (
             f"round {self._round}: {progress.clients_done}/{progress.clients} clients done, "
             f"{progress.steps_done}/{progress.steps} steps"
         )
-        t_first, _, examples_first = self._first
+        t_first, examples_first = self._first
         if now > t_first and progress.examples_done > examples_first:
             rate = (progress.examples_done - examples_first) / (now - t_first)
             text += f", {rate:,.0f} examples/s"
@@ -284,51 +318,30 @@ class Progress:
             self.note(text)
 
     def _time_left(self, record: dict[str, Any]) -> str | None:
-        """Records this round's steady seconds; the time left, when there is an estimate."""
-        now = self.clock()
-        if self._round is None:  # no round_start: the record's seconds
-            seconds: float | None = record.get("seconds")
-        else:
-            seconds = now - self._started
+        """Records this round's seconds less its compiling; the time left, when rounds are."""
+        seconds = record.get("seconds") if self._round is None else self.clock() - self._started
         self._rounds_here += 1
-        if self._rounds_here == 1:  # it compiled
-            self._first_estimate = self._steady_first(now)
-        elif seconds is not None:
-            self._later.append(seconds)
-        per_round = sum(self._later) / len(self._later) if self._later else self._first_estimate
+        if seconds is not None:
+            steady = max(0.0, seconds - (record.get("compile_seconds") or 0.0))
+            if self._rounds_here == 1:
+                self._first_round = steady
+            else:
+                self._later.append(steady)
+        per_round = sum(self._later) / len(self._later) if self._later else self._first_round
         left = self.total - self.done
         if per_round is None or left <= 0:
             return None
         return time_left(per_round * left)
-
-    def _steady_first(self, now: float) -> float | None:
-        """The first round's seconds had it not compiled. Programs of new shapes compile all
-        through it, so the rate of its second half (from the first report half-way on to the
-        last) times its steps, plus what came after the last report beyond that rate (the last
-        programs and the evaluation); without two such reports, from its first report on, scaled
-        to all of its steps (None without a report, or when it came at the end)."""
-        if self._first is None or self._round is None:
-            return None
-        steps = self._steps
-        if self._mid is not None and self._last is not None:
-            (t_mid, steps_mid), (t_last, steps_last) = self._mid, self._last
-            if steps_last > steps_mid and t_last > t_mid:
-                per_step = (t_last - t_mid) / (steps_last - steps_mid)
-                tail = (now - t_last) - (steps - steps_last) * per_step
-                return steps * per_step + max(0.0, tail)
-        t_first, steps_first, _ = self._first
-        if steps <= steps_first or now <= t_first:
-            return None
-        return (now - t_first) * steps / (steps - steps_first)
 
     def round_done(self, record: dict[str, Any], metric: str | None) -> None:
         if not self.enabled:
             return
         self.done += 1
         left = self._time_left(record)
-        line = format_round(record, metric) + (f" | {left}" if left else "")
+        line = format_round(record, metric, self.epsilon_budget) + (f" | {left}" if left else "")
         if self._bar is not None:
-            self._bar.set_postfix_str(line.split(" | ", 1)[-1])
+            self._bar.write(line, file=self.stream)  # above the bar: every round's line stays
+            self._bar.set_postfix_str(left or "")
             self._bar.update(1)
         else:
             print(line, file=self.stream, flush=True)

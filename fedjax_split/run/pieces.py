@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from fedjax_split.errors import UserError
+from fedjax_split.run import plots
 from fedjax_split.run.config import (
     ExperimentConfig,
     entity_type_list,
@@ -657,6 +658,7 @@ def summary(
     return {
         "task": config.task,
         "method": method_line(config, model),
+        "label": plots.label_of(config, model),  # the method in a legend's words (tools/plot.py)
         "algorithm": config.algorithm,
         "critical_layer": model.critical_layer,
         "num_layers": model.config.num_hidden_layers,

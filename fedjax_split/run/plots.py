@@ -53,6 +53,37 @@ def safeguard_label(settings: Mapping[str, Any]) -> str:
     return "".join(f" + {p}" for p in parts)
 
 
+def run_label(
+    settings: Mapping[str, Any], critical_layer: int | None, num_layers: int, *,
+    cycle: int | None = None, lora_rank: int | None = None,
+) -> str:  # fmt: skip
+    """A run's name in a legend, told apart from the other methods: "FedSplitBERT c=3 + DP z=1",
+    "FedBT cycle 3", "FedSplitBERT c=3 + LoRA r=8" (`settings`: the config as a dict; `cycle`,
+    FedBT's cycle factor; `lora_rank`, LoRA's rank), then the wire and the safeguards."""
+    algorithm = str(settings.get("algorithm", "fedavg"))
+    if cycle is not None:
+        server = ALGORITHMS[algorithm].title if algorithm in ALGORITHMS else algorithm
+        label = f"FedBT cycle {cycle}" + ("" if algorithm == "fedavg" else f" ({server})")
+    else:
+        label = method_label(algorithm, critical_layer, num_layers)
+    if lora_rank:
+        label += f" + LoRA r={lora_rank}"
+    quantize = str(settings.get("quantize", "none"))
+    return label + WIRE_NAMES.get(quantize, f" + {quantize} wire") + safeguard_label(settings)
+
+
+def label_of(config: Any, model: Any) -> str:
+    """`run_label` of a fine-tuning run (its ExperimentConfig and built model): summary.json's
+    `label`, and its plot.png's legend."""
+    return run_label(
+        config.to_dict(),
+        model.critical_layer,
+        model.config.num_hidden_layers,
+        cycle=model.cycle_factor,
+        lora_rank=model.config.lora_rank if model.config.lora_targets else None,
+    )
+
+
 def value(record: Mapping[str, Any], metric: str) -> Any:
     """A record's metric; a dotted name reaches into a nested one (`pooled.accuracy`: the global
     model on the pooled test set, `trained_mean.accuracy`)."""
@@ -158,8 +189,7 @@ def write_fine_tuning_plot(
     baseline: float | None = None,
 ) -> Path | None:
     """A fine-tuning run's plot.png (simulated or on Flower), named by its method and setting."""
-    label = method_label(config.algorithm, model.critical_layer, model.config.num_hidden_layers,
-                         config.quantize) + safeguard_label(config.to_dict())  # fmt: skip
+    label = label_of(config, model)
     title = f"{config.task}: {config.clients} clients, {Path(str(config.model)).name}"
     return write_run_plot(Path(run_dir) / PLOT_FILE, records, model.task.primary_metric, label,
                           title, baseline)  # fmt: skip
