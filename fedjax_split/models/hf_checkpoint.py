@@ -7,8 +7,10 @@ or pytorch_model.bin read by a restricted unpickler that never executes pickled 
 (`BertModel`).
 Missing encoder tensors are an error; the pooler and classifier (or the MLM head,
 `cls.predictions.*`) are freshly initialised from the seed when absent (or when the checkpoint's
-head has another label count), with a warning naming them; unexpected tensors (an MLM head read
-for classification, BERT's next-sentence head) are reported in a warning.
+head has another label count). The task's head alone is what a run on a pretrained body expects,
+said in a plain line (`errors.Note`: "a new classifier head for 2 labels, initialised from seed
+0"); anything else fresh (a pooler) is a warning naming every fresh tensor. Unexpected tensors (an
+MLM head read for classification, BERT's next-sentence head) are reported in a warning.
 
 Export: `save_pretrained` writes a `BertForSequenceClassification` directory (with the token
 head, `BertForTokenClassification`; with the MLM head, `BertForMaskedLM`): config.json,
@@ -38,7 +40,7 @@ import ml_dtypes
 import numpy as np
 
 from fedjax_split import assets
-from fedjax_split.errors import UserError
+from fedjax_split.errors import Note, UserError
 from fedjax_split.models.bert import BertConfig, Params, make_apply
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -378,13 +380,17 @@ def params_from_tensors(
         if not _IGNORED.match(raw):
             by_name.setdefault(_normalise_name(raw), raw)
     params: Params = {}
-    missing, fresh = [], []
+    missing: list[str] = []
+    fresh: dict[str, str] = {}  # HF name -> why ("" when absent, else its other shape)
     used = set()
     for path, (name, transpose) in hf_names(config).items():
         raw = by_name.get(name)
         want = _shape_of(config, path)
         if raw is None:
-            (fresh if _is_head(path) else missing).append(name)
+            if _is_head(path):
+                fresh[name] = ""
+            else:
+                missing.append(name)
             _set(params, path, _fresh(config, path, seed))
             continue
         used.add(name)
@@ -392,7 +398,7 @@ def params_from_tensors(
         arr = arr.T if transpose else arr
         if arr.shape != want:
             if path.startswith("classifier/"):
-                fresh.append(f"{name} (shape {arr.shape} != {want})")
+                fresh[name] = f" (shape {arr.shape} != {want})"
                 _set(params, path, _fresh(config, path, seed))
                 continue
             raise UserError(
@@ -424,10 +430,37 @@ def params_from_tensors(
             stacklevel=3,
         )
     if fresh:
-        warnings.warn(
-            f"{source}: freshly initialised from seed {seed}: {', '.join(fresh)}", stacklevel=3
-        )
+        _report_fresh(config, fresh, seed, source)
     return params
+
+
+def task_head(config: BertConfig) -> set[str]:
+    """The Hugging Face names of the head a run puts on the pretrained body for its task: the
+    classifier (sequence or token task), or the MLM head for pre-training."""
+    prefix = "cls." if config.head == "mlm" else "classifier."
+    return {name for name, _ in hf_names(config).values() if name.startswith(prefix)}
+
+
+def _head_words(config: BertConfig) -> str:
+    if config.head == "mlm":
+        return "a new masked-LM head"
+    if config.problem_type == "regression":
+        return "a new regression head"
+    what = "tags" if config.head == "token" else "labels"
+    return f"a new classifier head for {config.num_labels} {what}"
+
+
+def _report_fresh(config: BertConfig, fresh: dict[str, str], seed: int, source: str) -> None:
+    """Says what was drawn from the seed. Only the task's head (which a pretrained body lacks, or
+    holds for another label count) is expected: a plain `Note`. Anything else (a missing pooler,
+    part of a head) is a warning naming every fresh tensor."""
+    if set(fresh) == task_head(config):
+        was = " (the checkpoint's has another label count)" if any(fresh.values()) else ""
+        warnings.warn(Note(f"{_head_words(config)}, initialised from seed {seed}{was}"),
+                      stacklevel=4)  # fmt: skip
+        return
+    named = ", ".join(name + why for name, why in fresh.items())
+    warnings.warn(f"{source}: freshly initialised from seed {seed}: {named}", stacklevel=4)
 
 
 def load_pretrained(
