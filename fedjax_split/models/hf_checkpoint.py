@@ -56,6 +56,8 @@ _IGNORED = re.compile(r"^(bert\.)?embeddings\.position_ids$")
 # The MLM decoder's weight and bias are tied to the word embeddings and to cls.predictions.bias.
 _TIED = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# a model in the hub's cache: .../models--ORG--NAME/snapshots/REVISION (huggingface_hub's layout)
+_HUB_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+)/snapshots/[^/]+/?$")
 
 
 class Pretrained:
@@ -355,6 +357,32 @@ def _snapshot(repo_id: str, aliases: list[str]) -> Path:
     return d
 
 
+def hub_id(model: str | None, model_dir: str | os.PathLike[str] | None) -> str | None:
+    """The Hugging Face hub id of the model a run started from, or None (a model of its own):
+    what a PEFT adapter names as its base so that it loads elsewhere. From `model` as the run was
+    given it (config.json's `model`): an offline alias of a hub model (`minilm-l6`), or a hub id
+    that the hub resolved (it named no local directory: `model_dir`, where the run loaded it, is
+    elsewhere). Else from `model_dir`: a snapshot in the hub's cache (`models--ORG--NAME/...`),
+    or a known offline copy (a model asset's weights, by size and sha256)."""
+    if model:
+        if model in assets.ASSETS and assets.ASSETS[model].hub_id:
+            return assets.ASSETS[model].hub_id
+        local = model_dir is not None and Path(model).expanduser() == Path(model_dir)
+        if _HUB_ID.match(model) and not local and model not in assets.ASSETS:
+            return model
+    if model_dir is None:
+        return None
+    if m := _HUB_SNAPSHOT.search(Path(model_dir).as_posix()):
+        return m.group(1).replace("--", "/")  # the hub allows no "--" within an id's parts
+    weights = Path(model_dir) / "model.safetensors"
+    for asset in assets.ASSETS.values():
+        pinned = asset.files.get(f"{asset.root}/model.safetensors")
+        if asset.hub_id and pinned and weights.is_file() and weights.stat().st_size == pinned[1]:
+            if assets.sha256_file(weights) == pinned[0]:
+                return asset.hub_id
+    return None
+
+
 # ----------------------------------------------------------------------------- load / save
 
 
@@ -572,13 +600,22 @@ def save_pretrained(
         (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer_dir is not None:
-            tok = Path(tokenizer_dir)
-            copied = [f for f in TOKENIZER_FILES if (tok / f).is_file()]
-            if not copied:
-                raise UserError(
-                    f"no tokenizer files in {tok}; pass the model directory as tokenizer_dir"
-                )
-            for f in copied:
-                shutil.copy2(tok / f, tmp / f)
+            copy_tokenizer(tokenizer_dir, tmp)
 
     return replace_dir(out_dir, fill, "config.json", "a model directory")
+
+
+def copy_tokenizer(
+    tokenizer_dir: str | os.PathLike[str], out: Path, *, standalone: bool = False
+) -> None:
+    """Copies a model directory's tokenizer files into `out`. `standalone`: `out` has no
+    config.json (a PEFT adapter), from which transformers would learn the tokenizer's class, so a
+    tokenizer_config.json naming BertTokenizer is written where the source has none."""
+    tok = Path(tokenizer_dir)
+    copied = [f for f in TOKENIZER_FILES if (tok / f).is_file()]
+    if not copied:
+        raise UserError(f"no tokenizer files in {tok}; pass the model directory as tokenizer_dir")
+    for f in copied:
+        shutil.copy2(tok / f, out / f)
+    if standalone and "tokenizer_config.json" not in copied:
+        (out / "tokenizer_config.json").write_text('{"tokenizer_class": "BertTokenizer"}\n')
