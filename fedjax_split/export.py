@@ -163,6 +163,11 @@ def export_client(
         params, config, model_dir = site_params(state_dir, client, run_id, round_)
     else:
         params, config, model_dir = personalised_params(run_dir, client, round_)
+    if peft and not config.lora_targets:
+        raise UserError(
+            "--peft writes LoRA adapters and this run has none; export without --peft, or "
+            "train with --lora-rank R"
+        )
     base = Path(model_dir) if model_dir is not None and Path(model_dir).is_dir() else None
     if base is None:
         say(f"note: the base model's directory {model_dir} is not on this machine, so no "
@@ -171,11 +176,6 @@ def export_client(
         if config.lora_targets:
             params, config = lora.merge(params, config)
         return hf_checkpoint.save_pretrained(params, config, out, tokenizer_dir=base)
-    if not config.lora_targets:
-        raise UserError(
-            "--peft writes LoRA adapters and this run has none; export without --peft, or "
-            "train with --lora-rank R"
-        )
     if base_model is None:
         base_model = peft_base(run_dir, model_dir, say)
     return lora.save_peft(

@@ -509,6 +509,24 @@ def test_a_sites_export_from_its_node_alone_equals_the_runs(
     assert all(np.array_equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
 
 
+def test_an_export_without_its_base_directory_says_the_tokenizer_is_missing(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A node whose model directory is gone (moved, a cleared cache): the model is written, with
+    a note that its tokenizer files are not, rather than silently without them."""
+    site = _site(run, tmp_path / "node", client=1, round_=2, run_id="ab" * 8)
+    meta = site / ("ab" * 8) / "model.json"
+    record = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**record, "model_dir": str(tmp_path / "gone")}))
+    out = tmp_path / "out"
+    assert export.main(["--state-dir", str(site), "--client", "1", "--out", str(out)]) == 0
+    assert capsys.readouterr().err == (
+        f"note: the base model's directory {tmp_path / 'gone'} is not on this machine, so no "
+        "tokenizer files are written; copy them from the base model\n"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_a_sites_export_errors_are_one_line(
     run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
