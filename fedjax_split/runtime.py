@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from fedjax_split import compilation
-from fedjax_split.errors import UserError
+from fedjax_split.errors import Note, UserError
 
 MALLOC_ENV = "FEDJAX_SPLIT_MALLOC"  # auto (default): tune glibc's malloc; system: leave it as it is
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's malloc.h
@@ -221,7 +221,10 @@ def one_line_warning(
     message: Any, category: type[Warning], filename: str, lineno: int, line: str | None = None
 ) -> str:
     """Warnings as the CLI's other messages, on one line: a source line under them reads like a
-    crash. Ours are plain UserWarnings; others keep their category and origin."""
+    crash. Ours are plain UserWarnings, and a `Note` is a plain line without "warning:"; others
+    keep their category and origin."""
+    if issubclass(category, Note):
+        return f"{message}\n"
     if category is UserWarning:
         return f"warning: {message}\n"
     return f"warning: {category.__name__}: {message} ({filename}:{lineno})\n"

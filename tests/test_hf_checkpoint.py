@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from fedjax_split import assets
-from fedjax_split.errors import UserError
+from fedjax_split.errors import Note, UserError
 from fedjax_split.models import hf_checkpoint
 from fedjax_split.models.bert import BertConfig, init_params, make_apply, make_encode
 from fedjax_split.models.hf_checkpoint import load_pretrained, resolve_model, save_pretrained
@@ -167,7 +167,7 @@ def test_a_truncated_model_gets_lora_adapters_on_its_own_layers_only(torch_class
 
 def test_encoder_checkpoint_without_prefix_gets_fresh_seeded_head(torch_encoder):
     model, path = torch_encoder
-    with pytest.warns(UserWarning, match="classifier.weight"):
+    with pytest.warns(Note, match="^a new classifier head for 3 labels, initialised from seed 5$"):
         apply, params, config = load_pretrained(path, num_labels=3, seed=5)
     ids, mask, types = _inputs(np.random.default_rng(1), TINY.vocab_size)
     ref = _torch_out(model, ids, mask, types)
@@ -201,9 +201,52 @@ def test_bfloat16_compute_option_keeps_fp32_params(torch_classifier):
 
 def test_head_with_other_label_count_is_reinitialised(torch_classifier):
     _, path = torch_classifier
-    with pytest.warns(UserWarning, match=r"classifier.weight \(shape"):
+    with pytest.warns(Note) as rec:
         _, params, config = load_pretrained(path, num_labels=1)
+    assert [str(w.message) for w in rec] == [
+        "a new regression head, initialised from seed 0 (the checkpoint's has another label count)"
+    ]
     assert config.problem_type == "regression" and params["classifier"]["kernel"].shape == (32, 1)
+
+
+def _said(*args, **kw) -> tuple[list[str], list[str]]:
+    """load_pretrained's (notes, warnings), each as the commands print it (one line each)."""
+    from fedjax_split.runtime import one_line_warning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_pretrained(*args, **kw)
+    lines = [one_line_warning(w.message, w.category, w.filename, w.lineno) for w in caught]
+    notes = [line for w, line in zip(caught, lines, strict=True) if issubclass(w.category, Note)]
+    return notes, [line for line in lines if line not in notes]
+
+
+def test_the_task_head_alone_fresh_is_a_plain_line_anything_else_a_warning(
+    torch_encoder, torch_classifier, tmp_path
+):
+    """A body without the task's head (a BertModel, as MiniLM is) gets one: said as a plain line,
+    not a warning; a head for another label count too. A missing pooler is not the task's head:
+    a warning naming every fresh tensor."""
+    from safetensors.numpy import load_file, save_file
+
+    assert _said(torch_encoder[1], num_labels=2) == (
+        ["a new classifier head for 2 labels, initialised from seed 0\n"],
+        [],
+    )
+    assert _said(torch_classifier[1], num_labels=4, head="token", seed=2) == (
+        ["a new classifier head for 4 tags, initialised from seed 2 (the checkpoint's has another "
+         "label count)\n"], [])  # fmt: skip
+    assert _said(torch_classifier[1], num_labels=2) == ([], [])  # its own head: nothing to say
+    shutil.copy(torch_encoder[1] / "config.json", tmp_path / "config.json")
+    tensors = load_file(str(torch_encoder[1] / "model.safetensors"))
+    for name in ("pooler.dense.weight", "pooler.dense.bias"):
+        del tensors[name]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    notes, warned = _said(tmp_path, num_labels=2)
+    assert notes == [] and warned == [
+        f"warning: {tmp_path}: freshly initialised from seed 0: pooler.dense.weight, "
+        "pooler.dense.bias, classifier.weight, classifier.bias\n"
+    ]
 
 
 def test_unexpected_tensors_are_reported_by_name(tmp_path):
@@ -211,6 +254,7 @@ def test_unexpected_tensors_are_reported_by_name(tmp_path):
     model.save_pretrained(tmp_path)
     with pytest.warns(UserWarning) as rec:
         load_pretrained(tmp_path, num_labels=2)
+    assert not any(issubclass(w.category, Note) for w in rec)  # a pooler too: a real warning
     text = " ".join(str(w.message) for w in rec)
     assert "unexpected" in text and "cls.predictions.transform.dense.weight" in text
     assert "pooler.dense.weight" in text and "classifier.weight" in text  # freshly initialised
@@ -457,7 +501,7 @@ def test_real_minilm_matches_transformers(minilm_dir, tmp_path):
     assert (
         hashlib.sha256((minilm_dir / "model.safetensors").read_bytes()).hexdigest() == MINILM_SHA256
     )
-    with pytest.warns(UserWarning, match="classifier"):
+    with pytest.warns(Note, match="^a new classifier head for 3 labels, initialised from seed 0$"):
         loaded = load_pretrained("minilm-l6", num_labels=3, seed=0)
     apply, params, config = loaded
     assert loaded.model_dir == minilm_dir
@@ -616,10 +660,10 @@ def test_mlm_head_is_fresh_and_reported_when_the_checkpoint_has_none(torch_encod
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, params, _ = load_pretrained(path, num_labels=2, head="mlm", seed=3)
-    message = " ".join(str(w.message) for w in caught)
-    assert "freshly initialised from seed 3" in message
-    assert "cls.predictions.transform.dense.weight" in message and "cls.predictions.bias" in message
-    assert "pooler" not in message  # BertForMaskedLM has no pooler: dropped, as transformers does
+    # the MLM head is the head pre-training adds: a plain line; the pooler is dropped, as
+    # transformers' BertForMaskedLM drops it, and not reported
+    assert [(w.category, str(w.message)) for w in caught] == [
+        (Note, "a new masked-LM head, initialised from seed 3")]  # fmt: skip
     np.testing.assert_array_equal(np.asarray(params["mlm"]["bias"]), np.zeros(TINY.vocab_size))
     np.testing.assert_array_equal(
         np.asarray(params["mlm"]["transform"]["LayerNorm"]["scale"]), np.ones(TINY.hidden_size)

@@ -24,6 +24,7 @@ from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
     write_tiny_text,
 )
 
+from fedjax_split.errors import Note
 from fedjax_split.models.hf_checkpoint import load_pretrained
 from fedjax_split.run.pretraining import run_pretraining
 
@@ -45,7 +46,7 @@ def _run(base: dict, method: str, **extra: object) -> tuple[dict, Path]:
         "method": method, "clients": 2, "rounds": 1, "batch_size": 8, "max_length": 24,
         "lr": 1e-3, "heldout_fraction": 0.1, "output_dir": str(out), **extra,
     }  # fmt: skip
-    with pytest.warns(UserWarning, match="freshly initialised"):
+    with pytest.warns(Note, match="^a new masked-LM head, initialised from seed 0$"):
         summary = run_pretraining(settings, progress=False)
     return summary, out
 
@@ -150,9 +151,9 @@ def test_centralised_is_one_client_with_all_the_text_and_sends_nothing(base: dic
         "corpus": "local", "data_dir": str(base["text"]), "model": str(base["model"]),
         "clients": 2, "max_length": 24, "heldout_fraction": 0.1,
     }  # fmt: skip
-    with pytest.warns(UserWarning, match="freshly initialised"):
+    with pytest.warns(Note, match="^a new masked-LM head, initialised from seed 0$"):
         central = pretraining.build(resolve(overrides={**settings, "method": "centralised"}))
-    with pytest.warns(UserWarning, match="freshly initialised"):
+    with pytest.warns(Note, match="^a new masked-LM head, initialised from seed 0$"):
         fed = pretraining.build(resolve(overrides={**settings, "method": "bert-fl"}))
     assert central.clients == [0] and fed.clients == [0, 1]
     assert central.split.to_dict() == fed.split.to_dict()  # the same documents, held out too
@@ -178,7 +179,7 @@ def test_freeze_leaves_parameters_out_of_every_plan(base: dict) -> None:
         "corpus": "local", "data_dir": str(base["text"]), "model": str(base["model"]),
         "clients": 2, "max_length": 24, "method": "centralised",
     }  # fmt: skip
-    with pytest.warns(UserWarning, match="freshly initialised"):
+    with pytest.warns(Note, match="^a new masked-LM head, initialised from seed 0$"):
         setup = pretraining.build(
             resolve(overrides={**settings, "freeze": r"embeddings\.|encoder\."})
         )
@@ -201,7 +202,7 @@ def _site_setup(base: dict, dirs: list[Path], **extra: object) -> object:
         "site_data": ",".join(map(str, dirs)), "model": str(base["model"]), "max_length": 24,
         "batch_size": 8, "heldout_fraction": 0.1, "method": "bert-fl", **extra,
     }  # fmt: skip
-    with pytest.warns(UserWarning, match="freshly initialised"):
+    with pytest.warns(Note, match="^a new masked-LM head, initialised from seed 0$"):
         return pretraining.build(resolve(overrides=settings))
 
 
@@ -281,7 +282,7 @@ def test_a_bad_site_is_one_line_exit_2_nothing_written(
     out = base["root"] / f"bad_{bad}_out"
     args = [f"--site-data={good},{site}", f"--model={base['model']}", f"--output-dir={out}",
             "--max-length=24", "--method=bert-fl"]  # fmt: skip
-    with pytest.warns(UserWarning, match="freshly initialised"):
+    with pytest.warns(Note, match="^a new masked-LM head, initialised from seed 0$"):
         assert pretrain.main(args) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     needle = "no *.txt files" if bad == "empty" else "has 1 document(s), 1 held out"

@@ -7,8 +7,10 @@ or pytorch_model.bin read by a restricted unpickler that never executes pickled 
 (`BertModel`).
 Missing encoder tensors are an error; the pooler and classifier (or the MLM head,
 `cls.predictions.*`) are freshly initialised from the seed when absent (or when the checkpoint's
-head has another label count), with a warning naming them; unexpected tensors (an MLM head read
-for classification, BERT's next-sentence head) are reported in a warning.
+head has another label count). The task's head alone is what a run on a pretrained body expects,
+said in a plain line (`errors.Note`: "a new classifier head for 2 labels, initialised from seed
+0"); anything else fresh (a pooler) is a warning naming every fresh tensor. Unexpected tensors (an
+MLM head read for classification, BERT's next-sentence head) are reported in a warning.
 
 Export: `save_pretrained` writes a `BertForSequenceClassification` directory (with the token
 head, `BertForTokenClassification`; with the MLM head, `BertForMaskedLM`): config.json,
@@ -38,7 +40,7 @@ import ml_dtypes
 import numpy as np
 
 from fedjax_split import assets
-from fedjax_split.errors import UserError
+from fedjax_split.errors import Note, UserError
 from fedjax_split.models.bert import BertConfig, Params, make_apply
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -54,6 +56,8 @@ _IGNORED = re.compile(r"^(bert\.)?embeddings\.position_ids$")
 # The MLM decoder's weight and bias are tied to the word embeddings and to cls.predictions.bias.
 _TIED = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# a model in the hub's cache: .../models--ORG--NAME/snapshots/REVISION (huggingface_hub's layout)
+_HUB_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+)/snapshots/[^/]+/?$")
 
 
 class Pretrained:
@@ -353,6 +357,32 @@ def _snapshot(repo_id: str, aliases: list[str]) -> Path:
     return d
 
 
+def hub_id(model: str | None, model_dir: str | os.PathLike[str] | None) -> str | None:
+    """The Hugging Face hub id of the model a run started from, or None (a model of its own):
+    what a PEFT adapter names as its base so that it loads elsewhere. From `model` as the run was
+    given it (config.json's `model`): an offline alias of a hub model (`minilm-l6`), or a hub id
+    that the hub resolved (it named no local directory: `model_dir`, where the run loaded it, is
+    elsewhere). Else from `model_dir`: a snapshot in the hub's cache (`models--ORG--NAME/...`),
+    or a known offline copy (a model asset's weights, by size and sha256)."""
+    if model:
+        if model in assets.ASSETS and assets.ASSETS[model].hub_id:
+            return assets.ASSETS[model].hub_id
+        local = model_dir is not None and Path(model).expanduser() == Path(model_dir)
+        if _HUB_ID.match(model) and not local and model not in assets.ASSETS:
+            return model
+    if model_dir is None:
+        return None
+    if m := _HUB_SNAPSHOT.search(Path(model_dir).as_posix()):
+        return m.group(1).replace("--", "/")  # the hub allows no "--" within an id's parts
+    weights = Path(model_dir) / "model.safetensors"
+    for asset in assets.ASSETS.values():
+        pinned = asset.files.get(f"{asset.root}/model.safetensors")
+        if asset.hub_id and pinned and weights.is_file() and weights.stat().st_size == pinned[1]:
+            if assets.sha256_file(weights) == pinned[0]:
+                return asset.hub_id
+    return None
+
+
 # ----------------------------------------------------------------------------- load / save
 
 
@@ -378,13 +408,17 @@ def params_from_tensors(
         if not _IGNORED.match(raw):
             by_name.setdefault(_normalise_name(raw), raw)
     params: Params = {}
-    missing, fresh = [], []
+    missing: list[str] = []
+    fresh: dict[str, str] = {}  # HF name -> why ("" when absent, else its other shape)
     used = set()
     for path, (name, transpose) in hf_names(config).items():
         raw = by_name.get(name)
         want = _shape_of(config, path)
         if raw is None:
-            (fresh if _is_head(path) else missing).append(name)
+            if _is_head(path):
+                fresh[name] = ""
+            else:
+                missing.append(name)
             _set(params, path, _fresh(config, path, seed))
             continue
         used.add(name)
@@ -392,7 +426,7 @@ def params_from_tensors(
         arr = arr.T if transpose else arr
         if arr.shape != want:
             if path.startswith("classifier/"):
-                fresh.append(f"{name} (shape {arr.shape} != {want})")
+                fresh[name] = f" (shape {arr.shape} != {want})"
                 _set(params, path, _fresh(config, path, seed))
                 continue
             raise UserError(
@@ -424,10 +458,37 @@ def params_from_tensors(
             stacklevel=3,
         )
     if fresh:
-        warnings.warn(
-            f"{source}: freshly initialised from seed {seed}: {', '.join(fresh)}", stacklevel=3
-        )
+        _report_fresh(config, fresh, seed, source)
     return params
+
+
+def task_head(config: BertConfig) -> set[str]:
+    """The Hugging Face names of the head a run puts on the pretrained body for its task: the
+    classifier (sequence or token task), or the MLM head for pre-training."""
+    prefix = "cls." if config.head == "mlm" else "classifier."
+    return {name for name, _ in hf_names(config).values() if name.startswith(prefix)}
+
+
+def _head_words(config: BertConfig) -> str:
+    if config.head == "mlm":
+        return "a new masked-LM head"
+    if config.problem_type == "regression":
+        return "a new regression head"
+    what = "tags" if config.head == "token" else "labels"
+    return f"a new classifier head for {config.num_labels} {what}"
+
+
+def _report_fresh(config: BertConfig, fresh: dict[str, str], seed: int, source: str) -> None:
+    """Says what was drawn from the seed. Only the task's head (which a pretrained body lacks, or
+    holds for another label count) is expected: a plain `Note`. Anything else (a missing pooler,
+    part of a head) is a warning naming every fresh tensor."""
+    if set(fresh) == task_head(config):
+        was = " (the checkpoint's has another label count)" if any(fresh.values()) else ""
+        warnings.warn(Note(f"{_head_words(config)}, initialised from seed {seed}{was}"),
+                      stacklevel=4)  # fmt: skip
+        return
+    named = ", ".join(name + why for name, why in fresh.items())
+    warnings.warn(f"{source}: freshly initialised from seed {seed}: {named}", stacklevel=4)
 
 
 def load_pretrained(
@@ -539,13 +600,22 @@ def save_pretrained(
         (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if tokenizer_dir is not None:
-            tok = Path(tokenizer_dir)
-            copied = [f for f in TOKENIZER_FILES if (tok / f).is_file()]
-            if not copied:
-                raise UserError(
-                    f"no tokenizer files in {tok}; pass the model directory as tokenizer_dir"
-                )
-            for f in copied:
-                shutil.copy2(tok / f, tmp / f)
+            copy_tokenizer(tokenizer_dir, tmp)
 
     return replace_dir(out_dir, fill, "config.json", "a model directory")
+
+
+def copy_tokenizer(
+    tokenizer_dir: str | os.PathLike[str], out: Path, *, standalone: bool = False
+) -> None:
+    """Copies a model directory's tokenizer files into `out`. `standalone`: `out` has no
+    config.json (a PEFT adapter), from which transformers would learn the tokenizer's class, so a
+    tokenizer_config.json naming BertTokenizer is written where the source has none."""
+    tok = Path(tokenizer_dir)
+    copied = [f for f in TOKENIZER_FILES if (tok / f).is_file()]
+    if not copied:
+        raise UserError(f"no tokenizer files in {tok}; pass the model directory as tokenizer_dir")
+    for f in copied:
+        shutil.copy2(tok / f, out / f)
+    if standalone and "tokenizer_config.json" not in copied:
+        (out / "tokenizer_config.json").write_text('{"tokenizer_class": "BertTokenizer"}\n')

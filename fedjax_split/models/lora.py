@@ -266,15 +266,19 @@ def save_peft(
     *,
     base_model: str | None,
     base_has_pooler: bool = True,
+    tokenizer_dir: str | Path | None = None,
 ) -> Path:
     """Writes a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) that
-    `peft.PeftModel.from_pretrained(base, out_dir)` loads onto the base model. The head is saved
-    whole; so is the pooler when the base checkpoint lacks one (ours was then drawn from the
-    run's seed, which the base model's fresh pooler would not equal). Written into a temporary
-    sibling and renamed into place, like `hf_checkpoint.save_pretrained`."""
+    `peft.PeftModel.from_pretrained(base, out_dir)` loads onto the base model, `base_model` (a hub
+    id, so that it loads elsewhere, or a path). The head is saved whole; so is the pooler when
+    the base checkpoint lacks one (ours was then drawn from the run's seed, which the base
+    model's fresh pooler would not equal). With `tokenizer_dir`, the base's tokenizer files go
+    beside the adapter (`AutoTokenizer.from_pretrained(out_dir)` loads them). Written into a
+    temporary sibling and renamed into place, like `hf_checkpoint.save_pretrained`."""
     from safetensors.numpy import save_file
 
     from fedjax_split.atomic import replace_dir
+    from fedjax_split.models import hf_checkpoint
 
     if not config.lora_targets:
         raise UserError("--peft exports LoRA adapters; this run has none (train with --lora-rank)")
@@ -285,5 +289,7 @@ def save_peft(
         cfg = peft_config(config, base_model, modules)
         (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        if tokenizer_dir is not None:
+            hf_checkpoint.copy_tokenizer(tokenizer_dir, tmp, standalone=True)
 
     return replace_dir(out_dir, fill, "adapter_config.json", "an adapter directory")
