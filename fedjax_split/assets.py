@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from fedjax_split.errors import UserError, report
+from fedjax_split.runtime import CACHE_ENV, cache_dir, run_command
 
-CACHE_ENV = "FEDJAX_SPLIT_CACHE"
 _STALE_TMP_SECONDS = 24 * 3600
 
 
@@ -185,16 +185,6 @@ ASSETS: dict[str, Asset] = {
         names=("pubmed",),
     ),
 }
-
-
-def cache_dir() -> Path:
-    """$FEDJAX_SPLIT_CACHE, else $XDG_CACHE_HOME/fedjax_split, else ~/.cache/fedjax_split."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "fedjax_split"
 
 
 def asset_key(name: str) -> str:
@@ -427,8 +417,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli() -> None:
     """`python -m fedjax_split.assets`: the commands' entry point (`runtime.run_command`)."""
-    from fedjax_split.runtime import run_command
-
     run_command(main)
 
 

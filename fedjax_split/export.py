@@ -152,6 +152,7 @@ def export_client(
     from a Flower node's own disk. An existing non-empty `out_dir` is left as it is unless
     `overwrite` (train never overwrites either). `say`: where a note goes (stderr)."""
     from fedjax_split.models import hf_checkpoint, lora
+    from fedjax_split.models import peft as peft_export
 
     out = Path(out_dir).expanduser()
     if not overwrite and out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -178,7 +179,7 @@ def export_client(
         return hf_checkpoint.save_pretrained(params, config, out, tokenizer_dir=base)
     if base_model is None:
         base_model = peft_base(run_dir, model_dir, say)
-    return lora.save_peft(
+    return peft_export.save_peft(
         params, config, out, base_model=base_model, tokenizer_dir=base,
         base_has_pooler=base is None or hf_checkpoint.has_pooler(base),
     )  # fmt: skip

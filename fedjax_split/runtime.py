@@ -97,6 +97,19 @@ def check_malloc_setting() -> None:
     wanted(os.environ, sys.platform, "system")
 
 
+CACHE_ENV = "FEDJAX_SPLIT_CACHE"  # where the assets, the XLA cache and the nodes' state live
+
+
+def cache_dir() -> Path:
+    """$FEDJAX_SPLIT_CACHE, else $XDG_CACHE_HOME/fedjax_split, else ~/.cache/fedjax_split."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "fedjax_split"
+
+
 XLA_CACHE_ENV = "FEDJAX_SPLIT_XLA_CACHE"  # on (default) | off
 MIN_COMPILE_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"  # JAX's own; ours: 0
 
@@ -116,8 +129,6 @@ def enable_xla_cache() -> Path | None:
         return Path(current)
     if mode == "off":
         return None
-    from fedjax_split.assets import cache_dir
-
     path = cache_dir() / "xla"
     jax.config.update("jax_compilation_cache_dir", str(path))
     if MIN_COMPILE_ENV not in os.environ:  # every program: a second run compiles nothing

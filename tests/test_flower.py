@@ -38,6 +38,8 @@ from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
 
 from fedjax_split.deploy import protocol
 
+pytestmark = pytest.mark.xdist_group("federation")  # one at a time: see pyproject.toml
+
 # one batch per client and epoch (clients hold ~32 examples): one shape, few compilations
 FAST = {"batch_size": 32, "local_epochs": 2, "rounds": 2}
 FLOWER_ONLY = {"clients_failed", "eval_failed", "eval_bytes_down"}

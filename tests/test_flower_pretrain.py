@@ -33,6 +33,8 @@ from fedjax_split.deploy import codec, protocol
 from fedjax_split.deploy.pretrain_server import heldout_rows, take_upload
 from fedjax_split.errors import UserError
 
+pytestmark = pytest.mark.xdist_group("federation")  # one at a time: see pyproject.toml
+
 TIMEOUT = 300  # seconds for one command; the CLI kills its federation when it ends
 # two rounds training layers 0 then 1 of 4 on 2-layer small models; held-out evaluation before
 # round 1 and after round 2 (each evaluation is one more exchange, seconds here)

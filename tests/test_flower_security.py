@@ -44,6 +44,8 @@ from fedjax_split.deploy import certs, protocol
 from fedjax_split.deploy.launch import Federation, NodeAccess, Tls, write_app
 from fedjax_split.errors import UserError
 
+pytestmark = pytest.mark.xdist_group("federation")  # one at a time: see pyproject.toml
+
 # one round (train, then evaluate): what security needs shown, in about a minute
 FLAGS = {"clients": 2, "rounds": 1, "quantize": "fp16", "critical_layer": 1, "eval_every": 1}
 SITES = ("site_0", "site_1", "stranger", "keyless", "plaintext")  # SuperNode i, in this order

@@ -17,6 +17,7 @@ from run_fixtures import write_tiny_model
 from fedjax_split.errors import UserError
 from fedjax_split.fed import roles
 from fedjax_split.models import hf_checkpoint, lora
+from fedjax_split.models import peft as peft_export
 from fedjax_split.models.bert import BertConfig, init_params, make_apply
 
 BASE = BertConfig(
@@ -219,7 +220,7 @@ def test_the_peft_adapter_loads_onto_the_base_model_with_the_merged_models_logit
     flat = roles.flatten_paths(params)
     flat["classifier/kernel"] = flat["classifier/kernel"] + 0.5  # a trained head
     params = roles.unflatten_paths(flat)
-    out = lora.save_peft(params, pre.config, tmp_path / "adapter", base_model=str(model))
+    out = peft_export.save_peft(params, pre.config, tmp_path / "adapter", base_model=str(model))
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert cfg["task_type"] == ("SEQ_CLS" if head == "sequence" else "TOKEN_CLS")
     assert cfg["modules_to_save"] == ["classifier"] and cfg["r"] == 2 and cfg["lora_alpha"] == 6.0
@@ -243,7 +244,8 @@ def test_the_peft_adapter_loads_onto_the_base_model_with_the_merged_models_logit
 def test_a_base_without_a_pooler_gets_ours_saved_whole(tmp_path: Path) -> None:
     config = _config()
     params = init_params(config, jax.random.key(0))
-    out = lora.save_peft(params, config, tmp_path / "a", base_model=None, base_has_pooler=False)
+    out = peft_export.save_peft(params, config, tmp_path / "a", base_model=None,
+                                base_has_pooler=False)
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert cfg["modules_to_save"] == ["classifier", "pooler"]
     from safetensors.numpy import load_file
@@ -253,9 +255,9 @@ def test_a_base_without_a_pooler_gets_ours_saved_whole(tmp_path: Path) -> None:
     assert "base_model.model.classifier.weight" in names
     with pytest.raises(UserError, match="has none"):
         plain = dataclasses.replace(config, lora_rank=0, lora_alpha=0.0, lora_targets=())
-        lora.save_peft(params, plain, tmp_path / "b", base_model=None)
+        peft_export.save_peft(params, plain, tmp_path / "b", base_model=None)
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "keep.txt").write_text("mine")
     with pytest.raises(UserError, match="is not an adapter directory"):
-        lora.save_peft(params, config, tmp_path / "c", base_model=None)
+        peft_export.save_peft(params, config, tmp_path / "c", base_model=None)
     assert (tmp_path / "c" / "keep.txt").read_text() == "mine"

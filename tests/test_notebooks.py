@@ -80,7 +80,8 @@ EXPECTED = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NOTEBOOKS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group("federation"))
+                                  if n == "deployment" else n for n in NOTEBOOKS])  # fmt: skip
 def test_notebook_runs(
     name: str, tiny_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -23,6 +23,8 @@ from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 from fedjax_split.run.experiment import run_experiment
 from fedjax_split.sim import processes
 
+pytestmark = pytest.mark.xdist_group("federation")  # one at a time: see pyproject.toml
+
 TIMES = ("seconds", "train_seconds", "eval_seconds", "compile_seconds")
 
 

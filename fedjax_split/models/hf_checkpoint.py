@@ -41,6 +41,7 @@ import numpy as np
 
 from fedjax_split import assets
 from fedjax_split.errors import Note, UserError
+from fedjax_split.models import lora as lora_adapters
 from fedjax_split.models.bert import BertConfig, Params, make_apply
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -525,8 +526,6 @@ def load_pretrained(
         head=head,
         label_names=tuple(label_names) or None,
     )
-    from fedjax_split.models import lora as lora_adapters
-
     tensors = read_weights(model_dir)
     if num_layers is not None:  # before the adapters are placed: only on the layers kept
         config, tensors = truncate(config, tensors, num_layers)

@@ -1,5 +1,5 @@
 """LoRA adapters (Hu et al. 2021) on BERT's dense layers, made as PEFT makes them, with their roles
-and their export as a PEFT adapter directory.
+(their export as a PEFT adapter directory: `models.peft`).
 
 Why our own and not peft's: the model is ours (Flax), and an adapter must be a parameter like any
 other, so that roles, aggregation, the 16-bit wire, DP, checkpoints and Flower carry it with no
@@ -15,11 +15,9 @@ unless c = L; every base weight is frozen.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import zlib
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -32,7 +30,7 @@ from fedjax_split.models.bert import LORA_SUFFIX, BertConfig, lora_a_init
 
 DEFAULT_TARGETS = "query|value"  # PEFT's default for BERT: the attention's query and value
 PEFT_PREFIX = "base_model.model."  # the key prefix of a PeftModel's saved tensors
-_TASK_TYPES = {"sequence": "SEQ_CLS", "token": "TOKEN_CLS"}
+TASK_TYPES = {"sequence": "SEQ_CLS", "token": "TOKEN_CLS"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +90,7 @@ def configure(config: BertConfig, settings: LoraSettings | None) -> BertConfig:
         return config
     pattern = check_settings(settings)
     alpha = settings.scaled_alpha
-    if config.head not in _TASK_TYPES:
+    if config.head not in TASK_TYPES:
         raise UserError(
             f"LoRA is for classification and NER heads, not {config.head!r}; FedBFPT's "
             "pre-training trains whole layers (drop the --lora-* flags)"
@@ -153,7 +151,7 @@ def trainable(path: str) -> bool:
     return is_adapter(path) or path.startswith("classifier/")
 
 
-def _flat(tree: Mapping[str, Any]) -> dict[str, Any]:
+def flat_params(tree: Mapping[str, Any]) -> dict[str, Any]:
     return flatten_dict(dict(tree), sep="/")
 
 
@@ -186,7 +184,7 @@ def init_adapters(config: BertConfig, seed: int) -> dict[str, Any]:
 
 def with_adapters(params: Mapping[str, Any], config: BertConfig, seed: int) -> dict[str, Any]:
     """`params` (a pretrained tree without adapters) with fresh ones for `config`."""
-    flat, fresh = _flat(params), _flat(init_adapters(config, seed))
+    flat, fresh = flat_params(params), flat_params(init_adapters(config, seed))
     if flat.keys() & fresh.keys():
         raise ValueError(f"the tree has adapters already: {sorted(flat.keys() & fresh.keys())[:3]}")
     return _tree({**flat, **fresh})
@@ -199,7 +197,7 @@ def _scale(config: BertConfig) -> float:
 def merge(params: Mapping[str, Any], config: BertConfig) -> tuple[dict[str, Any], BertConfig]:
     """(the tree with each adapter folded into its layer, W + (alpha / r) A B, in fp32, and no
     adapter left; the config without LoRA): the model as one plain BERT, for export."""
-    flat = _flat(params)
+    flat = flat_params(params)
     for target in config.lora_targets:
         a = np.asarray(flat.pop(f"{target}{LORA_SUFFIX}/a"), np.float32)
         b = np.asarray(flat.pop(f"{target}{LORA_SUFFIX}/b"), np.float32)
@@ -211,85 +209,3 @@ def merge(params: Mapping[str, Any], config: BertConfig) -> tuple[dict[str, Any]
     plain = dataclasses.replace(config, lora_rank=0, lora_alpha=0.0, lora_dropout=0.0,
                                 lora_targets=())  # fmt: skip
     return _tree(flat), plain
-
-
-def peft_config(
-    config: BertConfig, base_model: str | None, modules_to_save: list[str]
-) -> dict[str, Any]:
-    """The adapter_config.json of a PEFT LoRA adapter for these adapters (the fields PEFT needs;
-    it fills the rest with its defaults)."""
-    names = candidates(config)
-    return {
-        "peft_type": "LORA",
-        "task_type": _TASK_TYPES[config.head],
-        "base_model_name_or_path": base_model,
-        "r": config.lora_rank,
-        "lora_alpha": config.lora_alpha,
-        "lora_dropout": config.lora_dropout,
-        "target_modules": [names[t] for t in config.lora_targets],
-        "modules_to_save": modules_to_save,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "use_rslora": False,
-    }
-
-
-def peft_tensors(
-    params: Mapping[str, Any], config: BertConfig, modules_to_save: list[str]
-) -> dict[str, np.ndarray]:
-    """The adapter_model.safetensors of a PEFT adapter: each adapter as lora_A [r, in] and lora_B
-    [out, r] (torch's layout), and the saved modules' tensors whole (fp32)."""
-    from fedjax_split.models import hf_checkpoint
-
-    flat = _flat(params)
-    names = candidates(config)
-    out = {}
-    for target in config.lora_targets:
-        for ours, theirs in (("a", "lora_A"), ("b", "lora_B")):
-            arr = np.asarray(jax.device_get(flat[f"{target}{LORA_SUFFIX}/{ours}"]), np.float32)
-            out[f"{PEFT_PREFIX}{names[target]}.{theirs}.weight"] = np.ascontiguousarray(arr.T)
-    whole = hf_checkpoint.params_to_tensors(params, config)  # the saved modules hold no adapter
-    for module in modules_to_save:
-        prefix = "classifier." if module == "classifier" else f"bert.{module}."
-        for name, arr in whole.items():
-            if name.startswith(prefix):
-                out[PEFT_PREFIX + name] = arr
-    return out
-
-
-def save_peft(
-    params: Mapping[str, Any],
-    config: BertConfig,
-    out_dir: str | Path,
-    *,
-    base_model: str | None,
-    base_has_pooler: bool = True,
-    tokenizer_dir: str | Path | None = None,
-) -> Path:
-    """Writes a PEFT adapter directory (adapter_config.json, adapter_model.safetensors) that
-    `peft.PeftModel.from_pretrained(base, out_dir)` loads onto the base model, `base_model` (a hub
-    id, so that it loads elsewhere, or a path). The head is saved whole; so is the pooler when
-    the base checkpoint lacks one (ours was then drawn from the run's seed, which the base
-    model's fresh pooler would not equal). With `tokenizer_dir`, the base's tokenizer files go
-    beside the adapter (`AutoTokenizer.from_pretrained(out_dir)` loads them). Written into a
-    temporary sibling and renamed into place, like `hf_checkpoint.save_pretrained`."""
-    from safetensors.numpy import save_file
-
-    from fedjax_split.atomic import replace_dir
-    from fedjax_split.models import hf_checkpoint
-
-    if not config.lora_targets:
-        raise UserError("--peft exports LoRA adapters; this run has none (train with --lora-rank)")
-    modules = ["classifier"] + ([] if base_has_pooler or config.head != "sequence" else ["pooler"])
-    tensors = peft_tensors(params, config, modules)
-
-    def fill(tmp: Path) -> None:
-        cfg = peft_config(config, base_model, modules)
-        (tmp / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-        if tokenizer_dir is not None:
-            hf_checkpoint.copy_tokenizer(tokenizer_dir, tmp, standalone=True)
-
-    return replace_dir(out_dir, fill, "adapter_config.json", "an adapter directory")
