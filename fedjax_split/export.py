@@ -44,14 +44,21 @@ def personalised_params(run_dir: str | Path, client: int, round_: int | None = N
     num_clients = len(meta["partition"])
     if not 0 <= client < num_clients:
         raise UserError(f"--client {client} is outside 0..{num_clients - 1} for this run")
-    if meta.get("deploy") == "flower":
+    launcher = meta.get("deploy") == "flower"
+    if launcher:
         store = _launcher_store(Path(run_dir), str(meta["run_id"]), client)
     else:
         store = ClientStore(Path(run_dir) / CLIENTS_DIR)
-    if not (store.directory / "initial.npz").is_file():
+    r = int(meta["round"])
+    initial = (store.directory / "initial.npz").is_file()  # the pretrained local part
+    if not launcher and not initial:
         raise UserError(f"{str(run_dir)!r} has no client store ({CLIENTS_DIR}/) to export from")
-    local = store.load(client, at_most=int(meta["round"]))
-    # the frozen part is saved when there is one
+    if launcher and not initial and store.version(client, r) is None:
+        # a node keeps it only while a kept checkpoint needs it (`deploy.node.keep_initial`)
+        raise UserError(f"client {client} had not trained by round {r} and its node kept no "
+                        "pretrained part; export a later round (--round)")  # fmt: skip
+    local = store.load(client, at_most=r)
+    # the frozen part, when there is one, is the run's one copy (`run.checkpoint`'s per_run)
     return _assemble(state["server_state"]["global_params"], local, state.get("frozen", {}), meta)
 
 
@@ -90,8 +97,9 @@ def site_params(
     state_dir: str | Path, client: int, run_id: str | None = None, round_: int | None = None
 ) -> Any:
     """(params, BertConfig, model_dir) of client `client` at a Flower site, from the node's state
-    dir alone: the global part the node last received (after round r), its frozen part, and the
-    client's local part after round r (`deploy.node.keep_for_export`)."""
+    dir alone: the global part the node last received (after round r), the client's local part
+    after round r (`deploy.node.keep_for_export`) and the frozen part (from the node's model
+    directory, checked against the sha256 the node recorded)."""
     import json
 
     from fedjax_split.deploy import node
@@ -104,8 +112,46 @@ def site_params(
     global_wire, local, r = node.exported_pair(d, client)
     if round_ is not None and round_ != r:
         raise UserError(f"this node holds the global part after round {r} only; drop --round")
-    frozen = load_tree(d / node.FROZEN_FILE) if (d / node.FROZEN_FILE).is_file() else {}
-    return _assemble(global_wire, local, frozen, json.loads((d / node.MODEL_FILE).read_text()))
+    meta = json.loads((d / node.MODEL_FILE).read_text())
+    if (d / node.FROZEN_FILE).is_file():  # a node without a model directory to name copies it
+        frozen = load_tree(d / node.FROZEN_FILE)
+    elif node.FROZEN_DIGEST in meta:
+        frozen = _rebuilt_frozen(meta, global_wire, local, meta[node.FROZEN_DIGEST])
+    else:
+        frozen = {}
+    return _assemble(global_wire, local, frozen, meta)
+
+
+def _rebuilt_frozen(meta: dict[str, Any], global_wire: Any, local: Any, digest: str) -> Any:
+    """The frozen part a node named rather than copied: the parameters the run's model directory
+    and seed give (`hf_checkpoint.rebuild_params`) that are neither global nor local, checked
+    against the sha256 the node recorded (a base model changed since is a one-line error)."""
+    import warnings
+
+    import numpy as np
+
+    from fedjax_split.fed.roles import flatten_paths, unflatten_paths
+    from fedjax_split.models import hf_checkpoint, lora
+    from fedjax_split.models.bert import BertConfig
+    from fedjax_split.sim.client_store import tree_digest
+
+    model_dir = Path(meta["model_dir"])
+    config = lora.from_fields(BertConfig.from_hf_dict(meta["model_config"]), meta.get("lora"))
+    try:
+        with warnings.catch_warnings():  # the fresh head's note: the run's own head replaces it
+            warnings.simplefilter("ignore")
+            params = hf_checkpoint.rebuild_params(model_dir, config, int(meta["seed"]))
+    except UserError as e:
+        raise UserError(f"this node reads the run's frozen weights from its model: {e}") from None
+    taken = set(flatten_paths(global_wire)) | set(flatten_paths(local))
+    frozen = unflatten_paths({p: np.asarray(x) for p, x in flatten_paths(params).items()
+                              if p not in taken})  # fmt: skip
+    if tree_digest(frozen) != digest:
+        raise UserError(
+            f"the base model in {str(model_dir)!r} is not the one this run trained on (its frozen "
+            "weights' sha256 differs); put the run's model back there to export"
+        )
+    return frozen
 
 
 def _site_run(state_dir: Path, run_id: str | None) -> Path:

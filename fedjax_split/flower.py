@@ -208,7 +208,7 @@ def _federate(
     """Starts the federation (`nodes`: the SuperNodes' node configs), runs the App whose run
     config is `values` on it, stops every process: (0, the ServerApp's status) when the run
     ended with a result, else (the exit status, None) after saying why."""
-    from fedjax_split.deploy.launch import Federation, write_app
+    from fedjax_split.deploy.launch import Federation, link_identical_files, write_app
     from fedjax_split.deploy.protocol import STATUS_FILE
     from fedjax_split.run import outputs
 
@@ -231,6 +231,8 @@ def _federate(
             return 130, None
         finally:
             fed.close()
+            # the nodes share this disk: what several of them keep alike is stored once
+            link_identical_files(flower_dir / "nodes")
         status = outputs.read_json(status_path) if status_path.is_file() else None
     if status is None or status.get("status") == "crashed":
         why = status["message"] if status else f"`flwr run` ended with status {code}"

@@ -53,8 +53,11 @@ def cli_env(jax_cache: Path | None = None) -> dict[str, str]:
     return env
 
 
-def write_tiny_model(out_dir: Path, *, num_layers: int = 2, seed: int = 0) -> Path:
-    """A 2-layer hidden-32 BERT with random weights and a word-level vocab, saved in HF format."""
+def write_tiny_model(
+    out_dir: Path, *, num_layers: int = 2, seed: int = 0, hidden_size: int = 32
+) -> Path:
+    """A 2-layer hidden-32 BERT (intermediate size twice the hidden) with random weights and a
+    word-level vocab, saved in HF format."""
     import jax
 
     from fedjax_split.models.bert import BertConfig, init_params
@@ -66,10 +69,10 @@ def write_tiny_model(out_dir: Path, *, num_layers: int = 2, seed: int = 0) -> Pa
     (tok_dir / "vocab.txt").write_text("\n".join(vocab) + "\n")
     config = BertConfig(
         vocab_size=len(vocab),
-        hidden_size=32,
+        hidden_size=hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=2,
-        intermediate_size=64,
+        intermediate_size=2 * hidden_size,
         max_position_embeddings=64,
         num_labels=2,
     )

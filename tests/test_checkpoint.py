@@ -149,3 +149,61 @@ def test_mismatched_target_is_a_user_error(tmp_path: Path) -> None:
 def test_no_checkpoint_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="no complete checkpoint"):
         RunCheckpointer(tmp_path / "none").restore({"a": np.zeros(1)})
+
+
+def _frozen(value: float) -> dict:
+    return {"emb": {"w": jnp.full((64, 8), value, jnp.float32)}, "ln": {"b": jnp.ones(8)}}
+
+
+def test_per_run_arrays_are_written_once_and_restored_as_if_each_step_held_them(
+    tmp_path: Path,
+) -> None:
+    """`per_run` keys: one file for the run (none in the steps), restored with the state's
+    structure and types bit for bit, by `restore_untyped` too; a file no kept step names goes."""
+    import jax
+
+    ck = RunCheckpointer(tmp_path)
+    for r in (1, 2, 3):
+        ck.save(r, {**_tree(r), "frozen": _frozen(0.5)}, {}, per_run=("frozen",))
+    [one] = list((tmp_path / "per_run").iterdir())
+    assert one.name.startswith("frozen-")
+    state, meta = RunCheckpointer(tmp_path).restore({**_tree(0), "frozen": _frozen(0.0)}, 2)
+    assert int(state["server"].count) == 2 and isinstance(state["frozen"]["emb"]["w"], jax.Array)
+    np.testing.assert_array_equal(np.asarray(state["frozen"]["emb"]["w"]), 0.5)
+    untyped, _ = RunCheckpointer(tmp_path).restore_untyped()
+    np.testing.assert_array_equal(untyped["frozen"]["ln"]["b"], 1.0)
+    ck.save(4, {**_tree(4), "frozen": _frozen(0.25)}, {}, per_run=("frozen",))  # 3 still names 0.5
+    assert len(list((tmp_path / "per_run").iterdir())) == 2
+    ck.save(5, {**_tree(5), "frozen": _frozen(0.25)}, {}, per_run=("frozen",))
+    [left] = list((tmp_path / "per_run").iterdir())  # steps 4 and 5 name the same file
+    assert left.name != one.name
+
+
+def test_a_step_without_the_per_run_arrays_is_smaller_by_their_bytes(tmp_path: Path) -> None:
+    """What the per-run file saves: a step that holds the frozen arrays costs their bytes."""
+    size = {}
+    frozen = {"emb": {"w": np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)}}
+    for name, per_run in (("each", ()), ("once", ("frozen",))):
+        ck = RunCheckpointer(tmp_path / name)
+        ck.save(1, {"w": np.zeros(4, np.float32), "frozen": frozen}, {}, per_run=per_run)
+        size[name] = sum(f.stat().st_size for f in (tmp_path / name / "1").rglob("*")
+                         if f.is_file())  # fmt: skip
+    assert size["each"] - size["once"] >= 0.75 * 64 * 64 * 4  # compressed: random floats, little
+
+
+def test_a_changed_or_missing_per_run_file_is_a_one_line_error(tmp_path: Path) -> None:
+    from fedjax_split.sim.client_store import save_tree
+
+    ck = RunCheckpointer(tmp_path)
+    ck.save(1, {"a": np.zeros(3, np.float32), "frozen": _frozen(1.0)}, {}, per_run=("frozen",))
+    [path] = list((tmp_path / "per_run").iterdir())
+    save_tree(path, {"emb": {"w": np.full((64, 8), 1.0, np.float32)}, "ln": {"b": np.zeros(8)}})
+    target = {"a": np.zeros(3, np.float32), "frozen": _frozen(0.0)}
+    for restore in (lambda: RunCheckpointer(tmp_path).restore(target),
+                    lambda: RunCheckpointer(tmp_path).restore_untyped()):  # fmt: skip
+        with pytest.raises(UserError, match="sha256 differs") as err:
+            restore()
+        assert "\n" not in str(err.value) and path.name in str(err.value)
+    path.unlink()
+    with pytest.raises(UserError, match="missing or unreadable"):
+        RunCheckpointer(tmp_path).restore(target)

@@ -20,6 +20,7 @@ from run_fixtures import private_cache, write_tiny_model, write_tiny_sst2  # noq
 
 from fedjax_split.deploy import client_app, codec, protocol
 from fedjax_split.errors import UserError
+from fedjax_split.fed.roles import flatten_paths
 
 RUN = "0123456789abcdef"
 CLIENT = 1
@@ -281,6 +282,37 @@ def test_an_evaluate_reply_carries_the_clients_metrics_as_json(
     assert metrics == node_mod.evaluate(node, codec.decode(fed.sent, fed.wire), local)
     before = json.loads(str(fresh[protocol.EVAL_JSON]))
     assert before == node_mod.evaluate(node, codec.decode(fed.sent, fed.wire), node.local0)
+
+
+def test_a_node_keeps_only_what_resume_and_export_need(
+    fed: SimpleNamespace, tmp_path: Path
+) -> None:
+    """The pretrained local part (initial.npz) only when a kept checkpoint predates a client's
+    first training (KEEP_FROM >= 1) or an evaluation used it; the export's local part is a
+    second name of the store's version (one inode), not a copy; no frozen copy (this model has
+    no frozen part)."""
+    from fedjax_split.sim.client_store import load_tree
+
+    for keep_from, wanted in ((0, False), (1, True)):
+        state = tmp_path / f"keep_from_{keep_from}"
+        extra = {protocol.STATE_ROUND: 1, protocol.KEEP_FROM: keep_from}
+        msg = _round_message(fed, protocol.TRAIN, round_=2, **extra)
+        client_app.app(msg, _context(fed, state))
+        assert (state / RUN / "initial.npz").is_file() == wanted, keep_from
+    kept = load_tree(tmp_path / "keep_from_1" / RUN / "initial.npz")
+    for path, x in flatten_paths(fed.local0).items():
+        np.testing.assert_array_equal(flatten_paths(kept)[path], np.asarray(x))
+    state = tmp_path / "keep_from_0"
+    client_app.app(_round_message(fed, protocol.EVALUATE, round_=2), _context(fed, state))
+    run = state / RUN
+    want = [f"client_{CLIENT}/round_2.npz", f"export/client_{CLIENT}_after_2.npz"]
+    assert _files(state) == [*want, "export/global_after_2.npz"]
+    stored = run / f"client_{CLIENT}" / "round_2.npz"
+    exported = run / "export" / f"client_{CLIENT}_after_2.npz"
+    assert stored.stat().st_ino == exported.stat().st_ino and stored.stat().st_nlink == 2
+    other = _context(fed, state, client=2)  # an untrained client's evaluation needs the part
+    client_app.app(_round_message(fed, protocol.EVALUATE, client=2, round_=2), other)
+    assert (run / "initial.npz").is_file() and not (run / "frozen.npz").exists()
 
 
 def _bad_globals(fed: SimpleNamespace) -> dict[str, tuple[dict, str]]:

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 from fedcore_helpers import dp_reference_epsilon
-from run_fixtures import private_cache, tiny_sst2_files  # noqa: F401 (autouse)
+from run_fixtures import private_cache, tiny_sst2_files, write_tiny_model  # noqa: F401
 
 from fedjax_split import export, train
 from fedjax_split.data import sources
@@ -577,6 +577,73 @@ def test_lora_trains_adapters_and_head_sends_only_the_shared_and_keeps_the_base_
         f"encoder/layer_1/attention/{m}_lora/{x}" for m in ("query", "value") for x in "ab"
     } | {"classifier/kernel", "classifier/bias"}  # fmt: skip
     assert set(local) == want_local
+
+
+def _bytes_under(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_a_lora_runs_checkpoints_hold_the_frozen_base_once_and_resume_and_export_from_it(
+    files: dict[str, Path],
+) -> None:
+    """LoRA r = 16 on every dense layer of a 3-layer hidden-128 model, c = 1: the two kept
+    checkpoints together take less than one copy of the frozen base plus twice the trained
+    parameters' bytes (counted by hand from the config; the base alone is more than that, so a
+    base in each checkpoint cannot pass). A copy taken back to round 2 resumes to the
+    uninterrupted run's records and export, bit for bit; a per-run file that changed is a
+    one-line error for --resume and for the export."""
+    import shutil
+
+    from fedjax_split.errors import UserError
+    from fedjax_split.sim.client_store import load_tree, save_tree
+
+    h, layers, r = 128, 3, 16
+    model = write_tiny_model(files["base"] / "wide_model", num_layers=layers, hidden_size=h)
+    cfg = json.loads((model / "config.json").read_text())
+    i = cfg["intermediate_size"]
+    emb = (cfg["vocab_size"] + cfg["max_position_embeddings"] + cfg["type_vocab_size"]) * h + 2 * h
+    layer = 4 * (h * h + h) + 2 * h + (h * i + i) + (i * h + h) + 2 * h
+    base = emb + layers * layer + (h * h + h)  # the pooler too: every base weight is frozen
+    adapters = 4 * r * (h + h) + r * (h + i) + r * (i + h)  # q, k, v, attention out; in, out
+    trained = layers * adapters + (2 * h + 2)  # layer 1's adapters global, the rest local + head
+    assert 4 * base > 2 * 4 * trained  # a base copy per checkpoint would break the bound below
+    name = "lora_once"
+    run = files["base"] / name
+    config = _config(files, name, model=str(model), critical_layer=1, lora_rank=r,
+                     lora_targets="query|key|value|dense", rounds=3, lr=1e-2)  # fmt: skip
+    summary = experiment.run_experiment(config, progress=False)
+    assert summary["frozen_params"] == base and summary["global_params"] == adapters
+    assert summary["local_params_per_client"] == trained - adapters
+    ck = checkpoint_dir(run)
+    assert sorted(p.name for p in ck.iterdir()) == ["2", "3", "per_run"]
+    [per_run] = list((ck / "per_run").iterdir())
+    assert _bytes_under(ck) < 4 * base + 2 * 4 * trained, _bytes_under(ck)
+
+    copy = files["base"] / f"{name}_copy"
+    shutil.copytree(run, copy)
+    shutil.rmtree(checkpoint_dir(copy) / "3")
+    experiment.run_experiment({**config, "output_dir": str(copy), "resume": True},
+                              progress=False)  # fmt: skip
+    timeless = [{k: v for k, v in x.items() if "seconds" not in k} for x in _records(run)]
+    assert [{k: v for k, v in x.items() if "seconds" not in k}
+            for x in _records(copy)] == timeless  # fmt: skip
+    want = export.personalised_params(run, 1)[0]
+    got = export.personalised_params(copy, 1)[0]
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        assert np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(a, b)
+
+    changed = load_tree(per_run)
+    changed["embeddings"]["LayerNorm"]["scale"] = changed["embeddings"]["LayerNorm"]["scale"] + 1
+    save_tree(checkpoint_dir(copy) / "per_run" / per_run.name, changed)
+    for attempt in (
+        lambda: experiment.run_experiment(
+            {**config, "output_dir": str(copy), "resume": True}, progress=False
+        ),
+        lambda: export.personalised_params(copy, 1),
+    ):
+        with pytest.raises(UserError, match="sha256 differs") as err:
+            attempt()
+        assert "\n" not in str(err.value) and per_run.name in str(err.value)
 
 
 def test_lora_with_client_level_dp_clips_and_noises_the_adapters(files: dict[str, Path]) -> None:

@@ -480,8 +480,9 @@ def _site(run: Path, state_dir: Path, client: int, round_: int, run_id: str) -> 
 
     state, meta = RunCheckpointer(checkpoint_dir(run)).restore_untyped(round_)
     sim_store = ClientStore(run / experiment.CLIENTS_DIR)
-    fields = ("model_config", "model_dir", "critical_layer", "lora")
-    site = SimpleNamespace(client_id=client, local0=sim_store.initial, frozen={},
+    fields = ("model_config", "model_dir", "critical_layer", "lora", "seed")
+    site = SimpleNamespace(client_id=client, local0=sim_store.initial,
+                           frozen=state.get("frozen", {}),
                            model_meta={k: meta[k] for k in fields})  # fmt: skip
     store = node.store(state_dir, run_id, site)
     for r in sim_store.rounds(client):
@@ -525,6 +526,37 @@ def test_an_export_without_its_base_directory_says_the_tokenizer_is_missing(
         "tokenizer files are written; copy them from the base model\n"
     )
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_lora_sites_export_rebuilds_the_base_from_its_model_and_checks_its_sha256(
+    files: dict[str, Path], lora_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A node keeps no copy of the frozen base: the export at the site rebuilds it from the
+    model directory and the seed, equal to the run's export tensor for tensor; a base model
+    changed since is a one-line error."""
+    from safetensors.numpy import load_file, save_file
+
+    from fedjax_split.deploy import node
+
+    site = _site(lora_run, tmp_path / "node", client=0, round_=2, run_id="ab" * 8)
+    assert not (site / ("ab" * 8) / node.FROZEN_FILE).exists()
+    args = ["--state-dir", str(site), "--client", "0"]
+    assert export.main([*args, "--out", str(tmp_path / "site")]) == 0
+    export.export_client(lora_run, 0, tmp_path / "run")
+    got = load_file(str(tmp_path / "site" / "model.safetensors"))
+    want = load_file(str(tmp_path / "run" / "model.safetensors"))
+    assert got.keys() == want.keys()
+    assert all(np.array_equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+    changed = tmp_path / "changed_model"
+    shutil.copytree(files["model"], changed)
+    weights = load_file(str(changed / "model.safetensors"))
+    key = next(k for k in weights if k.endswith("embeddings.LayerNorm.weight"))
+    weights[key] = weights[key] + 1
+    save_file(weights, str(changed / "model.safetensors"))
+    record = site / ("ab" * 8) / node.MODEL_FILE
+    record.write_text(json.dumps({**json.loads(record.read_text()), "model_dir": str(changed)}))
+    capsys.readouterr()
+    _one_line_error(capsys, [*args, "--out", str(tmp_path / "changed")], "sha256 differs")
 
 
 def test_a_sites_export_errors_are_one_line(

@@ -345,11 +345,19 @@ def test_dp_run_equals_simulation_clipping_at_the_nodes_noise_at_the_server(env:
 def test_lora_run_equals_simulation_and_sends_only_the_shared_adapters(env: dict) -> None:
     """LoRA r = 2 at c = 1 of 2 with an fp16 wire: every round equals the simulation's; what
     crosses the wire is the first layer's adapters only, never a base weight, a local adapter or
-    the head, and the uploads are exactly the bytes the record reports."""
+    the head, and the uploads are exactly the bytes the record reports. The base is stored once
+    (the server's per-run file), never on a node."""
     flags = {"critical_layer": 1, "eval_every": 2, "quantize": "fp16", "lora_rank": 2,
              "lr": 1e-2}  # fmt: skip
     out, sim, sent = _federation_equals_simulation(env, "lora", flags)
     _same_exports(env, out, sim, client=2, node=2)  # the frozen base weights merged in
+    # the base once, in the server's checkpoints; no node copies it (the site export rebuilds it
+    # from the node's model), and the 3 nodes' alike global parts are one file on this disk
+    assert len(list((out / "checkpoints" / "per_run").iterdir())) == 1
+    nodes = out / "flower" / "nodes"
+    assert not list(nodes.rglob("frozen.npz")) and not list(nodes.rglob("initial.npz"))
+    kept = list(nodes.rglob("global_after_*.npz"))
+    assert len(kept) == 3 and len({p.stat().st_ino for p in kept}) == 1
     got = _metrics(out)
     adapters = {f"encoder/layer_0/attention/{m}_lora/{x}" for m in ("query", "value") for x in "ab"}
     for e in sent:

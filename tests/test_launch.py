@@ -159,3 +159,31 @@ def test_a_process_log_has_one_clean_line_per_event_its_childrens_too(tmp_path: 
     finally:
         fed.close()
     assert (tmp_path / "logs" / "p.log").read_text() == "INFO :      a\nfrom the child\n"
+
+
+def test_identical_node_files_become_one_file_and_stay_apart_when_rewritten(
+    tmp_path: Path,
+) -> None:
+    """Three nodes' same global part: one inode, 2 x its bytes freed; a file of the same size
+    but other bytes, and other patterns, untouched; a node that later replaces its file (as
+    every write does: a new file renamed over the old) changes only its own name."""
+    same, other = os.urandom(4096), os.urandom(4096)
+    paths = [tmp_path / f"node_{i}" / "run" / "export" / "global_after_2.npz" for i in range(3)]
+    for p in paths:
+        p.parent.mkdir(parents=True)
+        p.write_bytes(same)
+    odd = tmp_path / "node_0" / "run" / "client_0" / "round_2.npz"
+    odd.parent.mkdir()
+    odd.write_bytes(other)
+    log = tmp_path / "node_1" / "worker.log"
+    log.write_bytes(same)
+    assert launch.link_identical_files(tmp_path) == 2 * len(same)
+    assert len({p.stat().st_ino for p in paths}) == 1 and paths[0].stat().st_nlink == 3
+    assert odd.stat().st_nlink == 1 and log.stat().st_nlink == 1
+    assert all(p.read_bytes() == same for p in paths) and odd.read_bytes() == other
+    assert launch.link_identical_files(tmp_path) == 0  # nothing left to share
+    tmp = paths[1].with_name("new.tmp")
+    tmp.write_bytes(other)
+    os.replace(tmp, paths[1])
+    assert paths[0].read_bytes() == paths[2].read_bytes() == same
+    assert launch.link_identical_files(tmp_path / "none") == 0

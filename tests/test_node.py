@@ -47,11 +47,13 @@ def test_a_part_of_another_model_or_a_bad_run_id_is_refused(tmp_path) -> None:
 
 
 def test_a_node_keeps_for_export_the_latest_global_part_and_its_local_pair(tmp_path) -> None:
-    """keep_for_export: the model's description, the initial and the frozen part once, and only
-    the latest evaluation's pair (the global part in its wire dtype, the client's local part it
-    was evaluated with; after a resumed server sends an older round, that one: it is the run's
-    present). The pair outlives the store's pruning, which follows checkpoints, not evaluations
-    (the reviewer's case: evaluated after round 5, round_5.npz pruned at round 7)."""
+    """keep_for_export: the model's description once, and only the latest evaluation's pair (the
+    global part in its wire dtype, the client's local part it was evaluated with; after a
+    resumed server sends an older round, that one: it is the run's present). The pair outlives
+    the store's pruning, which follows checkpoints, not evaluations (the reviewer's case:
+    evaluated after round 5, round_5.npz pruned at round 7). A node without a model directory
+    to name copies its frozen part; the pretrained local part is not kept (every evaluation
+    here used a trained one)."""
     import json
 
     from fedjax_split.deploy.node import FROZEN_FILE, MODEL_FILE, exported_pair, keep_for_export
@@ -83,10 +85,33 @@ def test_a_node_keeps_for_export_the_latest_global_part_and_its_local_pair(tmp_p
         exported_pair(d, 1)
     assert json.loads((d / MODEL_FILE).read_text()) == {"m": 1}
     assert (d / FROZEN_FILE).is_file() and (d / "client_2").is_dir()
+    assert not (d / "initial.npz").exists()
+
+
+def test_a_node_names_its_frozen_part_by_sha256_and_keeps_the_pretrained_part_when_used(
+    tmp_path,
+) -> None:
+    """With a model directory and a seed to rebuild it from, model.json records the frozen
+    part's sha256 (over each array's path, dtype, shape and bytes, computed here by hand) and
+    no copy is written; a client evaluated before it trained leaves the pretrained part."""
+    import hashlib
+    import json
+
+    from fedjax_split.deploy.node import FROZEN_DIGEST, FROZEN_FILE, MODEL_FILE, keep_for_export
     from fedjax_split.sim.client_store import ClientStore
 
-    initial = ClientStore(d).initial  # read from initial.npz
-    np.testing.assert_array_equal(initial["classifier"]["bias"], _part(0.0)["classifier"]["bias"])
+    w = np.arange(4, dtype=np.float32).reshape(2, 2)
+    node = SimpleNamespace(client_id=0, local0=_part(0.0), frozen={"encoder": {"w": w}},
+                           model_meta={"model_dir": "/models/base", "seed": 3})  # fmt: skip
+    s = store(tmp_path, RUN, node)
+    keep_for_export(s, node, {"embeddings": {"w": np.zeros(3, np.float16)}}, 1, node.local0)
+    d = tmp_path / RUN
+    by_hand = hashlib.sha256(b"encoder/w|float32|(2, 2)\n" + w.tobytes()).hexdigest()
+    assert json.loads((d / MODEL_FILE).read_text()) == {
+        "model_dir": "/models/base", "seed": 3, FROZEN_DIGEST: by_hand}  # fmt: skip
+    assert not (d / FROZEN_FILE).exists()
+    np.testing.assert_array_equal(ClientStore(d).initial["classifier"]["bias"], _part(0.0)[
+        "classifier"]["bias"])  # fmt: skip
 
 
 @pytest.fixture(scope="module")

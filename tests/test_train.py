@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
     NER_SITES,
@@ -173,6 +174,31 @@ def test_sigkilled_run_resumes_to_the_same_result(env: dict, straight: Path) -> 
     res = _cli(env, [*_args(env, out), "--resume"])
     assert res.returncode == 0, res.stderr
     assert _without_time(_metrics(out)) == _without_time(_metrics(straight))
+
+
+def test_a_sigkilled_lora_run_resumes_from_its_one_base_copy_to_the_same_result(
+    env: dict,
+) -> None:
+    """LoRA keeps its frozen base once per run (checkpoints/per_run/), not in each checkpoint:
+    a run SIGKILLed once round 1's checkpoint is on disk resumes to the straight run's records,
+    and client 0's export is the straight run's, tensor for tensor."""
+    from safetensors.numpy import load_file
+
+    from fedjax_split.export import export_client
+
+    flags = {"rounds": 3, "lora_rank": 2, "lr": 1e-2}
+    straight, out = env["base"] / "lora_straight", env["base"] / "lora_killed"
+    res = _cli(env, _args(env, straight, **flags))
+    assert res.returncode == 0, res.stderr
+    _sigkill_after_checkpoint(env, _args(env, out, **flags), out, 1)
+    res = _cli(env, [*_args(env, out, **flags), "--resume"])
+    assert res.returncode == 0, res.stderr
+    assert _without_time(_metrics(out)) == _without_time(_metrics(straight))
+    for run in (straight, out):
+        assert len(list((run / "checkpoints" / "per_run").iterdir())) == 1
+    want, got = (load_file(str(export_client(run, 0, env["base"] / f"{run.name}_export")
+                               / "model.safetensors")) for run in (straight, out))  # fmt: skip
+    assert want.keys() == got.keys() and all(np.array_equal(got[k], want[k]) for k in want)
 
 
 def test_sigkilled_dp_run_resumes_to_the_same_result(env: dict) -> None:

@@ -173,11 +173,14 @@ def _train(msg: Message, context: Context) -> Message:
         )
     store = _store(context, run_id, node)
     local = local_part(node, store, r - 1)
+    keep_from = int(cfg[protocol.KEEP_FROM])
+    if keep_from and store.version(node.client_id, r - 1) is None:
+        node_mod.keep_initial(store, node)  # a kept checkpoint predates its first training
     clip = float(cfg[protocol.DP_CLIP]) if protocol.DP_CLIP in cfg else None
     upload, new_local, metrics, norm, spent = node_mod.train(node, global_wire, r, state_round,
                                                              local, clip)  # fmt: skip
     store.save_one(r, node.client_id, new_local)
-    store.prune(int(cfg[protocol.KEEP_FROM]))
+    store.prune(keep_from)
     wire = str(cfg[protocol.WIRE])
     sent = codec.encode(select(upload, trained)[0], wire)
     reported = {

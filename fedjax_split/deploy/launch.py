@@ -109,6 +109,39 @@ def kill_tree(proc: subprocess.Popen) -> None:
     worker.wait_ended(below, 10)
 
 
+def link_identical_files(directory: Path, pattern: str = "*.npz") -> int:
+    """Makes files under `directory` matching `pattern` that hold the same bytes one file with
+    several names (hard links); the bytes freed. For the nodes of a local federation, whose
+    state dirs share one disk although each stands for a site of its own: every node keeps the
+    global part it last received for its site's export, the same file N times. Safe because a
+    node never rewrites a file in place (it writes a new one and renames it over the old), so a
+    name that changes leaves the others as they were."""
+    import hashlib
+    import os
+    import secrets
+
+    by_size: dict[int, list[Path]] = {}
+    for f in sorted(directory.rglob(pattern)) if directory.is_dir() else ():
+        if f.is_file() and not f.is_symlink():
+            by_size.setdefault(f.stat().st_size, []).append(f)
+    freed = 0
+    for size, files in by_size.items():
+        first: dict[str, Path] = {}
+        for f in files if len(files) > 1 else ():
+            digest = hashlib.sha256(f.read_bytes()).hexdigest()
+            keep = first.setdefault(digest, f)
+            if keep == f or os.path.samefile(keep, f):
+                continue
+            tmp = f.with_name(f"{f.name}.{secrets.token_hex(6)}.tmp")
+            try:
+                os.link(keep, tmp)
+                os.replace(tmp, f)
+                freed += size
+            except OSError:  # another file system, or links refused: keep the copy
+                tmp.unlink(missing_ok=True)
+    return freed
+
+
 def process_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of the federation's processes: this interpreter's scripts first on PATH
     (SuperLink and SuperNode start `flower-superexec`, which starts `flwr-serverapp` /

@@ -172,7 +172,7 @@ def prepare_many(
         round_spec=model.round_spec, local0=model.local0, frozen=model.frozen,
         global_shapes={p: tuple(np.shape(x)) for p, x in flatten_paths(model.global0).items()},
         paths=costs.paths_of(model),
-        model_meta=pieces.model_meta(model),
+        model_meta={**pieces.model_meta(model), "seed": config.seed},  # seed: model_record
     )  # fmt: skip
     return {
         cid: NodeSetup(client_id=cid, split=split, shares=sh, partition_meta=meta, **common)
@@ -309,6 +309,7 @@ def store(state_dir: str | Path, run_id: str, node: NodeSetup) -> Any:
 
 MODEL_FILE = "model.json"
 FROZEN_FILE = "frozen.npz"
+FROZEN_DIGEST = "frozen_sha256"  # model.json's: the frozen part the node did not copy
 EXPORT_DIR = "export"  # under the run's directory on the node: what the export at the site reads
 _GLOBAL_FILE = re.compile(r"^global_after_(\d+)\.npz$")
 
@@ -317,12 +318,15 @@ def keep_for_export(
     store: Any, node: NodeSetup, global_wire: Any, after_round: int, local: Any
 ) -> None:
     """What `python -m fedjax_split.export --state-dir` needs at this site, so that the personal
-    model is assembled where it lives and never travels: the model's description, the initial
-    and the frozen part (once), and, as one pair, the global part this node last received (after
-    round `after_round`, in the wire dtype) and this client's local part it was evaluated with.
-    Only the latest pair is kept (the run's present, even after a server resumed from an older
-    checkpoint); the local part is copied because the node's store prunes its versions by the
-    server's checkpoints, not by evaluations."""
+    model is assembled where it lives and never travels: the model's description (once), and, as
+    one pair, the global part this node last received (after round `after_round`, in the wire
+    dtype) and this client's local part it was evaluated with. Only the latest pair is kept (the
+    run's present, even after a server resumed from an older checkpoint); the local part is a
+    second name (a hard link) of the store's version, which the store prunes by the server's
+    checkpoints, not by evaluations. Nothing is copied that the node has elsewhere: the frozen
+    part (a LoRA run's base weights) is the node's model directory's, named in model.json with
+    its sha256 (`model_record`); the pretrained local part is written only while the client has
+    not trained (`keep_initial`)."""
     import json
 
     from fedjax_split.sim.client_store import save_tree
@@ -330,14 +334,16 @@ def keep_for_export(
     d = store.directory
     (d / f"client_{node.client_id}").mkdir(parents=True, exist_ok=True)  # this node's client
     if not (d / MODEL_FILE).is_file():
-        atomic.write_text(d / MODEL_FILE, json.dumps(node.model_meta))
-    if not (d / "initial.npz").is_file():
-        save_tree(d / "initial.npz", node.local0)
-    if node.frozen and not (d / FROZEN_FILE).is_file():
-        save_tree(d / FROZEN_FILE, node.frozen)
+        record = model_record(node)
+        if node.frozen and FROZEN_DIGEST not in record:  # no model directory to name: a copy
+            save_tree(d / FROZEN_FILE, node.frozen)
+        atomic.write_text(d / MODEL_FILE, json.dumps(record))
+    version = store.version(node.client_id, after_round)
+    if version is None:
+        keep_initial(store, node)
     out = d / EXPORT_DIR
     name, mine = f"global_after_{after_round}.npz", f"client_{node.client_id}_after_"
-    save_tree(out / f"{mine}{after_round}.npz", local)
+    _keep_local(store, node.client_id, version, local, out / f"{mine}{after_round}.npz")
     if not (out / name).is_file():  # a node's other clients evaluated with the same global part
         save_tree(out / name, global_wire)
     for f in out.iterdir():
@@ -345,6 +351,49 @@ def keep_for_export(
             f.name.startswith(mine) and f.name != f"{mine}{after_round}.npz"
         ):
             f.unlink(missing_ok=True)
+
+
+def model_record(node: NodeSetup) -> dict[str, Any]:
+    """model.json: the model as `pieces.model_meta` describes it, and with a frozen part, the
+    sha256 of it (`sim.client_store.tree_digest`), so that the export rebuilds it from the
+    model directory and the seed and knows it rebuilt the very arrays the node trained with."""
+    from fedjax_split.sim.client_store import tree_digest
+
+    record = dict(node.model_meta)
+    if node.frozen and record.get("model_dir") and "seed" in record:
+        record[FROZEN_DIGEST] = tree_digest(node.frozen)
+    return record
+
+
+def keep_initial(store: Any, node: NodeSetup) -> None:
+    """The pretrained local part as `initial.npz`, once: what an export of a round before the
+    client first trained reads (`python -m fedjax_split.export --run-dir` of a launcher run)."""
+    from fedjax_split.sim.client_store import save_tree
+
+    if not (store.directory / "initial.npz").is_file():
+        save_tree(store.directory / "initial.npz", node.local0)
+
+
+def _keep_local(store: Any, client: int, version: int | None, local: Any, path: Path) -> None:
+    """`local` (the store's version `version` of `client`'s part) at `path`: a hard link to the
+    store's file (files are replaced, never rewritten, so the two names stay the same bytes), or
+    a copy where no link can be made."""
+    import os
+    import secrets
+
+    from fedjax_split.sim.client_store import save_tree
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    source = None if version is None else store.path(client, version)
+    if source is not None and source.is_file():
+        tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            os.link(source, tmp)
+            os.replace(tmp, path)
+            return
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    save_tree(path, local)
 
 
 def exported_pair(directory: Path, client: int) -> tuple[Any, Any, int]:

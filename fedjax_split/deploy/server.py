@@ -710,6 +710,8 @@ class FlowerServer:
     """The Flower server's `driver.Run`: rounds over the federation; checkpoints hold the server
     state and the run's id, by which each node finds its own local parts again."""
 
+    per_run = ("frozen",)  # as the simulation's: the frozen part stored once per run
+
     def __init__(self, run: ServerRun, exchange: Exchange, options: DeployOptions) -> None:
         from fedjax_split.run import safeguards
 

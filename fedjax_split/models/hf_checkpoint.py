@@ -536,6 +536,19 @@ def load_pretrained(
     return Pretrained(make_apply(config), params, config, model_dir)
 
 
+def rebuild_params(model_dir: Path, config: BertConfig, seed: int) -> Params:
+    """The parameters `load_pretrained` gave a run whose model is `config` (as its checkpoint
+    records it: layers kept, head, LoRA adapters) from the weights in `model_dir` and the run's
+    seed: what an export reads instead of a copy of weights that never changed."""
+    from fedjax_split.models import lora as lora_adapters
+
+    _, tensors = truncate(config, read_weights(model_dir), config.num_hidden_layers)
+    params = params_from_tensors(tensors, config, seed=seed, source=str(model_dir))
+    if config.lora_targets:
+        params = lora_adapters.with_adapters(params, config, seed)
+    return params
+
+
 _LAYER_NAME = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")
 
 

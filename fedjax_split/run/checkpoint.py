@@ -5,11 +5,20 @@ A checkpoint is one orbax step directory `<run_dir>/checkpoints/<round>/` holdin
 JSON object: round, seed, partition, metrics so far, ...). Saving is synchronous and atomic: orbax
 writes into a temporary directory and renames it when complete, and `latest_round` only ever sees
 complete steps, so a process killed mid-save leaves the previous checkpoint as the latest one.
+
+Arrays that never change during a run (the frozen part: LoRA's base weights, the layers FedBT
+never trains) are stored once per run, not in every checkpoint: `save(..., per_run=("frozen",))`
+writes them to `<run_dir>/checkpoints/per_run/<name>-<digest>.npz` (before the step, so a step
+never names a missing file) and the step's meta records their sha256 (`PER_RUN`). A restore reads
+them back, checks the digest (a changed or damaged file is a one-line error) and returns them in
+the state as if the step held them. A per-run file that no kept step names is deleted.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +27,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from fedjax_split.errors import UserError
+from fedjax_split.sim.client_store import load_tree, save_tree, tree_digest
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs every step at INFO/WARNING
+
+
+PER_RUN = "per_run"  # the meta's {name: sha256} of the arrays stored once per run; their dir
+_PER_RUN_FILE = re.compile(r"^(\w+)-([0-9a-f]{16})\.npz$")
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -44,6 +58,7 @@ class RunCheckpointer:
             self._manager = ocp.CheckpointManager(self.directory, options=options)
         except Exception as e:  # noqa: BLE001 - an unreadable directory is the user's to fix
             raise UserError(f"checkpoint dir {str(self.directory)!r} is unreadable ({e})") from None
+        self._checked: set[str] = set()  # digests of per-run files this process wrote or read
 
     def latest_round(self) -> int | None:
         """The newest complete checkpoint's round, or None when there is none."""
@@ -54,23 +69,61 @@ class RunCheckpointer:
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
-    def save(self, round_: int, state: Any, meta: dict[str, Any]) -> Path:
-        """Write checkpoint `round_` (blocking until complete and renamed into place)."""
+    def save(
+        self, round_: int, state: Any, meta: dict[str, Any], per_run: Collection[str] = ()
+    ) -> Path:
+        """Write checkpoint `round_` (blocking until complete and renamed into place). `per_run`:
+        keys of `state` (a dict) whose arrays never change during the run, stored once."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        refs = {k: self._save_per_run(k, state[k]) for k in per_run if k in state}
+        if refs:
+            state = {k: v for k, v in state.items() if k not in refs}
+            meta = {**meta, PER_RUN: refs}
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(_host_local(state)),
             meta=ocp.args.JsonSave(dict(meta, round=round_)),
         )
         self._manager.save(round_, args=args, force=True)
         self._manager.wait_until_finished()
+        self._prune_per_run()
         return self.directory / str(round_)
+
+    def _per_run_path(self, name: str, digest: str) -> Path:
+        return self.directory / PER_RUN / f"{name}-{digest[:16]}.npz"
+
+    def _save_per_run(self, name: str, tree: Any) -> str:
+        """Writes `tree` once (kept while its content is the same); its digest."""
+        digest = tree_digest(tree)
+        path = self._per_run_path(name, digest)
+        if digest not in self._checked or not path.is_file():
+            if not (path.is_file() and _digest_of_file(path) == digest):
+                save_tree(path, tree)  # atomic: a reader sees the whole file or none
+            self._checked.add(digest)
+        return digest
+
+    def _prune_per_run(self) -> None:
+        """Deletes the per-run files that no kept checkpoint names."""
+        where = self.directory / PER_RUN
+        if not where.is_dir():
+            return
+        named = set()
+        for step in self.all_rounds():
+            try:
+                meta = self._read(step, self.directory / str(step), meta=ocp.args.JsonRestore())
+            except UserError:  # an unreadable step: keep every file rather than guess
+                return
+            refs = meta.meta.get(PER_RUN, {}) if isinstance(meta.meta, dict) else {}
+            named.update(self._per_run_path(k, d).name for k, d in refs.items())
+        for f in where.iterdir():
+            if _PER_RUN_FILE.match(f.name) and f.name not in named:
+                f.unlink(missing_ok=True)
 
     def restore_untyped(self, round_: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Restore without a target: nested dicts of arrays as saved (NamedTuples become dicts).
 
         For tools (export) that need the arrays but not the exact Python structure.
         """
-        return self._restore(ocp.args.StandardRestore(), round_)
+        return self._restore(None, round_)
 
     def restore(self, target: Any, round_: int | None = None) -> tuple[Any, dict[str, Any]]:
         """Restore checkpoint `round_` (default: latest) into the structure/dtypes of `target`.
@@ -78,15 +131,17 @@ class RunCheckpointer:
         `target` is a pytree like the saved state (e.g. freshly initialised); a checkpoint that is
         missing, corrupt or shaped differently raises a one-line UserError.
         """
-        state, meta = self._restore(ocp.args.StandardRestore(_host_local(target)), round_)
+        state, meta = self._restore(target, round_)
         _check_like(state, target, self.directory / str(meta["round"]))
-        if _several_processes():  # back to JAX arrays, as one process restores them
-            state = jax.tree.map(
-                lambda x, t: jax.numpy.asarray(x) if isinstance(t, jax.Array) else x, state, target
-            )
-        return state, meta
+        # JAX arrays where the target has them: the per-run arrays are read as numpy, and with
+        # several processes orbax restores numpy arrays too
+        return jax.tree.map(
+            lambda x, t: jax.numpy.asarray(x) if isinstance(t, jax.Array) else x, state, target
+        ), meta
 
-    def _restore(self, state_args: Any, round_: int | None) -> tuple[Any, dict[str, Any]]:
+    def _restore(self, target: Any, round_: int | None) -> tuple[Any, dict[str, Any]]:
+        """The step's state (into `target`'s structure; None: as saved) with its per-run arrays,
+        and its meta."""
         step = self.latest_round() if round_ is None else round_
         where = self.directory / str(step)
         if step is None:
@@ -95,24 +150,58 @@ class RunCheckpointer:
             )
         if step not in self.all_rounds():
             raise UserError(f"no checkpoint of round {step} in {str(self.directory)!r}")
-        args = ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore())
+        meta = self._read(step, where, meta=ocp.args.JsonRestore()).meta
+        if not isinstance(meta, dict) or meta.get("round") != step:
+            raise UserError(
+                f"checkpoint {str(where)!r} has bad metadata; delete it or start afresh"
+            )
+        refs = meta.get(PER_RUN, {})
+        if target is None:
+            state_args = ocp.args.StandardRestore()
+        else:
+            state_args = ocp.args.StandardRestore(
+                _host_local({k: v for k, v in target.items() if k not in refs} if refs else target)
+            )
+        state = self._read(step, where, state=state_args).state
+        if refs:
+            state = {**state, **{k: self._load_per_run(k, d, where) for k, d in refs.items()}}
+        return state, meta
+
+    def _read(self, step: int, where: Path, **items: Any) -> Any:
         try:
-            restored = self._manager.restore(step, args=args)
-            state, meta = restored.state, restored.meta
+            return self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types on bad files
             reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
             raise UserError(
                 f"checkpoint {str(where)!r} is unreadable ({reason}); delete it to resume from an "
                 "earlier one, or start a fresh run without --resume"
             ) from None
-        if not isinstance(meta, dict) or meta.get("round") != step:
+
+    def _load_per_run(self, name: str, digest: str, where: Path) -> Any:
+        """The per-run arrays `name` a step names, checked against its digest."""
+        path = self._per_run_path(name, digest)
+        try:
+            tree = load_tree(path)
+        except (OSError, ValueError, KeyError):
+            tree = None
+        if tree is None or tree_digest(tree) != digest:
             raise UserError(
-                f"checkpoint {str(where)!r} has bad metadata; delete it or start afresh"
+                f"checkpoint {str(where)!r} needs {str(path)!r}, which is "
+                f"{'missing or unreadable' if tree is None else 'not the file it wrote'} "
+                "(its arrays' sha256 differs); restore that file, or start a fresh run"
             )
-        return state, meta
+        self._checked.add(digest)
+        return tree
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _digest_of_file(path: Path) -> str | None:
+    try:
+        return tree_digest(load_tree(path))
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _several_processes() -> bool:

@@ -45,6 +45,8 @@ class Run(Protocol):
     # Optional `publish` (default None): record -> what metrics.jsonl may publish of it (client-
     # level DP withholds the per-client figures: `run.safeguards.public_record`); the whole
     # record then goes to the server-private private/clients.jsonl (`outputs.PRIVATE_DIR`).
+    # Optional `per_run` (default ()): keys of `arrays()` that never change during the run (the
+    # frozen part), which checkpoints store once per run instead of in every checkpoint.
 
     def arrays(self) -> dict[str, Any]:
         """What a checkpoint holds as arrays (the restore target's structure too)."""
@@ -187,7 +189,8 @@ def drive(
                         outputs.append_jsonl(private, record)
                 if writes and due(r, checkpoint_every, run.rounds):
                     t0 = time.perf_counter()
-                    checkpointer.save(r, run.arrays(), {**run.meta(), "history": history})
+                    checkpointer.save(r, run.arrays(), {**run.meta(), "history": history},
+                                      per_run=getattr(run, "per_run", ()))  # fmt: skip
                     run.checkpointed(r, checkpointer.all_rounds())
                     stats.checkpoint_seconds += time.perf_counter() - t0
                 bar.round_done(record, run.metric)

@@ -171,6 +171,8 @@ def _bytes_under(path: Path) -> int:
 class Simulation:
     """The simulation's `driver.Run`: the server state, the client store, the prefetched batches."""
 
+    per_run = ("frozen",)  # never changes: stored once per run, not in every checkpoint
+
     def __init__(self, setup: Setup, store: Any = None) -> None:
         import jax
 
@@ -221,8 +223,9 @@ class Simulation:
         self.progress = progress
 
     def arrays(self) -> dict[str, Any]:
-        """The server's state and the frozen part (when there is one), so that an export needs
-        nothing but the run directory; the clients' local parts are versioned in the store."""
+        """The server's state and the frozen part (when there is one, stored once per run:
+        `per_run`), so that an export needs nothing but the run directory; the clients' local
+        parts are versioned in the store."""
         state: dict[str, Any] = {"server_state": self.server_state}
         if self.secret is not None:  # the checkpoint is the server's: --resume draws alike
             state[CHECKPOINT_KEY] = self.secret.to_array()
@@ -370,8 +373,8 @@ class Simulation:
             "plot": None if plot is None else str(plot),
             "round_devices": len(rounds.round_devices(self.setup.model.round_spec)),
             "allocator": runtime.allocator(),  # the seconds depend on it
-            # what a checkpoint costs: its files (the server state, the frozen part), the client
-            # store's (every version a kept checkpoint may need), and the seconds spent
+            # what a checkpoint costs: its files (the server state; the frozen part, once a run),
+            # the client store's (every version a kept checkpoint may need), and the seconds spent
             "checkpoint_bytes": _bytes_under(run_dir / "checkpoints"),
             "client_store_bytes": 0 if self.store is None else self.store.nbytes(),
             "checkpoint_seconds": stats.checkpoint_seconds,

@@ -19,6 +19,7 @@ stored as their bits with the dtype's name beside them).
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 from collections.abc import Iterable, Sequence
@@ -47,6 +48,18 @@ def save_tree(path: Path, tree: Any) -> None:
     arrays[_DTYPES] = np.asarray(dtypes)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.atomic_write(path, lambda f: np.savez(f, **arrays))
+
+
+def tree_digest(tree: Any) -> str:
+    """sha256 of a nested dict of arrays: every leaf's path, dtype, shape and bytes. It names the
+    content, not a file's bytes (an npz's zip entries carry their write time), so that a copy
+    written once and read back later can be checked against it."""
+    h = hashlib.sha256()
+    for p, x in sorted(flatten_paths(tree).items()):
+        a = np.ascontiguousarray(np.asarray(x))
+        h.update(f"{p}|{a.dtype.name}|{a.shape}\n".encode())
+        h.update(a.reshape(-1).view(np.uint8))
+    return h.hexdigest()
 
 
 def load_tree(path: Path) -> Any:
@@ -95,6 +108,10 @@ class ClientStore:
     def _client_dir(self, client: int) -> Path:
         return self.directory / f"client_{int(client)}"
 
+    def path(self, client: int, round_: int) -> Path:
+        """The file of `client`'s part written in round `round_`."""
+        return self._client_dir(client) / f"round_{int(round_)}.npz"
+
     def rounds(self, client: int) -> list[int]:
         """Rounds in which `client`'s part was written, oldest first."""
         d = self._client_dir(client)
@@ -122,7 +139,7 @@ class ClientStore:
         r = self.version(client, at_most)
         if r is None:
             return self.initial
-        return load_tree(self._client_dir(client) / f"round_{r}.npz")
+        return load_tree(self.path(client, r))
 
     def load_stacked(self, clients: Sequence[int], at_most: int | None = None) -> Any:
         """The parts of `clients`, stacked on a leading axis (what a round trains)."""
@@ -141,7 +158,7 @@ class ClientStore:
 
     def save_one(self, round_: int, client: int, part: Any) -> None:
         """Writes one client's new part as round_'s."""
-        save_tree(self._client_dir(client) / f"round_{int(round_)}.npz", part)
+        save_tree(self.path(client, round_), part)
         self.trained(round_, [client])
 
     def trained(self, round_: int, clients: Iterable[int]) -> None:
