@@ -12,12 +12,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedjax_split.fed.secret import ServerSecret
-from fedjax_split.run.config import ExperimentConfig
+
+if TYPE_CHECKING:  # run.config validates through this module's aggregator(): no cycle at run time
+    from fedjax_split.run.config import ExperimentConfig
 
 ATTACK_PURPOSE = 2  # np.random.default_rng([seed, ATTACK_PURPOSE]) draws the attackers
 
