@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -256,8 +257,9 @@ def _same_bits(a: Any, b: Any) -> bool:
 
 def _rebuilt(stored: Any, dtype: str, *, typed: bool) -> Any:
     """A server state from what a step holds of it (`_stored`): the wire copy cast from the
-    master; a ServerState when restored into a target, else a dict like the old layout's."""
-    wire = cast_to_wire(stored["master"], dtype)
+    master; a ServerState when restored into a target, else a dict like the old layout's. Its own
+    buffers: an fp32 cast would alias the master, which a donating round would donate twice."""
+    wire = jax.tree.map(lambda x: jnp.array(x, copy=True), cast_to_wire(stored["master"], dtype))
     if typed:
         return ServerState(global_params=wire, **stored)
     return {"global_params": wire, **stored}
