@@ -9,11 +9,12 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 
 from fedjax_split.errors import UserError
@@ -207,3 +208,113 @@ def test_a_changed_or_missing_per_run_file_is_a_one_line_error(tmp_path: Path) -
     path.unlink()
     with pytest.raises(UserError, match="missing or unreadable"):
         RunCheckpointer(tmp_path).restore(target)
+
+
+def _server_state(wire: str) -> Any:
+    """A server state one FedAdam step past its start, as training leaves it: an fp32 master with
+    values no 16-bit dtype holds exactly, its wire image, an integer leaf, Adam's moments."""
+    import jax
+
+    from fedjax_split.fed.server import init_server_state, server_update
+
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(64, 64)), jnp.float32),
+              "b": jnp.asarray(rng.normal(size=(64,)), jnp.float32), "n": jnp.int32(5)}  # fmt: skip
+    opt = optax.adam(1e-2)
+    state = init_server_state(params, opt, wire)
+    mean = jax.tree.map(lambda x: x.astype(jnp.float32) + 0.1 if x.dtype != jnp.int32 else x,
+                        state.global_params)  # fmt: skip
+    return server_update(state, mean, opt, wire)
+
+
+def _saved_arrays(step: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """{name: (shape, dtype)} of the arrays orbax wrote in a step, from its own metadata."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    tree = ocp.StandardCheckpointer().metadata(step / "state").item_metadata.tree
+    return {m.name: (tuple(m.shape), np.dtype(m.dtype).name) for m in jax.tree.leaves(tree)}
+
+
+def _assert_same(got: Any, want: Any) -> None:
+    import jax
+
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
+
+
+@pytest.mark.parametrize("wire", ["float32", "float16"])
+def test_a_server_state_is_stored_without_its_wire_copy_and_rebuilt_bit_for_bit(
+    tmp_path: Path, wire: str
+) -> None:
+    """The step holds the master, not `global_params` (its wire image: the same numbers twice
+    with an fp32 wire); restored, typed or not, the wire copy is the saved one, dtype for dtype,
+    and equals the master cast to the wire dtype by numpy."""
+    import jax
+
+    from fedjax_split.fed.server import ServerState
+
+    saved = _server_state(wire)
+    ck = RunCheckpointer(tmp_path)
+    ck.save(1, {"server_state": saved, "x": jnp.ones(3)}, {})
+    names = _saved_arrays(tmp_path / "1")
+    assert not [n for n in names if "global_params" in n]
+    assert names["server_state.master.w"] == ((64, 64), "float32")
+    # what the step holds: the master, Adam's two moments and count, the round, x; no more
+    held = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in names.values())
+    floats = (64 * 64 + 64) * 4  # w and b in fp32
+    assert held == 3 * floats + 3 * 4 + 4 + 4 + 3 * 4  # n thrice; Adam's count; round; x
+    target = {"server_state": jax.tree.map(jnp.zeros_like, saved), "x": jnp.zeros(3)}
+    state, _ = RunCheckpointer(tmp_path).restore(target)
+    assert isinstance(state["server_state"], ServerState)
+    _assert_same(state["server_state"], saved)
+    by_numpy = {k: np.asarray(v).astype(wire) if k != "n" else np.asarray(v)
+                for k, v in saved.master.items()}  # fmt: skip
+    _assert_same(state["server_state"].global_params, by_numpy)
+    # its own buffers: a donating round (as the simulation's) may donate the whole state
+    jax.block_until_ready(jax.jit(lambda s: s, donate_argnums=0)(state["server_state"]))
+    untyped, _ = RunCheckpointer(tmp_path).restore_untyped()
+    _assert_same(untyped["server_state"]["global_params"], saved.global_params)
+    _assert_same(untyped["server_state"]["master"], saved.master)
+
+
+def test_a_checkpoint_with_the_wire_copy_still_restores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step written before server states were stored without their wire copy (the same orbax
+    save of the whole state: `_without_wire` undone) restores as it was, typed and untyped, and
+    a later step beside it is written in the new layout."""
+    import jax
+
+    from fedjax_split.run import checkpoint
+
+    saved = {"server_state": _server_state("float16"), "frozen": _frozen(0.5)}
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "_without_wire", lambda state: (state, {}))
+        RunCheckpointer(tmp_path).save(1, saved, {"seed": 1}, per_run=("frozen",))
+    assert "server_state.global_params.w" in _saved_arrays(tmp_path / "1")
+    target = jax.tree.map(jnp.zeros_like, saved)
+    state, meta = RunCheckpointer(tmp_path).restore(target)
+    assert meta["seed"] == 1 and checkpoint.REBUILT not in meta
+    _assert_same(state, saved)
+    untyped, _ = RunCheckpointer(tmp_path).restore_untyped()
+    _assert_same(untyped["server_state"]["global_params"], saved["server_state"].global_params)
+    RunCheckpointer(tmp_path).save(2, state, {"seed": 1}, per_run=("frozen",))
+    assert "server_state.global_params.w" not in _saved_arrays(tmp_path / "2")
+    _assert_same(RunCheckpointer(tmp_path).restore(target)[0], saved)
+
+
+def test_a_wire_copy_that_is_not_the_masters_image_is_stored_whole(tmp_path: Path) -> None:
+    """Only a copy the master rebuilds bit for bit is left out: another is saved and restored."""
+    import jax
+
+    state = _server_state("float16")
+    odd = state._replace(global_params={**state.global_params,
+                                        "b": state.global_params["b"] + 1})  # fmt: skip
+    RunCheckpointer(tmp_path).save(1, {"server_state": odd}, {})
+    assert "server_state.global_params.b" in _saved_arrays(tmp_path / "1")
+    got, _ = RunCheckpointer(tmp_path).restore({"server_state": jax.tree.map(jnp.zeros_like, odd)})
+    _assert_same(got["server_state"], odd)

@@ -12,6 +12,12 @@ writes them to `<run_dir>/checkpoints/per_run/<name>-<digest>.npz` (before the s
 never names a missing file) and the step's meta records their sha256 (`PER_RUN`). A restore reads
 them back, checks the digest (a changed or damaged file is a one-line error) and returns them in
 the state as if the step held them. A per-run file that no kept step names is deleted.
+
+A server state (`fed.server.ServerState`) is stored without its wire copy: `global_params` is
+always `cast_to_wire(master, wire dtype)` (`init_server_state`, `server_update`), so the step holds
+the fp32 master only, its meta records the wire dtype (`REBUILT`), and a restore rebuilds the copy
+bit for bit (with an fp32 wire the two were the same numbers twice). A state whose copy is not its
+master's image is stored whole, and a step written before (with `global_params`) restores as is.
 """
 
 from __future__ import annotations
@@ -23,16 +29,21 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from fedjax_split.errors import UserError
+from fedjax_split.fed.server import ServerState
+from fedjax_split.fed.wire import WIRE_DTYPES, cast_to_wire
 from fedjax_split.sim.client_store import load_tree, save_tree, tree_digest
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs every step at INFO/WARNING
 
 
 PER_RUN = "per_run"  # the meta's {name: sha256} of the arrays stored once per run; their dir
+REBUILT = "wire_from_master"  # the meta's {key: wire dtype} of server states saved without
+# their wire copy (`global_params`), which a restore rebuilds from the master
 _PER_RUN_FILE = re.compile(r"^(\w+)-([0-9a-f]{16})\.npz$")
 
 
@@ -79,6 +90,9 @@ class RunCheckpointer:
         if refs:
             state = {k: v for k, v in state.items() if k not in refs}
             meta = {**meta, PER_RUN: refs}
+        state, rebuilt = _without_wire(state)
+        if rebuilt:
+            meta = {**meta, REBUILT: rebuilt}
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(_host_local(state)),
             meta=ocp.args.JsonSave(dict(meta, round=round_)),
@@ -155,14 +169,19 @@ class RunCheckpointer:
             raise UserError(
                 f"checkpoint {str(where)!r} has bad metadata; delete it or start afresh"
             )
-        refs = meta.get(PER_RUN, {})
+        refs, rebuilt = meta.get(PER_RUN, {}), meta.get(REBUILT, {})
         if target is None:
             state_args = ocp.args.StandardRestore()
         else:
-            state_args = ocp.args.StandardRestore(
-                _host_local({k: v for k, v in target.items() if k not in refs} if refs else target)
-            )
+            like = {k: v for k, v in target.items() if k not in refs} if refs else target
+            if rebuilt:
+                like = {k: _stored(v) if k in rebuilt and isinstance(v, ServerState) else v
+                        for k, v in like.items()}  # fmt: skip
+            state_args = ocp.args.StandardRestore(_host_local(like))
         state = self._read(step, where, state=state_args).state
+        if rebuilt:
+            state = {k: _rebuilt(v, rebuilt[k], typed=target is not None) if k in rebuilt else v
+                     for k, v in state.items()}  # fmt: skip
         if refs:
             state = {**state, **{k: self._load_per_run(k, d, where) for k, d in refs.items()}}
         return state, meta
@@ -195,6 +214,55 @@ class RunCheckpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _without_wire(state: Any) -> tuple[Any, dict[str, str]]:
+    """`state` (a dict) with each server state whose wire copy is its master's image stored as
+    `_stored` has it, and {key: wire dtype} of those; other states are kept whole."""
+    if not isinstance(state, dict):
+        return state, {}
+    rebuilt = {k: d for k, v in state.items()
+               if isinstance(v, ServerState) and (d := _wire_of(v)) is not None}  # fmt: skip
+    return {k: _stored(v) if k in rebuilt else v for k, v in state.items()}, rebuilt
+
+
+def _stored(state: ServerState) -> dict[str, Any]:
+    """What a checkpoint holds of a server state: every field but the wire copy."""
+    return {f: getattr(state, f) for f in ServerState._fields if f != "global_params"}
+
+
+def _wire_of(state: ServerState) -> str | None:
+    """The wire dtype whose image of the master is `state.global_params` bit for bit, or None."""
+    dtypes = {
+        np.dtype(x.dtype).name
+        for x in jax.tree.leaves(state.global_params)
+        if np.issubdtype(np.dtype(x.dtype), np.floating)
+    }
+    name = dtypes.pop() if len(dtypes) == 1 else "float32" if not dtypes else None
+    if name not in WIRE_DTYPES:  # several floating dtypes, or one no wire has
+        return None
+    image, held = cast_to_wire(state.master, name), state.global_params
+    if jax.tree.structure(image) != jax.tree.structure(held):
+        return None
+    pairs = zip(jax.tree.leaves(image), jax.tree.leaves(held), strict=True)
+    return name if all(_same_bits(a, b) for a, b in pairs) else None
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8)))
+
+
+def _rebuilt(stored: Any, dtype: str, *, typed: bool) -> Any:
+    """A server state from what a step holds of it (`_stored`): the wire copy cast from the
+    master; a ServerState when restored into a target, else a dict like the old layout's. Its own
+    buffers: an fp32 cast would alias the master, which a donating round would donate twice."""
+    wire = jax.tree.map(lambda x: jnp.array(x, copy=True), cast_to_wire(stored["master"], dtype))
+    if typed:
+        return ServerState(global_params=wire, **stored)
+    return {"global_params": wire, **stored}
 
 
 def _digest_of_file(path: Path) -> str | None:
