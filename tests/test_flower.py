@@ -205,7 +205,9 @@ def test_fp16_split_run_equals_simulation_and_a_restarted_server_resumes(env: di
 
     res = _run(env, "fedjax_split.flower", [*_args(env, out, **flags), "--resume"], **record)
     assert res.returncode == 0, res.stderr
-    done = r"^done: \d+ rounds on \d+ SuperNodes, accuracy \d\.\d{4} \(mean over clients\); "
+    done = (r"^done: \d+ rounds on \d+ SuperNodes, accuracy \d\.\d{4} \(mean over clients; "
+            r"worst client \d\.\d{4}, 10th percentile \d\.\d{4}, personalisation gain "
+            r"[+-]\d\.\d{4}\); ")  # fmt: skip
     assert re.search(done + r"[\d.]+ MB sent; results in ", res.stdout, re.M), res.stdout
     _no_processes_left(str(out))
     sim = _simulate(env, "fp16_sim", **flags)
@@ -214,6 +216,9 @@ def test_fp16_split_run_equals_simulation_and_a_restarted_server_resumes(env: di
     assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
     assert all(r["clients_failed"] == [] and r["eval_failed"] == [] for r in got)
     assert got[0]["bytes_up"] > 0 and got[1]["accuracy"] is not None
+    # the last evaluation's global model on each client (the nodes' initial local part) and
+    # the gain: the simulation's, compared above with the rest of the record
+    assert len(got[1]["global_clients"]) == 3 and "accuracy" in got[1]["personalization_gain"]
     assert (out / "partition.json").read_text() == (sim / "partition.json").read_text()
     cfg_got = json.loads((out / "config.json").read_text())
     cfg_want = json.loads((sim / "config.json").read_text())
