@@ -285,13 +285,15 @@ def test_fedadam_run_equals_simulation_and_a_killed_node_is_left_out(env: dict) 
     sim = _metrics(_simulate(env, "adam_sim", **{**flags, "rounds": 2, "eval_every": 3}))
     # the simulation's last round (2) evaluates; the federation's round 2 did not (it had a 3rd)
     assert [_comparable(r) for r in got[:1]] == [_comparable(r) for r in sim[:1]]
-    no_eval = {"accuracy", "f1", "clients", "trained_mean", "eval_seconds"}
+    no_eval = {"accuracy", "f1", "clients", "trained_mean", "eval_seconds", "worst_client",
+               "p10_client", "global_clients", "personalization_gain"}  # fmt: skip
     assert {k: v for k, v in _comparable(got[1]).items() if k not in no_eval} == {
         k: v for k, v in _comparable(sim[1]).items() if k not in no_eval
     }
     last = got[2]
     assert last["clients_sampled"] == [0, 1, 2] and last["clients_failed"] == [2]
     assert last["eval_failed"] == [2] and [c["client"] for c in last["clients"]] == [0, 1]
+    assert [c["client"] for c in last["global_clients"]] == [0, 1]  # the gain over those two
     assert len(last["train_loss_clients"]) == 2
     assert last["bytes_up"] == 2 * got[1]["bytes_up"] // 3  # two uploads arrived
     assert last["bytes_down"] == got[1]["bytes_down"]  # three were sent
