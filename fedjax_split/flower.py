@@ -326,11 +326,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = status["summary"]
     metric = summary["primary_metric"]
     value = summary["final"].get(metric)
-    figure = f"{metric} not evaluated" if value is None else f"{metric} {value:.4f}"
+    spread = outputs.spread_words(summary["final"], metric)
+    spread = "; " + spread if spread else ""
+    figure = (
+        f"{metric} not evaluated"
+        if value is None
+        else f"{metric} {value:.4f} (mean over clients{spread})"
+    )
     privacy = outputs.summary_privacy(summary)
     print(
-        f"done: {summary['rounds']} rounds on {supernodes} SuperNodes, {figure} (mean over "
-        f"clients); {privacy + '; ' if privacy else ''}{summary['cum_bytes'] / 1e6:.1f} MB sent; "
+        f"done: {summary['rounds']} rounds on {supernodes} SuperNodes, {figure}; "
+        f"{privacy + '; ' if privacy else ''}{summary['cum_bytes'] / 1e6:.1f} MB sent; "
         f"results in {summary['run_dir']}"
     )
     return 0

@@ -69,7 +69,8 @@ def done_line(summary: dict) -> str:
     if value is None:
         figure = f"{metric} not evaluated (--eval-every 0)"
     else:
-        figure = f"{metric} {value:.4f} (mean over clients)"
+        spread = outputs.spread_words(summary["final"], metric)
+        figure = f"{metric} {value:.4f} (mean over clients{'; ' + spread if spread else ''})"
         if summary.get("majority_label") is not None:
             figure += f", majority label {summary['majority_label']:.4f}"
     privacy = outputs.summary_privacy(summary)

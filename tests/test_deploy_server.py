@@ -214,8 +214,11 @@ def test_connect_maps_each_client_to_the_node_that_holds_it(monkeypatch) -> None
         server.connect(_Grid({11: _query_reply(0, 1, 2, drop=1)}), config, options)
 
 
-def _eval_reply(client: object, text: object = None, *, no_config: bool = False) -> Any:
-    """An EVALUATE reply's content as a node's ClientApp writes it (its id, its metrics' JSON)."""
+def _eval_reply(
+    client: object, text: object = None, *, no_config: bool = False, initial: object = None
+) -> Any:
+    """An EVALUATE reply's content as a node's ClientApp writes it (its id, its metrics' JSON;
+    `initial`: the global model's, when the server asked for them)."""
     from flwr.app import ConfigRecord
 
     if no_config:
@@ -223,16 +226,21 @@ def _eval_reply(client: object, text: object = None, *, no_config: bool = False)
     values = {protocol.CLIENT: client}
     if text is not None:
         values[protocol.EVAL_JSON] = text
+    if initial is not None:
+        values[protocol.GLOBAL_EVAL_JSON] = initial
     return SimpleNamespace(content=RecordDict({protocol.CONFIG: ConfigRecord(values)}))
 
 
 class _Exchange:
-    """An Exchange whose clients answer an evaluation at once with the given replies."""
+    """An Exchange whose clients answer an evaluation at once with the given replies; it keeps
+    the messages it was given."""
 
     def __init__(self, replies: dict[int, Any]) -> None:
         self.replies = replies
+        self.sent: dict = {}
 
     def send(self, messages: dict, timeout: float) -> tuple[dict, dict]:
+        self.sent = messages
         return {c: self.replies[c] for c in messages}, {}
 
 
@@ -266,6 +274,7 @@ def test_evaluate_leaves_out_a_reply_that_is_not_the_clients_own_metrics(monkeyp
     run = _run("float32")
     run.model.task, run.tag_names, run.run_id = get_task("qnli"), (), "ab" * 8
     run.config, run.nodes = SimpleNamespace(clients=len(replies)), {c: c for c in replies}
+    run.rounds, run.model.num_local = 1, 0  # the last evaluation, but nothing local
     record, failed, _ = server.evaluate(run, _Exchange(replies), 1, server.DeployOptions(), {},
                                         set(range(16)))  # fmt: skip
     assert sorted(failed) == list(range(3, 16))
@@ -274,6 +283,42 @@ def test_evaluate_leaves_out_a_reply_that_is_not_the_clients_own_metrics(monkeyp
     assert [pc["client"] for pc in record["clients"]] == [0, 1]
     assert record["accuracy"] == 0.75 and np.isnan(record["clients"][1]["accuracy"])
     assert set(record["clients"][0]) == {"client", "accuracy"}
+
+
+def test_a_split_runs_last_evaluation_asks_every_client_for_the_global_models_figures(
+    monkeypatch,
+) -> None:
+    """With a local part, the last evaluation's messages ask for the global model's figures too
+    (none before it); each client's reply carries both, checked alike: a reply without the
+    global model's is a bad evaluation, a client without test rows ({} twice) is left out; the
+    record has them per client and the gain, each client's own difference averaged."""
+    from fedjax_split.tasks.registry import get_task
+
+    monkeypatch.setattr(server, "_message", lambda content, node, kind: content)
+    acc = lambda a: json.dumps({"accuracy": a})  # noqa: E731
+    replies = {
+        0: _eval_reply(0, acc(0.9), initial=acc(0.5)),
+        1: _eval_reply(1, acc(0.6), initial=acc(0.7)),
+        2: _eval_reply(2, "{}", initial="{}"),  # no test split
+        3: _eval_reply(3, acc(0.8)),  # its global figures missing
+        4: _eval_reply(4, acc(0.8), initial=acc(float("inf"))),
+    }
+    run = _run("float32")
+    run.model.task, run.tag_names, run.run_id = get_task("qnli"), (), "ab" * 8
+    run.config, run.nodes = SimpleNamespace(clients=len(replies)), {c: c for c in replies}
+    run.rounds, run.model.num_local = 4, 10
+    exchange = _Exchange(replies)
+    early, _, _ = server.evaluate(run, exchange, 2, server.DeployOptions(), {}, set())
+    assert not any(protocol.GLOBAL_EVAL in m[protocol.CONFIG] for m in exchange.sent.values())
+    assert "personalization_gain" not in early
+    record, failed, _ = server.evaluate(run, exchange, 4, server.DeployOptions(), {}, set())
+    assert all(m[protocol.CONFIG][protocol.GLOBAL_EVAL] is True for m in exchange.sent.values())
+    assert sorted(failed) == [3, 4] and protocol.GLOBAL_EVAL_JSON in failed[3]
+    assert record["clients"] == [{"client": 0, "accuracy": 0.9}, {"client": 1, "accuracy": 0.6}]
+    assert record["global_clients"] == [{"client": 0, "accuracy": 0.5},
+                                        {"client": 1, "accuracy": 0.7}]  # fmt: skip
+    assert record["personalization_gain"]["accuracy"] == pytest.approx(((0.9 - 0.5) - 0.1) / 2)
+    assert record["worst_client"] == {"accuracy": 0.6}
 
 
 def test_the_metric_names_are_the_tasks_with_groups_and_entity_types() -> None:

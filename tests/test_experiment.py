@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 from fedcore_helpers import dp_reference_epsilon
-from run_fixtures import private_cache, tiny_sst2_files, write_tiny_model  # noqa: F401
+from run_fixtures import private_cache, tiny_sst2_files, write_tiny_model, write_tiny_sst2  # noqa: F401
 
 from fedjax_split import export, train
 from fedjax_split.data import sources
@@ -377,6 +377,110 @@ def test_evaluate_maps_groups_by_example_index_and_means_over_clients(
     assert out["pooled"]["accuracy"] == pytest.approx(3 / 5)
     assert out["pooled"]["accuracy_matched"] == pytest.approx(2 / 3)
     assert out["pooled"]["accuracy_mismatched"] == pytest.approx(1 / 2)
+
+
+def test_a_split_runs_last_evaluation_scores_the_global_model_on_each_clients_split(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a local part, the last evaluation also scores the global model, the global part with
+    the initial local part, on each client's own split; the gain is each client's personal
+    figure minus that one, mean over clients; a client without test rows (client 1) is in
+    neither; no global scoring before the last evaluation."""
+    from types import SimpleNamespace
+
+    from fedjax_split.sim import evaluation
+    from fedjax_split.sim.evaluation import ClientPredictions
+
+    initial, personal = {"head": "initial"}, {0: {"head": 0}, 1: {"head": 1}, 2: {"head": 2}}
+    labels = {0: [1, 1, 0, 0], 1: [], 2: [0, 1]}
+    own = {0: [1, 1, 0, 1], 1: [], 2: [0, 1]}  # 3/4 and 2/2 right
+    initial_says = {0: [0, 0, 0, 0], 1: [], 2: [0, 0]}  # 2/4 and 1/2 right
+    loaded: list[object] = []
+
+    def fake(apply, params, load, batches, ids, objective):
+        parts = {i: load(i) for i in ids}
+        loaded.append(list(parts.values()))
+        rows = [initial_says[i] if parts[i] is initial else own[i] for i in ids]
+        return [ClientPredictions(np.array(r), np.array(labels[i]), np.arange(len(r)))
+                for i, r in zip(ids, rows, strict=True)]  # fmt: skip
+
+    monkeypatch.setattr(evaluation, "evaluate_personalised", fake)
+    setup = SimpleNamespace(
+        model=SimpleNamespace(apply=None, num_local=7, local0=initial,
+                              task=tasks.get_task("rotten_tomatoes")),
+        eval_batches=[["b"], [], ["b"]], pool=SimpleNamespace(examples=SimpleNamespace()),
+    )  # fmt: skip
+    store = SimpleNamespace(load=personal.__getitem__)
+    state = SimpleNamespace(global_params={})
+    early = experiment.evaluate(setup, state, frozen={}, store=store, trained={0, 2})
+    assert len(loaded) == 1 and "personalization_gain" not in early and "pooled" not in early
+    out = experiment.evaluate(setup, state, frozen={}, store=store, trained={0, 2}, last=True)
+    assert loaded[-1] == [initial] * 3  # every client: the one initial part
+    assert out["clients"] == [{"client": 0, "accuracy": 0.75}, {"client": 2, "accuracy": 1.0}]
+    assert out["global_clients"] == [{"client": 0, "accuracy": 0.5},
+                                     {"client": 2, "accuracy": 0.5}]  # fmt: skip
+    assert out["personalization_gain"]["accuracy"] == pytest.approx(((0.75 - 0.5) + 0.5) / 2)
+    assert out["worst_client"] == {"accuracy": 0.75}
+    assert out["p10_client"]["accuracy"] == pytest.approx(0.75 + 0.1 * 0.25)
+    assert "pooled" not in out  # no single trained global model: no pooled figure
+
+
+def _hand_p10(values: list[float]) -> float:
+    """The 10th percentile by linear interpolation, from its definition."""
+    xs = sorted(values)
+    pos = 0.1 * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (pos - lo) * (xs[hi] - xs[lo])
+
+
+def test_a_small_runs_per_client_figures_by_hand(files: dict[str, Path]) -> None:
+    """Three sites, one with two training examples and no test split; c=1 of 2, one client a
+    round: summary.json, the done line and the last record give the worst client, the 10th
+    percentile and the gain, each as computed by hand from the record's per-client figures;
+    the client without a test split is in none of them; a client never sampled still holds the
+    initial local part, so its personal and global figures are equal."""
+    sites = [write_tiny_sst2(files["base"] / "pc_sites" / f"s{k}", seed=20 + k, **kw)
+             for k, kw in enumerate(({"n_train": 40, "n_dev": 12}, {"n_train": 2, "n_dev": 0},
+                                     {"n_train": 30, "n_dev": 10, "positive": 0.8},
+                                     {"n_train": 24, "n_dev": 8, "positive": 0.2}))]  # fmt: skip
+    cfg = _config(files, "per_client", data_dir=None, clients=4, critical_layer=1,
+                  site_data=",".join(map(str, sites)), clients_per_round=1, rounds=2, seed=3)
+    summary = experiment.run_experiment(cfg, progress=False)
+    run = files["base"] / "per_client"
+    last = _records(run)[-1]
+    assert json.loads((run / "partition.json").read_text())["clients"][1]["test"] == []
+    personal = {c["client"]: c["accuracy"] for c in last["clients"]}
+    theirs = {c["client"]: c["accuracy"] for c in last["global_clients"]}
+    assert sorted(personal) == sorted(theirs) == [0, 2, 3]  # site 1 has no test split
+    assert last["worst_client"]["accuracy"] == min(personal.values())
+    assert last["p10_client"]["accuracy"] == pytest.approx(_hand_p10(list(personal.values())))
+    gain = np.mean([personal[c] - theirs[c] for c in personal])
+    assert last["personalization_gain"]["accuracy"] == pytest.approx(gain)
+    sampled = {c for r in _records(run) for c in r["clients_sampled"]}
+    never = set(personal) - sampled
+    assert never and all(personal[c] == theirs[c] for c in never)
+    assert any(personal[c] != theirs[c] for c in personal if c in sampled)
+    assert "global_clients" not in _records(run)[0]  # the last evaluation only
+    on_disk = json.loads((run / "summary.json").read_text())["final"]
+    for key in ("worst_client", "p10_client", "personalization_gain"):
+        assert on_disk[key]["accuracy"] == round(last[key]["accuracy"], 4)
+    line = train.done_line(summary).splitlines()[0]
+    assert (f"(mean over clients; worst client {min(personal.values()):.4f}, 10th percentile "
+            f"{_hand_p10(list(personal.values())):.4f}, personalisation gain {gain:+.4f})") in line
+
+
+def test_a_run_with_nothing_local_has_no_gain_but_its_spread(files: dict[str, Path]) -> None:
+    """c = L: every client's model is the global model, so there is no gain to give; the worst
+    client and the 10th percentile are there, by hand."""
+    cfg = _config(files, "per_client_cL", critical_layer=2, rounds=1)
+    summary = experiment.run_experiment(cfg, progress=False)
+    last = _records(files["base"] / "per_client_cL")[-1]
+    figures = [c["accuracy"] for c in last["clients"]]
+    assert last["worst_client"]["accuracy"] == min(figures)
+    assert last["p10_client"]["accuracy"] == pytest.approx(_hand_p10(figures))
+    assert "personalization_gain" not in last and "global_clients" not in last
+    assert "personalisation gain" not in train.done_line(summary)
 
 
 def test_freeze_sends_nothing_frozen_and_keeps_it_bit_identical(files: dict[str, Path]) -> None:
@@ -884,7 +988,9 @@ def test_a_dp_run_resumes_with_its_own_secret_to_the_uninterrupted_result(
         np.testing.assert_array_equal(_released(copy, 3)[p], v)
 
 
-def test_a_dp_run_publishes_no_per_client_figure_unless_asked(files: dict[str, Path]) -> None:
+def test_a_dp_run_publishes_no_per_client_figure_unless_asked(
+    files: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """With DP, metrics.jsonl and summary.json hold what the guarantee covers and the means over
     clients (named as outside it); the sample, each client's norm, loss and metrics are in the
     server-private private/clients.jsonl, a folder only its owner can read.
@@ -892,10 +998,15 @@ def test_a_dp_run_publishes_no_per_client_figure_unless_asked(files: dict[str, P
     them."""
     import stat
 
-    from fedjax_split.run import safeguards
+    from fedjax_split.run import plots, safeguards
 
+    drawn: list = []  # the records each plot.png is drawn from: the published ones
+    figure = plots.run_figure
+    monkeypatch.setattr(plots, "run_figure", lambda records, *a: drawn.append(records) or
+                        figure(records, *a))  # fmt: skip
     cfg = _config(files, "dp_private", dp_noise_multiplier=0.5, **DP_FLAGS)
     summary = experiment.run_experiment(cfg, progress=False)
+    assert drawn and not any("clients" in r for records in drawn for r in records)
     run = files["base"] / "dp_private"
     public, private = _records(run), _records(run, private=True)
     assert len(public) == len(private) == 2
@@ -913,6 +1024,11 @@ def test_a_dp_run_publishes_no_per_client_figure_unless_asked(files: dict[str, P
     assert note is not None and note.startswith("client 0's data are")
     on_disk = json.loads((run / "summary.json").read_text())
     assert "clients" not in on_disk["final"] and "clients" not in summary["final"]
+    # one client's figure stays private too; the gain is a mean over clients, published
+    for final in (on_disk["final"], summary["final"]):
+        assert not {"worst_client", "p10_client", "global_clients"} & set(final)
+        assert "accuracy" in final["personalization_gain"]
+    assert "worst_client" in private[-1] and "global_clients" in private[-1]
     privacy = on_disk["privacy"]
     assert privacy["per_client_figures"] == "private/clients.jsonl"
     assert privacy["noise"].startswith("secret") and "global parts" in privacy["covers"]

@@ -207,7 +207,9 @@ def test_fp16_split_run_equals_simulation_and_a_restarted_server_resumes(env: di
 
     res = _run(env, "fedjax_split.flower", [*_args(env, out, **flags), "--resume"], **record)
     assert res.returncode == 0, res.stderr
-    done = r"^done: \d+ rounds on \d+ SuperNodes, accuracy \d\.\d{4} \(mean over clients\); "
+    done = (r"^done: \d+ rounds on \d+ SuperNodes, accuracy \d\.\d{4} \(mean over clients; "
+            r"worst client \d\.\d{4}, 10th percentile \d\.\d{4}, personalisation gain "
+            r"[+-]\d\.\d{4}\); ")  # fmt: skip
     assert re.search(done + r"[\d.]+ MB sent; results in ", res.stdout, re.M), res.stdout
     _no_processes_left(str(out))
     sim = _simulate(env, "fp16_sim", **flags)
@@ -216,6 +218,9 @@ def test_fp16_split_run_equals_simulation_and_a_restarted_server_resumes(env: di
     assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
     assert all(r["clients_failed"] == [] and r["eval_failed"] == [] for r in got)
     assert got[0]["bytes_up"] > 0 and got[1]["accuracy"] is not None
+    # the last evaluation's global model on each client (the nodes' initial local part) and
+    # the gain: the simulation's, compared above with the rest of the record
+    assert len(got[1]["global_clients"]) == 3 and "accuracy" in got[1]["personalization_gain"]
     assert (out / "partition.json").read_text() == (sim / "partition.json").read_text()
     cfg_got = json.loads((out / "config.json").read_text())
     cfg_want = json.loads((sim / "config.json").read_text())
@@ -282,13 +287,15 @@ def test_fedadam_run_equals_simulation_and_a_killed_node_is_left_out(env: dict) 
     sim = _metrics(_simulate(env, "adam_sim", **{**flags, "rounds": 2, "eval_every": 3}))
     # the simulation's last round (2) evaluates; the federation's round 2 did not (it had a 3rd)
     assert [_comparable(r) for r in got[:1]] == [_comparable(r) for r in sim[:1]]
-    no_eval = {"accuracy", "f1", "clients", "trained_mean", "eval_seconds"}
+    no_eval = {"accuracy", "f1", "clients", "trained_mean", "eval_seconds", "worst_client",
+               "p10_client", "global_clients", "personalization_gain"}  # fmt: skip
     assert {k: v for k, v in _comparable(got[1]).items() if k not in no_eval} == {
         k: v for k, v in _comparable(sim[1]).items() if k not in no_eval
     }
     last = got[2]
     assert last["clients_sampled"] == [0, 1, 2] and last["clients_failed"] == [2]
     assert last["eval_failed"] == [2] and [c["client"] for c in last["clients"]] == [0, 1]
+    assert [c["client"] for c in last["global_clients"]] == [0, 1]  # the gain over those two
     assert len(last["train_loss_clients"]) == 2
     assert last["bytes_up"] == 2 * got[1]["bytes_up"] // 3  # two uploads arrived
     assert last["bytes_down"] == got[1]["bytes_down"]  # three were sent

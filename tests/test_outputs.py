@@ -215,6 +215,28 @@ def test_the_done_line_says_dp_epsilon_and_the_budget_left() -> None:
     assert "epsilon" not in train.done_line(_summary(0.8, 0.6))
 
 
+def test_the_done_line_says_the_worst_client_the_10th_percentile_and_the_gain() -> None:
+    """Beside the mean over clients, what the final record has: the worst client's figure, the
+    10th percentile, and (a split run) the personalisation gain, signed; only the primary
+    metric's; nothing where the record has none (DP keeps them private), an undefined one left
+    out."""
+    from fedjax_split import train
+
+    final = {"accuracy": 0.8, "f1": 0.7, "worst_client": {"accuracy": 0.6, "f1": 0.1},
+             "p10_client": {"accuracy": 0.64}, "personalization_gain": {"accuracy": 0.25}}
+    with_spread = lambda: {**_summary(0.8, 0.6), "final": final}  # noqa: E731
+    line = train.done_line(with_spread()).splitlines()[0]
+    assert line.startswith(
+        "done: 3 rounds, accuracy 0.8000 (mean over clients; worst client 0.6000, 10th "
+        "percentile 0.6400, personalisation gain +0.2500), majority label 0.6000; "
+    )  # fmt: skip
+    final["personalization_gain"] = {"accuracy": -0.05}
+    assert "personalisation gain -0.0500)" in train.done_line(with_spread())
+    final.update(personalization_gain={"accuracy": float("nan")}, p10_client={"accuracy": None})
+    assert "(mean over clients; worst client 0.6000)," in train.done_line(with_spread())
+    assert outputs.spread_words({"accuracy": 0.8}, "accuracy") == ""
+
+
 def test_inside_a_round_on_a_terminal_the_bar_says_it_and_disabled_hooks_nothing() -> None:
     stream, clock = _Tty(), _Clock()
     bar = outputs.Progress(2, enabled=True, stream=stream, clock=clock)

@@ -67,8 +67,53 @@ def test_round_chunk_size_defaults_by_backend() -> None:
 def test_personalised_record_means_over_all_and_over_the_trained() -> None:
     per_client = [{"client": 0, "accuracy": 0.5}, {"client": 2, "accuracy": 1.0}]
     record = pieces.personalised_record(per_client, trained={2, 7})
-    assert record == {"accuracy": 0.75, "clients": per_client, "trained_mean": {"accuracy": 1.0}}
+    # two clients: the 10th percentile is a tenth of the way from the lower to the higher
+    assert record == {"accuracy": 0.75, "clients": per_client, "trained_mean": {"accuracy": 1.0},
+                      "worst_client": {"accuracy": 0.5},
+                      "p10_client": {"accuracy": pytest.approx(0.55)}}  # fmt: skip
     assert "trained_mean" not in pieces.personalised_record(per_client, None)
+    assert "global_clients" not in record and "personalization_gain" not in record
+    # no client with test examples: no spread to give
+    assert pieces.personalised_record([], None) == {"clients": []}
+
+
+def test_the_worst_client_and_the_10th_percentile_by_hand() -> None:
+    """Per metric, over the clients that have a defined figure: the minimum, and the 10th
+    percentile by linear interpolation (position 0.1 (n - 1) among the sorted figures)."""
+    nan = float("nan")
+    per_client = [
+        {"client": 0, "accuracy": 0.9, "f1": 0.3},
+        {"client": 1, "accuracy": 0.2, "f1": nan},  # f1 undefined here: left out of f1's
+        {"client": 2, "accuracy": 0.6, "f1": 0.7},
+        {"client": 4, "accuracy": 0.4},
+        {"client": 5, "accuracy": 0.8, "f1": 0.5},
+    ]
+    spread = pieces.spread_over_clients(per_client)
+    # accuracy sorted 0.2, 0.4, 0.6, 0.8, 0.9: position 0.4, between 0.2 and 0.4
+    assert spread["worst_client"]["accuracy"] == 0.2
+    assert spread["p10_client"]["accuracy"] == pytest.approx(0.2 + 0.4 * (0.4 - 0.2))
+    # f1 sorted 0.3, 0.5, 0.7: position 0.2, between 0.3 and 0.5
+    assert spread["worst_client"]["f1"] == 0.3
+    assert spread["p10_client"]["f1"] == pytest.approx(0.3 + 0.2 * (0.5 - 0.3))
+    one = pieces.spread_over_clients([{"client": 3, "accuracy": 0.7}])
+    assert one == {"worst_client": {"accuracy": 0.7}, "p10_client": {"accuracy": 0.7}}
+    undefined = pieces.spread_over_clients([{"client": 0, "pearson": nan}])
+    assert np.isnan(undefined["worst_client"]["pearson"])
+
+
+def test_the_personalisation_gain_is_the_mean_of_each_clients_own_difference() -> None:
+    """Personal minus global on each client's own split, mean over the clients where both are
+    defined: client 2's f1 is undefined for its personal model, client 3 has no global figure
+    (it did not answer), client 1's global f1 is undefined."""
+    nan = float("nan")
+    row = lambda c, a, f: {"client": c, "accuracy": a, "f1": f}  # noqa: E731
+    personal = [row(0, 0.8, 0.9), row(1, 0.6, 0.4), row(2, 0.7, nan), row(3, 1.0, 1.0)]
+    theirs = [row(0, 0.5, 0.2), row(1, 0.7, nan), row(2, 0.4, 0.1)]
+    gain = pieces.personalization_gain(personal, theirs)
+    assert gain["accuracy"] == pytest.approx(((0.8 - 0.5) + (0.6 - 0.7) + (0.7 - 0.4)) / 3)
+    assert gain["f1"] == pytest.approx(0.9 - 0.2)
+    record = pieces.personalised_record(personal, None, theirs)
+    assert record["global_clients"] == theirs and record["personalization_gain"] == gain
 
 
 def test_newest_rounds_are_each_clients_last_sampled_round() -> None:
@@ -102,7 +147,6 @@ def test_train_record_is_the_example_weighted_mean_of_the_clients_losses() -> No
     assert record == {"round": 3, "clients_sampled": [4, 1], "train_loss": 1.75,
                       "train_loss_clients": [1.0, 4.0]}  # fmt: skip
     assert all(type(c) is int for c in record["clients_sampled"])  # JSON-ready
-
 
 
 def _site(path, rows, dev=()):

@@ -210,3 +210,40 @@ def test_the_majority_label_line_is_drawn_on_both_figures(tmp_path: Path) -> Non
                     "majority label (FedAvg)": [0.55, 0.55]}  # fmt: skip
     ax = plot.figures(runs, "f1")["rounds"].axes[0]
     assert not [x for x in ax.get_lines() if x.get_label().startswith("majority")]
+
+
+def test_a_runs_figure_draws_the_clients_worst_to_best_band_beside_the_mean() -> None:
+    """Both panels of plot.png: the mean's line and, in its colour, a band from the worst
+    client's figure to the best's at each evaluated round (an undefined figure left out); no
+    band where the records have no per-client figures (DP keeps them private) or for a dotted
+    metric (one model's figure)."""
+    import matplotlib.colors as mcolors
+    import numpy as np
+
+    from fedjax_split.run import plots
+
+    nan = float("nan")
+    records = [
+        {"round": 1, "cum_bytes": 2_000_000, "accuracy": 0.5,
+         "clients": [{"client": 0, "accuracy": 0.3}, {"client": 1, "accuracy": 0.7},
+                     {"client": 2, "accuracy": nan}]},
+        {"round": 2, "cum_bytes": 4_000_000},  # not evaluated
+        {"round": 3, "cum_bytes": 6_000_000, "accuracy": 0.8,
+         "clients": [{"client": 0, "accuracy": 0.9}, {"client": 1, "accuracy": 0.6},
+                     {"client": 2, "accuracy": 0.9}]},
+    ]  # fmt: skip
+    fig = plots.run_figure(records, "accuracy", "FedSplitBERT c=1", "title", baseline=0.55)
+    for ax, xs in zip(fig.axes, ([1, 3], [2.0, 6.0]), strict=True):
+        (band,) = ax.collections
+        assert band.get_label() == plots.SPREAD
+        # the band's outline: along the worst figures, back along the best
+        outline = {tuple(np.round(p, 9)) for p in band.get_paths()[0].vertices}
+        assert outline >= {(xs[0], 0.3), (xs[1], 0.6), (xs[0], 0.7), (xs[1], 0.9)}
+        assert {y for _, y in outline} <= {0.3, 0.6, 0.7, 0.9}
+        mean = next(x for x in ax.get_lines() if x.get_label() == "FedSplitBERT c=1")
+        assert list(mean.get_ydata()) == [0.5, 0.8]
+        assert mcolors.same_color(band.get_facecolor()[0][:3], mean.get_color())
+        assert plots.SPREAD in [t.get_text() for t in ax.get_legend().get_texts()]
+    private = [{k: v for k, v in r.items() if k != "clients"} for r in records]
+    assert not plots.run_figure(private, "accuracy", "x", "t").axes[0].collections
+    assert plots.client_range(records, "pooled.accuracy") == ([], [], [], [])

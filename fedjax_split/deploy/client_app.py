@@ -205,7 +205,8 @@ def _train(msg: Message, context: Context) -> Message:
 
 
 def _evaluate(msg: Message, context: Context) -> Message:
-    """This client's metrics on its own test split, with its local part after the round."""
+    """This client's metrics on its own test split, with its local part after the round (and when
+    asked, the global model's: the initial local part in its place)."""
     from fedjax_split.deploy import node as node_mod
 
     node = _node(context, msg)
@@ -216,6 +217,9 @@ def _evaluate(msg: Message, context: Context) -> Message:
     node_mod.keep_for_export(store, node, global_wire, r, local)
     metrics = node_mod.evaluate(node, global_wire, local)
     content = {protocol.CLIENT: node.client_id, protocol.EVAL_JSON: json.dumps(metrics)}
+    if cfg.get(protocol.GLOBAL_EVAL):  # the global model: the initial local part in place of ours
+        initial = node_mod.evaluate(node, global_wire, node.local0)
+        content[protocol.GLOBAL_EVAL_JSON] = json.dumps(initial)
     return _reply(msg, RecordDict({protocol.CONFIG: ConfigRecord(content)}))
 
 

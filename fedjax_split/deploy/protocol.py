@@ -41,6 +41,9 @@ PARTITION = "partition"  # the partition's settings as JSON (scheme, seed, sizes
 TAG_NAMES = "tag-names"
 CLIENTS = "client-ids"  # query reply: the node's clients, each with a record `client_record(id)`
 EVAL_JSON = "metrics-json"  # evaluate reply: the client's metrics as JSON (NaN allowed)
+# evaluate: also score the global model (the global part with the initial local part; a split
+# run's last evaluation), its metrics in the reply as GLOBAL_EVAL_JSON
+GLOBAL_EVAL, GLOBAL_EVAL_JSON = "global-eval", "global-metrics-json"
 
 # MetricRecord keys of a train reply
 LOSS_SUM, LOSS_UNITS, STEPS, NUM_TRAIN = "loss-sum", "loss-units", "steps", "num-train"

@@ -621,19 +621,21 @@ def metric_names(task: Any, tag_names: Sequence[str] = ()) -> frozenset[str]:
     return frozenset(names)
 
 
-def eval_metrics(reply: Any, cid: int, names: frozenset[str], task: Any) -> dict[str, float]:
-    """A client's evaluate reply's metrics, or ValueError: the reply is untrusted (one bad
-    value would crash the server or skew the mean, a "client" key would claim another's row),
-    so it must be the client's own JSON object of the task's metrics, each a real number or NaN
-    (a metric undefined on its split); {} where it has no test examples."""
+def eval_metrics(reply: Any, cid: int, names: frozenset[str], task: Any,
+                 key: str = protocol.EVAL_JSON) -> dict[str, float]:  # fmt: skip
+    """A client's evaluate reply's metrics (under `key`: its own model's, or the global model's),
+    or ValueError: the reply is untrusted (one bad value would crash the server or skew the mean,
+    a "client" key would claim another's row), so it must be the client's own JSON object of the
+    task's metrics, each a real number or NaN (a metric undefined on its split); {} where it has
+    no test examples."""
     if protocol.CONFIG not in reply.content.config_records:
         raise ValueError("no config record")
     cfg = reply.content[protocol.CONFIG]
     if cfg.get(protocol.CLIENT) != cid:
         raise ValueError(f"answered as client {cfg.get(protocol.CLIENT)!r}")
-    text = cfg.get(protocol.EVAL_JSON)
+    text = cfg.get(key)
     if not isinstance(text, str) or len(text) > 64 * (len(names) + 1) + sum(map(len, names)):
-        raise ValueError(f"metrics are not a JSON text of at most {len(names)} metrics")
+        raise ValueError(f"{key} is not a JSON text of at most {len(names)} metrics")
     try:
         metrics = json.loads(text)
     except (ValueError, RecursionError) as err:
@@ -644,9 +646,9 @@ def eval_metrics(reply: Any, cid: int, names: frozenset[str], task: Any) -> dict
     if unknown or (metrics and not set(task.metrics) <= set(metrics)):
         bad = unknown or sorted(set(task.metrics) - set(metrics))
         raise ValueError(f"metrics {bad[:3]} are not the task's {sorted(task.metrics)}")
-    for key, value in metrics.items():
+    for name, value in metrics.items():
         if type(value) not in (int, float) or np.isinf(value):
-            raise ValueError(f"metric {key} {str(value)[:40]!r} is not a real number")
+            raise ValueError(f"metric {name} {str(value)[:40]!r} is not a real number")
     return {k: float(v) for k, v in metrics.items()}
 
 
@@ -660,7 +662,9 @@ def evaluate(
 ) -> tuple[dict[str, Any], dict[int, str], int]:
     """Every client (but those that just failed) scores the new global part with its own local
     part on its own test split: (metrics as the simulation records them, failures, bytes sent).
-    `trained`: the clients whose uploads the server has taken so far (for `trained_mean`). The
+    `trained`: the clients whose uploads the server has taken so far (for `trained_mean`). At a
+    split run's last evaluation each client also scores the global model (the global part with
+    the initial local part, `run.experiment.global_figures`): the personalisation gain. The
     simulation's `pooled` figure needs every client's predictions; only metrics leave a node, so
     it is not recorded here."""
     from fedjax_split.run import pieces
@@ -669,6 +673,9 @@ def evaluate(
     wire = run.model.round_spec.wire_dtype
     sent = codec.encode(state.global_params, wire)
     cfg = {protocol.ROUND: r, protocol.WIRE: wire, protocol.RUN: run.run_id}
+    both = r == run.rounds and run.model.num_local > 0
+    if both:
+        cfg[protocol.GLOBAL_EVAL] = True
     msgs = {}
     for cid in range(run.config.clients):
         if cid in skip:
@@ -679,20 +686,25 @@ def evaluate(
         msgs[cid] = _message(content, run.nodes[cid], protocol.EVALUATE)
     replies, failed = exchange.send(msgs, options.round_timeout)
     failed.update({cid: why for cid, why in skip.items()})
-    per_client = []
+    per_client, theirs = [], []
     names = metric_names(run.model.task, run.tag_names)
+    keys = (protocol.EVAL_JSON, protocol.GLOBAL_EVAL_JSON) if both else (protocol.EVAL_JSON,)
     for cid in sorted(replies):
         try:
-            metrics = eval_metrics(replies[cid], cid, names, run.model.task)
+            metrics = [eval_metrics(replies[cid], cid, names, run.model.task, k) for k in keys]
         except ValueError as err:
             failed[cid] = f"bad evaluation: {err}"
             continue
-        if metrics:
-            per_client.append({"client": cid, **metrics})
+        own, *initial = metrics
+        if own:
+            per_client.append({"client": cid, **own})
+        if initial and initial[0]:
+            theirs.append({"client": cid, **initial[0]})
     for cid, why in sorted(failed.items()):
         if cid not in skip:
             _warn(f"round {r}: client {cid} failed to evaluate ({why})")
-    return pieces.personalised_record(per_client, trained), failed, codec.nbytes(sent) * len(msgs)
+    record = pieces.personalised_record(per_client, trained, theirs if both else None)
+    return record, failed, codec.nbytes(sent) * len(msgs)
 
 
 def oldest_checkpoint(run_dir: Any, start_round: int) -> int:
@@ -790,7 +802,8 @@ class FlowerServer:
         from fedjax_split.run import costs, pieces, plots, safeguards
 
         # the labels are on the nodes: the plot has no majority-label line
-        plot = plots.write_fine_tuning_plot(self.run_dir, history, self.run.config, self.run.model)
+        plot = plots.write_fine_tuning_plot(self.run_dir, history, self.run.config, self.run.model,
+                                            publish=self.publish)  # fmt: skip
         return {
             **pieces.summary(self.run.config, self.run.model, history, self.publish),
             **safeguards.summary(self.run.config, list(history)),

@@ -108,12 +108,15 @@ def own_positions(setup: Setup, num_sampled: int) -> set[int]:
 
 
 def evaluate(
-    setup: Setup, server_state: Any, frozen: Any, store: Any, trained: set[int] | None = None
-) -> dict[str, Any]:
+    setup: Setup, server_state: Any, frozen: Any, store: Any, trained: set[int] | None = None,
+    *, last: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """Personalised evaluation: each client's merged model on its own test split, a group of
     clients at a time (`evaluation.evaluate_personalised`; `pieces.personalised_record`'s
     figures); when nothing is local, also `pooled`: the one global model on the union of the
     clients' test data (FedNLP's figure; with a local part there is no single global model).
+    `last` (the run's last evaluation), with a local part: also the global model on each client's
+    test split (`global_figures`) and the personalisation gain.
     With several processes, process p scores the clients whose id is p mod P and the figures are
     gathered in client order (`sim.processes`)."""
     import jax.numpy as jnp
@@ -132,14 +135,12 @@ def evaluate(
     )
     # a client without test examples has no metric
     results = [(i, res) for i, res in zip(ids, mine, strict=True) if len(res.labels)]
-    per_client = [{"client": i, **pieces.score(model.task, setup.pool.examples, res)}
-                  for i, res in results]  # fmt: skip
+    per_client = _scored(setup, results)
     pooled = model.num_local == 0  # every client's model is the global model
     if processes.count() > 1:
-        per_client = sorted((r for part in processes.gather_json(per_client) for r in part),
-                            key=lambda r: r["client"])  # fmt: skip
         results = _gather_predictions(results) if pooled else []
-    record = pieces.personalised_record(per_client, trained)
+    theirs = global_figures(setup, global_params, ids) if last and not pooled else None
+    record = pieces.personalised_record(per_client, trained, theirs)
     if pooled and results:
         pooled_rows = evaluation.ClientPredictions(
             *(evaluation.concat_rows([getattr(r, f) for _, r in results])
@@ -147,6 +148,34 @@ def evaluate(
         )  # fmt: skip
         record["pooled"] = pieces.score(model.task, setup.pool.examples, pooled_rows)
     return record
+
+
+def global_figures(setup: Setup, global_params: Any, ids: Sequence[int]) -> list[dict[str, Any]]:
+    """A split run's global model on each client's own test split: the shared part with the
+    initial local part (the pretrained upper layers and the run's seeded head), the model a
+    client that never trained holds; a split run has no trained global head (docs/usage.md,
+    "Per-client figures"). One model for every client, so it is scored as one (cheap)."""
+    from fedjax_split.sim import evaluation
+
+    model, batches = setup.model, setup.eval_batches
+    initial = model.local0
+    theirs = evaluation.evaluate_personalised(
+        model.apply, global_params, lambda i: initial, batches, ids, model.task.objective
+    )
+    return _scored(setup, [(i, res) for i, res in zip(ids, theirs, strict=True)
+                           if len(res.labels)])  # fmt: skip
+
+
+def _scored(setup: Setup, results: Sequence[tuple[int, Any]]) -> list[dict[str, Any]]:
+    """Each client's metrics of its predictions, gathered from every process in client order."""
+    from fedjax_split.sim import processes
+
+    per_client = [{"client": i, **pieces.score(setup.model.task, setup.pool.examples, res)}
+                  for i, res in results]  # fmt: skip
+    if processes.count() > 1:
+        per_client = sorted((r for part in processes.gather_json(per_client) for r in part),
+                            key=lambda r: r["client"])  # fmt: skip
+    return per_client
 
 
 def _gather_predictions(results: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
@@ -216,7 +245,7 @@ class Simulation:
         if not self.writes:
             return self.run_dir / "plot.png" if (self.run_dir / "plot.png").exists() else None
         return plots.write_fine_tuning_plot(
-            self.run_dir, records, self.setup.config, self.setup.model, self.majority
+            self.run_dir, records, self.setup.config, self.setup.model, self.majority, self.publish
         )
 
     def watch(self, progress: Any) -> None:
@@ -338,7 +367,8 @@ class Simulation:
                                         clip))  # fmt: skip
         if driver.due(r, config.eval_every, self.rounds):
             trained = pieces.trained_clients(history, sampled.tolist())
-            record.update(evaluate(setup, self.server_state, self.frozen, self.store, trained))
+            record.update(evaluate(setup, self.server_state, self.frozen, self.store, trained,
+                                   last=r == self.rounds))  # fmt: skip
         t_eval = time.perf_counter()
         record.update(pieces.round_costs(history, int(result.bytes_up), int(result.bytes_down),
                                          t0, t_train, t_eval))  # fmt: skip

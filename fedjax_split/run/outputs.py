@@ -199,6 +199,21 @@ def summary_privacy(summary: dict[str, Any]) -> str | None:
     return privacy_words(privacy.get("epsilon"), privacy.get("max_epsilon"), privacy.get("delta"))
 
 
+def spread_words(final: dict[str, Any], metric: str) -> str:
+    """What the final evaluation says beyond the mean over clients, as the done line says it:
+    "worst client 0.6000, 10th percentile 0.6400, personalisation gain +0.2500" (the figures the
+    final record has: under DP without --dp-publish-clients the per-client ones are private;
+    the gain only where a split leaves a personal part); "" without any."""
+    parts = []
+    for key, words, form in (("worst_client", "worst client", ".4f"),
+                             ("p10_client", "10th percentile", ".4f"),
+                             ("personalization_gain", "personalisation gain", "+.4f")):  # fmt: skip
+        value = (final.get(key) or {}).get(metric)
+        if value is not None and math.isfinite(value):
+            parts.append(f"{words} {value:{form}}")
+    return ", ".join(parts)
+
+
 def below_majority(summary: dict[str, Any]) -> str | None:
     """The warning line for a run whose final primary metric is at or below what each client's
     majority label alone scores (compared as the done line shows them, to 4 decimals): such a

@@ -8,7 +8,7 @@ notebook neither switches the notebook's backend nor leaves figures open in it.
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import cycle
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ WIRE_NAMES = {"none": "", "fp16": " + fp16 wire", "bf16": " + bf16 wire"}
 # so that they never take a run's colour
 REFERENCE_STYLES = (("0.45", "--"), ("0.0", ":"), ("0.25", "-."), ("0.6", (0, (8, 3))))
 MAJORITY = "majority label of each client (no model)"
+SPREAD = "clients: worst to best"  # the band of `draw(spread=True)`
 X_LABELS = {"rounds": "round", "mb": "cumulative MB sent (up + down)"}
 
 
@@ -103,6 +104,25 @@ def series(records: Sequence[Mapping[str, Any]], metric: str) -> tuple[list, lis
     )
 
 
+def client_range(
+    records: Sequence[Mapping[str, Any]], metric: str
+) -> tuple[list, list, list, list]:
+    """(rounds, cumulative MB, worst, best) of the clients' own figures of `metric` (the records'
+    `clients`) at each evaluation that has them: none where a DP run keeps them private, nor for
+    a dotted metric (`pooled.accuracy` is one model's figure). Undefined figures (NaN) are left
+    out."""
+    rows = []
+    for r in records:
+        own = [value(c, metric) for c in r.get("clients") or ()]
+        own = [v for v in own if v is not None and np.isfinite(v)]
+        if own and value(r, metric) is not None:
+            rows.append((r["round"], r["cum_bytes"] / 1e6, min(own), max(own)))
+    if not rows:
+        return [], [], [], []
+    rounds, mb, worst, best = (list(col) for col in zip(*rows, strict=True))
+    return rounds, mb, worst, best
+
+
 def draw(
     ax: Any,
     runs: Sequence[tuple[str, Sequence[Mapping[str, Any]]]],
@@ -110,14 +130,21 @@ def draw(
     x: str,
     ylabel: str | None = None,
     references: Mapping[str, float] | None = None,
+    spread: bool = False,
 ) -> None:
     """One panel: each (label, records) run's `metric` against `x` ("rounds": ticks on whole
-    rounds only, or "mb"), and `references` as named grey horizontal lines, each dashed its way."""
+    rounds only, or "mb"), and `references` as named grey horizontal lines, each dashed its way.
+    `spread`: also the band from the worst client's figure to the best's, in the run's colour
+    (`client_range`), so that the mean does not hide the clients it averages."""
     from matplotlib.ticker import MaxNLocator
 
     for label, records in runs:
         rounds, mb, values = series(records, metric)
-        ax.plot(rounds if x == "rounds" else mb, values, marker="o", ms=3, label=label)
+        (line,) = ax.plot(rounds if x == "rounds" else mb, values, marker="o", ms=3, label=label)
+        at_round, at_mb, worst, best = client_range(records, metric) if spread else ([],) * 4
+        if worst:
+            ax.fill_between(at_round if x == "rounds" else at_mb, worst, best, alpha=0.2, lw=0,
+                            color=line.get_color(), label=SPREAD)  # fmt: skip
     for (name, y), (color, ls) in zip((references or {}).items(), cycle(REFERENCE_STYLES)):
         ax.axhline(y, color=color, ls=ls, lw=1.2, label=name)
     if x == "rounds":
@@ -150,6 +177,29 @@ def majority_score(
     return float(np.mean(finite)) if finite else None
 
 
+def run_figure(
+    records: Sequence[Mapping[str, Any]],
+    metric: str,
+    label: str,
+    title: str,
+    baseline: float | None = None,
+) -> Any:
+    """One run's figure (a matplotlib Figure): `metric`'s mean over clients against rounds and
+    against MB sent, side by side, the band of the clients' worst to best figure behind it, the
+    majority-label `baseline` dashed. None before any round was evaluated."""
+    from matplotlib.figure import Figure
+
+    if not series(records, metric)[0]:
+        return None
+    fig = Figure(figsize=(10, 4), dpi=110)
+    references = {MAJORITY: baseline} if baseline is not None else None
+    for ax, x in zip(fig.subplots(1, 2), X_LABELS, strict=True):
+        draw(ax, [(label, records)], metric, x, references=references, spread=True)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def write_run_plot(
     path: str | Path,
     records: Sequence[Mapping[str, Any]],
@@ -158,21 +208,13 @@ def write_run_plot(
     title: str,
     baseline: float | None = None,
 ) -> Path | None:
-    """plot.png of one run: `metric` against rounds and against MB sent, side by side, with the
-    majority-label `baseline` dashed. None (nothing written) before any round was evaluated.
-    Written whole or not at all (a reader never sees half a PNG)."""
-    from matplotlib.figure import Figure
-
+    """plot.png of one run (`run_figure`); None (nothing written) before any round was
+    evaluated. Written whole or not at all (a reader never sees half a PNG)."""
     from fedjax_split import atomic
 
-    if not series(records, metric)[0]:
+    fig = run_figure(records, metric, label, title, baseline)
+    if fig is None:
         return None
-    fig = Figure(figsize=(10, 4), dpi=110)
-    references = {MAJORITY: baseline} if baseline is not None else None
-    for ax, x in zip(fig.subplots(1, 2), X_LABELS, strict=True):
-        draw(ax, [(label, records)], metric, x, references=references)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return atomic.write_bytes(path, buffer.getvalue())
@@ -187,8 +229,12 @@ def write_fine_tuning_plot(
     config: Any,
     model: Any,
     baseline: float | None = None,
+    publish: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> Path | None:
-    """A fine-tuning run's plot.png (simulated or on Flower), named by its method and setting."""
+    """A fine-tuning run's plot.png (simulated or on Flower), named by its method and setting;
+    `publish`: what the run publishes of a record (DP: no per-client figure, so no band)."""
+    if publish is not None:
+        records = [publish(dict(r)) for r in records]
     label = label_of(config, model)
     title = f"{config.task}: {config.clients} clients, {Path(str(config.model)).name}"
     return write_run_plot(Path(run_dir) / PLOT_FILE, records, model.task.primary_metric, label,

@@ -80,7 +80,9 @@ def sample(config: ExperimentConfig, r: int, secret: ServerSecret | None = None)
 # A round record's fields that name or measure single clients: outside DP's guarantee (which
 # covers the global parts released), so a DP run keeps them in the server-private file only.
 PER_CLIENT = ("clients_sampled", "train_loss_clients", "clients", "update_norms",
-              "clients_rejected", "clients_failed", "eval_failed")  # fmt: skip
+              "clients_rejected", "clients_failed", "eval_failed",
+              # one client's figure, or near it; and the global model's per client
+              "worst_client", "p10_client", "global_clients")  # fmt: skip
 COVERED = "the sequence of global parts the server releases (and the adaptive clip norm)"
 NOT_COVERED = (
     "evaluation on the clients' own test data (its means over clients are published)",
