@@ -148,8 +148,11 @@ def _rebuilt_frozen(meta: dict[str, Any], global_wire: Any, local: Any, digest: 
                               if p not in taken})  # fmt: skip
     if tree_digest(frozen) != digest:
         raise UserError(
-            f"the base model in {str(model_dir)!r} is not the one this run trained on (its frozen "
-            "weights' sha256 differs); put the run's model back there to export"
+            f"the frozen weights rebuilt from {str(model_dir)!r} are not the run's (their "
+            "sha256 differs): the base model there is not the one this run trained on, or the "
+            "JAX now installed draws the run's seeded tensors (a head or pooler the checkpoint "
+            "lacked) otherwise; put the run's model back there, with the JAX version it trained "
+            "with, to export"
         )
     return frozen
 

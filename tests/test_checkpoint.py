@@ -246,7 +246,7 @@ def _assert_same(got: Any, want: Any) -> None:
         assert np.array_equal(a.reshape(-1).view(np.uint8), b.reshape(-1).view(np.uint8))
 
 
-@pytest.mark.parametrize("wire", ["float32", "float16"])
+@pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
 def test_a_server_state_is_stored_without_its_wire_copy_and_rebuilt_bit_for_bit(
     tmp_path: Path, wire: str
 ) -> None:

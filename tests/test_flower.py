@@ -249,12 +249,14 @@ def test_fp16_split_run_equals_simulation_and_a_restarted_server_resumes(env: di
 
 def test_fedadam_run_equals_simulation_and_a_killed_node_is_left_out(env: dict) -> None:
     """FedAdam on a bfloat16 wire: rounds 1-2 equal the simulation's; SuperNode 2 is killed
-    while round 3 waits for it: the round times out, aggregates clients 0 and 1, records 2 as
-    failed, and the run finishes (no hang)."""
+    while round 3 waits for it: the round gives up on it (its timeout, or Flower's missed
+    heartbeats), aggregates clients 0 and 1, records 2 as failed, and the run finishes (no hang)."""
     flags = {"algorithm": "fedadam", "quantize": "bf16", "critical_layer": 1, "rounds": 3,
              "eval_every": 3}  # fmt: skip
     out = env["base"] / "adam"
-    args = [*_args(env, out, **flags), "--round-timeout", "30"]
+    # the timeout every round has: round 1 compiles on the nodes, which on a loaded 2-core
+    # machine took over 30 s (clients 0 and 2 left out of round 1, the comparison failed)
+    args = [*_args(env, out, **flags), "--round-timeout", "60"]
     err_path = env["base"] / "adam.err"
     with open(err_path, "w") as err:
         proc = subprocess.Popen(
@@ -281,7 +283,9 @@ def test_fedadam_run_equals_simulation_and_a_killed_node_is_left_out(env: dict) 
                 proc.wait()
     stderr = err_path.read_text()
     _no_processes_left(str(out))
-    assert "round 3: client 2 failed (no reply within 30 s)" in stderr
+    # the round gives up on it: its timeout, or first Flower's missed heartbeats
+    gave_up = r"round 3: client 2 failed \((no reply within 60 s|.*Node Unavailable)"
+    assert re.search(gave_up, stderr), stderr[-2000:]
 
     got = _metrics(out)
     sim = _metrics(_simulate(env, "adam_sim", **{**flags, "rounds": 2, "eval_every": 3}))

@@ -13,6 +13,7 @@ a process-group kill alone would miss them), so nothing outlives the federation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -122,13 +123,17 @@ def link_identical_files(directory: Path, pattern: str = "*.npz") -> int:
 
     by_size: dict[int, list[Path]] = {}
     for f in sorted(directory.rglob(pattern)) if directory.is_dir() else ():
-        if f.is_file() and not f.is_symlink():
-            by_size.setdefault(f.stat().st_size, []).append(f)
+        with contextlib.suppress(OSError):  # a file a late node removed: nothing to link
+            if f.is_file() and not f.is_symlink():
+                by_size.setdefault(f.stat().st_size, []).append(f)
     freed = 0
     for size, files in by_size.items():
         first: dict[str, Path] = {}
         for f in files if len(files) > 1 else ():
-            digest = hashlib.sha256(f.read_bytes()).hexdigest()
+            try:
+                digest = hashlib.sha256(f.read_bytes()).hexdigest()
+            except OSError:  # gone or unreadable since: leave it as it is
+                continue
             keep = first.setdefault(digest, f)
             if keep == f or os.path.samefile(keep, f):
                 continue

@@ -236,7 +236,7 @@ def _wire_of(state: ServerState) -> str | None:
     dtypes = {
         np.dtype(x.dtype).name
         for x in jax.tree.leaves(state.global_params)
-        if np.issubdtype(np.dtype(x.dtype), np.floating)
+        if jnp.issubdtype(x.dtype, jnp.floating)  # bfloat16 too (numpy's floating omits it)
     }
     name = dtypes.pop() if len(dtypes) == 1 else "float32" if not dtypes else None
     if name not in WIRE_DTYPES:  # several floating dtypes, or one no wire has
