@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.fernet import InvalidToken
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -395,7 +396,8 @@ class ServerRound:
     refused: Mapping[int, str] = dataclasses.field(default_factory=dict)  # node -> why
 
     def _refuse(self, error: Refused) -> ServerRound:
-        return dataclasses.replace(self, refused={**self.refused, error.node: str(error)})
+        """The round with `error` recorded (a node's first refusal is the one kept)."""
+        return dataclasses.replace(self, refused={error.node: str(error), **self.refused})
 
     def _lost(self, have: int, what: str) -> RoundLost:
         return RoundLost(
@@ -431,7 +433,7 @@ def server_keys(params: Params, adverts: Sequence[Message]) -> tuple[ServerRound
             try:
                 for pem in (advert.enc_key, advert.mask_key):
                     _public_key(pem)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, UnsupportedAlgorithm):
                 raise Refused(node, "an advertised key that is not a P-384 public key") from None
             if not isinstance(advert.seed_digest, bytes) or len(advert.seed_digest) != 32:
                 raise Refused(node, "a seed digest that is not 32 bytes")
@@ -552,8 +554,9 @@ def _reconstruct(
     shares: list[tuple[int, bytes]], t: int, check: Callable[[bytes], bool]
 ) -> tuple[bytes | None, list[int]]:
     """A secret from exactly t shares (pycryptodome's Shamir takes no more), checked against its
-    advertisement; if the first t fail, other sets of t are tried. Returns the secret (None if no
-    set passes) and the responders whose share, put in a passing set, breaks it."""
+    advertisement; if the first t fail, other sets of t are tried (at most `_MAX_TRIES`).
+    Returns the secret (None if no set passes) and, when the first t failed, the responders
+    whose share, put in a passing set, breaks it (a bad share never used does no harm)."""
 
     def passes(subset: Sequence[tuple[int, bytes]]) -> bool:
         secret = _combine(subset)
@@ -602,7 +605,10 @@ def _secrets(
         for r in bad:
             rnd = rnd._refuse(Refused(r, f"a share of node {v}'s secret that does not rebuild it"))
         if secret is None:
-            raise rnd._lost(len(shares) - len(bad), f"revealed valid shares of node {v}'s secret")
+            raise RoundLost(
+                f"secure aggregation round {rnd.params.round} cannot be recovered: no {t} of the "
+                f"{len(shares)} shares of node {v}'s secret rebuild it; the round is skipped"
+            )
         out[kind][v] = secret if kind == 0 else _key_from_scalar(secret)
     return rnd, out[0], out[1]
 
