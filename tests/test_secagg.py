@@ -232,3 +232,29 @@ def test_the_threshold_must_be_a_majority() -> None:
         Params(1, (1, 2, 3, 4), 2, 8)
     with pytest.raises(secagg.UserError, match="distinct"):
         Params(1, (1, 1, 3), 2, 8)
+
+
+def test_a_node_refused_at_a_stage_is_out_of_the_round() -> None:
+    """A bad advertisement, or a second one, takes its node out; the others' round goes on."""
+    params = Params(1, (1, 2, 3, 4, 5), 3, 8)
+    inputs = _inputs(list(params.nodes), 8)
+    states, adverts = {}, []
+    for v in params.nodes:
+        states[v], advert = secagg.node_setup(params, v)
+        adverts.append(advert)
+    bad = {**adverts[1], "mask_key": b"-----BEGIN PUBLIC KEY-----\nno\n-----END PUBLIC KEY-----\n"}
+    again = {**adverts[0], "seed_digest": bytes(32)}  # node 1 advertises twice
+    rnd, broadcast = secagg.server_keys(params, [bad, adverts[1], adverts[0], again, *adverts[2:]])
+    assert "not a P-384 public key" in rnd.refused[2] and "second message" in rnd.refused[1]
+    assert broadcast["nodes"] == [3, 4, 5]
+    shares = []
+    for v in (3, 4, 5):
+        states[v], msg = secagg.node_share_keys(states[v], broadcast)
+        shares.append(msg)
+    with pytest.raises(UnsafeRequest, match="keys wrongly"):  # node 1 is not in the table
+        secagg.node_share_keys(states[1], broadcast)
+    rnd, inboxes = secagg.server_route(rnd, shares)
+    rnd, _ = _mask(states, rnd, inboxes, inputs, [3, 4, 5])
+    _, responses = _unmask(states, rnd)
+    agg = secagg.server_unmask(rnd, responses)
+    assert [int(v) for v in agg.total] == _expected(inputs, [3, 4, 5])

@@ -276,7 +276,7 @@ def node_share_keys(state: NodeState, broadcast: Message) -> tuple[NodeState, Me
         public_key_to_bytes(state.mask_key.public_key()),
         _digest(state.seed),
     ):
-        raise UnsafeRequest(f"the key table shows node {state.node}'s keys wrongly")
+        raise UnsafeRequest(f"the key table leaves node {state.node} out or shows its keys wrongly")
     t, n = state.params.threshold, len(table)
     seed_shares = create_shares(state.seed, t, n)
     key_shares = create_shares(_scalar(state.mask_key), t, n)
@@ -428,7 +428,7 @@ def server_keys(params: Params, adverts: Sequence[Message]) -> tuple[ServerRound
     rnd, table, keys = ServerRound(params), {}, set()
     for msg in adverts:
         try:
-            node = _node_of(msg, params.nodes, list(table))
+            node = _node_of(msg, params.nodes, [*table, *rnd.refused])
             advert = Advert(msg.get("enc_key"), msg.get("mask_key"), msg.get("seed_digest"))
             try:
                 for pem in (advert.enc_key, advert.mask_key):
@@ -440,7 +440,7 @@ def server_keys(params: Params, adverts: Sequence[Message]) -> tuple[ServerRound
             if {advert.enc_key, advert.mask_key} & keys or advert.enc_key == advert.mask_key:
                 raise Refused(node, "a public key advertised already")
             table[node], keys = advert, keys | {advert.enc_key, advert.mask_key}
-        except Refused as error:  # a second advertisement takes the first out too
+        except Refused as error:  # a node refused once is out, its first advertisement too
             rnd, _ = rnd._refuse(error), table.pop(error.node, None)
     if len(table) < params.threshold:
         raise rnd._lost(len(table), "advertised keys")
@@ -462,7 +462,7 @@ def server_route(
     sent: dict[int, dict[int, bytes]] = {}
     for msg in messages:
         try:
-            node = _node_of(msg, list(rnd.table), list(sent))
+            node = _node_of(msg, list(rnd.table), [*sent, *rnd.refused])
             expected = [v for v in rnd.table if v != node]
             if _ints(msg, "to", node) != expected:
                 raise Refused(node, "shares not addressed to every other node of the key table")
