@@ -22,7 +22,7 @@ import math
 import shlex
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,11 +108,16 @@ def write_warmup_text() -> None:
     (TEXT / "nero.txt").write_text("\n\n".join(" ".join(pool.tokens[i]) for i in rows) + "\n")
 
 
-def run_queue(seeds: Sequence[int]) -> None:
+def run_queue(seeds: Sequence[int], after: Callable[[], None] = lambda: None) -> None:
+    """Every missing run in queue order; `after` each one that ran (the report: the queue runs
+    for hours, and the page then shows every run finished so far)."""
     for run_name, args, module in queue(seeds):
         if run_name == "warmup_head":
             write_warmup_text()
-        print(RUNS.run(run_name, args, module), flush=True)
+        status = RUNS.run(run_name, args, module)
+        print(status, flush=True)
+        if not status.endswith("done before"):
+            after()
 
 
 # ---------------------------------------------------------------------------------------------

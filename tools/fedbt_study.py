@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if datasets is None:
         return 2
     if args.plateau and not args.report_only:
-        fedbt_plateau.run_queue(fedbt_plateau.SEEDS[: args.seeds])
+        fedbt_plateau.run_queue(fedbt_plateau.SEEDS[: args.seeds], after=report)
     elif not args.report_only:
         wanted = {name(d, m, s) for s in SEEDS[: args.seeds] for d in datasets for m in METHODS}
         for run_name, cmd in runs(datasets):
