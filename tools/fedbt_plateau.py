@@ -37,7 +37,11 @@ TITLE = "NERO at plateau: 36 rounds, K=3, Dirichlet 1.0"
 METRIC = "f1"
 SEEDS = (0, 1, 2, 3, 4)
 ROUNDS = 36  # 12 of FedBT's cycles of 3 layers (a multiple of 3: evaluations end cycles)
-EXAMPLES = 2000  # of NERO's 24,002 sentences, 1,600 of them train (docs: the budget)
+# The budget: 2,000 of NERO's 24,002 sentences, 1,600 of them train. A BERT-FL round on them is
+# about 35 s alone on the 2-core CPU (the 6-round study's 46 sentences a second; 67-85 s measured
+# at 631a6e7 beside the test suite), so 36 rounds are about 22 min alone: near the 25 min a run
+# was given. All 19,200 training sentences would be about 4 hours a run.
+EXAMPLES = 2000
 PLATEAU_GAIN = 0.01  # one point of F1
 NERO_SENTENCES = 24002  # the offline NERO pool (ner_corpora.load_nero); checked when written
 BASE = ["--config=configs/offline_nero.py", f"--max-examples={EXAMPLES}", f"--rounds={ROUNDS}",
