@@ -125,6 +125,22 @@ def test_the_section_gives_the_curve_the_plateau_and_the_paired_rows(runs: Path)
         "[+0.050, +0.050] | nan |"
     ) in text  # the same difference on both seeds: no test
     assert "![NERO at plateau" in text and plateau.FIGURE.stat().st_size > 0
+    assert "- warmup: `--corpus=local" in text and "--lr=1e-4`\n" in text  # not run yet
+
+
+def test_the_section_gives_the_warmups_figures(runs: Path) -> None:
+    d = runs / "warmup_head"
+    d.mkdir()
+    mlm = {"initial": {"mlm_loss": 10.8, "mlm_accuracy": 0.0}, "unigram": {"mlm_loss": 6.9,
+           "mlm_accuracy": 0.05}, "final": {"mlm_loss": 6.25, "mlm_accuracy": 0.1875}}  # fmt: skip
+    (d / "summary.json").write_text(json.dumps({**mlm, "train_sequences": 2400, "seconds": 300}))
+    (d / "metrics.jsonl").write_text("")
+    (d / "config.json").write_text("{}")
+    text = "\n".join(plateau.section())
+    assert (
+        "`: 2400 sequences; held-out MLM loss 10.800 -> 6.250, masked-token accuracy "
+        "0.000 -> 0.188 (the unigram level: loss 6.900, accuracy 0.050); 300 s"
+    ) in text
 
 
 def test_the_queue_runs_the_pairs_first_and_the_warmup_before_the_mlm_start() -> None:

@@ -330,10 +330,12 @@ def _warmup_lines() -> list[str]:
         run = RUNS.load(run_name)
         if run is not None:
             s = run["summary"]
-            lines[-1] += (f": held-out MLM loss {s['initial']['mlm_loss']:.3f} -> "
-                          f"{s['final']['mlm_loss']:.3f}, masked-token accuracy "
-                          f"{s['initial']['mlm_accuracy']:.3f} -> "
-                          f"{s['final']['mlm_accuracy']:.3f}, {s['seconds']:.0f} s")  # fmt: skip
+            lines[-1] += (f": {s['train_sequences']} sequences; held-out MLM loss "
+                          f"{s['initial']['mlm_loss']:.3f} -> {s['final']['mlm_loss']:.3f}, "
+                          f"masked-token accuracy {s['initial']['mlm_accuracy']:.3f} -> "
+                          f"{s['final']['mlm_accuracy']:.3f} (the unigram level: loss "
+                          f"{s['unigram']['mlm_loss']:.3f}, accuracy "
+                          f"{s['unigram']['mlm_accuracy']:.3f}); {s['seconds']:.0f} s")  # fmt: skip
     return lines
 
 
