@@ -152,7 +152,9 @@ def test_the_queue_runs_the_pairs_first_and_the_warmup_before_the_mlm_start() ->
     assert planned["warmup"][1] == "fedjax_split.pretrain"
     args = planned["mlm_fedbt_s3"][0]
     assert f"--model={plateau.START}" in args and "--layer-schedule=fedbt" in args
-    assert "--seed=3" in args and "--rounds=36" in args and "--eval-every=3" in args
+    assert "--seed=3" in args and "--rounds=48" in args and "--eval-every=3" in args
+    assert "--rounds=36" in planned["bertfl_s1"][0] and "--rounds=36" in planned["central_s1"][0]
+    assert sum(a.startswith("--rounds=") for a in args) == 1
     assert "--clients=1" in planned["central_s0"][0]
 
 

@@ -1,5 +1,7 @@
 """FedBT at plateau (issue 48): NERO, K=3 Dirichlet 1.0, 5 seeds, long enough for BERT-FL to stop
-gaining, evaluated every 3 rounds (one of FedBT's cycles of 3 layers). Arms: BERT-FL and FedBT
+gaining, evaluated every 3 rounds (one of FedBT's cycles of 3 layers). FedBT runs 12 rounds
+more than BERT-FL, so that its cumulative FLOPs reach BERT-FL's at a plateau as late as round 24
+(at 54% of BERT-FL's FLOPs a round: the equal-FLOPs reading). Arms: BERT-FL and FedBT
 from MiniLM-L6, the centralised run, and BERT-FL and FedBT again from a MiniLM-L6 warmed by
 masked LM on NERO text that no run of the study holds (the MLM-adapted start: it separates
 the base model's part of FedBT's gap from the method's).
@@ -33,10 +35,13 @@ from study_runs import ROOT, Runs, evaluated, pyplot, save_figure  # noqa: E402
 
 RUNS = Runs(ROOT / "runs" / "fedbt_study" / "plateau")
 FIGURE = ROOT / "docs" / "figures" / "fedbt_study_nero_plateau.png"
-TITLE = "NERO at plateau: 36 rounds, K=3, Dirichlet 1.0"
+TITLE = "NERO at plateau: BERT-FL 36 rounds, FedBT 48, K=3, Dirichlet 1.0"
 METRIC = "f1"
 SEEDS = (0, 1, 2, 3, 4)
 ROUNDS = 36  # 12 of FedBT's cycles of 3 layers (a multiple of 3: evaluations end cycles)
+# BERT-FL's seed 0 (at ffb313d) gains under a point after round 18, where its cumulative FLOPs
+# are those of FedBT's round 33.2: 36 rounds would leave a later plateau no equal-FLOPs round
+FEDBT_ROUNDS = 48
 # The budget: 2,000 of NERO's 24,002 sentences, 1,600 of them train. A BERT-FL round on them is
 # about 35 s alone on the 2-core CPU (the 6-round study's 46 sentences a second; 67-85 s measured
 # at 631a6e7 beside the test suite), so 36 rounds are about 22 min alone: near the 25 min a run
@@ -44,10 +49,10 @@ ROUNDS = 36  # 12 of FedBT's cycles of 3 layers (a multiple of 3: evaluations en
 EXAMPLES = 2000
 PLATEAU_GAIN = 0.01  # one point of F1
 NERO_SENTENCES = 24002  # the offline NERO pool (ner_corpora.load_nero); checked when written
-BASE = ["--config=configs/offline_nero.py", f"--max-examples={EXAMPLES}", f"--rounds={ROUNDS}",
-        "--eval-every=3", "--checkpoint-every=3", "--critical-layer=L"]  # fmt: skip
-CENTRAL = ["--clients=1", "--clients-per-round=all", "--partition=iid"]
-FEDBT = ["--layer-schedule=fedbt"]
+BASE = ["--config=configs/offline_nero.py", f"--max-examples={EXAMPLES}", "--eval-every=3",
+        "--checkpoint-every=3", "--critical-layer=L"]  # fmt: skip
+CENTRAL = ["--clients=1", "--clients-per-round=all", "--partition=iid", f"--rounds={ROUNDS}"]
+FEDBT = ["--layer-schedule=fedbt", f"--rounds={FEDBT_ROUNDS}"]
 TEXT = RUNS.directory / "warmup_text"  # NERO sentences outside every run (`warmup_rows`)
 START = RUNS.directory / "warmup" / "model"
 FREEZE_DECODER = r"--freeze=embeddings\.word_embeddings"  # the MLM decoder (tied)
@@ -58,10 +63,10 @@ WARMUP_HEAD = [*_WARMUP, "--model=minilm-l6", r"--freeze=embeddings\.|encoder\."
 WARMUP = [*_WARMUP, f"--model={RUNS.directory / 'warmup_head' / 'model'}", FREEZE_DECODER,
           "--rounds=3", "--lr=1e-4"]  # fmt: skip
 ARMS = {  # name -> (label, flags)
-    "bertfl": ("BERT-FL", []),
+    "bertfl": ("BERT-FL", [f"--rounds={ROUNDS}"]),
     "fedbt": ("FedBT", FEDBT),
     "central": ("centralised", CENTRAL),
-    "mlm_bertfl": ("BERT-FL, MLM start", [f"--model={START}"]),
+    "mlm_bertfl": ("BERT-FL, MLM start", [f"--model={START}", f"--rounds={ROUNDS}"]),
     "mlm_fedbt": ("FedBT, MLM start", [f"--model={START}", *FEDBT]),
 }  # fmt: skip
 
@@ -364,7 +369,7 @@ def section() -> list[str] | None:
     return [f"## {TITLE}", "", f"Runs at commit(s) {', '.join(commits)}. Finished seeds per arm "
             f"(of {len(SEEDS)}): {counts}. Mean run seconds (2-core CPU, shared): {secs}.", "",
             "`python -m fedjax_split.train " + _shell(BASE) + "` with each arm's flags "
-            "(tools/fedbt_plateau.py's ARMS) and `--seed`; `python tools/fedbt_study.py "
+            "and rounds (tools/fedbt_plateau.py's ARMS) and `--seed`; `python tools/fedbt_study.py "
             "--plateau` runs the queue.", "", "The figure by round, mean ± sample sd over the "
             "finished seeds:", "", *round_table(runs), "", *figure,
             f"BERT-FL's plateau: the first evaluated round after which its mean F1 never gains "
