@@ -40,7 +40,7 @@ METRIC = "f1"
 SEEDS = (0, 1, 2, 3, 4)
 ROUNDS = 36  # 12 of FedBT's cycles of 3 layers (a multiple of 3: evaluations end cycles)
 # BERT-FL's seed 0 (at ffb313d) gains under a point after round 18, where its cumulative FLOPs
-# are those of FedBT's round 33.2: 36 rounds would leave a later plateau no equal-FLOPs round
+# are those of FedBT's round 33.3: 36 rounds would leave a later plateau no equal-FLOPs round
 FEDBT_ROUNDS = 48
 # The budget: 2,000 of NERO's 24,002 sentences, 1,600 of them train. A BERT-FL round on them is
 # about 35 s alone on the 2-core CPU (the 6-round study's 46 sentences a second; 67-85 s measured
