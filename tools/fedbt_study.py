@@ -8,6 +8,7 @@ tables, appended).
 
     nice -n 10 python tools/fedbt_study.py                  # every missing run, then the report
     nice -n 10 python tools/fedbt_study.py --datasets rt    # one dataset's runs
+    nice -n 19 python tools/fedbt_study.py --plateau        # NERO at plateau (fedbt_plateau.py)
     python tools/fedbt_study.py --report-only               # the report from the finished runs
 
 The claim it tests (the journal's Table 3): FedBT 1.37 to 2.39 points below BERT-FL, at 48.26% of
@@ -31,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import fedbt_plateau  # noqa: E402
 from study_runs import (  # noqa: E402
     ROOT,
     Runs,
@@ -198,6 +201,7 @@ def earlier_sections() -> dict[str, list[str]]:
     committed, so a dataset whose runs are not on this machine keeps the section its runs wrote
     (with their commits) instead of vanishing from the report."""
     titles = {f"## {title}": data for data, (title, _, _) in DATASETS.items()}
+    titles[f"## {fedbt_plateau.TITLE}"] = "plateau"
     found: dict[str, list[str]] = {}
     current: list[str] | None = None
     for line in DOC.read_text().splitlines() if DOC.is_file() else []:
@@ -222,6 +226,7 @@ def report() -> None:
         if fresh and data in earlier:  # say so: git diff then shows what the runs here replaced
             print(f"{data}: the earlier section is rewritten from the runs on this machine")
         text += fresh or earlier.get(data, [])
+    text += fedbt_plateau.section() or earlier.get("plateau", [])
     write_report(DOC, text, DISCUSSION)
 
 
@@ -231,11 +236,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--datasets", default=",".join(DATASETS),
                    help=f"comma-separated, of {', '.join(DATASETS)}")  # fmt: skip
     p.add_argument("--seeds", type=int, default=len(SEEDS), help="run the first N seeds")
+    p.add_argument(
+        "--plateau",
+        action="store_true",
+        help="run the NERO plateau study's queue (tools/fedbt_plateau.py) instead",
+    )
     args = p.parse_args(argv)
     datasets = chosen(args.datasets, list(DATASETS), "dataset")
     if datasets is None:
         return 2
-    if not args.report_only:
+    if args.plateau and not args.report_only:
+        fedbt_plateau.run_queue(fedbt_plateau.SEEDS[: args.seeds], after=report)
+    elif not args.report_only:
         wanted = {name(d, m, s) for s in SEEDS[: args.seeds] for d in datasets for m in METHODS}
         for run_name, cmd in runs(datasets):
             if run_name in wanted:
