@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedjax_split import atomic
 from fedjax_split.errors import UserError
 from fedjax_split.tasks.registry import Task, get_task
 
@@ -75,7 +76,6 @@ _TABLE_II = {
 @dataclasses.dataclass(frozen=True)
 class ClientSplit:
     """One client's example indices into the pool (sorted, int64)."""
-
     train: np.ndarray
     test: np.ndarray
 
@@ -87,7 +87,6 @@ class ClientSplit:
 @dataclasses.dataclass(frozen=True)
 class Partition:
     """Clients' train/test indices plus the parameters that rebuild them."""
-
     clients: list[ClientSplit]
     scheme: str
     num_clients: int
@@ -112,7 +111,6 @@ class Partition:
 
 def paper_shares(num_clients: int, num_classes: int, task: str | Task | None = None) -> np.ndarray:
     """Label shares [K, C] of the paper's scheme: Table I/II rows, else a linear ramp.
-
     The ramp gives client k (position u = k/(K-1)) the share (1 + a (2 v_c - 1)) / C for class c
     at position v_c = c/(C-1), with a = 0.6 (1 - 2u): for two classes that is 80/20 down to 20/80
     (class 1 first), exactly Table I's "other" row at K=3.
@@ -147,7 +145,6 @@ def _round_to_total(weights: np.ndarray, total: int) -> np.ndarray:
 
 def _fill_counts(want: np.ndarray, remaining: np.ndarray) -> np.ndarray:
     """Per-class counts for one client: `want` capped by `remaining`, the shortfall re-spread.
-
     The shortfall goes to the classes that still have examples, in proportion to what they have
     left after this client's own take (FedNLP's dynamic reassigning).
     """
@@ -351,7 +348,6 @@ def partition_clients(
     fill: str = "exact",
 ) -> Partition:
     """Split the pool (indices 0..len(labels)-1) over `num_clients` clients, then train/test.
-
     Every example lands in at most one client's train or test split: all of them, except with the
     paper scheme's exact fill (`fill`, see the module docstring), which leaves out the surplus
     that no client's shares can take (`Partition.dropped`). Raises UserError on bad parameters,
@@ -472,7 +468,6 @@ def save_partition(
             {"train": c.train.tolist(), "test": c.test.tolist()} for c in partition.clients
         ],
     }
-    from fedjax_split import atomic
 
     return atomic.write_text(path, json.dumps(doc))
 

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fedjax_split.errors import UserError
+from fedjax_split.models.hf_checkpoint import resolve_model
 from fedjax_split.tasks.objectives import IGNORE
 
 _CHUNK = 8192  # texts per tokenizer call: bounds the memory of Python lists of ids
@@ -23,7 +24,6 @@ _CHUNK = 8192  # texts per tokenizer call: bounds the memory of Python lists of 
 
 class Tokenized(NamedTuple):
     """Ragged token ids: one int32 array per example, with [CLS] ... [SEP] (... [SEP])."""
-
     input_ids: list[np.ndarray]
     token_type_ids: list[np.ndarray]
     lengths: np.ndarray  # int32 [N]
@@ -34,7 +34,6 @@ def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Any:
     """The fast tokenizer stored with a model: alias, local directory or hub id."""
     from transformers import AutoTokenizer
 
-    from fedjax_split.models.hf_checkpoint import resolve_model
 
     model_dir: Path = resolve_model(name_or_path)
     if not any((model_dir / f).is_file() for f in ("tokenizer.json", "vocab.txt")):

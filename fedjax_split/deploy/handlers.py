@@ -90,7 +90,6 @@ def _reply(msg: Message, content: RecordDict) -> Message:
 def _received(msg: Message, node: NodeSetup) -> tuple[Any, Any]:
     """(the global part in the wire dtype, the message's config), checked against the model."""
 
-
     cfg = msg.content[protocol.CONFIG]
     wire = wire_dtype(node.round_spec.wire_dtype)
     if str(cfg[protocol.WIRE]) != wire.name:
@@ -226,7 +225,6 @@ def _pretrain_received(
 ) -> Any:
     """The model the message carries (global layers `layers`, the embeddings and the head under
     their global paths, fp32), checked against this node's model and decoded."""
-
 
     if int(msg.content[protocol.CONFIG][protocol.CLIENT]) != node.client_id:
         raise ValueError(f"message for client {msg.content[protocol.CONFIG][protocol.CLIENT]} "

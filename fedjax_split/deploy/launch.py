@@ -14,8 +14,10 @@ a process-group kill alone would miss them), so nothing outlives the federation.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from fedjax_split.deploy import logs, worker
+from fedjax_split.deploy.certs import public_key_path
 from fedjax_split.errors import UserError
 
 HOST = "127.0.0.1"
@@ -91,8 +95,6 @@ def _descendants(pid: int) -> list:
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL `proc`, its session and every descendant (even those in other sessions), and wait
     until they have ended."""
-    from fedjax_split.deploy import worker
-
     below = _descendants(proc.pid)
     for pid in [proc.pid, *(p.pid for p in below)]:
         try:
@@ -117,10 +119,6 @@ def link_identical_files(directory: Path, pattern: str = "*.npz") -> int:
     global part it last received for its site's export, the same file N times. Safe because a
     node never rewrites a file in place (it writes a new one and renames it over the old), so a
     name that changes leaves the others as they were."""
-    import hashlib
-    import os
-    import secrets
-
     by_size: dict[int, list[Path]] = {}
     for f in sorted(directory.rglob(pattern)) if directory.is_dir() else ():
         with contextlib.suppress(OSError):  # a file a late node removed: nothing to link
@@ -168,7 +166,6 @@ class Tls:
     Fleet, Control and Runtime APIs share one HTTPS port, so the SuperNodes, the `flwr` CLI and
     the SuperLink's own ServerApp all verify it against `ca_cert`. `node_auth`: only SuperNodes
     whose public key was registered may connect (`--enable-supernode-auth`; TLS only)."""
-
     ca_cert: Path
     cert: Path
     key: Path
@@ -178,13 +175,11 @@ class Tls:
 @dataclass(frozen=True)
 class NodeAccess:
     """How one SuperNode connects to a TLS SuperLink.
-
     private_key: its OpenSSH EC key (`--auth-supernode-private-key`), the public key beside it as
     `KEY.pub` (`deploy.certs.make_node_key`). register: that public key is registered through the
     SuperLink's Control API before the node starts (False: a stranger's key). tls: False starts
     it `--insecure` (it cannot reach a TLS SuperLink: for tests that it is refused).
     """
-
     private_key: Path | None = None
     register: bool = True
     tls: bool = True
@@ -192,14 +187,12 @@ class NodeAccess:
 
 class Federation:
     """SuperLink + SuperNodes on loopback; `submit` runs a Flower App on them with `flwr run`.
-
     node_configs: one mapping per SuperNode (e.g. {"partition-id": 0, "state-dir": "..."}).
     log_dir: where each process's output goes (superlink.log, supernode-<i>.log, run-<k>.log),
     without colour codes or Flower's empty records (`logs.clean`).
     tls: serve the SuperLink over TLS (None: insecure); access: one `NodeAccess` per SuperNode
     (default: TLS, no key). `node_ids` maps a registered node's index to its Flower node id.
     """
-
     def __init__(
         self,
         node_configs: Sequence[Mapping[str, Any]],
@@ -234,8 +227,6 @@ class Federation:
         """`args` started in its own session; a thread copies its output, one clean line per
         event (`logs.copy_lines`), to `log` (and `echo`) until the last process holding the
         pipe ends (its children inherit it)."""
-        from fedjax_split.deploy import logs
-
         log.parent.mkdir(parents=True, exist_ok=True)
         proc = subprocess.Popen(
             args,
@@ -316,8 +307,6 @@ class Federation:
     def _register_keys(self) -> None:
         """`flwr supernode register KEY.pub` for each SuperNode to be registered, through the
         SuperLink's Control API; records the node ids Flower gives them."""
-        from fedjax_split.deploy.certs import public_key_path
-
         for i, access in enumerate(self.access):
             if access.private_key is None or not access.register:
                 continue
@@ -375,8 +364,6 @@ class Federation:
     def kill_node(self, index: int) -> None:
         """SIGKILL SuperNode `index` and everything it started, its warm worker too (a machine
         that goes away)."""
-        from fedjax_split.deploy import worker
-
         proc = self.nodes[index]
         if proc is not None:
             kill_tree(proc)

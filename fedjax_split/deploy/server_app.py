@@ -18,14 +18,20 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedjax_split.deploy import protocol
+from fedjax_split import runtime
+from fedjax_split.deploy import logs, protocol
+from fedjax_split.deploy.pretrain_server import run_pretrain_server
+from fedjax_split.deploy.server import DeployOptions, Stopped, run_server
+from fedjax_split.errors import UserError
+from fedjax_split.run import outputs
+from fedjax_split.run.config import resolve_config
+from fedjax_split.run.pretrain_config import resolve
 
 app = ServerApp()
 
 
 def _write_status(path: str, status: dict[str, Any]) -> None:
     if path:
-        from fedjax_split.run import outputs
 
         outputs.write_json(Path(path), status)
 
@@ -34,20 +40,12 @@ def _pretrain(grid: Grid, rc: Any, options: Any) -> dict[str, Any]:
     """Further pre-training (run config kind "pretrain"): `deploy.pretrain_server`, its sites'
     paths (were the run config to hold them) replaced by `node-config` as fine-tuning's are, so
     that the server never looks at a site's directory."""
-    from fedjax_split.deploy.pretrain_server import run_pretrain_server
-    from fedjax_split.run.pretrain_config import resolve
-
     config = resolve(overrides=protocol.experiment_values(rc, protocol.PRETRAIN_CONFIG))
     return run_pretrain_server(grid, config, options)
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    from fedjax_split import runtime
-    from fedjax_split.deploy import logs
-    from fedjax_split.deploy.server import DeployOptions, Stopped, run_server
-    from fedjax_split.errors import UserError
-    from fedjax_split.run.config import resolve_config
 
     logs.app_process()
     rc = context.run_config

@@ -22,6 +22,7 @@ transformers loads it in PyTorch and `load_pretrained` reads it back bit-identic
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import pickle
@@ -40,6 +41,7 @@ import ml_dtypes
 import numpy as np
 
 from fedjax_split import assets
+from fedjax_split.atomic import replace_dir
 from fedjax_split.errors import Note, UserError
 from fedjax_split.models import lora as lora_adapters
 from fedjax_split.models.bert import BertConfig, Params, make_apply
@@ -64,7 +66,6 @@ _HUB_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+)/snapshots/[^/]+/?$")
 class Pretrained:
     """What `load_pretrained` returns: unpacks as `apply, params, config = load_pretrained(...)`;
     `.model_dir` is the resolved checkpoint directory (for the tokenizer and for export)."""
-
     __slots__ = ("apply", "params", "config", "model_dir")
 
     def __init__(self, apply: Callable[..., jax.Array], params: Params, config: BertConfig,
@@ -83,7 +84,6 @@ class Pretrained:
 
 def hf_names(config: BertConfig) -> dict[str, tuple[str, bool]]:
     """Our parameter path -> (HF tensor name without the `bert.` prefix, transpose?).
-
     Dense kernels are [in, out] here and [out, in] (`weight`) in torch, hence the transpose.
     """
     names: dict[str, tuple[str, bool]] = {}
@@ -230,7 +230,6 @@ def _rebuild_parameter(data, *_args) -> np.ndarray:
 class _SafeUnpickler(pickle.Unpickler):
     """Unpickles a torch state dict allowing only tensors, storages and OrderedDict: a checkpoint
     cannot run code here (unlike `torch.load(weights_only=False)`)."""
-
     def __init__(self, file, load_storage: Callable[[str, np.dtype, int], np.ndarray]) -> None:
         super().__init__(file)
         self._load_storage = load_storage
@@ -540,8 +539,6 @@ def rebuild_params(model_dir: Path, config: BertConfig, seed: int) -> Params:
     """The parameters `load_pretrained` gave a run whose model is `config` (as its checkpoint
     records it: layers kept, head, LoRA adapters) from the weights in `model_dir` and the run's
     seed: what an export reads instead of a copy of weights that never changed."""
-    from fedjax_split.models import lora as lora_adapters
-
     _, tensors = truncate(config, read_weights(model_dir), config.num_hidden_layers)
     params = params_from_tensors(tensors, config, seed=seed, source=str(model_dir))
     if config.lora_targets:
@@ -556,8 +553,6 @@ def truncate(
     config: BertConfig, tensors: dict[str, np.ndarray], num_layers: int
 ) -> tuple[BertConfig, dict[str, np.ndarray]]:
     """The config and tensors of the model's first `num_layers` encoder layers."""
-    import dataclasses
-
     if not 1 <= num_layers <= config.num_hidden_layers:
         raise UserError(
             f"--model-layers {num_layers} is outside 1..{config.num_hidden_layers} for this "
@@ -604,7 +599,6 @@ def save_pretrained(
     """
     from safetensors.numpy import save_file
 
-    from fedjax_split.atomic import replace_dir
 
     tensors = params_to_tensors(params, config)
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from fedjax_split.fed.roles import flatten_paths, layer_index
+from fedjax_split.fed.roles import flatten_paths, layer_index, merge_params
+from fedjax_split.fed.wire import cast_to_wire, tree_bytes, wire_dtype
+from fedjax_split.models.flops import segment_flops
 
 
 class Trained(NamedTuple):
     """Which parts of the model a step trains, as the FLOP count needs them."""
-
     layers: frozenset[int]
     embeddings: bool
     pooler: bool
@@ -37,7 +38,6 @@ class Trained(NamedTuple):
 class ModelPaths(NamedTuple):
     """A model's architecture and its parameters' paths by role: all the counts need (a Flower
     node holds no global part between messages, only these)."""
-
     config: Any  # models.bert.BertConfig
     global_paths: frozenset[str]
     local_paths: frozenset[str]
@@ -77,8 +77,6 @@ def _parts(paths: set[str], every: set[str]) -> Trained | None:
 
 def steps_flops(config: Any, parts: Trained | None, segments: Sequence[Any]) -> int | None:
     """Matmul FLOPs of one client's real steps `segments` (None: no exact count)."""
-    from fedjax_split.models.flops import segment_flops
-
     if parts is None:
         return None
     return sum(
@@ -99,8 +97,6 @@ def model_bytes(model: Any, wire: str) -> int:
     each way per client and round."""
     import jax
 
-    from fedjax_split.fed.roles import merge_params
-    from fedjax_split.fed.wire import cast_to_wire, tree_bytes, wire_dtype
 
     whole = merge_params(model.global0, model.local0, model.frozen)
     return tree_bytes(jax.eval_shape(lambda: cast_to_wire(whole, wire_dtype(wire))))

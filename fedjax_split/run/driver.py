@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from fedjax_split import compilation
 from fedjax_split.errors import UserError
 from fedjax_split.run import outputs
+from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 
 RoundHook = Callable[[int, dict[str, Any]], None]
 STOP_ENV = "FEDJAX_SPLIT_STOP_AFTER_ROUND"  # tests: act like Ctrl-C after this round's checkpoint
@@ -35,7 +36,6 @@ class Run(Protocol):
     after each checkpoint, and `summary` at the end. A run whose rounds can tell their progress
     has a `watch(progress)` method too (`outputs.Progress`), called before `start`: its steps say
     when they compile and pass `progress.training()`'s hook to their rounds."""
-
     run_dir: Path
     rounds: int  # the round the run ends after
     metric: str | None  # the metric the progress line shows
@@ -50,24 +50,18 @@ class Run(Protocol):
 
     def arrays(self) -> dict[str, Any]:
         """What a checkpoint holds as arrays (the restore target's structure too)."""
-
     def meta(self) -> dict[str, Any]:
         """A checkpoint's metadata: `model_config` (checked on resume) and what the run's own
         `resume` checks; the driver adds `history`."""
-
     def resume(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
         """Checks a checkpoint's metadata against this run (UserError) and takes its state."""
-
     def start(self, start_round: int, note: Callable[[str], None]) -> None:
         """Writes the run's own files and says how the run starts (`note`: a progress line)."""
-
     def step(self, round_: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """Round `round_`'s work; its record (metrics.jsonl's row). `history`: the records of the
         rounds before it."""
-
     def checkpointed(self, round_: int, kept: Sequence[int]) -> None:
         """Called after the checkpoint of `round_`; `kept`: the rounds whose checkpoints remain."""
-
     def summary(self, history: Sequence[dict[str, Any]], stats: Stats) -> dict[str, Any]:
         """summary.json's content, after the last round."""
 
@@ -75,7 +69,6 @@ class Run(Protocol):
 @dataclasses.dataclass
 class Stats:
     """What the driver measured in this process."""
-
     checkpoint_seconds: float = 0.0  # saving checkpoints and the run's `checkpointed` work
 
 
@@ -96,8 +89,6 @@ def check_run_dir(
 
 def _restore(run: Run, checkpointer: Any, resume: bool) -> tuple[int, list[dict[str, Any]]]:
     """(rounds done, their records): from the latest checkpoint with --resume, else (0, [])."""
-    from fedjax_split.run.checkpoint import checkpoint_dir
-
     latest = checkpointer.latest_round() if resume else None
     if latest is None:
         ck_dir = checkpoint_dir(run.run_dir)
@@ -137,13 +128,10 @@ def drive(
     on_round_end: RoundHook | None = None,
 ) -> dict[str, Any]:
     """Runs (or with `resume`, continues) `run` to its last round; returns its summary.
-
     `config`: the resolved settings, saved as config.json. `keep_checkpoints`: how many of the
     latest checkpoints stay on disk (the run's `checkpointed` hears which). `on_round_end(round,
     record)` is called after each round's record and checkpoint are on disk (a KeyboardInterrupt
     raised there stops the run as Ctrl-C does)."""
-    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
-
     run_dir = run.run_dir
     writes = getattr(run, "writes", True)
     checkpointer = RunCheckpointer(checkpoint_dir(run_dir), max_to_keep=keep_checkpoints)
@@ -251,7 +239,6 @@ def interrupted(run_dir: str | Path | None) -> int:
     Every command prints it."""
     where = "no checkpoint yet"
     if run_dir is not None:
-        from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 
         try:
             latest = RunCheckpointer(checkpoint_dir(run_dir)).latest_round()

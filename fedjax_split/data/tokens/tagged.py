@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from fedjax_split import assets
+from fedjax_split.data.tokenization import tokenize_words
 from fedjax_split.data.tokens import conll, ner_corpora
 from fedjax_split.errors import UserError
 from fedjax_split.tasks import bio
@@ -34,7 +36,6 @@ NO_ENTITY = "(none)"  # the partition label of a sentence without entities
 @dataclasses.dataclass
 class TaggedSentences:
     """Sentences as words with BIO tags; `labels` is each sentence's partition label."""
-
     tokens: list[list[str]]
     tags: list[list[str]]
     tag_names: tuple[str, ...]  # the model's labels: "O", then B-/I- per type
@@ -128,7 +129,6 @@ def load_tagged(
             f"task {task.name} reads local files: pass --data-dir DIR with CoNLL files "
             "(train, optionally dev and test; a token and its tag per line)"
         )
-    from fedjax_split import assets
 
     root = assets.fetch(task.asset)
     loaders = {
@@ -141,8 +141,6 @@ def load_tagged(
 
 def tokenize(examples: TaggedSentences, tokenizer: Any, max_length: int) -> Any:
     """Tokenised sentences with each word's tag id on its first sub-word (`align_labels`)."""
-    from fedjax_split.data.tokenization import tokenize_words
-
     index = {name: i for i, name in enumerate(examples.tag_names)}
     ids = [[index[t] for t in tags] for tags in examples.tags]
     tokenized, lost = tokenize_words(tokenizer, examples.tokens, ids, max_length=max_length)
