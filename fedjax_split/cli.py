@@ -24,8 +24,6 @@ def run_main(
     """A command's main: `parse()` the config, `run(config)` it, print `done(summary)`; a
     UserError is its one line and exit status 2, Ctrl-C says which checkpoint `--resume`
     continues from (exit status 130)."""
-    from fedjax_split.run import driver
-
     config = None
     try:
         config = parse()
@@ -33,6 +31,8 @@ def run_main(
     except UserError as e:
         return report(e)
     except KeyboardInterrupt:
+        from fedjax_split.run import driver  # the checkpoints' reader (JAX): only when needed
+
         return driver.interrupted(None if config is None else config.run_dir)
     print(done(summary))
     return 0

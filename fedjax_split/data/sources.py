@@ -448,7 +448,6 @@ def _load_offline(task: Task, root: Path | None) -> Examples:
             f"task {task.name} has no offline copy; use the hub or {_layout_hint(task)}"
         )
     if root is None:
-
         root = assets.fetch(task.asset)
     return _OFFLINE_LOADERS[task.name](task, _corpus_files(task, root))
 
@@ -467,7 +466,6 @@ def load_examples(
     `entity_types`: a token task's (its tag vocabulary; None: the pool's own tags)."""
     task = get_task(task)
     if task.objective.per_token:  # BIO-tagged sentences: CoNLL files or an offline corpus
-
         return tagged.load_tagged(task, data_dir, entity_types)
     if source not in SOURCES:
         raise UserError(f"unknown data source {source!r}; choose one of {', '.join(SOURCES)}")
@@ -501,7 +499,6 @@ def load_site(
     if not root.is_dir():
         raise UserError(f"site directory {str(root)!r} does not exist")
     if task.objective.per_token:
-
         if not entity_types:
             raise UserError(
                 f"task {task.name} with --site-data: pass --entity-types TYPE1,TYPE2,... (the "
@@ -549,10 +546,8 @@ def tokenize_examples(
     """
     task = get_task(task)
     if task.objective.per_token:  # words with per-token labels; fast enough not to cache
-
         return tagged.tokenize(examples, tokenizer, max_length)
     if cache_dir is None:
-
         cache_dir = assets.cache_dir() / "tokenized"
     cache_dir = Path(cache_dir)
     path = _cache_path(examples, tokenizer, task, max_length, cache_dir)

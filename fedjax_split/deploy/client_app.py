@@ -20,7 +20,8 @@ from collections.abc import Callable
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedjax_split.deploy import protocol, worker
+from fedjax_split import runtime
+from fedjax_split.deploy import logs, protocol, worker
 
 app = ClientApp()
 
@@ -29,7 +30,9 @@ def _here(kind: str) -> Callable[[Message, Context], Message]:
     """The handler of `kind`, run in this process when the node config turns the worker off."""
 
     def run(msg: Message, context: Context) -> Message:
-        from fedjax_split.deploy import handlers  # JAX: only where the handler runs here
+        logs.app_process()
+        runtime.apply()  # the process settings before the handlers' modules import JAX
+        from fedjax_split.deploy import handlers
 
         return handlers.HANDLERS[kind](msg, context)
 

@@ -74,12 +74,10 @@ def _node(context: Context, msg: Message) -> NodeSetup:
 
 
 def _state_dir(context: Context) -> Path:
-
     return Path(str(context.node_config.get(protocol.STATE_DIR) or cache_dir() / "flower_nodes"))
 
 
 def _store(context: Context, run_id: str, node: NodeSetup) -> ClientStore:
-
     return node_mod.store(_state_dir(context), run_id, node)
 
 
@@ -89,7 +87,6 @@ def _reply(msg: Message, content: RecordDict) -> Message:
 
 def _received(msg: Message, node: NodeSetup) -> tuple[Any, Any]:
     """(the global part in the wire dtype, the message's config), checked against the model."""
-
     cfg = msg.content[protocol.CONFIG]
     wire = wire_dtype(node.round_spec.wire_dtype)
     if str(cfg[protocol.WIRE]) != wire.name:
@@ -225,7 +222,6 @@ def _pretrain_received(
 ) -> Any:
     """The model the message carries (global layers `layers`, the embeddings and the head under
     their global paths, fp32), checked against this node's model and decoded."""
-
     if int(msg.content[protocol.CONFIG][protocol.CLIENT]) != node.client_id:
         raise ValueError(f"message for client {msg.content[protocol.CONFIG][protocol.CLIENT]} "
                          f"reached {node.client_id}")  # fmt: skip

@@ -72,13 +72,12 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "mer
 
 
 def _tokenized(
-    config: ExperimentConfig, task: Any, examples: Any, model_dir: Any, cache: Path | None
+    config: ExperimentConfig, task: tasks.Task, examples: Any, model_dir: Any, cache: Path | None
 ) -> Any:
     """The pool tokenised and packed, cached on the node's disk keyed by the data, the
     tokenizer's files and the length, so that only a node's first ClientApp process loads a
     tokenizer (transformers' import alone takes seconds, and Flower starts a process per
     message)."""
-
     path = None
     fingerprint = getattr(examples, "fingerprint", None)
     if cache is not None and model_dir is not None and fingerprint is not None:
@@ -136,7 +135,10 @@ def node_clients(node_config: Mapping[str, Any]) -> list[int]:
 
 
 def prepare(
-    config: ExperimentConfig, client_id: int, cache: Path | None = None, site_dir: Any = None
+    config: ExperimentConfig,
+    client_id: int,
+    cache: Path | None = None,
+    site_dir: str | Path | None = None,
 ) -> NodeSetup:
     """This client's share and model, derived by `run.pieces` as the simulation derives them.
     `cache`: a directory of the node's own for the tokenised pool (None: tokenise each time);
@@ -147,7 +149,7 @@ def prepare(
 
 def prepare_many(
     config: ExperimentConfig, client_ids: Sequence[int], cache: Path | None = None,
-    site_dir: Any = None,
+    site_dir: str | Path | None = None,
 ) -> dict[int, NodeSetup]:  # fmt: skip
     """`prepare` for each of a node's clients, the data, the partition and the model loaded once
     and shared by them (a site is one client)."""
@@ -186,7 +188,7 @@ Share = tuple[Any, Any, Any, dict[str, Any]]  # examples, split, label shares or
 
 
 def _pool_shares(
-    config: ExperimentConfig, task: Any, client_ids: Sequence[int]
+    config: ExperimentConfig, task: tasks.Task, client_ids: Sequence[int]
 ) -> dict[int, Share]:
     """Each client's share of the pool every node loads and partitions alike: (the pool, its
     split of it, its realised label shares, the partition's settings)."""
@@ -203,7 +205,9 @@ def _pool_shares(
     return out
 
 
-def _site_share(config: ExperimentConfig, task: Any, client_id: int, site_dir: Any) -> Share:
+def _site_share(
+    config: ExperimentConfig, task: tasks.Task, client_id: int, site_dir: str | Path
+) -> Share:
     """A site's own data (--site-data): (its examples, its own split of them, its label
     shares, the settings every site has alike; the server offsets each site's indices by the
     sizes the sites report, `partition.sites_partition`)."""
@@ -312,7 +316,6 @@ def keep_for_export(
     part (a LoRA run's base weights) is the node's model directory's, named in model.json with
     its sha256 (`model_record`); the pretrained local part is written only while the client has
     not trained (`keep_initial`)."""
-
     d = store.directory
     (d / f"client_{node.client_id}").mkdir(parents=True, exist_ok=True)  # this node's client
     if not (d / MODEL_FILE).is_file():
@@ -358,7 +361,6 @@ def _keep_local(
     """`local` (the store's version `version` of `client`'s part) at `path`: a hard link to the
     store's file (files are replaced, never rewritten, so the two names stay the same bytes), or
     a copy where no link can be made."""
-
     path.parent.mkdir(parents=True, exist_ok=True)
     source = None if version is None else store.path(client, version)
     if source is not None and source.is_file():

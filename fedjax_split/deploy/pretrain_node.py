@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -67,7 +68,11 @@ class PretrainNode:
 
 
 def node_text(
-    config: PretrainConfig, client_id: int, tokenizer: Any, spec: Any, site_dir: Any = None
+    config: PretrainConfig,
+    client_id: int,
+    tokenizer: Any,
+    spec: MaskingSpec,
+    site_dir: str | Path | None = None,
 ) -> tuple:
     """(what split.json records as this node knows it, this client's sequences, its held-out
     batches). One corpus (the node config's data-dir, else --data-dir): split as the simulation
@@ -89,7 +94,9 @@ def node_text(
     return split.to_dict(), seqs, heldout
 
 
-def prepare(config: PretrainConfig, client_id: int, site_dir: Any = None) -> PretrainNode:
+def prepare(
+    config: PretrainConfig, client_id: int, site_dir: str | Path | None = None
+) -> PretrainNode:
     """This client's text and model, as the simulation builds them for it (`site_dir`: its own
     directory in a --site-data run)."""
     check_deployable(config)

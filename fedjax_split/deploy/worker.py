@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedjax_split import runtime
 from fedjax_split.assets import cache_dir
 from fedjax_split.deploy import protocol
 from fedjax_split.errors import UserError
@@ -333,7 +334,6 @@ def serve(
 ) -> None:
     """Answers requests on `path` one at a time, each with its kind's handler, until the watched
     process ends or none came for `idle_seconds`."""
-
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
@@ -372,7 +372,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--watch-pid", type=int, default=None, help="end when this process ends")
     p.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS)
     args = p.parse_args(argv)
-    from fedjax_split.deploy.handlers import HANDLERS  # the worker process's job (JAX)
+    runtime.tune_malloc()  # before the handlers' modules import JAX (which start its threads)
+    runtime.one_line_warnings()
+    from fedjax_split.deploy.handlers import HANDLERS
 
     serve(Path(args.socket), args.watch_pid, HANDLERS, args.idle_seconds)
     return 0

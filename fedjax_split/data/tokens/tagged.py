@@ -29,6 +29,7 @@ from fedjax_split.data.tokenization import tokenize_words
 from fedjax_split.data.tokens import conll, ner_corpora
 from fedjax_split.errors import UserError
 from fedjax_split.tasks import bio
+from fedjax_split.tasks.registry import Task
 
 NO_ENTITY = "(none)"  # the partition label of a sentence without entities
 
@@ -36,6 +37,7 @@ NO_ENTITY = "(none)"  # the partition label of a sentence without entities
 @dataclasses.dataclass
 class TaggedSentences:
     """Sentences as words with BIO tags; `labels` is each sentence's partition label."""
+
     tokens: list[list[str]]
     tags: list[list[str]]
     tag_names: tuple[str, ...]  # the model's labels: "O", then B-/I- per type
@@ -51,7 +53,7 @@ class TaggedSentences:
         return (*self.types, NO_ENTITY)
 
 
-def vocabulary_hint(task: Any, types: Sequence[str]) -> str:
+def vocabulary_hint(task: Task, types: Sequence[str]) -> str:
     """What follows "tag 'X' is not in the tag vocabulary": where the vocabulary comes from and
     what to change."""
     listed = ",".join(types)
@@ -110,7 +112,7 @@ def _tagged(
 
 
 def load_tagged(
-    task: Any, data_dir: str | os.PathLike[str] | None, types: Sequence[str] | None = None
+    task: Task, data_dir: str | os.PathLike[str] | None, types: Sequence[str] | None = None
 ) -> TaggedSentences:
     """The pool of a token task, or one site's data: from `data_dir` (CoNLL files), else its
     offline asset. `types`: the run's entity types (None: the data's own, `from_sentences`)."""
