@@ -256,3 +256,23 @@ def test_the_counter_sees_imports_inside_functions_only() -> None:
         (["fed.roles"], True),
         (["fed.wire"], True),
     ]
+
+
+def test_the_commands_parse_without_jax() -> None:
+    """Each command's module imports no framework, and pretrain's and export's --help import none
+    either (train's lists the task registry's tasks, which imports JAX): a command imports its
+    job's modules once, after parsing its flags."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from fedjax_split import cli, export, flower, pretrain, train\n"
+        "heavy = ('jax', 'flax', 'transformers', 'torch', 'orbax', 'flwr')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+        "for main in (pretrain.main, export.main):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main(['--help'])\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=PACKAGE.parent, timeout=120)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[:2] == ["[]", "[]"]
