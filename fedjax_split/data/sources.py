@@ -487,7 +487,7 @@ def load_examples(
 
 def load_site(
     task: str | Task, site_dir: str | os.PathLike, entity_types: Sequence[str] | None = None
-) -> Any:
+) -> Examples:
     """One site's own examples (`--site-data`), labelled in the task's vocabulary: GLUE TSV or
     parquet files (train required; dev, when there, is the site's test split), an offline
     corpus's file(s), or CoNLL files for a token task (train required; dev and test test),
@@ -537,7 +537,7 @@ def tokenize_examples(
     task: str | Task,
     max_length: int = 128,
     cache_dir: str | os.PathLike | None = None,
-) -> Any:
+) -> Tokenized:
     """`tokenization.tokenize` of the pool, cached as .npz keyed by (tokenizer, task, max_length,
     data fingerprint) under `cache_dir` (default: <assets.cache_dir()>/tokenized).
 

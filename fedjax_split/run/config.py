@@ -13,7 +13,7 @@ import dataclasses
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedjax_split.errors import UserError
 from fedjax_split.fed.algorithms import ALGORITHMS, check_tau
@@ -35,6 +35,9 @@ from fedjax_split.run.settings import (
     origin,
 )
 from fedjax_split.run.settings import setting as _setting
+
+if TYPE_CHECKING:  # models.lora imports JAX: the flags' modules import none
+    from fedjax_split.models.lora import LoraSettings
 
 __all__ = [
     "ExperimentConfig", "FIELDS", "NODE_SITES", "SCHEMA", "check_site_dirs", "entity_type_list",
@@ -753,7 +756,7 @@ def _positive(config: ExperimentConfig, name: str, zero_ok: bool = False) -> Non
         raise UserError(f"{flag_name(name)} must be a number {bound}, got {_got(config, name)}")
 
 
-def lora_settings(config: ExperimentConfig) -> Any:
+def lora_settings(config: ExperimentConfig) -> LoraSettings | None:
     """The run's `models.lora.LoraSettings`, None without --lora-rank."""
     if config.lora_rank is None:
         return None

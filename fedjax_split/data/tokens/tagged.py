@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from fedjax_split import assets
-from fedjax_split.data.tokenization import tokenize_words
+from fedjax_split.data.tokenization import Tokenized, tokenize_words
 from fedjax_split.data.tokens import conll, ner_corpora
 from fedjax_split.errors import UserError
 from fedjax_split.tasks import bio
@@ -141,7 +141,7 @@ def load_tagged(
     return from_sentences(load(root / member), where=task.name, types=types, hint=hint)
 
 
-def tokenize(examples: TaggedSentences, tokenizer: Any, max_length: int) -> Any:
+def tokenize(examples: TaggedSentences, tokenizer: Any, max_length: int) -> Tokenized:
     """Tokenised sentences with each word's tag id on its first sub-word (`align_labels`)."""
     index = {name: i for i, name in enumerate(examples.tag_names)}
     ids = [[index[t] for t in tags] for tags in examples.tags]
