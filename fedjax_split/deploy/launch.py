@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fedjax_split.deploy import logs, worker
-from fedjax_split.deploy.certs import public_key_path
 from fedjax_split.errors import UserError
 
 HOST = "127.0.0.1"
@@ -307,6 +306,8 @@ class Federation:
     def _register_keys(self) -> None:
         """`flwr supernode register KEY.pub` for each SuperNode to be registered, through the
         SuperLink's Control API; records the node ids Flower gives them."""
+        from fedjax_split.deploy.certs import public_key_path  # cryptography: secured runs only
+
         for i, access in enumerate(self.access):
             if access.private_key is None or not access.register:
                 continue
