@@ -6,6 +6,7 @@
 - `client_app`: the Flower ClientApp (a SuperNode's clients); it imports no JAX and hands each
   message to the node's warm worker (`worker`), which runs its handler (`handlers`).
 - `server`: rounds over a Flower Grid with the simulation's aggregation and server step.
+- `preflight`: what `python -m fedjax_split.flower` checks before it starts any process.
 - `server_app`: the Flower ServerApp.
 - `logs`: one clean line per event, in the apps' processes and the launcher's log files.
 - `launch`: a SuperLink and SuperNodes as processes on loopback (`python -m fedjax_split.flower`).
