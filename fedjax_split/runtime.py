@@ -197,6 +197,7 @@ def start_processes(
 @dataclasses.dataclass(frozen=True)
 class Applied:
     """What `apply` set: the malloc in use, the compilation cache directory, CPU devices."""
+
     allocator: str
     xla_cache: Path | None
     cpu_devices: int | None  # None: JAX's own count, left unasked (its backends not started)

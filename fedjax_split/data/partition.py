@@ -76,6 +76,7 @@ _TABLE_II = {
 @dataclasses.dataclass(frozen=True)
 class ClientSplit:
     """One client's example indices into the pool (sorted, int64)."""
+
     train: np.ndarray
     test: np.ndarray
 
@@ -87,6 +88,7 @@ class ClientSplit:
 @dataclasses.dataclass(frozen=True)
 class Partition:
     """Clients' train/test indices plus the parameters that rebuild them."""
+
     clients: list[ClientSplit]
     scheme: str
     num_clients: int
@@ -111,6 +113,7 @@ class Partition:
 
 def paper_shares(num_clients: int, num_classes: int, task: str | Task | None = None) -> np.ndarray:
     """Label shares [K, C] of the paper's scheme: Table I/II rows, else a linear ramp.
+
     The ramp gives client k (position u = k/(K-1)) the share (1 + a (2 v_c - 1)) / C for class c
     at position v_c = c/(C-1), with a = 0.6 (1 - 2u): for two classes that is 80/20 down to 20/80
     (class 1 first), exactly Table I's "other" row at K=3.
@@ -145,6 +148,7 @@ def _round_to_total(weights: np.ndarray, total: int) -> np.ndarray:
 
 def _fill_counts(want: np.ndarray, remaining: np.ndarray) -> np.ndarray:
     """Per-class counts for one client: `want` capped by `remaining`, the shortfall re-spread.
+
     The shortfall goes to the classes that still have examples, in proportion to what they have
     left after this client's own take (FedNLP's dynamic reassigning).
     """
@@ -348,6 +352,7 @@ def partition_clients(
     fill: str = "exact",
 ) -> Partition:
     """Split the pool (indices 0..len(labels)-1) over `num_clients` clients, then train/test.
+
     Every example lands in at most one client's train or test split: all of them, except with the
     paper scheme's exact fill (`fill`, see the module docstring), which leaves out the surplus
     that no client's shares can take (`Partition.dropped`). Raises UserError on bad parameters,

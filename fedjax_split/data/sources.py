@@ -81,6 +81,7 @@ _TREC_TRAIN_LINES = 5452  # the file's last 5,452 lines are TREC train_5500
 @dataclasses.dataclass(frozen=True)
 class Examples:
     """A task's example pool. `groups`: per-example origin (MNLI), `splits`: source split."""
+
     texts_a: list[str]
     texts_b: list[str] | None
     labels: np.ndarray  # int64 class ids, or float32 scores for regression

@@ -24,6 +24,7 @@ _CHUNK = 8192  # texts per tokenizer call: bounds the memory of Python lists of 
 
 class Tokenized(NamedTuple):
     """Ragged token ids: one int32 array per example, with [CLS] ... [SEP] (... [SEP])."""
+
     input_ids: list[np.ndarray]
     token_type_ids: list[np.ndarray]
     lengths: np.ndarray  # int32 [N]

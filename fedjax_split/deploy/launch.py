@@ -165,6 +165,7 @@ class Tls:
     Fleet, Control and Runtime APIs share one HTTPS port, so the SuperNodes, the `flwr` CLI and
     the SuperLink's own ServerApp all verify it against `ca_cert`. `node_auth`: only SuperNodes
     whose public key was registered may connect (`--enable-supernode-auth`; TLS only)."""
+
     ca_cert: Path
     cert: Path
     key: Path
@@ -174,11 +175,13 @@ class Tls:
 @dataclass(frozen=True)
 class NodeAccess:
     """How one SuperNode connects to a TLS SuperLink.
+
     private_key: its OpenSSH EC key (`--auth-supernode-private-key`), the public key beside it as
     `KEY.pub` (`deploy.certs.make_node_key`). register: that public key is registered through the
     SuperLink's Control API before the node starts (False: a stranger's key). tls: False starts
     it `--insecure` (it cannot reach a TLS SuperLink: for tests that it is refused).
     """
+
     private_key: Path | None = None
     register: bool = True
     tls: bool = True
@@ -186,12 +189,14 @@ class NodeAccess:
 
 class Federation:
     """SuperLink + SuperNodes on loopback; `submit` runs a Flower App on them with `flwr run`.
+
     node_configs: one mapping per SuperNode (e.g. {"partition-id": 0, "state-dir": "..."}).
     log_dir: where each process's output goes (superlink.log, supernode-<i>.log, run-<k>.log),
     without colour codes or Flower's empty records (`logs.clean`).
     tls: serve the SuperLink over TLS (None: insecure); access: one `NodeAccess` per SuperNode
     (default: TLS, no key). `node_ids` maps a registered node's index to its Flower node id.
     """
+
     def __init__(
         self,
         node_configs: Sequence[Mapping[str, Any]],

@@ -66,6 +66,7 @@ _HUB_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+)/snapshots/[^/]+/?$")
 class Pretrained:
     """What `load_pretrained` returns: unpacks as `apply, params, config = load_pretrained(...)`;
     `.model_dir` is the resolved checkpoint directory (for the tokenizer and for export)."""
+
     __slots__ = ("apply", "params", "config", "model_dir")
 
     def __init__(self, apply: Callable[..., jax.Array], params: Params, config: BertConfig,
@@ -84,6 +85,7 @@ class Pretrained:
 
 def hf_names(config: BertConfig) -> dict[str, tuple[str, bool]]:
     """Our parameter path -> (HF tensor name without the `bert.` prefix, transpose?).
+
     Dense kernels are [in, out] here and [out, in] (`weight`) in torch, hence the transpose.
     """
     names: dict[str, tuple[str, bool]] = {}
@@ -230,6 +232,7 @@ def _rebuild_parameter(data, *_args) -> np.ndarray:
 class _SafeUnpickler(pickle.Unpickler):
     """Unpickles a torch state dict allowing only tensors, storages and OrderedDict: a checkpoint
     cannot run code here (unlike `torch.load(weights_only=False)`)."""
+
     def __init__(self, file, load_storage: Callable[[str, np.dtype, int], np.ndarray]) -> None:
         super().__init__(file)
         self._load_storage = load_storage

@@ -36,6 +36,7 @@ class Run(Protocol):
     after each checkpoint, and `summary` at the end. A run whose rounds can tell their progress
     has a `watch(progress)` method too (`outputs.Progress`), called before `start`: its steps say
     when they compile and pass `progress.training()`'s hook to their rounds."""
+
     run_dir: Path
     rounds: int  # the round the run ends after
     metric: str | None  # the metric the progress line shows
@@ -50,18 +51,24 @@ class Run(Protocol):
 
     def arrays(self) -> dict[str, Any]:
         """What a checkpoint holds as arrays (the restore target's structure too)."""
+
     def meta(self) -> dict[str, Any]:
         """A checkpoint's metadata: `model_config` (checked on resume) and what the run's own
         `resume` checks; the driver adds `history`."""
+
     def resume(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
         """Checks a checkpoint's metadata against this run (UserError) and takes its state."""
+
     def start(self, start_round: int, note: Callable[[str], None]) -> None:
         """Writes the run's own files and says how the run starts (`note`: a progress line)."""
+
     def step(self, round_: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """Round `round_`'s work; its record (metrics.jsonl's row). `history`: the records of the
         rounds before it."""
+
     def checkpointed(self, round_: int, kept: Sequence[int]) -> None:
         """Called after the checkpoint of `round_`; `kept`: the rounds whose checkpoints remain."""
+
     def summary(self, history: Sequence[dict[str, Any]], stats: Stats) -> dict[str, Any]:
         """summary.json's content, after the last round."""
 
@@ -69,6 +76,7 @@ class Run(Protocol):
 @dataclasses.dataclass
 class Stats:
     """What the driver measured in this process."""
+
     checkpoint_seconds: float = 0.0  # saving checkpoints and the run's `checkpointed` work
 
 
@@ -128,6 +136,7 @@ def drive(
     on_round_end: RoundHook | None = None,
 ) -> dict[str, Any]:
     """Runs (or with `resume`, continues) `run` to its last round; returns its summary.
+
     `config`: the resolved settings, saved as config.json. `keep_checkpoints`: how many of the
     latest checkpoints stay on disk (the run's `checkpointed` hears which). `on_round_end(round,
     record)` is called after each round's record and checkpoint are on disk (a KeyboardInterrupt

@@ -90,6 +90,7 @@ def read_json(path: str | Path) -> Any:
 
 def write_jsonl(path: str | Path, records: Iterable[dict[str, Any]]) -> Path:
     """Replace a JSONL file with `records` atomically (--resume truncates the log with it)."""
+
     def write(f: TextIO) -> None:
         for r in records:
             f.write(json.dumps(_clean(r)) + "\n")
@@ -246,6 +247,7 @@ class Progress:
       traces and loads what later rounds reuse).
     `clock`: the time source (tests pass a fake one).
     """
+
     def __init__(
         self,
         total: int,

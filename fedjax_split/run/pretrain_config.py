@@ -45,6 +45,7 @@ DTYPES = ("float32", "bfloat16")
 @dataclasses.dataclass(frozen=True)
 class PretrainConfig(Settings):
     """Everything that defines a further pre-training run."""
+
     corpus: str = _setting(
         "pubmed",
         f"Text: {', '.join(CORPORA)} (local: *.txt under --data-dir; hub: a datasets name or "

@@ -54,6 +54,7 @@ NERO_TYPES = ("BiologicalProcess", "Chemical", "MedicalFinding", "MolecularProce
 @dataclasses.dataclass(frozen=True)
 class Task:
     """What a task is: its text fields, label space and metrics.
+
     `kind` is "glue" (hub `nyu-mll/glue` config `name`, or a local GLUE directory), "offline"
     (a corpus fetched by `assets.fetch(asset)`) or "ner" (BIO-tagged sentences: CoNLL files in
     --data-dir, or the offline `asset`; `num_labels` is 0 here, as the tag vocabulary is "O"
@@ -61,6 +62,7 @@ class Task:
     corpora's), else the run's --entity-types, else a pool's own tags). `groups` names the
     origins that get metrics of their own (MNLI matched / mismatched).
     """
+
     name: str
     text_fields: tuple[str, ...]
     label_field: str
@@ -183,6 +185,7 @@ def compute_metrics(
     label_names: tuple[str, ...] | None = None,
 ) -> dict[str, float]:
     """The task's metrics of `predictions` (class ids, or scores for regression) against `labels`.
+
     With `groups` (e.g. MNLI's origin per example), every metric is also reported per group as
     `<metric>_<group>` for the groups present, so matched and mismatched accuracy come out apart.
     A token task's rows are per-token class ids [n, T] (labels IGNORE where none): scored as

@@ -47,6 +47,7 @@ _CACHE_VERSION = 1
 @dataclasses.dataclass(frozen=True)
 class TextCorpus:
     """Documents of text and the source (file or split) each came from."""
+
     name: str
     documents: list[str]
     sources: np.ndarray  # str [num documents]
@@ -154,6 +155,7 @@ def _hub(name: str) -> TextCorpus:
 
 class TextUnits(NamedTuple):
     """Content token ids (no special tokens) of each unit: a document, or in line mode a line."""
+
     ids: list[np.ndarray]  # int32 per unit
     document: np.ndarray  # int64 [units]: the document each unit belongs to
 
@@ -222,6 +224,7 @@ def tokenize_corpus(
 
 class Sequences(NamedTuple):
     """Model inputs of one client (or the held-out text): rows padded to one width."""
+
     input_ids: np.ndarray  # int32 [N, T]
     lengths: np.ndarray  # int32 [N]: real tokens of each row
 
