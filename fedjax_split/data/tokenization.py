@@ -35,7 +35,6 @@ def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Any:
     """The fast tokenizer stored with a model: alias, local directory or hub id."""
     from transformers import AutoTokenizer
 
-
     model_dir: Path = resolve_model(name_or_path)
     if not any((model_dir / f).is_file() for f in ("tokenizer.json", "vocab.txt")):
         raise UserError(

@@ -49,7 +49,6 @@ def app_process() -> None:
 
     from flwr.common.logger import LOGGER_NAME, update_console_handler
 
-
     one_line_warnings()
     logging.getLogger(LOGGER_NAME).propagate = False
     update_console_handler(colored=sys.stdout.isatty())

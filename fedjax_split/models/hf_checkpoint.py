@@ -602,7 +602,6 @@ def save_pretrained(
     """
     from safetensors.numpy import save_file
 
-
     tensors = params_to_tensors(params, config)
 
     def fill(tmp: Path) -> None:
