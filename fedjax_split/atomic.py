@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
+from fedjax_split.errors import UserError
+
 __all__ = ["atomic_write", "atomic_write_text", "replace_dir", "write_bytes", "write_text"]
 
 
@@ -77,8 +79,6 @@ def replace_dir(
     of the same kind; `what` names that kind, "a model directory"): anything else is a
     UserError, so a mistyped path destroys nothing. The directory and its files get the modes a
     plain mkdir and open would give."""
-    from fedjax_split.errors import UserError
-
     out = Path(out_dir).expanduser()
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / marker).is_file())):
         raise UserError(f"{out} exists and is not {what}; choose another output path")

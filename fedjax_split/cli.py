@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from fedjax_split.errors import UserError, report
+
 # a command's entry point and its warnings' format live with the process settings (`runtime`), so
 # that the lower layers' own entry points (assets, the Flower apps) use them without importing up
 from fedjax_split.runtime import one_line_warning, one_line_warnings, run_command
@@ -22,9 +24,6 @@ def run_main(
     """A command's main: `parse()` the config, `run(config)` it, print `done(summary)`; a
     UserError is its one line and exit status 2, Ctrl-C says which checkpoint `--resume`
     continues from (exit status 130)."""
-    from fedjax_split.errors import UserError, report
-    from fedjax_split.run import driver
-
     config = None
     try:
         config = parse()
@@ -32,6 +31,8 @@ def run_main(
     except UserError as e:
         return report(e)
     except KeyboardInterrupt:
+        from fedjax_split.run import driver  # the checkpoints' reader (JAX): only when needed
+
         return driver.interrupted(None if config is None else config.run_dir)
     print(done(summary))
     return 0

@@ -18,280 +18,34 @@ overwrites: an existing non-empty --out stops it unless --overwrite.
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
+import importlib
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
+from fedjax_split.cli import run_command
 from fedjax_split.errors import UserError, report
 
-
-def personalised_params(run_dir: str | Path, client: int, round_: int | None = None) -> Any:
-    """(params, BertConfig, model_dir) of client `client` from the run's checkpoint."""
-    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
-    from fedjax_split.run.experiment import CLIENTS_DIR
-    from fedjax_split.sim.client_store import ClientStore
-
-    if not Path(run_dir).is_dir():
-        raise UserError(f"{str(run_dir)!r} is not a directory; pass --run-dir of a train run")
-    ck = RunCheckpointer(checkpoint_dir(run_dir))
-    if round_ is None and ck.latest_round() is None:
-        raise UserError(
-            f"{str(run_dir)!r} has no checkpoint to export from; export a run that finished a "
-            "checkpointed round (see --checkpoint-every)"
-        )
-    state, meta = ck.restore_untyped(round_)
-    num_clients = len(meta["partition"])
-    if not 0 <= client < num_clients:
-        raise UserError(f"--client {client} is outside 0..{num_clients - 1} for this run")
-    launcher = meta.get("deploy") == "flower"
-    if launcher:
-        store = _launcher_store(Path(run_dir), str(meta["run_id"]), client)
-    else:
-        store = ClientStore(Path(run_dir) / CLIENTS_DIR)
-    r = int(meta["round"])
-    initial = (store.directory / "initial.npz").is_file()  # the pretrained local part
-    if not launcher and not initial:
-        raise UserError(f"{str(run_dir)!r} has no client store ({CLIENTS_DIR}/) to export from")
-    if launcher and not initial and store.version(client, r) is None:
-        # a node keeps it only while a kept checkpoint needs it (`deploy.node.keep_initial`)
-        raise UserError(f"client {client} had not trained by round {r} and its node kept no "
-                        "pretrained part; export a later round (--round)")  # fmt: skip
-    local = store.load(client, at_most=r)
-    # the frozen part, when there is one, is the run's one copy (`run.checkpoint`'s per_run)
-    return _assemble(state["server_state"]["global_params"], local, state.get("frozen", {}), meta)
-
-
-def _assemble(global_wire: Any, local: Any, frozen: Any, meta: dict[str, Any]) -> Any:
-    """(params, BertConfig, model_dir): the global part as the client received it (cast to fp32)
-    merged with its local and the frozen part, the model as `pieces.model_meta` describes it."""
-    import jax.numpy as jnp
-
-    from fedjax_split.fed.roles import merge_params
-    from fedjax_split.fed.wire import cast_from_wire
-    from fedjax_split.models import lora
-    from fedjax_split.models.bert import BertConfig
-
-    params = merge_params(cast_from_wire(global_wire, jnp.float32), local, frozen)
-    config = lora.from_fields(BertConfig.from_hf_dict(meta["model_config"]), meta.get("lora"))
-    return params, config, meta["model_dir"]
-
-
-def _launcher_store(run_dir: Path, run_id: str, client: int) -> Any:
-    """The client store of the node that holds `client` in a run of the local launcher
-    (`python -m fedjax_split.flower`), which keeps each node's state dir under the run."""
-    from fedjax_split.sim.client_store import ClientStore
-
-    nodes = sorted((run_dir / "flower" / "nodes").glob(f"*/{run_id}"))
-    for d in nodes:
-        if (d / f"client_{client}").is_dir():
-            return ClientStore(d)
-    raise UserError(
-        f"client {client}'s local part is not under {run_dir / 'flower' / 'nodes'}: a Flower "
-        "run's personal parts stay on their nodes; export it at its site with --state-dir"
-        + ("" if nodes else " (this run's nodes kept their state elsewhere)")
+if TYPE_CHECKING:  # for type checkers and readers; at run time `__getattr__` imports them
+    from fedjax_split.exporting import (
+        export_client,
+        peft_base,
+        personalised_params,
+        site_params,
+        skew_note,
     )
 
-
-def site_params(
-    state_dir: str | Path, client: int, run_id: str | None = None, round_: int | None = None
-) -> Any:
-    """(params, BertConfig, model_dir) of client `client` at a Flower site, from the node's state
-    dir alone: the global part the node last received (after round r), the client's local part
-    after round r (`deploy.node.keep_for_export`) and the frozen part (from the node's model
-    directory, checked against the sha256 the node recorded)."""
-    import json
-
-    from fedjax_split.deploy import node
-    from fedjax_split.sim.client_store import load_tree
-
-    d = _site_run(Path(state_dir), run_id)
-    if not (d / f"client_{client}").is_dir() or not (d / node.MODEL_FILE).is_file():
-        raise UserError(f"client {client} has not been evaluated at this node ({d}); pass one "
-                        "of its clients, after a round that evaluated")  # fmt: skip
-    global_wire, local, r = node.exported_pair(d, client)
-    if round_ is not None and round_ != r:
-        raise UserError(f"this node holds the global part after round {r} only; drop --round")
-    meta = json.loads((d / node.MODEL_FILE).read_text())
-    if (d / node.FROZEN_FILE).is_file():  # a node without a model directory to name copies it
-        frozen = load_tree(d / node.FROZEN_FILE)
-    elif node.FROZEN_DIGEST in meta:
-        frozen = _rebuilt_frozen(meta, global_wire, local, meta[node.FROZEN_DIGEST])
-    else:
-        frozen = {}
-    return _assemble(global_wire, local, frozen, meta)
+__all__ = ["cli", "export_client", "main", "peft_base", "personalised_params", "site_params",
+           "skew_note"]  # fmt: skip
+_LIBRARY = frozenset(__all__) - {"cli", "main"}
 
 
-def _rebuilt_frozen(meta: dict[str, Any], global_wire: Any, local: Any, digest: str) -> Any:
-    """The frozen part a node named rather than copied: the parameters the run's model directory
-    and seed give (`hf_checkpoint.rebuild_params`) that are neither global nor local, checked
-    against the sha256 the node recorded (a base model changed since is a one-line error)."""
-    import warnings
-
-    import numpy as np
-
-    from fedjax_split.fed.roles import flatten_paths, unflatten_paths
-    from fedjax_split.models import hf_checkpoint, lora
-    from fedjax_split.models.bert import BertConfig
-    from fedjax_split.sim.client_store import tree_digest
-
-    model_dir = Path(meta["model_dir"])
-    config = lora.from_fields(BertConfig.from_hf_dict(meta["model_config"]), meta.get("lora"))
-    try:
-        with warnings.catch_warnings():  # the fresh head's note: the run's own head replaces it
-            warnings.simplefilter("ignore")
-            params = hf_checkpoint.rebuild_params(model_dir, config, int(meta["seed"]))
-    except UserError as e:
-        raise UserError(f"this node reads the run's frozen weights from its model: {e}") from None
-    taken = set(flatten_paths(global_wire)) | set(flatten_paths(local))
-    frozen = unflatten_paths({p: np.asarray(x) for p, x in flatten_paths(params).items()
-                              if p not in taken})  # fmt: skip
-    if tree_digest(frozen) != digest:
-        raise UserError(
-            f"the frozen weights rebuilt from {str(model_dir)!r} are not the run's (their "
-            "sha256 differs): the base model there is not the one this run trained on, or the "
-            "JAX now installed draws the run's seeded tensors (a head or pooler the checkpoint "
-            "lacked) otherwise; put the run's model back there, with the JAX version it trained "
-            "with, to export"
-        )
-    return frozen
-
-
-def _site_run(state_dir: Path, run_id: str | None) -> Path:
-    """The run's directory under a node's state dir (the only run there when `run_id` is None)."""
-    if not state_dir.is_dir():
-        raise UserError(f"{str(state_dir)!r} is not a directory; pass the node's state-dir")
-    if run_id is not None:
-        if not (state_dir / run_id).is_dir():
-            raise UserError(f"{state_dir} holds no run {run_id!r}; see its subdirectories")
-        return state_dir / run_id
-    from fedjax_split.deploy import node
-
-    runs = sorted(d.name for d in state_dir.iterdir() if (d / node.MODEL_FILE).is_file())
-    if len(runs) != 1:
-        raise UserError(
-            f"{state_dir} holds {'no run' if not runs else 'runs ' + ', '.join(runs)}; "
-            + ("pass the node's state-dir" if not runs else "pass --run-id")
-        )
-    return state_dir / runs[0]
-
-
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def export_client(
-    run_dir: str | Path | None,
-    client: int,
-    out_dir: str | Path,
-    round_: int | None = None,
-    *,
-    peft: bool = False,
-    state_dir: str | Path | None = None,
-    run_id: str | None = None,
-    base_model: str | None = None,
-    overwrite: bool = False,
-    say: Callable[[str], None] = _say,
-) -> Path:
-    """Writes client `client`'s model to `out_dir`: a Hugging Face model directory (a LoRA run's
-    adapters merged into their layers), or with `peft` the client's LoRA adapters and head as a
-    PEFT adapter directory for the run's base model (`base_model`: its name there; default: the
-    model's hub id when the run started from one, `peft_base`), each with the base's tokenizer.
-    From a run directory (simulated, or made by the local Flower launcher), or with `state_dir`
-    from a Flower node's own disk. An existing non-empty `out_dir` is left as it is unless
-    `overwrite` (train never overwrites either). `say`: where a note goes (stderr)."""
-    from fedjax_split.models import hf_checkpoint, lora
-    from fedjax_split.models import peft as peft_export
-
-    out = Path(out_dir).expanduser()
-    if not overwrite and out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"{out} exists and is not empty; choose another --out, or pass "
-                        "--overwrite to replace an earlier export there")  # fmt: skip
-    if base_model is not None and not peft:
-        raise UserError("--base-model names a PEFT adapter's base model; add --peft")
-    if state_dir is not None:
-        params, config, model_dir = site_params(state_dir, client, run_id, round_)
-    else:
-        params, config, model_dir = personalised_params(run_dir, client, round_)
-    if peft and not config.lora_targets:
-        raise UserError(
-            "--peft writes LoRA adapters and this run has none; export without --peft, or "
-            "train with --lora-rank R"
-        )
-    base = Path(model_dir) if model_dir is not None and Path(model_dir).is_dir() else None
-    if base is None:
-        say(f"note: the base model's directory {model_dir} is not on this machine, so no "
-            "tokenizer files are written; copy them from the base model")  # fmt: skip
-    if not peft:
-        if config.lora_targets:
-            params, config = lora.merge(params, config)
-        return hf_checkpoint.save_pretrained(params, config, out, tokenizer_dir=base)
-    if base_model is None:
-        base_model = peft_base(run_dir, model_dir, say)
-    return peft_export.save_peft(
-        params, config, out, base_model=base_model, tokenizer_dir=base,
-        base_has_pooler=base is None or hf_checkpoint.has_pooler(base),
-    )  # fmt: skip
-
-
-def peft_base(
-    run_dir: str | Path | None, model_dir: str | None, say: Callable[[str], None]
-) -> str | None:
-    """A PEFT adapter's `base_model_name_or_path`: the hub id of the model the run started from
-    (`hf_checkpoint.hub_id` of config.json's `model` and the directory it was loaded from), else
-    that directory, with a note saying how to name it."""
-    from fedjax_split.models import hf_checkpoint
-    from fedjax_split.run import outputs
-
-    model = None
-    if run_dir is not None:
-        try:
-            model = outputs.read_json(Path(run_dir) / "config.json").get("model")
-        except (OSError, ValueError, AttributeError):
-            model = None  # a run without its config: the directory alone tells
-    found = hf_checkpoint.hub_id(model if isinstance(model, str) else None, model_dir)
-    if found is None:
-        say(f"note: the adapter names its base model by the local path {model_dir}; pass "
-            "--base-model ID (its hub id) so that it loads on another machine")  # fmt: skip
-    return found or model_dir
-
-
-def skew_note(run_dir: str | Path, client: int) -> str | None:
-    """What a person must know before using a client's model: it carries its client's label skew.
-    Its score on its own test split beside the mean over clients and beside what the client's
-    majority label alone scores; None where the run holds no such figures (e.g. token tasks)."""
-    from fedjax_split.run import outputs
-
-    run_dir = Path(run_dir)
-    try:
-        # a DP run's per-client figures are in the server's private folder (run.safeguards)
-        def own(name: str, public: str) -> Path:
-            private = run_dir / outputs.PRIVATE_DIR / name
-            return private if private.is_file() else run_dir / public
-
-        part = outputs.read_json(own("partition.json", "partition.json"))
-        records = outputs.read_jsonl(own(outputs.PRIVATE_RECORDS, "metrics.jsonl"))
-        shares = part["realised_shares"][client]
-    except (OSError, ValueError, KeyError, IndexError, TypeError):
-        return None
-    names = part.get("label_names") or [str(i) for i in range(len(shares))]
-    evaluated = [r for r in records if r.get("clients")]
-    if not evaluated or len(names) != len(shares):
-        return None
-    last = evaluated[-1]
-    own = {c.get("client"): c for c in last["clients"]}.get(client, {})
-    metric = next((k for k in ("accuracy", "f1", "matthews") if k in own), None)
-    if metric is None or last.get(metric) is None:
-        return None
-    top = sorted(range(len(shares)), key=lambda i: -shares[i])[:3]
-    mix = " / ".join(f"{100 * shares[i]:.0f}% {names[i]}" for i in top)
-    skewed = max(shares) > 1 / len(shares) + 0.1
-    lean = ", and its model leans the same way" if skewed else ""
-    return (
-        f"client {client}'s data are {mix}{lean}: {metric} {own[metric]:.4f} on its own test "
-        f"split after round {last['round']} (its majority label alone: about {max(shares):.2f}; "
-        f"mean over clients {last[metric]:.4f}). Judge it on data like client {client}'s."
-    )
+def __getattr__(name: str) -> Any:
+    """The library's functions (`fedjax_split.exporting`), imported when first used: the command
+    parses its flags without importing JAX."""
+    if name not in _LIBRARY:
+        raise AttributeError(f"module 'fedjax_split.export' has no attribute {name!r}")
+    return getattr(importlib.import_module("fedjax_split.exporting"), name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -326,20 +80,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "minilm-l6: sentence-transformers/all-MiniLM-L6-v2), else its local path.",
     )  # fmt: skip
     args = p.parse_args(argv)
+    from fedjax_split import exporting  # the job (JAX, the model): once the flags are parsed
+
     try:
-        out = export_client(args.run_dir, args.client, args.out, args.round, peft=args.peft,
-                            state_dir=args.state_dir, run_id=args.run_id,
-                            base_model=args.base_model, overwrite=args.overwrite)  # fmt: skip
+        out = exporting.export_client(
+            args.run_dir, args.client, args.out, args.round, peft=args.peft,
+            state_dir=args.state_dir, run_id=args.run_id, base_model=args.base_model,
+            overwrite=args.overwrite,
+        )  # fmt: skip
     except UserError as e:
         return report(e)
     what = "personalised model"
     if args.peft:
-        import json
-
         base = json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"]
         what = f"LoRA adapters and head (PEFT, for base model {base})"
     print(f"wrote client {args.client}'s {what} to {out}")
-    note = None if args.run_dir is None else skew_note(args.run_dir, args.client)
+    note = None if args.run_dir is None else exporting.skew_note(args.run_dir, args.client)
     if note is not None:
         print(note)
     return 0
@@ -347,8 +103,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cli() -> None:
     """`python -m fedjax_split.export`: the commands' entry point (`cli.run_command`)."""
-    from fedjax_split.cli import run_command
-
     run_command(main)
 
 

@@ -18,6 +18,7 @@ the run directory `pretrain` writes, equal to it bit for bit but for times.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -26,17 +27,31 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedjax_split import train
+from fedjax_split.assets import cache_dir
+from fedjax_split.cli import run_command
+from fedjax_split.deploy import protocol
+from fedjax_split.deploy.launch import Federation, link_identical_files, write_app
 from fedjax_split.errors import UserError, report
+from fedjax_split.pretrain import DESCRIPTION, done_line
+from fedjax_split.run import outputs
+from fedjax_split.run.config import (
+    NODE_SITES,
+    ExperimentConfig,
+    load_config_file,
+    resolve_config,
+    site_dirs,
+)
+from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, resolve
 from fedjax_split.run.settings import DEPLOYMENT, Parser
 
+Config = ExperimentConfig | PretrainConfig  # what a run of either command is
 DEPLOY_FLAGS = ("supernodes", "round_timeout", "connect_timeout", "run_timeout", "write_app")
 
 
 def build_parser() -> Parser:
     """train's parser (one flag per ExperimentConfig field) plus the federation's flags."""
-    from fedjax_split.train import build_parser as train_parser
-
-    p = train_parser()
+    p = train.build_parser()
     p.prog = "python -m fedjax_split.flower"
     p.usage = (
         "%(prog)s [--config FILE[:ARG]] [flags, by section below]\n"
@@ -80,22 +95,16 @@ def add_deploy_flags(p: Parser) -> Parser:
     return p
 
 
-def parse(argv: Sequence[str] | None) -> tuple[Any, dict[str, Any]]:
+def parse(argv: Sequence[str] | None) -> tuple[ExperimentConfig, dict[str, Any]]:
     """(ExperimentConfig, the federation's flags) from the command line."""
-    from fedjax_split.run.config import load_config_file, resolve_config
-
     given = vars(build_parser().parse_args(argv))
     deploy = {k: given.pop(k) for k in DEPLOY_FLAGS if k in given}
     file_values = load_config_file(given["config"]) if "config" in given else {}
     return resolve_config(file_values, given), deploy
 
 
-def _absolute(config: Any) -> Any:
+def _absolute(config: Config) -> Config:
     """Paths made absolute: the ServerApp and ClientApps run in other working directories."""
-    import dataclasses
-
-    from fedjax_split.run.config import site_dirs
-
     changes: dict[str, Any] = {"output_dir": str(config.run_dir.absolute())}
     if config.data_dir is not None:
         changes["data_dir"] = str(Path(config.data_dir).absolute())
@@ -109,22 +118,17 @@ def _absolute(config: Any) -> Any:
     return dataclasses.replace(config, **changes)
 
 
-def run_config(config: Any, deploy: dict[str, Any], status_file: str = "") -> dict[str, Any]:
+def run_config(config: Config, deploy: dict[str, Any], status_file: str = "") -> dict[str, Any]:
     """The Flower App's run config for this run. With --site-data the sites' paths stay out of
     it: the run says `node-config`, and each SuperNode is given its own site's directory."""
-    import dataclasses
-
-    from fedjax_split.deploy import protocol
-    from fedjax_split.run.config import NODE_SITES
-
     if config.site_data is not None:
         config = dataclasses.replace(config, site_data=NODE_SITES)
     stop = os.environ.get("FEDJAX_SPLIT_STOP_AFTER_ROUND", "")
-    from fedjax_split.run.pretrain_config import PretrainConfig
 
     if isinstance(config, PretrainConfig):  # further pre-training: deploy.pretrain_server
         values: dict[str, Any] = {
-            protocol.KIND: protocol.PRETRAIN, protocol.PRETRAIN_CONFIG: json.dumps(config.to_dict())
+            protocol.KIND: protocol.PRETRAIN,
+            protocol.PRETRAIN_CONFIG: json.dumps(config.to_dict()),
         }
     else:
         values = {protocol.EXPERIMENT: json.dumps(config.to_dict())}
@@ -137,37 +141,9 @@ def run_config(config: Any, deploy: dict[str, Any], status_file: str = "") -> di
     return values
 
 
-def check_sites(config: Any) -> None:
-    """With --site-data, each site's files read as its SuperNode will read them (pre-training:
-    its *.txt, its held-out documents drawn), so that a bad file is one line before any process
-    starts (the local federation's sites are all here)."""
-    from fedjax_split.run import pieces
-    from fedjax_split.run.config import site_dirs
-    from fedjax_split.run.pretrain_config import PretrainConfig
-    from fedjax_split.tasks.registry import get_task
-
-    if config.site_data is not None and not site_dirs(config):
-        raise UserError(
-            f"--site-data {config.site_data} is for `--write-app` (real sites, each SuperNode "
-            "with its own data-dir); this local federation needs the sites' directories "
-            "DIR0,DIR1,..."
-        )
-    if isinstance(config, PretrainConfig):
-        from fedjax_split.run.pretraining import site_documents
-
-        for k, d in enumerate(site_dirs(config)):
-            site_documents(config, k, d)
-        return
-    task = get_task(config.task)
-    for k, d in enumerate(site_dirs(config)):
-        pieces.site_split(config, pieces.load_site(config, task, k, d), k, d)
-
-
 def _jax_cache_env() -> dict[str, str]:
     """A persistent JAX compilation cache for the ServerApp and every ClientApp process: Flower
     starts a ClientApp process per message, and without it each would compile its programs."""
-    from fedjax_split.assets import cache_dir
-
     env = {
         "JAX_COMPILATION_CACHE_DIR": os.environ.get(
             "JAX_COMPILATION_CACHE_DIR", str(cache_dir() / "jax")
@@ -188,14 +164,12 @@ def node_configs(
     """SuperNode j's node config: its client (`partition-id`), or its block of clients
     (`partition-ids=A-B`) when there are fewer nodes than clients; its state under
     flower_dir/nodes/node_j; with `sites`, site j's directory as its data-dir."""
-    from fedjax_split.deploy.protocol import DATA_DIR, PARTITION_ID, PARTITION_IDS, STATE_DIR
-
     out = []
     for j, block in enumerate(node_blocks(clients, supernodes)):
-        ids = {PARTITION_ID: block[0]} if len(block) == 1 else {
-            PARTITION_IDS: f"{block[0]}-{block[-1]}"}  # fmt: skip
-        out.append({**ids, STATE_DIR: str(flower_dir / "nodes" / f"node_{j}"),
-                    **({DATA_DIR: str(sites[j])} if sites else {})})  # fmt: skip
+        ids = {protocol.PARTITION_ID: block[0]} if len(block) == 1 else {
+            protocol.PARTITION_IDS: f"{block[0]}-{block[-1]}"}  # fmt: skip
+        out.append({**ids, protocol.STATE_DIR: str(flower_dir / "nodes" / f"node_{j}"),
+                    **({protocol.DATA_DIR: str(sites[j])} if sites else {})})  # fmt: skip
     return out
 
 
@@ -208,14 +182,10 @@ def _federate(
     """Starts the federation (`nodes`: the SuperNodes' node configs), runs the App whose run
     config is `values` on it, stops every process: (0, the ServerApp's status) when the run
     ended with a result, else (the exit status, None) after saying why."""
-    from fedjax_split.deploy.launch import Federation, link_identical_files, write_app
-    from fedjax_split.deploy.protocol import STATUS_FILE
-    from fedjax_split.run import outputs
-
     flower_dir = run_dir / "flower"
     with tempfile.TemporaryDirectory(prefix="fedjax_split_app_") as tmp:
         status_path = Path(tmp) / "status.json"
-        app = write_app(Path(tmp) / "app", {**values, STATUS_FILE: str(status_path)})
+        app = write_app(Path(tmp) / "app", {**values, protocol.STATUS_FILE: str(status_path)})
         # every process of the federation carries the run directory in its environment, so that
         # it can be found (tests check that none outlives the command)
         env = {**_jax_cache_env(), "FEDJAX_SPLIT_FLOWER_RUN": str(run_dir)}
@@ -250,20 +220,18 @@ def _federate(
     return 0, status
 
 
-def _launch(config: Any, deploy: dict[str, Any], supernodes: int) -> tuple[int, Any]:
+def _launch(
+    config: Config, deploy: dict[str, Any], supernodes: int
+) -> tuple[int, dict[str, Any] | None]:
     """The run of `config` (fine-tuning or pre-training) on a federation of `supernodes` nodes
     on this machine, each given its clients and, with --site-data, its site: `_federate`'s
     (exit status, the ServerApp's status)."""
-    from fedjax_split.run.config import site_dirs
-
     nodes = node_configs(config.run_dir / "flower", config.clients, supernodes, site_dirs(config))
     return _federate(config.run_dir, nodes, run_config(config, deploy), deploy)
 
 
-def _app_only(config: Any, deploy: dict[str, Any]) -> bool:
+def _app_only(config: Config, deploy: dict[str, Any]) -> bool:
     """With --write-app DIR: writes the Flower App there, says so, True (nothing else runs)."""
-    from fedjax_split.deploy.launch import write_app
-
     if not deploy.get("write_app"):
         return False
     app = write_app(Path(deploy["write_app"]), run_config(config, deploy))
@@ -271,7 +239,7 @@ def _app_only(config: Any, deploy: dict[str, Any]) -> bool:
     return True
 
 
-def _supernodes(config: Any, deploy: dict[str, Any], several: bool = False) -> int:
+def _supernodes(config: Config, deploy: dict[str, Any], several: bool = False) -> int:
     """The SuperNodes to start, the federation's flags checked: one per client, or with
     `several` (fine-tuning on one pool) between 1 and --clients, each holding a block of them."""
     supernodes = config.clients if deploy.get("supernodes") is None else deploy["supernodes"]
@@ -300,9 +268,6 @@ def node_blocks(clients: int, supernodes: int) -> list[list[int]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from fedjax_split.run import driver, outputs, pieces, safeguards
-    from fedjax_split.run.config import trajectory_mismatch
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["pretrain"]:
         return main_pretrain(argv[1:])
@@ -312,11 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if _app_only(config, deploy):
             return 0
         supernodes = _supernodes(config, deploy, several=config.site_data is None)
-        pieces.check(config)
-        safeguards.check_deployable(config)
-        driver.check_run_dir(config.run_dir, config.resume,  # before anything is written
-                             lambda saved: trajectory_mismatch(saved, config))
-        check_sites(config)
+        from fedjax_split.deploy import preflight  # the job's modules (JAX): after parsing
+
+        preflight.check_experiment(config)
     except UserError as err:
         return report(err)
 
@@ -342,12 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def parse_pretrain(argv: Sequence[str]) -> tuple[Any, dict[str, Any]]:
+def parse_pretrain(argv: Sequence[str]) -> tuple[PretrainConfig, dict[str, Any]]:
     """(PretrainConfig, the federation's flags) from `pretrain`'s flags plus the federation's."""
-    from fedjax_split.pretrain import DESCRIPTION
-    from fedjax_split.run.config import load_config_file
-    from fedjax_split.run.pretrain_config import SCHEMA, resolve
-
     parser = SCHEMA.build_parser(
         "python -m fedjax_split.flower pretrain",
         "Run federated further pre-training as a real Flower federation on this machine: a "
@@ -364,23 +323,15 @@ def main_pretrain(argv: Sequence[str]) -> int:
     """`python -m fedjax_split.flower pretrain [pretrain's flags] [the federation's flags]`:
     further pre-training (FedBFPT, bert-fl, truncated) through the Flower apps, equal to
     `python -m fedjax_split.pretrain` with the same flags."""
-    from fedjax_split.deploy.pretrain_node import check_deployable
-    from fedjax_split.pretrain import done_line
-    from fedjax_split.run import driver, pretraining
-    from fedjax_split.run.pretraining import check
-
     try:
         config, deploy = parse_pretrain(argv)
         config = _absolute(config)
         if _app_only(config, deploy):
             return 0
         supernodes = _supernodes(config, deploy)
-        check(config)
-        check_deployable(config)
-        driver.check_run_dir(config.run_dir, config.resume,  # before anything is written
-                             lambda saved: pretraining.mismatch(saved, config),
-                             output_names=["model"])  # fmt: skip
-        check_sites(config)
+        from fedjax_split.deploy import preflight  # the job's modules (JAX): after parsing
+
+        preflight.check_pretraining(config)
     except UserError as err:
         return report(err)
     code, status = _launch(config, deploy, supernodes)
@@ -393,8 +344,6 @@ def main_pretrain(argv: Sequence[str]) -> int:
 def cli() -> None:
     """`python -m fedjax_split.flower` and `fedjax-split-flower`: train's entry point (the
     federation's ServerApp and ClientApp processes apply `fedjax_split.runtime` themselves)."""
-    from fedjax_split.cli import run_command
-
     run_command(main)
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fedjax_split.cli import run_command, run_main
+from fedjax_split.run.config import load_config_file
 from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, resolve
 from fedjax_split.run.settings import Parser
 
@@ -34,8 +36,6 @@ def config_from_args(argv: Sequence[str] | None = None) -> PretrainConfig:
     """Parse flags and resolve them against defaults and the --config file, then validate
     (`resolve`: with --site-data the corpus is local and the sites are the clients unless
     given)."""
-    from fedjax_split.run.config import load_config_file
-
     given = vars(build_parser().parse_args(argv))
     file_values = load_config_file(given["config"]) if "config" in given else {}
     return resolve(file_values, given)
@@ -43,15 +43,16 @@ def config_from_args(argv: Sequence[str] | None = None) -> PretrainConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command in-process (Python, notebooks, tests): its exit status."""
-    from fedjax_split.cli import run_main
-    from fedjax_split.run import driver
+    return run_main(lambda: config_from_args(argv), _run, done_line)
 
-    def run(config: PretrainConfig) -> dict:
-        from fedjax_split.run.pretraining import run_pretraining
 
-        return run_pretraining(config, progress=True, on_round_end=driver.stop_hook_from_env())
+def _run(config: PretrainConfig) -> dict:
+    """The job. Its modules (JAX, the model, the data) are imported here, once the flags are
+    parsed, so that --help and a flag's error stay fast."""
+    from fedjax_split.run import driver, pretraining
 
-    return run_main(lambda: config_from_args(argv), run, done_line)
+    stop = driver.stop_hook_from_env()
+    return pretraining.run_pretraining(config, progress=True, on_round_end=stop)
 
 
 def done_line(summary: dict) -> str:
@@ -67,8 +68,6 @@ def done_line(summary: dict) -> str:
 
 def cli() -> None:
     """`python -m fedjax_split.pretrain` and `fedjax-split-pretrain` (train's entry point)."""
-    from fedjax_split.cli import run_command
-
     run_command(main)
 
 

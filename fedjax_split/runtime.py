@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from fedjax_split import compilation
-from fedjax_split.errors import Note, UserError
+from fedjax_split.errors import Note, UserError, report
 
 MALLOC_ENV = "FEDJAX_SPLIT_MALLOC"  # auto (default): tune glibc's malloc; system: leave it as it is
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's malloc.h
@@ -254,8 +254,6 @@ def run_command(command_main: Callable[[], int]) -> NoReturn:
     """A command's entry point: the malloc checked and tuned before anything starts threads (a bad
     FEDJAX_SPLIT_MALLOC is the one-line exit-2 error), warnings on one line, then
     `command_main`'s exit status."""
-    from fedjax_split.errors import report
-
     try:
         check_malloc_setting()
         tune_malloc()

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fedjax_split.cli import run_command, run_main
 from fedjax_split.run import outputs
-from fedjax_split.run.config import SCHEMA, ExperimentConfig
+from fedjax_split.run.config import SCHEMA, ExperimentConfig, load_config_file, resolve_config
 from fedjax_split.run.settings import Parser
 
 DESCRIPTION = (
@@ -29,8 +30,6 @@ def build_parser() -> Parser:
 def config_from_args(argv: Sequence[str] | None = None) -> ExperimentConfig:
     """Parse flags and resolve them against defaults and the --config file, then validate
     (`resolve_config`: --site-data's sites are the clients unless --clients is given)."""
-    from fedjax_split.run.config import load_config_file, resolve_config
-
     given = vars(build_parser().parse_args(argv))
     file_values = load_config_file(given["config"]) if "config" in given else {}
     return resolve_config(file_values, given)
@@ -38,15 +37,16 @@ def config_from_args(argv: Sequence[str] | None = None) -> ExperimentConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command in-process (Python, notebooks, tests): its exit status."""
-    from fedjax_split.cli import run_main
-    from fedjax_split.run import driver
+    return run_main(lambda: config_from_args(argv), _run, done_line)
 
-    def run(config: ExperimentConfig) -> dict:
-        from fedjax_split.run.experiment import run_experiment
 
-        return run_experiment(config, progress=True, on_round_end=driver.stop_hook_from_env())
+def _run(config: ExperimentConfig) -> dict:
+    """The job. Its modules (JAX, the model, the data) are imported here, once the flags are
+    parsed, so that --help and a flag's error stay fast."""
+    from fedjax_split.run import driver, experiment
 
-    return run_main(lambda: config_from_args(argv), run, done_line)
+    stop = driver.stop_hook_from_env()
+    return experiment.run_experiment(config, progress=True, on_round_end=stop)
 
 
 def duration(seconds: float) -> str:
@@ -89,8 +89,6 @@ def done_line(summary: dict) -> str:
 
 def cli() -> None:
     """`python -m fedjax_split.train` and `fedjax-split-train`."""
-    from fedjax_split.cli import run_command
-
     run_command(main)
 
 

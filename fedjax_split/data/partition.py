@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedjax_split import atomic
 from fedjax_split.errors import UserError
 from fedjax_split.tasks.registry import Task, get_task
 
@@ -472,7 +473,6 @@ def save_partition(
             {"train": c.train.tolist(), "test": c.test.tolist()} for c in partition.clients
         ],
     }
-    from fedjax_split import atomic
 
     return atomic.write_text(path, json.dumps(doc))
 

@@ -34,7 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from fedjax_split.data.tokenization import tokenizer_identity
+from fedjax_split import assets, atomic
+from fedjax_split.data.tokenization import Tokenized, tokenize, tokenizer_identity
+from fedjax_split.data.tokens import tagged
 from fedjax_split.errors import UserError
 from fedjax_split.tasks.registry import Task, get_task
 
@@ -447,8 +449,6 @@ def _load_offline(task: Task, root: Path | None) -> Examples:
             f"task {task.name} has no offline copy; use the hub or {_layout_hint(task)}"
         )
     if root is None:
-        from fedjax_split import assets
-
         root = assets.fetch(task.asset)
     return _OFFLINE_LOADERS[task.name](task, _corpus_files(task, root))
 
@@ -467,8 +467,6 @@ def load_examples(
     `entity_types`: a token task's (its tag vocabulary; None: the pool's own tags)."""
     task = get_task(task)
     if task.objective.per_token:  # BIO-tagged sentences: CoNLL files or an offline corpus
-        from fedjax_split.data.tokens import tagged
-
         return tagged.load_tagged(task, data_dir, entity_types)
     if source not in SOURCES:
         raise UserError(f"unknown data source {source!r}; choose one of {', '.join(SOURCES)}")
@@ -490,7 +488,7 @@ def load_examples(
 
 def load_site(
     task: str | Task, site_dir: str | os.PathLike, entity_types: Sequence[str] | None = None
-) -> Any:
+) -> Examples:
     """One site's own examples (`--site-data`), labelled in the task's vocabulary: GLUE TSV or
     parquet files (train required; dev, when there, is the site's test split), an offline
     corpus's file(s), or CoNLL files for a token task (train required; dev and test test),
@@ -502,8 +500,6 @@ def load_site(
     if not root.is_dir():
         raise UserError(f"site directory {str(root)!r} does not exist")
     if task.objective.per_token:
-        from fedjax_split.data.tokens import tagged
-
         if not entity_types:
             raise UserError(
                 f"task {task.name} with --site-data: pass --entity-types TYPE1,TYPE2,... (the "
@@ -542,23 +538,17 @@ def tokenize_examples(
     task: str | Task,
     max_length: int = 128,
     cache_dir: str | os.PathLike | None = None,
-) -> Any:
+) -> Tokenized:
     """`tokenization.tokenize` of the pool, cached as .npz keyed by (tokenizer, task, max_length,
     data fingerprint) under `cache_dir` (default: <assets.cache_dir()>/tokenized).
 
     A cache file is written atomically (temp file + rename), so readers never see a partial one;
     an unreadable cache file is ignored and rewritten.
     """
-    from fedjax_split.data.tokenization import Tokenized, tokenize
-
     task = get_task(task)
     if task.objective.per_token:  # words with per-token labels; fast enough not to cache
-        from fedjax_split.data.tokens import tagged
-
         return tagged.tokenize(examples, tokenizer, max_length)
     if cache_dir is None:
-        from fedjax_split import assets
-
         cache_dir = assets.cache_dir() / "tokenized"
     cache_dir = Path(cache_dir)
     path = _cache_path(examples, tokenizer, task, max_length, cache_dir)
@@ -573,7 +563,6 @@ def tokenize_examples(
             pass
     tok = tokenize(tokenizer, examples.texts_a, examples.texts_b, max_length=max_length)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    from fedjax_split import atomic
 
     def flat(rows: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(rows).astype(np.int32) if len(tok.lengths) else np.zeros(0, np.int32)

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from fedjax_split.errors import UserError
+from fedjax_split.models.hf_checkpoint import resolve_model
 from fedjax_split.tasks.objectives import IGNORE
 
 _CHUNK = 8192  # texts per tokenizer call: bounds the memory of Python lists of ids
@@ -33,8 +34,6 @@ class Tokenized(NamedTuple):
 def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Any:
     """The fast tokenizer stored with a model: alias, local directory or hub id."""
     from transformers import AutoTokenizer
-
-    from fedjax_split.models.hf_checkpoint import resolve_model
 
     model_dir: Path = resolve_model(name_or_path)
     if not any((model_dir / f).is_file() for f in ("tokenizer.json", "vocab.txt")):

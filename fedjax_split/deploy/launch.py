@@ -14,8 +14,10 @@ a process-group kill alone would miss them), so nothing outlives the federation.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from fedjax_split.deploy import logs, worker
 from fedjax_split.errors import UserError
 
 HOST = "127.0.0.1"
@@ -91,8 +94,6 @@ def _descendants(pid: int) -> list:
 def kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL `proc`, its session and every descendant (even those in other sessions), and wait
     until they have ended."""
-    from fedjax_split.deploy import worker
-
     below = _descendants(proc.pid)
     for pid in [proc.pid, *(p.pid for p in below)]:
         try:
@@ -117,10 +118,6 @@ def link_identical_files(directory: Path, pattern: str = "*.npz") -> int:
     global part it last received for its site's export, the same file N times. Safe because a
     node never rewrites a file in place (it writes a new one and renames it over the old), so a
     name that changes leaves the others as they were."""
-    import hashlib
-    import os
-    import secrets
-
     by_size: dict[int, list[Path]] = {}
     for f in sorted(directory.rglob(pattern)) if directory.is_dir() else ():
         with contextlib.suppress(OSError):  # a file a late node removed: nothing to link
@@ -234,8 +231,6 @@ class Federation:
         """`args` started in its own session; a thread copies its output, one clean line per
         event (`logs.copy_lines`), to `log` (and `echo`) until the last process holding the
         pipe ends (its children inherit it)."""
-        from fedjax_split.deploy import logs
-
         log.parent.mkdir(parents=True, exist_ok=True)
         proc = subprocess.Popen(
             args,
@@ -316,7 +311,7 @@ class Federation:
     def _register_keys(self) -> None:
         """`flwr supernode register KEY.pub` for each SuperNode to be registered, through the
         SuperLink's Control API; records the node ids Flower gives them."""
-        from fedjax_split.deploy.certs import public_key_path
+        from fedjax_split.deploy.certs import public_key_path  # cryptography: secured runs only
 
         for i, access in enumerate(self.access):
             if access.private_key is None or not access.register:
@@ -375,8 +370,6 @@ class Federation:
     def kill_node(self, index: int) -> None:
         """SIGKILL SuperNode `index` and everything it started, its warm worker too (a machine
         that goes away)."""
-        from fedjax_split.deploy import worker
-
         proc = self.nodes[index]
         if proc is not None:
             kill_tree(proc)

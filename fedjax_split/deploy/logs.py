@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import IO, TextIO
 
+from fedjax_split.runtime import one_line_warnings
+
 _ANSI = re.compile(rb"\x1b\[[0-?]*[ -/]*[@-~]")  # CSI sequences: colours, resets
 _EMPTY_RECORD = re.compile(rb"(DEBUG|INFO|WARNING|ERROR|CRITICAL) *: *\r?\n?")
 
@@ -46,8 +48,6 @@ def app_process() -> None:
     import logging
 
     from flwr.common.logger import LOGGER_NAME, update_console_handler
-
-    from fedjax_split.runtime import one_line_warnings
 
     one_line_warnings()
     logging.getLogger(LOGGER_NAME).propagate = False

@@ -1,10 +1,10 @@
 """A client of a real federation: its share of the data, its local part on its own disk, and the
 very computations the simulation runs for it.
 
-Nothing here imports Flower: the ClientApp (`client_app.py`) turns messages into these calls.
-A node derives its share exactly as the simulation does (`run.pieces`: the pool, the subsample,
-the partition, its client id = its partition id; with --site-data, its own site's files and
-nothing else, split as the simulation splits that site), trains with
+Nothing here imports Flower: the ClientApp's handlers (`handlers.py`) turn messages into these
+calls. A node derives its share exactly as the simulation does (`run.pieces`: the pool, the
+subsample, the partition, its client id = its partition id; with --site-data, its own site's
+files and nothing else, split as the simulation splits that site), trains with
 `fed.client_program.client_round` on its own examples' steps (the programs the one-at-a-time
 simulation runs for that client, with the same key), and evaluates with the simulation's
 per-client evaluation. So a node computes, bit for bit, what the simulation computes for its
@@ -18,7 +18,12 @@ checkpoint and the node still has the local part of that round.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import math
+import os
 import re
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,9 +31,18 @@ from typing import Any
 import numpy as np
 
 from fedjax_split import atomic
+from fedjax_split.data import batching, partition, sources, tokenization
+from fedjax_split.deploy import protocol
 from fedjax_split.errors import UserError
-from fedjax_split.run import costs
+from fedjax_split.fed import roles, wire
+from fedjax_split.fed.client_program import client_functions, client_key, client_round
+from fedjax_split.fed.roles import flatten_paths
+from fedjax_split.run import costs, pieces
 from fedjax_split.run.config import ExperimentConfig
+from fedjax_split.sim import evaluation
+from fedjax_split.sim.client_store import ClientStore, load_tree, save_tree, tree_digest
+from fedjax_split.sim.rounds import RoundSpec
+from fedjax_split.tasks import registry as tasks
 
 
 @dataclasses.dataclass
@@ -37,19 +51,19 @@ class NodeSetup:
     per message)."""
 
     config: ExperimentConfig
-    task: Any
+    task: tasks.Task
     client_id: int
-    pool: Any  # run.pieces.Pool: the whole pool (its steps use its own rows only)
-    split: Any  # partition.ClientSplit: this client's train / test pool indices
+    pool: pieces.Pool  # the whole pool (its steps use its own rows only)
+    split: partition.ClientSplit  # this client's train / test pool indices
     shares: list[float] | None  # its realised label shares (partition.json), None without target
     partition_meta: dict[str, Any]  # the partition's settings (what partition.json records)
     pool_size: int
     apply: Callable[..., Any]
-    round_spec: Any
+    round_spec: RoundSpec
     local0: Any  # the pretrained local part every client starts from
     frozen: Any
     global_shapes: dict[str, tuple[int, ...]]  # flat paths of the global part -> shapes
-    paths: Any  # run.costs.ModelPaths: the architecture and the roles' paths (its FLOP counts)
+    paths: costs.ModelPaths  # the architecture and the roles' paths (its FLOP counts)
     model_meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # pieces.model_meta
 
 
@@ -58,23 +72,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "mer
 
 
 def _tokenized(
-    config: ExperimentConfig, task: Any, examples: Any, model_dir: Any, cache: Path | None
+    config: ExperimentConfig, task: tasks.Task, examples: Any, model_dir: Any, cache: Path | None
 ) -> Any:
     """The pool tokenised and packed, cached on the node's disk keyed by the data, the
     tokenizer's files and the length, so that only a node's first ClientApp process loads a
     tokenizer (transformers' import alone takes seconds, and Flower starts a process per
     message)."""
-    import hashlib
-    import json
-
-    from fedjax_split.data import batching, sources, tokenization
-
     path = None
     fingerprint = getattr(examples, "fingerprint", None)
     if cache is not None and model_dir is not None and fingerprint is not None:
-        h = hashlib.sha256(
-            json.dumps([task.name, int(config.max_length), fingerprint()]).encode()
-        )
+        h = hashlib.sha256(json.dumps([task.name, int(config.max_length), fingerprint()]).encode())
         for name in _TOKENIZER_FILES:
             f = Path(model_dir) / name
             if f.is_file():
@@ -102,8 +109,6 @@ def node_clients(node_config: Mapping[str, Any]) -> list[int]:
     """The clients a SuperNode holds, from its node config: `partition-id=K` (one), or
     `partition-ids="0-33"` / `"0,4,7-9"` (several, so that a few nodes can run a federation of
     many clients)."""
-    from fedjax_split.deploy import protocol
-
     if protocol.PARTITION_IDS in node_config:
         if protocol.PARTITION_ID in node_config:
             raise UserError("give a SuperNode partition-id or partition-ids, not both")
@@ -130,7 +135,10 @@ def node_clients(node_config: Mapping[str, Any]) -> list[int]:
 
 
 def prepare(
-    config: ExperimentConfig, client_id: int, cache: Path | None = None, site_dir: Any = None
+    config: ExperimentConfig,
+    client_id: int,
+    cache: Path | None = None,
+    site_dir: str | Path | None = None,
 ) -> NodeSetup:
     """This client's share and model, derived by `run.pieces` as the simulation derives them.
     `cache`: a directory of the node's own for the tokenised pool (None: tokenise each time);
@@ -141,14 +149,10 @@ def prepare(
 
 def prepare_many(
     config: ExperimentConfig, client_ids: Sequence[int], cache: Path | None = None,
-    site_dir: Any = None,
+    site_dir: str | Path | None = None,
 ) -> dict[int, NodeSetup]:  # fmt: skip
     """`prepare` for each of a node's clients, the data, the partition and the model loaded once
     and shared by them (a site is one client)."""
-    from fedjax_split.fed.roles import flatten_paths
-    from fedjax_split.run import pieces
-    from fedjax_split.tasks import registry as tasks
-
     bad = [c for c in client_ids if not 0 <= c < config.clients]
     if bad:
         raise UserError(
@@ -184,13 +188,10 @@ Share = tuple[Any, Any, Any, dict[str, Any]]  # examples, split, label shares or
 
 
 def _pool_shares(
-    config: ExperimentConfig, task: Any, client_ids: Sequence[int]
+    config: ExperimentConfig, task: tasks.Task, client_ids: Sequence[int]
 ) -> dict[int, Share]:
     """Each client's share of the pool every node loads and partitions alike: (the pool, its
     split of it, its realised label shares, the partition's settings)."""
-    from fedjax_split.data import partition
-    from fedjax_split.run import pieces
-
     examples = pieces.load_pool(config, task)
     labels = np.asarray(examples.labels)
     part = pieces.make_partition(config, task, labels)
@@ -204,13 +205,12 @@ def _pool_shares(
     return out
 
 
-def _site_share(config: ExperimentConfig, task: Any, client_id: int, site_dir: Any) -> Share:
+def _site_share(
+    config: ExperimentConfig, task: tasks.Task, client_id: int, site_dir: str | Path
+) -> Share:
     """A site's own data (--site-data): (its examples, its own split of them, its label
     shares, the settings every site has alike; the server offsets each site's indices by the
     sizes the sites report, `partition.sites_partition`)."""
-    from fedjax_split.data import partition, sources
-    from fedjax_split.run import pieces
-
     if site_dir is None:
         raise UserError(
             f"this run's sites read their own data: give SuperNode {client_id} its directory "
@@ -253,13 +253,8 @@ def train(
     (the key folds it in); `clip`: client-level DP's clip norm for this round (the server's
     state holds it), None without DP. With it the client clips its own update, as the
     simulation's clients do (`ClientProgram.clip_one`), before anything leaves the node."""
-    import math
-
     import jax
     import jax.numpy as jnp
-
-    from fedjax_split.fed.client_program import client_functions, client_key, client_round
-    from fedjax_split.run import pieces
 
     if clip is not None and not (math.isfinite(clip) and clip > 0):
         raise ValueError(f"the server asked for a DP clip norm of {clip}; refusing to train")
@@ -283,10 +278,6 @@ def evaluate(node: NodeSetup, global_wire: Any, local: Any) -> dict[str, Any]:
     test split, scored as the simulation scores each client ({} without test examples)."""
     import jax.numpy as jnp
 
-    from fedjax_split.fed import roles, wire
-    from fedjax_split.run import pieces
-    from fedjax_split.sim import evaluation
-
     batches = pieces.client_eval_steps(node.config, node.task, node.pool, node.split.test)
     received = wire.cast_from_wire(global_wire, jnp.float32)
     params = roles.merge_params(received, node.frozen, local)
@@ -296,12 +287,10 @@ def evaluate(node: NodeSetup, global_wire: Any, local: Any) -> dict[str, Any]:
     return pieces.score(node.task, node.pool.examples, res)
 
 
-def store(state_dir: str | Path, run_id: str, node: NodeSetup) -> Any:
+def store(state_dir: str | Path, run_id: str, node: NodeSetup) -> ClientStore:
     """This client's local parts on the node's disk: `<state_dir>/<run id>/client_<id>/`, one
     file per round it trained in (`sim.client_store`: the simulation's store, for one client);
     before its first round the pretrained part. The run id keeps runs apart."""
-    from fedjax_split.sim.client_store import ClientStore
-
     if not re.fullmatch(r"[0-9a-f]{8,64}", run_id):
         raise ValueError(f"bad run id {run_id!r}")
     return ClientStore(Path(state_dir) / run_id, initial=node.local0)
@@ -315,7 +304,7 @@ _GLOBAL_FILE = re.compile(r"^global_after_(\d+)\.npz$")
 
 
 def keep_for_export(
-    store: Any, node: NodeSetup, global_wire: Any, after_round: int, local: Any
+    store: ClientStore, node: NodeSetup, global_wire: Any, after_round: int, local: Any
 ) -> None:
     """What `python -m fedjax_split.export --state-dir` needs at this site, so that the personal
     model is assembled where it lives and never travels: the model's description (once), and, as
@@ -327,10 +316,6 @@ def keep_for_export(
     part (a LoRA run's base weights) is the node's model directory's, named in model.json with
     its sha256 (`model_record`); the pretrained local part is written only while the client has
     not trained (`keep_initial`)."""
-    import json
-
-    from fedjax_split.sim.client_store import save_tree
-
     d = store.directory
     (d / f"client_{node.client_id}").mkdir(parents=True, exist_ok=True)  # this node's client
     if not (d / MODEL_FILE).is_file():
@@ -357,32 +342,25 @@ def model_record(node: NodeSetup) -> dict[str, Any]:
     """model.json: the model as `pieces.model_meta` describes it, and with a frozen part, the
     sha256 of it (`sim.client_store.tree_digest`), so that the export rebuilds it from the
     model directory and the seed and knows it rebuilt the very arrays the node trained with."""
-    from fedjax_split.sim.client_store import tree_digest
-
     record = dict(node.model_meta)
     if node.frozen and record.get("model_dir") and "seed" in record:
         record[FROZEN_DIGEST] = tree_digest(node.frozen)
     return record
 
 
-def keep_initial(store: Any, node: NodeSetup) -> None:
+def keep_initial(store: ClientStore, node: NodeSetup) -> None:
     """The pretrained local part as `initial.npz`, once: what an export of a round before the
     client first trained reads (`python -m fedjax_split.export --run-dir` of a launcher run)."""
-    from fedjax_split.sim.client_store import save_tree
-
     if not (store.directory / "initial.npz").is_file():
         save_tree(store.directory / "initial.npz", node.local0)
 
 
-def _keep_local(store: Any, client: int, version: int | None, local: Any, path: Path) -> None:
+def _keep_local(
+    store: ClientStore, client: int, version: int | None, local: Any, path: Path
+) -> None:
     """`local` (the store's version `version` of `client`'s part) at `path`: a hard link to the
     store's file (files are replaced, never rewritten, so the two names stay the same bytes), or
     a copy where no link can be made."""
-    import os
-    import secrets
-
-    from fedjax_split.sim.client_store import save_tree
-
     path.parent.mkdir(parents=True, exist_ok=True)
     source = None if version is None else store.path(client, version)
     if source is not None and source.is_file():
@@ -399,8 +377,6 @@ def _keep_local(store: Any, client: int, version: int | None, local: Any, path: 
 def exported_pair(directory: Path, client: int) -> tuple[Any, Any, int]:
     """(the global part a node kept for export, in the wire dtype, client `client`'s local part
     evaluated with it, the round both are after)."""
-    from fedjax_split.sim.client_store import load_tree
-
     out = directory / EXPORT_DIR
     found = sorted(
         (int(m.group(1)), f) for f in (out.iterdir() if out.is_dir() else [])
@@ -421,11 +397,9 @@ def exported_pair(directory: Path, client: int) -> tuple[Any, Any, int]:
         ) from None
 
 
-def local_part(node: NodeSetup, store: Any, at_most: int) -> Any:
+def local_part(node: NodeSetup, store: ClientStore, at_most: int) -> Any:
     """The client's local part after round `at_most` (the pretrained one before its first)."""
     import jax.numpy as jnp
-
-    from fedjax_split.fed.roles import flatten_paths
 
     tree = store.load(node.client_id, at_most)
     expected = {p: np.shape(x) for p, x in flatten_paths(node.local0).items()}

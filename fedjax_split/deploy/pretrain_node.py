@@ -1,7 +1,7 @@
 """A client of further pre-training (FedBFPT, BERT-FL, the truncated baseline) on a real
 federation: its own text, its MLM batches, and the simulation's client program.
 
-Nothing here imports Flower: the ClientApp's pretrain handlers (`client_app.py`) turn messages
+Nothing here imports Flower: the ClientApp's pretrain handlers (`handlers.py`) turn messages
 into these calls. A node loads and tokenises text itself; the server never sees any. A node
 derives its text as the simulation derives its client's (`node_text`): either the corpus under
 its --data-dir split by `run.pretraining.load_split`, its own documents kept, or with
@@ -21,12 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fedjax_split.data import tokenization
+from fedjax_split.data.text.masking import MaskedBatch, MaskingSpec
+from fedjax_split.data.text.text_corpora import Sequences
 from fedjax_split.errors import UserError
+from fedjax_split.fed.roles import flatten_paths, layer_index
+from fedjax_split.run import pretraining
 from fedjax_split.run.pretrain_config import PretrainConfig
+from fedjax_split.sim.pretrain_rounds import Trainer, client_key, client_update, eval_sums
 
 # The methods a federation runs: centralised training has no federation, `none` no rounds.
 FLOWER_METHODS = ("fedbfpt", "bert-fl", "truncated")
@@ -47,12 +54,12 @@ class PretrainNode:
 
     config: PretrainConfig
     client_id: int
-    sequences: Any  # its training sequences (data.text.text_corpora.Sequences)
-    heldout: list[Any]  # the masked held-out batches (a site's: its own)
+    sequences: Sequences  # its training sequences
+    heldout: list[MaskedBatch]  # the masked held-out batches (a site's: its own)
     split: dict[str, Any]  # the corpus split as this node derives it, or its site's counts
-    masking: Any
+    masking: MaskingSpec
     pad_id: int
-    trainer: Any  # sim.pretrain_rounds.Trainer
+    trainer: Trainer
     shapes: dict[str, tuple[int, ...]]  # the global model's flat paths -> shapes
 
     @property
@@ -61,15 +68,17 @@ class PretrainNode:
 
 
 def node_text(
-    config: PretrainConfig, client_id: int, tokenizer: Any, spec: Any, site_dir: Any = None
+    config: PretrainConfig,
+    client_id: int,
+    tokenizer: Any,
+    spec: MaskingSpec,
+    site_dir: str | Path | None = None,
 ) -> tuple:
     """(what split.json records as this node knows it, this client's sequences, its held-out
     batches). One corpus (the node config's data-dir, else --data-dir): split as the simulation
     splits it, this client's documents kept, all the held-out batches. --site-data: `site_dir`'s
     text alone, this site's counts and its own held-out batches. The one place a node's text
     comes from."""
-    from fedjax_split.run import pretraining
-
     if config.site_data is not None:
         if site_dir is None:
             raise UserError(
@@ -85,13 +94,11 @@ def node_text(
     return split.to_dict(), seqs, heldout
 
 
-def prepare(config: PretrainConfig, client_id: int, site_dir: Any = None) -> PretrainNode:
+def prepare(
+    config: PretrainConfig, client_id: int, site_dir: str | Path | None = None
+) -> PretrainNode:
     """This client's text and model, as the simulation builds them for it (`site_dir`: its own
     directory in a --site-data run)."""
-    from fedjax_split.data import tokenization
-    from fedjax_split.fed.roles import flatten_paths
-    from fedjax_split.run import pretraining
-
     check_deployable(config)
     if not 0 <= client_id < config.clients:
         raise UserError(
@@ -134,8 +141,6 @@ def check_layers(node: PretrainNode, layers: Sequence[int], depth_only: bool = F
 def expected_shapes(node: PretrainNode, layers: Sequence[int]) -> dict[str, tuple[int, ...]]:
     """{path: shape} of what a node receives for a model of global layers `layers`: those
     layers, the embeddings and the head, under their global paths."""
-    from fedjax_split.fed.roles import layer_index
-
     keep = {int(g) for g in layers}
     return {p: s for p, s in node.shapes.items() if layer_index(p) in keep or
             (layer_index(p) is None and not p.startswith("encoder/"))}  # fmt: skip
@@ -148,9 +153,6 @@ def train(
     """Round r for this client: (its upload under global paths, its
     `sim.pretrain_rounds.ClientReport`, BERT-FL's FLOPs on the same batches). `received`: the
     global parameters of its model (`expected_shapes`), fp32."""
-    from fedjax_split.run import pretraining
-    from fedjax_split.sim.pretrain_rounds import client_key, client_update
-
     unknown = sorted(set(trained) - set(node.shapes))[:3]
     if unknown:
         raise ValueError(f"asked to train paths the model does not have: {unknown}")
@@ -170,8 +172,6 @@ def evaluate(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(indices, `eval_sums` rows) of the held-out batches i with i % parts == part, scored with
     the `depth`-layer model `params` (fp32)."""
-    from fedjax_split.sim.pretrain_rounds import eval_sums
-
     if not 0 <= part < parts:
         raise ValueError(f"asked for part {part} of {parts}")
     index = np.arange(part, len(node.heldout), parts, dtype=np.int64)

@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fedjax_split.run.config import NODE_SITES
+
 QUERY, TRAIN, EVALUATE = "query", "train", "evaluate"
 
 GLOBAL = "global"  # ArrayRecord: the global part as sent (codec.encode)
@@ -90,8 +92,6 @@ def experiment_values(run_config: Any, key: str = EXPERIMENT) -> dict[str, Any]:
     ServerApp and a ClientApp resolve them. With --site-data the sites' paths, were they there,
     are no one's business but their own site's: the server and every node see `node-config`
     (each node's data-dir is its site), so that neither looks at another site's directory."""
-    from fedjax_split.run.config import NODE_SITES
-
     values = json.loads(str(run_config[key]))
     if values.get("site_data") is not None:
         values["site_data"] = NODE_SITES

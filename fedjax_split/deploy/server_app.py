@@ -18,61 +18,61 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedjax_split.deploy import protocol
+from fedjax_split import runtime
+from fedjax_split.deploy import logs, protocol
+from fedjax_split.errors import UserError
+from fedjax_split.run import outputs
+from fedjax_split.run.config import resolve_config
+from fedjax_split.run.pretrain_config import resolve
 
 app = ServerApp()
 
 
 def _write_status(path: str, status: dict[str, Any]) -> None:
     if path:
-        from fedjax_split.run import outputs
-
         outputs.write_json(Path(path), status)
 
 
-def _pretrain(grid: Grid, rc: Any, options: Any) -> dict[str, Any]:
-    """Further pre-training (run config kind "pretrain"): `deploy.pretrain_server`, its sites'
-    paths (were the run config to hold them) replaced by `node-config` as fine-tuning's are, so
-    that the server never looks at a site's directory."""
-    from fedjax_split.deploy.pretrain_server import run_pretrain_server
-    from fedjax_split.run.pretrain_config import resolve
+def _run(grid: Grid, rc: Any) -> dict[str, Any]:
+    """The run's outcome for the status file: done (its summary) or stopped after a round. The
+    job's modules (JAX) are imported here, after the process settings (`runtime.apply`). Further
+    pre-training (run config kind "pretrain"): `deploy.pretrain_server`, its sites' paths (were
+    the run config to hold them) replaced by `node-config` as fine-tuning's are, so that the
+    server never looks at a site's directory."""
+    from fedjax_split.deploy import pretrain_server, server
 
-    config = resolve(overrides=protocol.experiment_values(rc, protocol.PRETRAIN_CONFIG))
-    return run_pretrain_server(grid, config, options)
+    stop = int(rc.get(protocol.STOP_AFTER_ROUND, 0))
+    defaults = server.DeployOptions
+    options = defaults(
+        round_timeout=float(rc.get(protocol.ROUND_TIMEOUT, defaults.round_timeout)),
+        connect_timeout=float(rc.get(protocol.CONNECT_TIMEOUT, defaults.connect_timeout)),
+        stop_after_round=stop or None,
+    )
+    try:
+        if str(rc.get(protocol.KIND, "")) == protocol.PRETRAIN:
+            values = protocol.experiment_values(rc, protocol.PRETRAIN_CONFIG)
+            summary = pretrain_server.run_pretrain_server(grid, resolve(overrides=values), options)
+        else:
+            config = resolve_config(overrides=protocol.experiment_values(rc))
+            summary = server.run_server(grid, config, options)
+    except server.Stopped as stopped:
+        return {"status": "stopped", "round": stopped.round}
+    return {"status": "done", "summary": summary}
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    from fedjax_split import runtime
-    from fedjax_split.deploy import logs
-    from fedjax_split.deploy.server import DeployOptions, Stopped, run_server
-    from fedjax_split.errors import UserError
-    from fedjax_split.run.config import resolve_config
-
     logs.app_process()
     rc = context.run_config
     status_file = str(rc.get(protocol.STATUS_FILE, ""))
     try:
         runtime.apply()
-        stop = int(rc.get(protocol.STOP_AFTER_ROUND, 0))
-        options = DeployOptions(
-            round_timeout=float(rc.get(protocol.ROUND_TIMEOUT, DeployOptions.round_timeout)),
-            connect_timeout=float(rc.get(protocol.CONNECT_TIMEOUT, DeployOptions.connect_timeout)),
-            stop_after_round=stop or None,
-        )
-        if str(rc.get(protocol.KIND, "")) == protocol.PRETRAIN:
-            summary = _pretrain(grid, rc, options)
-        else:
-            config = resolve_config(overrides=protocol.experiment_values(rc))
-            summary = run_server(grid, config, options)
+        status = _run(grid, rc)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         _write_status(status_file, {"status": "error", "message": str(err)})
         return
-    except Stopped as stopped:
-        _write_status(status_file, {"status": "stopped", "round": stopped.round})
-        return
     except BaseException as err:
         _write_status(status_file, {"status": "crashed", "message": f"{type(err).__name__}: {err}"})
         raise
-    _write_status(status_file, {"status": "done", "summary": summary})
+    _write_status(status_file, status)

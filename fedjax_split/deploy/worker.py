@@ -6,7 +6,7 @@ each message pays for importing JAX, building the node's client (data share, mod
 weights) and loading its compiled programs: seconds, where a small model's round is 0.1 s of work.
 With it, the ClientApp process imports only Flower and this module and hands the message and its
 context, serialised with Flower's own protobuf serde, over a Unix socket to the node's worker,
-which runs the very handler the ClientApp would run (`client_app.HANDLERS`) and sends the reply
+which runs the very handler the ClientApp would run (`handlers.HANDLERS`) and sends the reply
 back the same way. Nothing in Flower is patched: the ClientApp is still the process Flower
 started, and it returns the reply Flower expects.
 
@@ -42,6 +42,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fedjax_split import runtime
+from fedjax_split.assets import cache_dir
+from fedjax_split.deploy import protocol
 from fedjax_split.errors import UserError
 
 IDLE_SECONDS = 1800.0  # a worker with no message for this long ends
@@ -141,13 +144,9 @@ def handle(kind: str, msg: Any, context: Any, run_here: Callable[[Any, Any], Any
 
 
 def _state_dir(context: Any) -> Path:
-    from fedjax_split.deploy import protocol
-
     value = context.node_config.get(protocol.STATE_DIR)
     if value:
         return Path(str(value))
-    from fedjax_split.assets import cache_dir
-
     return cache_dir() / "flower_nodes"
 
 
@@ -327,11 +326,14 @@ def _answer(parts: list[bytes], handlers: Mapping[str, Callable[[Any, Any], Any]
         return [b"error", f"{type(e).__name__}: {e}".encode()]
 
 
-def serve(path: Path, watch_pid: int | None, idle_seconds: float = IDLE_SECONDS) -> None:
-    """Answers requests on `path` one at a time until the watched process ends or none came for
-    `idle_seconds`."""
-    from fedjax_split.deploy import client_app
-
+def serve(
+    path: Path,
+    watch_pid: int | None,
+    handlers: Mapping[str, Callable[[Any, Any], Any]],
+    idle_seconds: float = IDLE_SECONDS,
+) -> None:
+    """Answers requests on `path` one at a time, each with its kind's handler, until the watched
+    process ends or none came for `idle_seconds`."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(FileNotFoundError):
         path.unlink()
@@ -351,7 +353,7 @@ def serve(path: Path, watch_pid: int | None, idle_seconds: float = IDLE_SECONDS)
             with conn:
                 conn.settimeout(REQUEST_SECONDS)  # a client stalled mid-frame does not block it
                 try:
-                    _send_parts(conn, _answer(_recv_parts(conn), client_app.HANDLERS))
+                    _send_parts(conn, _answer(_recv_parts(conn), handlers))
                 except (ConnectionError, struct.error, OSError) as e:
                     print(f"worker: dropped a connection ({e})", file=sys.stderr, flush=True)
             last = time.monotonic()
@@ -370,7 +372,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--watch-pid", type=int, default=None, help="end when this process ends")
     p.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS)
     args = p.parse_args(argv)
-    serve(Path(args.socket), args.watch_pid, args.idle_seconds)
+    runtime.tune_malloc()  # before the handlers' modules import JAX (which start its threads)
+    runtime.one_line_warnings()
+    from fedjax_split.deploy.handlers import HANDLERS
+
+    serve(Path(args.socket), args.watch_pid, HANDLERS, args.idle_seconds)
     return 0
 
 

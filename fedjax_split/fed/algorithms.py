@@ -82,7 +82,7 @@ def server_optimizer(name: str, learning_rate: float | None = None,
                      tau: float | None = None) -> Any:  # fmt: skip
     """The algorithm's server optimiser (an optax GradientTransformation) at `learning_rate` and,
     for an adaptive one, `tau` (None: the algorithm's defaults)."""
-    from fedjax_split.fed import server_optimizers
+    from fedjax_split.fed import server_optimizers  # optax: the flags import this module
 
     algorithm = check_tau(name, tau)
     lr = algorithm.server_lr if learning_rate is None else learning_rate

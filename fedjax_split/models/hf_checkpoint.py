@@ -22,6 +22,7 @@ transformers loads it in PyTorch and `load_pretrained` reads it back bit-identic
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import pickle
@@ -40,6 +41,7 @@ import ml_dtypes
 import numpy as np
 
 from fedjax_split import assets
+from fedjax_split.atomic import replace_dir
 from fedjax_split.errors import Note, UserError
 from fedjax_split.models import lora as lora_adapters
 from fedjax_split.models.bert import BertConfig, Params, make_apply
@@ -540,8 +542,6 @@ def rebuild_params(model_dir: Path, config: BertConfig, seed: int) -> Params:
     """The parameters `load_pretrained` gave a run whose model is `config` (as its checkpoint
     records it: layers kept, head, LoRA adapters) from the weights in `model_dir` and the run's
     seed: what an export reads instead of a copy of weights that never changed."""
-    from fedjax_split.models import lora as lora_adapters
-
     _, tensors = truncate(config, read_weights(model_dir), config.num_hidden_layers)
     params = params_from_tensors(tensors, config, seed=seed, source=str(model_dir))
     if config.lora_targets:
@@ -556,8 +556,6 @@ def truncate(
     config: BertConfig, tensors: dict[str, np.ndarray], num_layers: int
 ) -> tuple[BertConfig, dict[str, np.ndarray]]:
     """The config and tensors of the model's first `num_layers` encoder layers."""
-    import dataclasses
-
     if not 1 <= num_layers <= config.num_hidden_layers:
         raise UserError(
             f"--model-layers {num_layers} is outside 1..{config.num_hidden_layers} for this "
@@ -603,8 +601,6 @@ def save_pretrained(
     An existing `out_dir` is replaced only if empty or holding a config.json (an earlier export).
     """
     from safetensors.numpy import save_file
-
-    from fedjax_split.atomic import replace_dir
 
     tensors = params_to_tensors(params, config)
 

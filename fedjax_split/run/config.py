@@ -13,7 +13,7 @@ import dataclasses
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fedjax_split.errors import UserError
 from fedjax_split.fed.algorithms import ALGORITHMS, check_tau
@@ -35,6 +35,9 @@ from fedjax_split.run.settings import (
     origin,
 )
 from fedjax_split.run.settings import setting as _setting
+
+if TYPE_CHECKING:  # models.lora imports JAX: the flags' modules import none
+    from fedjax_split.models.lora import LoraSettings
 
 __all__ = [
     "ExperimentConfig", "FIELDS", "NODE_SITES", "SCHEMA", "check_site_dirs", "entity_type_list",
@@ -753,11 +756,11 @@ def _positive(config: ExperimentConfig, name: str, zero_ok: bool = False) -> Non
         raise UserError(f"{flag_name(name)} must be a number {bound}, got {_got(config, name)}")
 
 
-def lora_settings(config: ExperimentConfig) -> Any:
+def lora_settings(config: ExperimentConfig) -> LoraSettings | None:
     """The run's `models.lora.LoraSettings`, None without --lora-rank."""
     if config.lora_rank is None:
         return None
-    from fedjax_split.models.lora import LoraSettings
+    from fedjax_split.models.lora import LoraSettings  # JAX: the flags' modules import none
 
     return LoraSettings(config.lora_rank, config.lora_alpha, config.lora_targets,
                         config.lora_dropout)  # fmt: skip
@@ -773,7 +776,7 @@ def validate_lora(config: ExperimentConfig) -> None:
             raise UserError(f"{as_given(config, given[0])} needs --lora-rank R, the adapters' "
                             "rank (e.g. 8)")  # fmt: skip
         return
-    from fedjax_split.models.lora import check_settings
+    from fedjax_split.models.lora import check_settings  # JAX, as above
 
     check_settings(lora_settings(config))
 
@@ -863,7 +866,7 @@ def validate_aggregation(config: ExperimentConfig) -> None:
         )
     if config.dp_max_epsilon is not None and config.dp_noise_multiplier == 0:
         raise UserError("--dp-max-epsilon with --dp-noise-multiplier 0: no noise, no budget")
-    from fedjax_split.run import safeguards
+    from fedjax_split.run import safeguards  # JAX, as above
 
     safeguards.aggregator(config)  # the DP settings' own checks (the quantile, z < M/10, ...)
 
@@ -872,7 +875,7 @@ def check_trimming(trim_fraction: float, clients: int) -> None:
     """A UserError unless the trimmed mean of `clients` a round cuts at least one from each end:
     with floor(f M) = 0 (the default 0.1 below 10 clients, e.g. the paper's 3) it would silently
     be the plain unweighted mean. The numbers it suggests are `fed.robust`'s own counts."""
-    from fedjax_split.fed import robust
+    from fedjax_split.fed import robust  # JAX, as above
 
     if robust.trim_count(trim_fraction, clients) > 0:
         return

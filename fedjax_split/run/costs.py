@@ -20,9 +20,15 @@ journal's Table 3 gives its computation and communication as shares of BERT-FL's
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from fedjax_split.fed.roles import flatten_paths, layer_index
+from fedjax_split.fed.roles import flatten_paths, layer_index, merge_params
+from fedjax_split.fed.wire import cast_to_wire, tree_bytes, wire_dtype
+from fedjax_split.models.bert import BertConfig
+from fedjax_split.models.flops import segment_flops
+
+if TYPE_CHECKING:  # run.pieces imports this module
+    from fedjax_split.run.pieces import Model
 
 
 class Trained(NamedTuple):
@@ -38,16 +44,18 @@ class ModelPaths(NamedTuple):
     """A model's architecture and its parameters' paths by role: all the counts need (a Flower
     node holds no global part between messages, only these)."""
 
-    config: Any  # models.bert.BertConfig
+    config: BertConfig
     global_paths: frozenset[str]
     local_paths: frozenset[str]
     frozen_paths: frozenset[str]
 
 
-def paths_of(model: Any) -> ModelPaths:
+def paths_of(model: Model) -> ModelPaths:
     """A `run.pieces.Model`'s `ModelPaths`."""
-    return ModelPaths(model.config, *(frozenset(flatten_paths(part))
-                                      for part in (model.global0, model.local0, model.frozen)))
+    return ModelPaths(
+        model.config,
+        *(frozenset(flatten_paths(part)) for part in (model.global0, model.local0, model.frozen)),
+    )
 
 
 def trained_parts(paths: ModelPaths, trained: frozenset[str] | None) -> Trained | None:
@@ -75,10 +83,8 @@ def _parts(paths: set[str], every: set[str]) -> Trained | None:
     )
 
 
-def steps_flops(config: Any, parts: Trained | None, segments: Sequence[Any]) -> int | None:
+def steps_flops(config: BertConfig, parts: Trained | None, segments: Sequence[Any]) -> int | None:
     """Matmul FLOPs of one client's real steps `segments` (None: no exact count)."""
-    from fedjax_split.models.flops import segment_flops
-
     if parts is None:
         return None
     return sum(
@@ -88,19 +94,16 @@ def steps_flops(config: Any, parts: Trained | None, segments: Sequence[Any]) -> 
     )  # fmt: skip
 
 
-def bert_fl_parts(config: Any) -> Trained:
+def bert_fl_parts(config: BertConfig) -> Trained:
     """BERT-FL's client: every parameter trained."""
     return Trained(frozenset(range(config.num_hidden_layers)), True, config.head == "sequence",
                    True)  # fmt: skip
 
 
-def model_bytes(model: Any, wire: str) -> int:
+def model_bytes(model: Model, wire: str) -> int:
     """The whole model (global, local and frozen parts) in the wire dtype: what BERT-FL sends
     each way per client and round."""
     import jax
-
-    from fedjax_split.fed.roles import merge_params
-    from fedjax_split.fed.wire import cast_to_wire, tree_bytes, wire_dtype
 
     whole = merge_params(model.global0, model.local0, model.frozen)
     return tree_bytes(jax.eval_shape(lambda: cast_to_wire(whole, wire_dtype(wire))))

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from fedjax_split import compilation
 from fedjax_split.errors import UserError
 from fedjax_split.run import outputs
+from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 
 RoundHook = Callable[[int, dict[str, Any]], None]
 STOP_ENV = "FEDJAX_SPLIT_STOP_AFTER_ROUND"  # tests: act like Ctrl-C after this round's checkpoint
@@ -96,8 +97,6 @@ def check_run_dir(
 
 def _restore(run: Run, checkpointer: Any, resume: bool) -> tuple[int, list[dict[str, Any]]]:
     """(rounds done, their records): from the latest checkpoint with --resume, else (0, [])."""
-    from fedjax_split.run.checkpoint import checkpoint_dir
-
     latest = checkpointer.latest_round() if resume else None
     if latest is None:
         ck_dir = checkpoint_dir(run.run_dir)
@@ -142,8 +141,6 @@ def drive(
     latest checkpoints stay on disk (the run's `checkpointed` hears which). `on_round_end(round,
     record)` is called after each round's record and checkpoint are on disk (a KeyboardInterrupt
     raised there stops the run as Ctrl-C does)."""
-    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
-
     run_dir = run.run_dir
     writes = getattr(run, "writes", True)
     checkpointer = RunCheckpointer(checkpoint_dir(run_dir), max_to_keep=keep_checkpoints)
@@ -251,8 +248,6 @@ def interrupted(run_dir: str | Path | None) -> int:
     Every command prints it."""
     where = "no checkpoint yet"
     if run_dir is not None:
-        from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
-
         try:
             latest = RunCheckpointer(checkpoint_dir(run_dir)).latest_round()
         except UserError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedjax_split.fed.algorithms import get as get_algorithm
+from fedjax_split.models.lora import candidates
 
 _WIRE = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -61,8 +62,6 @@ def describe(
             f"{_layers(c + 1, big_l)}{upper} + head personal"
         )
     if lora is not None:
-        from fedjax_split.models.lora import candidates
-
         names = candidates(lora)
         where = dict.fromkeys(names[t].split(".", 4)[-1] for t in lora.lora_targets)
         line += (

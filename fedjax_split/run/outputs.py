@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fedjax_split import atomic
+from fedjax_split.errors import UserError
 
 RESULT_FILES = ("config.json", "partition.json", "metrics.jsonl", "summary.json", "checkpoints",
                 "private")
@@ -136,8 +137,6 @@ def check_run_dir(
     """The run directory's rules, shared by train and pretrain: a fresh run never overwrites
     results (`present`), and `--resume` needs a readable config.json whose trajectory settings
     `mismatch` finds equal. UserError (the CLI's one line, exit 2) otherwise."""
-    from fedjax_split.errors import UserError
-
     if not resume and present:
         raise UserError(
             f"{str(run_dir)!r} already holds a run ({', '.join(present)}); pass --resume to "

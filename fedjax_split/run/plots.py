@@ -15,7 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from fedjax_split import atomic
 from fedjax_split.fed.algorithms import ALGORITHMS
+from fedjax_split.tasks import registry as tasks
 
 WIRE_NAMES = {"none": "", "fp16": " + fp16 wire", "bf16": " + bf16 wire"}
 # reference lines (a no-model baseline, a published figure) told apart by dash and shade of grey,
@@ -161,8 +163,6 @@ def majority_score(
     """What the label priors alone score, no model: each client predicts its majority training
     label for its whole test split; `metric`'s mean over the clients with test examples (the
     evaluation's mean). None for a task without classes to count (regression, tagging)."""
-    from fedjax_split.tasks import registry as tasks
-
     if task.is_regression or task.objective.per_token:
         return None
     labels = np.asarray(labels).astype(np.int64)
@@ -210,8 +210,6 @@ def write_run_plot(
 ) -> Path | None:
     """plot.png of one run (`run_figure`); None (nothing written) before any round was
     evaluated. Written whole or not at all (a reader never sees half a PNG)."""
-    from fedjax_split import atomic
-
     fig = run_figure(records, metric, label, title, baseline)
     if fig is None:
         return None

@@ -18,7 +18,8 @@ from typing import Any
 from fedjax_split.data.text.corpus_split import SCHEMES
 from fedjax_split.data.text.text_corpora import CORPORA, MODES, check_corpus_name
 from fedjax_split.errors import UserError
-from fedjax_split.fed.layerwise import LAYER_DRAWS, SCHEDULES
+from fedjax_split.fed.layerwise import LAYER_DRAWS, SCHEDULES, check_small_model, schedule_layers
+from fedjax_split.run.config import NODE_SITES, check_site_dirs, refuse_with_sites
 from fedjax_split.run.settings import (
     FEDERATION,
     MODEL,
@@ -243,8 +244,6 @@ def resolve(
 ) -> PretrainConfig:
     """Defaults <- config-file values <- explicit overrides, then `validate`. With --site-data
     DIR0,DIR1,... the corpus is local and the clients are the sites unless given."""
-    from fedjax_split.run.config import NODE_SITES
-
     given = {**(file_values or {}), **(overrides or {})}
     sites = given.get("site_data")
     if isinstance(sites, str):
@@ -262,8 +261,6 @@ _CORPUS_ONLY = ("split", "sigma", "max_documents", "data_dir")
 def validate_sites(config: PretrainConfig) -> None:
     """--site-data: local text, one existing directory per client (`run.config.check_site_dirs`),
     and none of the settings that split one corpus (they would be silently ignored)."""
-    from fedjax_split.run.config import check_site_dirs, refuse_with_sites
-
     if config.site_data is None:
         return
     if config.corpus != "local":
@@ -322,8 +319,6 @@ def validate(config: PretrainConfig) -> None:
 def check_depth(config: PretrainConfig, num_layers: int) -> tuple[int, int]:
     """(small model layers L_s, truncated layers k) for an L-layer model; UserError when the
     settings cannot work with it (the schedule's layers must fit the small model)."""
-    from fedjax_split.fed.layerwise import check_small_model, schedule_layers
-
     small = config.small_layers if config.small_layers is not None else max(1, num_layers // 2)
     k = config.truncated_layers if config.truncated_layers is not None else max(1, num_layers // 2)
     if config.method == "fedbfpt":

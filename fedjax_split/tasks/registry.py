@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 
 from fedjax_split.errors import UserError
+from fedjax_split.tasks import bio
 from fedjax_split.tasks import metrics as _metrics
 from fedjax_split.tasks.objectives import (
     CLASSIFICATION,
@@ -193,8 +194,6 @@ def compute_metrics(
     """
     task = get_task(task)
     if task.objective.per_token:
-        from fedjax_split.tasks import bio
-
         if not label_names:
             raise ValueError(f"task {task.name} needs the tag names to score entities")
         return bio.entity_scores(*bio.word_tags(predictions, labels, label_names))

