@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from fedjax_split.errors import UserError
-from fedjax_split.run import plots
+from fedjax_split.run import costs, plots
 from fedjax_split.run.config import (
     ExperimentConfig,
     entity_type_list,
@@ -659,19 +659,17 @@ def round_costs(
     )
 
 
-def train_record(
-    r: int, sampled: Sequence[int], losses: np.ndarray, weights: np.ndarray
-) -> dict[str, Any]:
-    """A round record's training part: the sampled clients, each one's mean loss, and their
-    example-weighted mean (the simulation's and the Flower server's rounds write the same)."""
-    losses = np.asarray(losses, np.float64)
-    return {
-        "round": r,
-        "clients_sampled": [int(c) for c in sampled],
-        # None in a round without clients (DP's Poisson sampling may draw none)
-        "train_loss": float(np.sum(losses * weights) / np.sum(weights)) if len(losses) else None,
-        "train_loss_clients": losses.tolist(),
-    }
+def cost_record(
+    history: Sequence[dict[str, Any]], bytes_up: int, bytes_down: int,
+    times: tuple[float, float, float], clients: Sequence[Any], exact: bool,
+    bert_fl_bytes: int | None, sampled: int,
+) -> dict[str, Any]:  # fmt: skip
+    """A round record's bytes and seconds (`round_costs`; `times`: the round's start, the end of
+    its training and of its evaluation), then its FLOPs (`run.costs.round_record` of the
+    sampled clients' `clients` counts): the simulation's and the Flower server's."""
+    record = round_costs(history, bytes_up, bytes_down, *times)
+    record.update(costs.round_record(history, clients, exact, bert_fl_bytes, sampled))
+    return record
 
 
 def newest_rounds(history: Sequence[dict[str, Any]]) -> dict[int, int]:
