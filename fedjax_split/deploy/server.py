@@ -1,15 +1,17 @@
 """The server of a real federation: rounds over a Flower Grid, written to a run directory as
 `train` writes it.
 
-Each round: sample clients as the simulation does (`run.safeguards.sample`: Poisson with
-client-level DP), send each sampled client's SuperNode the global part in the wire dtype (as bits,
-`codec`; with DP, the round's clip norm, to which the client clips its update), wait for the
-replies up to `round_timeout`, validate and decode the uploads to fp32 and step the server with the
-simulation's own seam, `sim.rounds.server_round` (`fed.aggregation`: the example-weighted
-mean in fp32 and client order, a robust rule, or DP's clipped sum plus Gaussian noise from the
-server's key) then `server_update` (Delta against the copy sent, any optax server optimiser on the
-fp32 master); Flower's own strategies and FedAvg are not used. The aggregator's state (DP's clip
-norm) is part of the checkpointed server state; epsilon is a function of the rounds done. Then,
+Each round the run's `fed.strategy.Strategy` (the simulation's too) decides and this moves the
+arrays: its plan samples clients as the simulation does (Poisson with client-level DP), sets the
+round's spec, clip norm and noise key; the server sends each sampled client's SuperNode the global
+part in the wire dtype (as bits, `codec`; with DP, the round's clip norm, to which the client clips
+its update), waits for the replies up to `round_timeout`, validates and decodes the uploads to fp32
+and steps the server with the strategy's `aggregate` (`fed.server_step.server_round`, the
+simulation's one-at-a-time seam: `fed.aggregation`'s example-weighted mean in fp32 and client
+order, a robust rule, or DP's clipped sum plus Gaussian noise from the server's key, then
+`server_update`: Delta against the copy sent, any optax server optimiser on the fp32 master);
+Flower's own strategies and FedAvg are not used. The aggregator's state (DP's clip norm) is part
+of the checkpointed server state; epsilon is a function of the rounds done. Then,
 when due, every client evaluates the new global part with its own local part on its own test split.
 
 Faults: a client that does not answer within `round_timeout` (its SuperNode died, or Flower

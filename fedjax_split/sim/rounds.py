@@ -1,5 +1,6 @@
 """One federated round of many clients in one process: two execution strategies of the same
-round, and the client sampling before it.
+round (the client sampling before it and the server's step are `fed.strategy`'s and
+`fed.server_step`'s).
 
 Steps (FedSplitBERT's Algorithm 1 with a FedOpt server):
 1. download: the server holds the global part in the wire dtype; each client casts it to fp32;
@@ -9,7 +10,7 @@ Steps (FedSplitBERT's Algorithm 1 with a FedOpt server):
 4. the server aggregates the uploads (`fed.aggregation.aggregate`: by default the
    example-weighted mean in fp32; robust rules and client-level DP as `RoundSpec.aggregator`
    says, DP's clipping done by each client first) and steps the global part
-   (`fed.server.server_update`, the seam every execution strategy shares).
+   (`fed.server_step`, the seam every execution strategy and the Flower server share).
 Frozen parameters are passed to the clients once, as one unstacked tree (not per client, not
 cast). With `RoundSpec.trained` (a schedule's choice for the round) clients train and upload only
 those global parameters; the others enter the model as constants, like the frozen ones.
