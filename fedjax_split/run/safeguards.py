@@ -20,7 +20,7 @@ from fedjax_split.errors import UserError
 from fedjax_split.fed import accounting, aggregation, privacy
 from fedjax_split.fed.secret import ServerSecret
 from fedjax_split.fed.server_step import ServerSpec
-from fedjax_split.fed.strategy import Sampling, Strategy, safeguard_record
+from fedjax_split.fed.strategy import Sampling, Strategy
 from fedjax_split.run import outputs
 
 if TYPE_CHECKING:  # run.config validates through this module's aggregator(): no cycle at run time
@@ -213,20 +213,6 @@ def check_deployable(config: ExperimentConfig) -> None:
             "(a real attacker is a node: the server's --aggregator and --max-update-norm "
             "apply there too)"
         )
-
-
-def record(
-    config: ExperimentConfig, r: int, sampled: np.ndarray, accepted: Any, norms: Any,
-    clip: float | None,
-) -> dict[str, Any]:
-    """Round r's safeguard figures for metrics.jsonl (`fed.strategy.safeguard_record`): the
-    rejected uploads (always), the update norms when the server measured them, DP's clip norm
-    and epsilon after the round."""
-    measured = not (config.aggregator == "mean" and config.max_update_norm is None
-                    and not config.dp)  # fmt: skip
-    return safeguard_record(np.asarray(sampled), accepted, norms, measured=measured,
-                            dp=config.dp, clip=clip,
-                            epsilon=epsilon(config, r) if config.dp else None)  # fmt: skip
 
 
 def summary(config: ExperimentConfig, history: list[dict[str, Any]]) -> dict[str, Any]:
