@@ -124,8 +124,14 @@ def test_each_dp_round_draws_fresh_secret_noise_and_reads_the_clip_from_the_stat
 def test_the_record_has_metrics_jsonls_fields_in_order() -> None:
     state = _state(Spec())
     plan = dataclasses.replace(_strategy().plan(3, state, None), clients=np.asarray([2, 5]))
-    record = _strategy().record(plan, np.asarray([1.0, 4.0]), np.asarray([3.0, 1.0], np.float32),
-                                np.asarray([2, 5]), np.asarray([True, False]), np.zeros(2))
+    record = _strategy().record(
+        plan,
+        np.asarray([1.0, 4.0]),
+        np.asarray([3.0, 1.0], np.float32),
+        np.asarray([2, 5]),
+        np.asarray([True, False]),
+        np.zeros(2),
+    )
     assert record == {"round": 3, "clients_sampled": [2, 5], "train_loss": 1.75,
                       "train_loss_clients": [1.0, 4.0], "clients_rejected": [5]}  # fmt: skip
     assert list(record) == ["round", "clients_sampled", "train_loss", "train_loss_clients",

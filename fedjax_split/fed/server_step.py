@@ -75,8 +75,9 @@ def server_only_step(spec: ServerSpec) -> Callable[..., Any]:
     The simulation's and the Flower server's."""
 
     def nobody(state: ServerState, noise_key: jax.Array) -> ServerState:
-        return server_step(spec, state,
-                           aggregate_uploads(spec, state, [], jnp.zeros([0]), noise_key))
+        return server_step(
+            spec, state, aggregate_uploads(spec, state, [], jnp.zeros([0]), noise_key)
+        )
 
     return jax.jit(nobody)
 
