@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from fedjax_split.errors import UserError
+from fedjax_split.fed.strategy import train_record
 from fedjax_split.run import pieces
 
 
@@ -143,7 +144,7 @@ def test_round_costs_accumulate_bytes_and_split_seconds() -> None:
 
 
 def test_train_record_is_the_example_weighted_mean_of_the_clients_losses() -> None:
-    record = pieces.train_record(3, [np.int32(4), 1], np.array([1.0, 4.0]), np.array([3.0, 1.0]))
+    record = train_record(3, [np.int32(4), 1], np.array([1.0, 4.0]), np.array([3.0, 1.0]))
     assert record == {"round": 3, "clients_sampled": [4, 1], "train_loss": 1.75,
                       "train_loss_clients": [1.0, 4.0]}  # fmt: skip
     assert all(type(c) is int for c in record["clients_sampled"])  # JSON-ready

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from fedcore_helpers import dp_reference_epsilon
 
 from fedjax_split.fed import aggregation
 from fedjax_split.fed.secret import ServerSecret
+from fedjax_split.fed.strategy import RoundPlan
 from fedjax_split.run import safeguards
 from fedjax_split.run.config import resolve_config
 
@@ -210,21 +212,33 @@ def test_line_names_the_mechanism_and_the_rules() -> None:
     assert "upload x50 updates" in scale
 
 
+def _record(config, r: int, answered, accepted, norms, clip: float | None) -> dict:
+    """The safeguard fields of the run's strategy's record (`run.safeguards.strategy`)."""
+    spec = SimpleNamespace(aggregator=safeguards.aggregator(config))
+    plan = RoundPlan(r, np.asarray(answered), spec, clip, None)
+    record = safeguards.strategy(config, lambda r: spec).record(
+        plan, [], np.zeros(0), np.asarray(answered), accepted, norms)  # fmt: skip
+    train = ("round", "clients_sampled", "train_loss", "train_loss_clients")
+    return {k: v for k, v in record.items() if k not in train}
+
+
 def test_record_fields() -> None:
     sampled = np.array([2, 5, 7])
     accepted = np.array([True, False, True])
     norms = np.array([0.5, 0.0, 2.25], np.float32)
-    plain = safeguards.record(_config(), 3, sampled, accepted, norms, None)
+    plain = _record(_config(), 3, sampled, accepted, norms, None)
     assert plain == {"clients_rejected": [5]}  # ids, not positions; no norms for the plain mean
-    robust = safeguards.record(_config(aggregator="median"), 3, sampled, accepted, norms, None)
+    robust = _record(_config(aggregator="median"), 3, sampled, accepted, norms, None)
     assert robust == {"clients_rejected": [5], "update_norms": [0.5, 0.0, 2.25]}
+    bounded = _record(_config(max_update_norm=1.0), 3, sampled, accepted, norms, None)
+    assert bounded["update_norms"] == [0.5, 0.0, 2.25]  # a norm bound measures them too
     config = _dp()
-    out = safeguards.record(config, 3, sampled, np.ones(3, bool), norms, 0.75)
+    out = _record(config, 3, sampled, np.ones(3, bool), norms, 0.75)
     assert out["clients_rejected"] == [] and out["update_norms"] == [0.5, 0.0, 2.25]
     assert out["dp_clip"] == 0.75
     assert out["epsilon"] == pytest.approx(dp_reference_epsilon(1.1, 0.2, 3, 1e-5), rel=1e-9)
-    empty = safeguards.record(config, 1, np.zeros(0, np.int32), np.zeros(0, bool),
-                              np.zeros(0, np.float32), 0.5)  # fmt: skip
+    empty = _record(config, 1, np.zeros(0, np.int32), np.zeros(0, bool),
+                    np.zeros(0, np.float32), 0.5)  # fmt: skip
     assert empty["clients_rejected"] == [] and empty["update_norms"] == []
 
 

@@ -27,9 +27,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
+from fedjax_split.data.text.corpus_split import CorpusSplit, SitesSplit
 from fedjax_split.deploy import codec, protocol
+from fedjax_split.deploy.pretrain_node import check_deployable
 from fedjax_split.deploy.server import (
     DeployOptions,
     Exchange,
@@ -43,8 +46,11 @@ from fedjax_split.deploy.server import (
     whole_count,
 )
 from fedjax_split.errors import UserError
-from fedjax_split.run import pretraining
+from fedjax_split.fed import layerwise
+from fedjax_split.fed.roles import flatten_paths, select
+from fedjax_split.run import driver, pretraining
 from fedjax_split.run.pretrain_config import PretrainConfig
+from fedjax_split.sim.pretrain_rounds import ClientReport, aggregate, mlm_metrics
 
 TRAIN = f"{protocol.TRAIN}.{protocol.PRETRAIN}"
 EVALUATE = f"{protocol.EVALUATE}.{protocol.PRETRAIN}"
@@ -115,8 +121,6 @@ def setup_from_nodes(
 
 def _split_from_nodes(found: Mapping[int, tuple[int, Any]]) -> tuple[Any, int]:
     """(the corpus split, the held-out batch count) every node derives from one corpus."""
-    from fedjax_split.data.text.corpus_split import CorpusSplit
-
     try:
         splits = {json.dumps(json.loads(str(cfg[protocol.SPLIT_JSON])), sort_keys=True)
                   for _, cfg in found.values()}  # fmt: skip
@@ -148,8 +152,6 @@ def _sites_from_nodes(
 ) -> tuple[Any, list[HeldoutShare]]:
     """(the sites' split.json record, each site's held-out share) from what each site says of
     itself: its counts (whole numbers, train + held out = documents) and held-out batches."""
-    from fedjax_split.data.text.corpus_split import SitesSplit
-
     sites, shares, offset = [], [], 0
     for c in range(config.clients):
         cfg = found[c][1]
@@ -178,8 +180,6 @@ def _train_message(
     params: Any,
 ) -> Any:  # fmt: skip
     """Round r's message to `client`: the global parameters of its model, the plan's part."""
-    from fedjax_split.fed import layerwise
-
     model = layerwise.assemble(params, layers)
     sent = codec.encode(layerwise.to_global(model, layers), "float32")
     cfg = {protocol.ROUND: r, protocol.CLIENT: client, protocol.LAYERS: [int(g) for g in layers],
@@ -195,9 +195,6 @@ def take_upload(
     """(upload in fp32, its `ClientReport`, BERT-FL's FLOPs) of a train reply, or ValueError:
     the upload must be exactly the trained paths in fp32, finite; the figures finite numbers,
     the sequence count the node's own (as it said when it joined)."""
-    from fedjax_split.fed.roles import flatten_paths, select
-    from fedjax_split.sim.pretrain_rounds import ClientReport
-
     part = select(setup.server_state.global_params, trained)[0]
     expected = {p: np.shape(x) for p, x in flatten_paths(part).items()}
     upload, nbytes = _decode_upload(reply, expected, "float32", codec.sent_dtypes(part))
@@ -274,8 +271,6 @@ class FlowerPretraining(pretraining.Pretraining):
         """The model the run produces scored by the nodes on the held-out batches (client c
         scores its `HeldoutShare`), their figures added up in the run's batch order; None if a
         share is missing (`eval_failed` says why)."""
-        from fedjax_split.sim.pretrain_rounds import mlm_metrics
-
         params, _ = pretraining.final_params(self.setup)
         depth = pretraining.model_depth(self.setup)
         sent = codec.to_record(codec.encode(params, "float32"))
@@ -338,10 +333,7 @@ def _send_round(run: FlowerPretraining, r: int, the_plan: Any) -> tuple[dict, di
 
 def run_round(run: FlowerPretraining, r: int, previous: dict[str, Any] | None) -> dict[str, Any]:
     """Round r over the federation; its record, the simulation's plus who failed."""
-    import jax
 
-    from fedjax_split.run import driver
-    from fedjax_split.sim.pretrain_rounds import aggregate
 
     setup, config = run.setup, run.setup.config
     t0 = time.perf_counter()
@@ -379,9 +371,6 @@ def run_pretrain_server(
     `grid`; the summary. Writes what `python -m fedjax_split.pretrain` writes (config.json,
     split.json, metrics.jsonl, summary.json, checkpoints/, model/). Raises
     `deploy.server.Stopped` after the checkpoint of `options.stop_after_round`."""
-    from fedjax_split.deploy.pretrain_node import check_deployable
-    from fedjax_split.run import driver
-
     started = time.perf_counter()
     pretraining.check(config)
     check_deployable(config)

@@ -1,15 +1,17 @@
 """The server of a real federation: rounds over a Flower Grid, written to a run directory as
 `train` writes it.
 
-Each round: sample clients as the simulation does (`run.safeguards.sample`: Poisson with
-client-level DP), send each sampled client's SuperNode the global part in the wire dtype (as bits,
-`codec`; with DP, the round's clip norm, to which the client clips its update), wait for the
-replies up to `round_timeout`, validate and decode the uploads to fp32 and step the server with the
-simulation's own seam, `sim.rounds.server_round` (`fed.aggregation`: the example-weighted
-mean in fp32 and client order, a robust rule, or DP's clipped sum plus Gaussian noise from the
-server's key) then `server_update` (Delta against the copy sent, any optax server optimiser on the
-fp32 master); Flower's own strategies and FedAvg are not used. The aggregator's state (DP's clip
-norm) is part of the checkpointed server state; epsilon is a function of the rounds done. Then,
+Each round the run's `fed.strategy.Strategy` (the simulation's too) decides and this moves the
+arrays: its plan samples clients as the simulation does (Poisson with client-level DP), sets the
+round's spec, clip norm and noise key; the server sends each sampled client's SuperNode the global
+part in the wire dtype (as bits, `codec`; with DP, the round's clip norm, to which the client clips
+its update), waits for the replies up to `round_timeout`, validates and decodes the uploads to fp32
+and steps the server with the strategy's `aggregate` (`fed.server_step.server_round`, the
+simulation's one-at-a-time seam: `fed.aggregation`'s example-weighted mean in fp32 and client
+order, a robust rule, or DP's clipped sum plus Gaussian noise from the server's key, then
+`server_update`: Delta against the copy sent, any optax server optimiser on the fp32 master);
+Flower's own strategies and FedAvg are not used. The aggregator's state (DP's clip norm) is part
+of the checkpointed server state; epsilon is a function of the rounds done. Then,
 when due, every client evaluates the new global part with its own local part on its own test split.
 
 Faults: a client that does not answer within `round_timeout` (its SuperNode died, or Flower
@@ -41,11 +43,25 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
+from fedjax_split import runtime
+from fedjax_split.data import partition as partition_mod
+from fedjax_split.data.partition import SITES, ClientSplit, Partition, sites_partition
+from fedjax_split.data.tokens.tagged import NO_ENTITY
 from fedjax_split.deploy import codec, protocol
 from fedjax_split.errors import UserError
-from fedjax_split.run.config import ExperimentConfig, saved_dict
+from fedjax_split.fed.aggregation import init_state
+from fedjax_split.fed.roles import flatten_paths, select
+from fedjax_split.fed.secret import CHECKPOINT_KEY, ServerSecret
+from fedjax_split.fed.server import init_server_state
+from fedjax_split.fed.strategy import RoundPlan, Strategy
+from fedjax_split.fed.wire import cast_from_wire
+from fedjax_split.run import costs, driver, pieces, plots, safeguards
+from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
+from fedjax_split.run.config import ExperimentConfig, saved_dict, trajectory_mismatch
+from fedjax_split.tasks import registry as tasks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,8 +230,6 @@ def _clients_of(node_id: int, reply: Any) -> list[tuple[int, Any]]:
 def _partition_meta(node_id: int, cfg: Any) -> dict[str, Any]:
     """One node's partition settings (its query's JSON), checked: an object of `Partition`'s
     settings with a scheme and whole-number counts (anything else would reach `Partition(**)`)."""
-    from fedjax_split.data.partition import Partition
-
     fields = {f.name for f in dataclasses.fields(Partition)} - {"clients"}
     try:
         meta = json.loads(str(cfg[protocol.PARTITION]))
@@ -232,8 +246,6 @@ def _partition_meta(node_id: int, cfg: Any) -> dict[str, Any]:
 def _client_split(node_id: int, cid: int, cfg: Any, size: int) -> Any:
     """One client's reported train and test indices, checked: whole numbers in [0, size), none
     twice (a repeat or one in both would count an example twice, or test on what it trained)."""
-    from fedjax_split.data.partition import ClientSplit
-
     parts = []
     for key in (protocol.SPLIT_TRAIN, protocol.SPLIT_TEST):
         value = cfg.get(key)
@@ -266,8 +278,6 @@ def partition_from_nodes(config: ExperimentConfig, found: Mapping[int, tuple[int
     sites with their own data report indices into their own rows, which the server offsets by
     the sizes the sites before them report, as the simulation concatenates them). Checked: one
     pool size (sites: each its own row count), indices within it, disjoint."""
-    from fedjax_split.data.partition import SITES, Partition, sites_partition
-
     metas = {json.dumps(_partition_meta(node_id, cfg), sort_keys=True)
              for node_id, cfg in found.values()}  # fmt: skip
     if len(metas) != 1:
@@ -322,9 +332,6 @@ def partition_names(config: ExperimentConfig, task: Any) -> tuple[str, ...] | No
     """The names of partition.json's share columns: the task's labels, or a token task's
     entity types from the config (each sentence's dominant type, then "(none)", as the pool's
     `partition_names`); None where no one knows them here (a pool's own types)."""
-    from fedjax_split.data.tokens.tagged import NO_ENTITY
-    from fedjax_split.run import pieces
-
     if task.objective.per_token:
         types = pieces.entity_types(config, task)
         return None if types is None else (*types, NO_ENTITY)
@@ -348,7 +355,9 @@ class ServerRun:
     paths: Any = None  # run.costs.ModelPaths of the model: what its FLOP counts need
     # client-level DP: the server's secret for its noise and Poisson sample (fed.secret); never
     # in a message to a node, in config.json or in a log; kept in the server's checkpoints
-    secret: Any = None
+    secret: ServerSecret | None = None
+    # the run's algorithm (fed.strategy): sampling, the round's plan, the server's step, record
+    strategy: Strategy | None = None
 
 
 def _shares(node_id: int, cfg: Any, cid: int) -> list[float] | None:
@@ -366,11 +375,6 @@ def _shares(node_id: int, cfg: Any, cid: int) -> list[float] | None:
 
 def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> ServerRun:
     """Model, roles and server state, as `run.pieces` makes them for every node, without data."""
-    from fedjax_split.fed.aggregation import init_state
-    from fedjax_split.fed.server import init_server_state
-    from fedjax_split.run import costs, pieces, safeguards
-    from fedjax_split.tasks import registry as tasks
-
     task = tasks.get_task(config.task)
     tag_names = _tag_names(found, pieces.tag_names(config, task))
     model = pieces.build_model(config, task, tag_names)
@@ -392,13 +396,13 @@ def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]])
                        else costs.model_bytes(model, spec.wire_dtype)),  # fmt: skip
         paths=costs.paths_of(model),
         secret=safeguards.server_secret(config),
+        strategy=safeguards.strategy(config, model.round_spec_for),
     )
 
 
 def _decode_upload(
     reply: Any, expected: Mapping[str, Any], wire: str, dtypes: Mapping[str, np.dtype]
 ) -> Any:
-    from fedjax_split.fed.wire import cast_from_wire
 
     if protocol.UPLOAD not in reply.content.array_records:
         arrays: dict[str, np.ndarray] = {}
@@ -409,20 +413,15 @@ def _decode_upload(
 
 
 def _train_messages(
-    run: ServerRun,
-    r: int,
-    sampled: Any,
-    sent: Mapping[str, np.ndarray],
-    keep_from: int,
-    clip: float | None = None,
+    run: ServerRun, plan: RoundPlan, sent: Mapping[str, np.ndarray], keep_from: int
 ) -> dict[int, Any]:
     """Round r's TRAIN message for each sampled client: the global part as sent, the round's
     config (the server state's round for the keys, the rounds whose local parts to keep, the
     paths a layer schedule trains this round, and with client-level DP the clip norm the client
     clips its update to)."""
-    spec, state = run.model.round_spec_for(r), run.server_state
+    spec, state, clip = plan.spec, run.server_state, plan.clip
     cfg = {
-        protocol.ROUND: r,
+        protocol.ROUND: plan.round,
         protocol.STATE_ROUND: int(state.round),
         protocol.WIRE: spec.wire_dtype,
         protocol.RUN: run.run_id,
@@ -433,7 +432,7 @@ def _train_messages(
     if clip is not None:
         cfg[protocol.DP_CLIP] = clip
     msgs = {}
-    for cid in sampled.tolist():
+    for cid in plan.clients.tolist():
         content = {protocol.CONFIG: _config_record({**cfg, protocol.CLIENT: cid})}
         if sent:
             content[protocol.GLOBAL] = codec.to_record(sent)
@@ -452,6 +451,20 @@ class Taken:
     norms: list[float] | None = None  # DP: the update norms the clients report (before clipping)
     bytes_up: int = 0  # the taken uploads' bytes as sent
     costs: list[dict[str, int]] = dataclasses.field(default_factory=list)  # run.costs' figures
+
+    def answered(
+        self, rejected: Mapping[int, str], valid: Any, norms: Any
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The safeguards' view of the round, as the simulation has it: the clients that
+        replied (taken or rejected, in client order), whether the server accepted each upload
+        (`valid`: the server step's, over the taken ones; a rejected one never), each one's
+        update norm (0 for a rejected one)."""
+        answered = sorted([*self.clients, *rejected])
+        accepted = dict(zip(self.clients, np.asarray(valid, bool).tolist(), strict=True))
+        norm_of = dict(zip(self.clients, np.asarray(norms, np.float32).tolist(), strict=True))
+        return (np.asarray(answered, np.int64),
+                np.asarray([accepted.get(c, False) for c in answered], bool),
+                np.asarray([norm_of.get(c, 0.0) for c in answered], np.float32))  # fmt: skip
 
 
 def whole_count(metrics: Any, key: str) -> int:
@@ -477,8 +490,6 @@ def _number(metrics: Any, key: str, what: str, integral: bool = False) -> float:
 def expected_costs(run: ServerRun, spec: Any) -> tuple[str, ...]:
     """The FLOP counts every node's TRAIN reply must carry this round (as the simulation's
     clients count them: none where the roles train part of a layer)."""
-    from fedjax_split.run import costs
-
     if not costs.counted(run.paths, spec.trained):
         return ()
     return ("flops", "bert_fl_flops") if run.model.cycle_factor is not None else ("flops",)
@@ -493,8 +504,6 @@ def _take_uploads(
     when it joined; with DP, an update norm), in client order; each other reply is added to
     `rejected` with why (a trust boundary: one NaN would spread through every client's model,
     one inflated example count would outweigh every other client)."""
-    from fedjax_split.fed.roles import flatten_paths, select
-
     params = run.server_state.global_params
     trained = select(params, spec.trained)[0]
     expected = {p: np.shape(x) for p, x in flatten_paths(trained).items()}
@@ -539,24 +548,49 @@ def run_round(
     options: DeployOptions, keep_from: int,
 ) -> dict[str, Any]:  # fmt: skip
     """Round r over the federation; the round's record (metrics.jsonl's row). `keep_from`: the
-    oldest kept checkpoint's round (the nodes keep the local parts it and later ones need)."""
-    import jax
-
-    from fedjax_split.run import costs, driver, pieces, safeguards
-    from fedjax_split.sim import rounds
-
-    config = run.config
+    oldest kept checkpoint's round (the nodes keep the local parts it and later ones need). The
+    strategy decides (`fed.strategy`: the clients, the spec, the clip, the server's step, the
+    record); this moves the arrays."""
     t0 = time.perf_counter()
-    sampled = safeguards.sample(config, r, run.secret)  # DP, M < K: Poisson, possibly nobody
-    state = run.server_state
-    sent = codec.encode(state.global_params, run.model.round_spec.wire_dtype)
-    clip = float(state.aggregator["clip"]) if config.dp else None  # this round's clip norm
-    msgs = _train_messages(run, r, sampled, sent, keep_from, clip)
+    plan = run.strategy.plan(r, run.server_state, run.secret)  # DP, M < K: Poisson, maybe nobody
+    sent = codec.encode(run.server_state.global_params, run.model.round_spec.wire_dtype)
+    msgs = _train_messages(run, plan, sent, keep_from)
     replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
     rejected: dict[int, str] = {}
-    spec = run.model.round_spec_for(r)
-    expect = expected_costs(run, spec)
-    taken = _take_uploads(run, spec, replies, rejected, expect)
+    expect = expected_costs(run, plan.spec)
+    taken = _take_uploads(run, plan.spec, replies, rejected, expect)
+    _check_replies(r, plan.clients, replies, failed, rejected)
+    weights = np.asarray(taken.weights, np.float32)
+    norms = None if taken.norms is None else np.asarray(taken.norms, np.float32)
+    run.server_state, valid, agg_norms = run.strategy.aggregate(
+        plan, run.server_state, taken.uploads, weights, norms)  # fmt: skip
+    jax.block_until_ready(run.server_state)
+    t_train = time.perf_counter()
+    record = run.strategy.record(plan, np.asarray(taken.losses, np.float64), weights,
+                                 *taken.answered(rejected, valid, agg_norms))  # fmt: skip
+    eval_failed: dict[int, str] = {}
+    eval_bytes = 0
+    if driver.due(r, run.config.eval_every, run.rounds):
+        done = [c for c in plan.clients if int(c) not in failed]
+        evaluated, eval_failed, eval_bytes = evaluate(
+            run, exchange, r, options, failed, pieces.trained_clients(history, done))
+        record.update(evaluated)
+    times, num = (t0, t_train, time.perf_counter()), len(plan.clients)
+    record.update(pieces.cost_record(
+        history, taken.bytes_up, codec.nbytes(sent) * num, times, taken.costs, bool(expect),
+        run.bert_fl_bytes, num,
+    ))  # fmt: skip
+    record.update(clients_failed=sorted(failed), eval_failed=sorted(eval_failed),
+                  eval_bytes_down=eval_bytes)  # fmt: skip
+    return record
+
+
+def _check_replies(
+    r: int, sampled: np.ndarray, replies: Mapping[int, Any], failed: Mapping[int, str],
+    rejected: Mapping[int, str],
+) -> None:  # fmt: skip
+    """Warns of each failed client and rejected upload; a round in which clients were sampled
+    and none replied stops the run (its last checkpoint stays)."""
     for cid, why in sorted(failed.items()):
         _warn(f"round {r}: client {cid} failed ({why})")
     for cid, why in sorted(rejected.items()):
@@ -566,49 +600,6 @@ def run_round(
             f"round {r}: no sampled client replied ({'; '.join(sorted(set(failed.values())))}); "
             "check the SuperNodes, then continue with --resume"
         )
-    # the round's noise key, from the server's secret alone (no node has it)
-    noise_key = rounds.checked_noise_key(spec, None if run.secret is None
-                                         else run.secret.noise_key(r))  # fmt: skip
-    weights_np = np.asarray(taken.weights, np.float32)
-    if taken.uploads:
-        norms = None if taken.norms is None else np.asarray(taken.norms, np.float32)
-        # the simulation's one-at-a-time server step, minus the local parts it never sees
-        run.server_state, (valid, agg_norms) = rounds.server_round(
-            spec, state, tuple(taken.uploads), weights_np, noise_key, norms)  # fmt: skip
-    else:  # nobody sampled, or every upload rejected: the server's step on nothing
-        run.server_state = rounds.server_only_step(spec)(state, noise_key)
-        valid, agg_norms = np.zeros([0], bool), np.zeros([0], np.float32)
-    jax.block_until_ready(run.server_state)
-    t_train = time.perf_counter()
-    record = pieces.train_record(r, sampled.tolist(), np.asarray(taken.losses, np.float64),
-                                 weights_np)  # fmt: skip
-    # the safeguards' record over the clients that replied: rejected uploads, the norms, DP's
-    # clip norm and epsilon, as the simulation writes them
-    answered = sorted([*taken.clients, *rejected])
-    accepted = dict(zip(taken.clients, np.asarray(valid, bool).tolist(), strict=True))
-    norm_of = dict(zip(taken.clients, np.asarray(agg_norms, np.float32).tolist(), strict=True))
-    record.update(safeguards.record(
-        config, r, np.asarray(answered, np.int64),
-        np.asarray([accepted.get(c, False) for c in answered], bool),
-        np.asarray([norm_of.get(c, 0.0) for c in answered], np.float32), clip,
-    ))  # fmt: skip
-    eval_failed: dict[int, str] = {}
-    eval_bytes = 0
-    if driver.due(r, config.eval_every, run.rounds):
-        trained = pieces.trained_clients(history, [c for c in sampled if int(c) not in failed])
-        evaluated, eval_failed, eval_bytes = evaluate(run, exchange, r, options, failed, trained)
-        record.update(evaluated)
-    t_eval = time.perf_counter()
-    bytes_down = codec.nbytes(sent) * len(sampled)
-    record.update(pieces.round_costs(history, taken.bytes_up, bytes_down, t0, t_train, t_eval))
-    record.update(costs.round_record(history, taken.costs, bool(expect), run.bert_fl_bytes,
-                                     len(sampled)))  # fmt: skip
-    record.update(
-        clients_failed=sorted(failed),
-        eval_failed=sorted(eval_failed),
-        eval_bytes_down=eval_bytes,
-    )
-    return record
 
 
 def metric_names(task: Any, tag_names: Sequence[str] = ()) -> frozenset[str]:
@@ -667,8 +658,6 @@ def evaluate(
     the initial local part, `run.experiment.global_figures`): the personalisation gain. The
     simulation's `pooled` figure needs every client's predictions; only metrics leave a node, so
     it is not recorded here."""
-    from fedjax_split.run import pieces
-
     state = run.server_state
     wire = run.model.round_spec.wire_dtype
     sent = codec.encode(state.global_params, wire)
@@ -711,8 +700,6 @@ def oldest_checkpoint(run_dir: Any, start_round: int) -> int:
     """The oldest checkpoint's round in `run_dir` when a run resumes after `start_round` (the
     older checkpoints it kept may be resumed from or exported too, so the nodes must keep their
     local parts), else `start_round`."""
-    from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
-
     if not start_round or not checkpoint_dir(run_dir).is_dir():
         return start_round
     return min(RunCheckpointer(checkpoint_dir(run_dir)).all_rounds(), default=start_round)
@@ -725,7 +712,6 @@ class FlowerServer:
     per_run = ("frozen",)  # as the simulation's: the frozen part stored once per run
 
     def __init__(self, run: ServerRun, exchange: Exchange, options: DeployOptions) -> None:
-        from fedjax_split.run import safeguards
 
         self.run = run
         self.exchange = exchange
@@ -744,22 +730,18 @@ class FlowerServer:
         part; the local parts are on the nodes. With DP, the server's secret too (the checkpoint
         is the server's alone), so that --resume draws the noise a straight run would."""
         frozen = self.run.model.frozen
-        from fedjax_split.fed.secret import CHECKPOINT_KEY
 
         secret = {} if self.run.secret is None else {CHECKPOINT_KEY: self.run.secret.to_array()}
         return {"server_state": self.run.server_state, **secret,
                 **({"frozen": frozen} if frozen else {})}  # fmt: skip
 
     def meta(self) -> dict[str, Any]:
-        from fedjax_split.run import pieces
 
         run = self.run
         meta = pieces.checkpoint_meta(run.config, run.model, run.partition)
         return {**meta, "deploy": "flower", "run_id": run.run_id}
 
     def resume(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
-        from fedjax_split.fed.secret import CHECKPOINT_KEY, ServerSecret
-        from fedjax_split.run import pieces
 
         if meta.get("deploy") != "flower" or "run_id" not in meta:
             raise UserError(
@@ -773,8 +755,6 @@ class FlowerServer:
         self.run.run_id = str(meta["run_id"])
 
     def start(self, start_round: int, note: Callable[[str], None]) -> None:
-        from fedjax_split.data import partition as partition_mod
-        from fedjax_split.run import pieces, safeguards
 
         run, config, model = self.run, self.run.config, self.run.model
         self.keep_from = oldest_checkpoint(self.run_dir, start_round)
@@ -798,8 +778,6 @@ class FlowerServer:
         self.keep_from = min(kept, default=r)
 
     def summary(self, history: Sequence[dict[str, Any]], stats: Any) -> dict[str, Any]:
-        from fedjax_split import runtime
-        from fedjax_split.run import costs, pieces, plots, safeguards
 
         # the labels are on the nodes: the plot has no majority-label line
         plot = plots.write_fine_tuning_plot(self.run_dir, history, self.run.config, self.run.model,
@@ -828,9 +806,6 @@ def run_server(
     Writes the run directory as `train` does: config.json, partition.json, metrics.jsonl,
     summary.json, checkpoints/ (server state; the clients' local parts stay on their nodes).
     Raises Stopped after the checkpoint of `options.stop_after_round`."""
-    from fedjax_split.run import driver, pieces, safeguards
-    from fedjax_split.run.config import trajectory_mismatch
-
     pieces.check(config)
     safeguards.check_deployable(config)
     driver.check_run_dir(config.run_dir, config.resume,

@@ -16,10 +16,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from fedjax_split import runtime
+from fedjax_split.data import partition as partition_mod
+from fedjax_split.data import sources
 from fedjax_split.errors import UserError
+from fedjax_split.fed import aggregation, roles, wire
 from fedjax_split.fed.secret import CHECKPOINT_KEY, ServerSecret
+from fedjax_split.fed.strategy import RoundPlan
+from fedjax_split.models.bert import check_attention
 from fedjax_split.run import costs as costs_mod
 from fedjax_split.run import driver, pieces, plots, safeguards
 from fedjax_split.run.config import (
@@ -28,6 +36,9 @@ from fedjax_split.run.config import (
     saved_dict,
     trajectory_mismatch,
 )
+from fedjax_split.sim import evaluation, processes, rounds
+from fedjax_split.sim.client_store import ClientStore
+from fedjax_split.tasks import registry as tasks
 
 CLIENTS_DIR = "clients"  # the run's client store (sim/client_store.py)
 
@@ -47,8 +58,6 @@ class Setup:
 
 def build(config: ExperimentConfig) -> Setup:
     """Load task, data, model; partition, tokenise. Writes nothing."""
-    from fedjax_split.tasks import registry as tasks
-
     task = tasks.get_task(config.task)
     # the data first: a token task's tag vocabulary (from the whole pool) sizes the model's head;
     # sites with their own data are their clients' data as they are (no pool to partition)
@@ -87,8 +96,6 @@ def round_costs(
 ) -> list[dict[str, int]]:
     """Each sampled client's `run.costs.client_costs`, in client order (every process counts its
     own clients' steps and the counts are gathered); `paths`: the model's `run.costs.ModelPaths`."""
-    from fedjax_split.sim import processes
-
     schedule = setup.model.cycle_factor is not None
     own = {str(int(c)): costs_mod.client_costs(paths, spec.trained, seg, schedule)
            for c, seg in zip(sampled, segments, strict=True) if seg is not None}  # fmt: skip
@@ -101,8 +108,6 @@ def round_costs(
 def own_positions(setup: Setup, num_sampled: int) -> set[int]:
     """The positions among a round's sampled clients that this process trains (all of them in a
     one-process run)."""
-    from fedjax_split.sim import processes, rounds
-
     owner = processes.owners(rounds.round_devices(setup.model.round_spec), num_sampled)
     return {k for k, p in enumerate(owner) if p == processes.index()}
 
@@ -119,11 +124,6 @@ def evaluate(
     test split (`global_figures`) and the personalisation gain.
     With several processes, process p scores the clients whose id is p mod P and the figures are
     gathered in client order (`sim.processes`)."""
-    import jax.numpy as jnp
-
-    from fedjax_split.fed import roles, wire
-    from fedjax_split.sim import evaluation, processes
-
     model = setup.model
     # the server holds the global part in the wire dtype; clients cast what they receive to fp32
     global_params = roles.merge_params(
@@ -155,8 +155,6 @@ def global_figures(setup: Setup, global_params: Any, ids: Sequence[int]) -> list
     initial local part (the pretrained upper layers and the run's seeded head), the model a
     client that never trained holds; a split run has no trained global head (docs/usage.md,
     "Per-client figures"). One model for every client, so it is scored as one (cheap)."""
-    from fedjax_split.sim import evaluation
-
     model, batches = setup.model, setup.eval_batches
     initial = model.local0
     theirs = evaluation.evaluate_personalised(
@@ -168,8 +166,6 @@ def global_figures(setup: Setup, global_params: Any, ids: Sequence[int]) -> list
 
 def _scored(setup: Setup, results: Sequence[tuple[int, Any]]) -> list[dict[str, Any]]:
     """Each client's metrics of its predictions, gathered from every process in client order."""
-    from fedjax_split.sim import processes
-
     per_client = [{"client": i, **pieces.score(setup.model.task, setup.pool.examples, res)}
                   for i, res in results]  # fmt: skip
     if processes.count() > 1:
@@ -180,8 +176,6 @@ def _scored(setup: Setup, results: Sequence[tuple[int, Any]]) -> list[dict[str, 
 
 def _gather_predictions(results: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     """Every process's (client id, predictions), in client order."""
-    from fedjax_split.sim import evaluation, processes
-
     fields = evaluation.ClientPredictions._fields
     arrays = {f"{i}/{f}": getattr(r, f) for i, r in results for f in fields
               if getattr(r, f) is not None}  # fmt: skip
@@ -203,11 +197,6 @@ class Simulation:
     per_run = ("frozen",)  # never changes: stored once per run, not in every checkpoint
 
     def __init__(self, setup: Setup, store: Any = None) -> None:
-        import jax
-
-        from fedjax_split.fed import aggregation
-        from fedjax_split.sim import processes, rounds
-
         self.setup = setup
         config, model = setup.config, setup.model
         self.run_dir = config.run_dir
@@ -239,6 +228,8 @@ class Simulation:
         # DP's secret noise and sample (fed.secret): one secret for the run, process 0's
         self.secret = shared_secret(safeguards.server_secret(config))
         self.publish = safeguards.publisher(config)  # DP: the per-client figures kept private
+        # the run's algorithm: sampling, the round's plan, the server's step, the record
+        self.strategy = safeguards.strategy(config, model.round_spec_for)
 
     def plot(self, records: Sequence[dict[str, Any]]) -> Path | None:
         """plot.png from the records so far (None before the first evaluation)."""
@@ -282,11 +273,6 @@ class Simulation:
         self.newest = pieces.newest_rounds(meta["history"])  # each client's part in the store
 
     def start(self, start_round: int, note: Callable[[str], None]) -> None:
-        from fedjax_split.data import partition as partition_mod
-        from fedjax_split.data import sources
-        from fedjax_split.sim import processes
-        from fedjax_split.sim.client_store import ClientStore
-
         setup, config, model = self.setup, self.setup.config, self.setup.model
         labels = setup.pool.labels
         names = sources.label_names_or_none(model.task, setup.pool.examples)
@@ -316,76 +302,73 @@ class Simulation:
             note(partition_mod.partition_report(setup.partition, labels, names))
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        """Sample clients, batch their data, run the round, evaluate when due; the record. With
-        progress the round reports inside (`outputs.Progress.training`): the next round's
-        batches are then built while its last programs run, not the whole round."""
-        import jax
-
-        from fedjax_split.sim import processes, rounds
-
-        setup, config = self.setup, self.setup.config
+        """The strategy's plan (clients, spec, clip, noise key), the sampled clients' batches,
+        the round (`sim.rounds.run_round`: training and the server's step), the strategy's
+        record, an evaluation when due. With progress the round reports inside
+        (`outputs.Progress.training`): the next round's batches are then built while its last
+        programs run, not the whole round."""
+        setup = self.setup
         t0 = time.perf_counter()
-        sampled = safeguards.sample(config, r, self.secret)
-        if self.prefetched is not None and self.prefetched[0] == r:
-            segments = self.prefetched[1]
-        else:
-            segments = round_batches(setup, r, self.secret)
+        plan = self.strategy.plan(r, self.server_state, self.secret)  # before the round donates
+        sampled, spec = plan.clients, plan.spec
+        ready = self.prefetched is not None and self.prefetched[0] == r
+        segments = self.prefetched[1] if ready else round_batches(setup, r, self.secret)
         self.prefetched = None
-        num_examples = np.asarray(
-            [len(setup.partition.clients[i].train) for i in sampled], np.float32
-        )
-        # this process's clients (every sampled one, in one process)
-        own = sampled[sorted(own_positions(setup, len(sampled)))]
-        local_sampled = (jax.tree.map(jax.numpy.asarray, self.store.load_stacked(own))
-                         if len(own) else None)  # fmt: skip
-        hook = None if self.progress is None else self.progress.training()
-        # the clip norm of this round (read now: the round donates the server state's buffers)
-        clip = float(self.server_state.aggregator["clip"]) if config.dp else None
-        spec = setup.model.round_spec_for(r)  # FedBT's schedule: the round's trained layers
-        # the run's key; run_round folds in the round counter and the clients' global ids
-        self.server_state, new_local, result = rounds.run_round(
-            spec, self.server_state, local_sampled, num_examples, segments,
-            jax.random.key(config.seed), client_ids=sampled, frozen=self.frozen,
-            on_progress=hook, update_factors=safeguards.attack_factors(config, sampled),
-            local_like=self.local_like,
-            noise_key=None if self.secret is None else self.secret.noise_key(r),
-        )  # fmt: skip
-        if r < self.rounds:  # the round runs asynchronously: batch the next one meanwhile
-            self.prefetched = (r + 1, round_batches(setup, r + 1, self.secret))
+        weights = np.asarray([len(setup.partition.clients[i].train) for i in sampled], np.float32)
+        own, new_local, result = self._run(plan, segments, weights)
         costs = round_costs(setup, self.paths, spec, segments, sampled)  # gathered, if need be
         self.positions += pieces.positions([s for seg in segments if seg is not None
                                             for s in seg])  # fmt: skip
         losses = np.asarray(result.train_loss, np.float64)  # waits for the round's last program
+        self._store(r, sampled, own, new_local)
+        t_train = time.perf_counter()  # the store wrote the new local parts: the whole round's
+        record = self.strategy.record(plan, losses, weights, sampled, result.accepted,
+                                      result.update_norms)  # fmt: skip
+        if driver.due(r, setup.config.eval_every, self.rounds):
+            trained = pieces.trained_clients(history, sampled.tolist())
+            record.update(evaluate(setup, self.server_state, self.frozen, self.store, trained,
+                                   last=r == self.rounds))  # fmt: skip
+        record.update(pieces.cost_record(
+            history, int(result.bytes_up), int(result.bytes_down), (t0, t_train,
+            time.perf_counter()), costs, costs_mod.counted(self.paths, spec.trained),
+            self.bert_fl_bytes, len(sampled),
+        ))  # fmt: skip
+        if record.get(self.metric) is not None and r < self.rounds:  # the last: by summary()
+            self.plot([*history, record])
+        return record
+
+    def _run(self, plan: RoundPlan, segments: list[list[Any] | None], weights: np.ndarray
+             ) -> tuple[np.ndarray, Any, rounds.RoundResult]:  # fmt: skip
+        """Enqueues the plan's round over this process's clients (every sampled one, in one
+        process), then builds the next round's batches while it runs: (this process's clients,
+        their new local parts, the round's result)."""
+        setup, config, sampled = self.setup, self.setup.config, plan.clients
+        own = sampled[sorted(own_positions(setup, len(sampled)))]
+        local_sampled = (jax.tree.map(jnp.asarray, self.store.load_stacked(own))
+                         if len(own) else None)  # fmt: skip
+        hook = None if self.progress is None else self.progress.training()
+        # the run's key; run_round folds in the round counter and the clients' global ids
+        self.server_state, new_local, result = rounds.run_round(
+            plan.spec, self.server_state, local_sampled, weights, segments,
+            jax.random.key(config.seed), client_ids=sampled, frozen=self.frozen,
+            on_progress=hook, update_factors=safeguards.attack_factors(config, sampled),
+            local_like=self.local_like, noise_key=plan.noise_key,
+        )  # fmt: skip
+        if plan.round < self.rounds:  # the round runs asynchronously: batch the next one
+            self.prefetched = (plan.round + 1, round_batches(setup, plan.round + 1, self.secret))
+        return own, new_local, result
+
+    def _store(self, r: int, sampled: np.ndarray, own: np.ndarray, new_local: Any) -> None:
+        """This process's clients' new local parts into the store, once every process's are."""
         if len(own):
             self.store.save(r, own, new_local)
         processes.barrier(f"round {r} stored")  # every process's clients are on disk
         self.store.trained(r, sampled)
-        # the store wrote the new local parts (waiting for them): t_train is the whole round's
-        t_train = time.perf_counter()
-        record = pieces.train_record(r, sampled.tolist(), losses, num_examples)
-        record.update(safeguards.record(config, r, sampled, result.accepted, result.update_norms,
-                                        clip))  # fmt: skip
-        if driver.due(r, config.eval_every, self.rounds):
-            trained = pieces.trained_clients(history, sampled.tolist())
-            record.update(evaluate(setup, self.server_state, self.frozen, self.store, trained,
-                                   last=r == self.rounds))  # fmt: skip
-        t_eval = time.perf_counter()
-        record.update(pieces.round_costs(history, int(result.bytes_up), int(result.bytes_down),
-                                         t0, t_train, t_eval))  # fmt: skip
-        exact = costs_mod.counted(self.paths, spec.trained)
-        record.update(costs_mod.round_record(history, costs, exact, self.bert_fl_bytes,
-                                             len(sampled)))  # fmt: skip
-        if record.get(self.metric) is not None and r < self.rounds:  # the last: by summary()
-            self.plot([*history, record])
-        return record
 
     def checkpointed(self, r: int, kept: Sequence[int]) -> None:
         self.store.prune(min(kept))  # keep the versions the kept checkpoints need
 
     def summary(self, history: Sequence[dict[str, Any]], stats: driver.Stats) -> dict[str, Any]:
-        from fedjax_split import runtime
-        from fedjax_split.sim import processes, rounds
-
         # process 0 has written its last checkpoint and pruned the store before anyone counts
         processes.barrier("run written")
 
@@ -414,8 +397,6 @@ class Simulation:
 def shared_secret(secret: ServerSecret | None) -> ServerSecret | None:
     """The run's server secret, the same in every process of a multi-process simulation (all of
     them are the server): process 0's."""
-    from fedjax_split.sim import processes
-
     if secret is None or processes.count() == 1:
         return secret
     return ServerSecret.from_array(
@@ -436,11 +417,6 @@ def run_experiment(
     if isinstance(config, dict):
         config = resolve_config(overrides=config)
     pieces.check(config)
-    import jax
-
-    from fedjax_split import runtime
-    from fedjax_split.models.bert import check_attention
-    from fedjax_split.sim import processes
 
     # before the first JAX computation: the CPU devices, and the processes' runtime
     runtime.apply(config.cpu_devices,

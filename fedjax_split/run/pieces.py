@@ -15,18 +15,28 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
+from fedjax_split.data import batching, partition, sources, tokenization
 from fedjax_split.errors import UserError
-from fedjax_split.run import plots
+from fedjax_split.fed import algorithms, client, layerwise, roles
+from fedjax_split.models import hf_checkpoint, lora
+from fedjax_split.run import costs, plots, safeguards
 from fedjax_split.run.config import (
     ExperimentConfig,
+    check_chunk_size,
     entity_type_list,
     lora_settings,
+    site_dirs,
     validate,
     validate_critical_layer,
 )
+from fedjax_split.run.method import client_words, describe
 from fedjax_split.run.settings import as_given, drop
+from fedjax_split.sim import devices, rounds
+from fedjax_split.tasks import bio
+from fedjax_split.tasks import registry as tasks
 
 SUBSAMPLE = 0  # purpose of the subsample's numpy seed (rounds.sample_clients uses 1)
 WIRE_DTYPE = {"none": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -54,7 +64,6 @@ class Model:
         head only (`fed.layerwise.fedbt_trained`); every round's the same otherwise."""
         if self.cycle_factor is None:
             return self.round_spec
-        from fedjax_split.fed import layerwise
 
         trained = layerwise.fedbt_trained(self.global0, r, self.config.num_hidden_layers,
                                           self.cycle_factor)  # fmt: skip
@@ -87,8 +96,6 @@ class Pool:
 
 
 def _count(tree: Any) -> int:
-    import jax
-
     return int(sum(np.size(x) for x in jax.tree.leaves(tree)))
 
 
@@ -96,8 +103,6 @@ def round_chunk_size(chunk_size: int | None, backend: str, processes: int = 1) -
     """Clients trained at once in a round: as configured, else one at a time on a CPU (each
     matmul already fills the cores, and a vmapped round holds every client's state at once) and
     all at once on an accelerator (docs/benchmarks.md); one at a time with several processes."""
-    from fedjax_split.run.config import check_chunk_size
-
     check_chunk_size(chunk_size, processes)
     if chunk_size is not None:
         return chunk_size
@@ -136,9 +141,6 @@ def subset_examples(examples: Any, idx: np.ndarray | None) -> Any:
 def check(config: ExperimentConfig) -> int:
     """Cheap checks of a config against the task registry and the model's depth and layers (reads
     only the model's config.json); returns the critical layer as an int in 0..L."""
-    from fedjax_split.models import hf_checkpoint, lora
-    from fedjax_split.tasks import registry as tasks
-
     validate(config)
     task = tasks.get_task(config.task)
     entity_types(config, task)  # a token task's vocabulary, before any file is read
@@ -181,8 +183,6 @@ def entity_types(config: ExperimentConfig, task: Any) -> tuple[str, ...] | None:
 def tag_names(config: ExperimentConfig, task: Any) -> tuple[str, ...]:
     """The run's tag vocabulary as the config gives it (`entity_types`); () where the pool's
     own tags decide it, or for a task without tags."""
-    from fedjax_split.tasks import bio
-
     types = entity_types(config, task)
     return () if types is None else tuple(bio.tag_vocabulary(types))
 
@@ -191,8 +191,6 @@ def load_pool(config: ExperimentConfig, task: Any) -> Any:
     """The task's example pool as every client sees it: loaded, then subsampled (--max-examples).
     A token task's tag vocabulary (`tag_names`) is the run's (`entity_types`), else the whole
     pool's, taken before subsampling."""
-    from fedjax_split.data import sources
-
     examples = sources.load_examples(task, data_dir=config.data_dir,
                                      entity_types=entity_types(config, task))  # fmt: skip
     idx = subsample_indices(len(examples.labels), config.max_examples, config.seed)
@@ -202,7 +200,6 @@ def load_pool(config: ExperimentConfig, task: Any) -> Any:
 def concat_examples(parts: Sequence[Any]) -> Any:
     """The sites' examples one after another, in client order (every per-row field alike; the
     other fields, such as a token task's tag names, are the first part's)."""
-
     def join(seqs: list[Any]) -> Any:
         if all(x is None for x in seqs):
             return None
@@ -220,8 +217,6 @@ def concat_examples(parts: Sequence[Any]) -> Any:
 def load_site(config: ExperimentConfig, task: Any, client_id: int, site_dir: Any) -> Any:
     """Client `client_id`'s examples: its site's own files alone (`sources.load_site`), in the
     task's label vocabulary; a bad file is one line naming the site and the file."""
-    from fedjax_split.data import sources
-
     try:
         return sources.load_site(task, site_dir, entity_types=entity_types(config, task))
     except UserError as err:
@@ -231,8 +226,6 @@ def load_site(config: ExperimentConfig, task: Any, client_id: int, site_dir: Any
 def site_split(config: ExperimentConfig, examples: Any, client_id: int, site_dir: Any) -> Any:
     """A site's own train/test split (`partition.site_split`, indices into its own rows); a site
     without training examples is a UserError."""
-    from fedjax_split.data import partition
-
     split = partition.site_split(getattr(examples, "splits", None), len(examples), config.seed,
                                  client_id)  # fmt: skip
     if split.train.size == 0:
@@ -246,9 +239,6 @@ def site_split(config: ExperimentConfig, examples: Any, client_id: int, site_dir
 def load_sites(config: ExperimentConfig, task: Any) -> tuple[Any, Any]:
     """--site-data in one process (the simulation): (every site's examples in client order,
     the `partition.sites_partition` whose client k holds exactly site k's rows)."""
-    from fedjax_split.data import partition
-    from fedjax_split.run.config import site_dirs
-
     dirs = site_dirs(config)
     if not dirs:
         raise UserError(
@@ -265,8 +255,6 @@ def load_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = (
     """The pretrained model with the task's head (seeded by the run's seed); a token task's head
     has one output per tag of the pool. The head's outputs carry the task's label names (a token
     task's: its tags), so that an exported model's id2label reads "rotten"/"fresh", not LABEL_0."""
-    from fedjax_split.models import hf_checkpoint
-
     tag_names = tuple(tag_names)
     return hf_checkpoint.load_pretrained(
         config.model,
@@ -301,9 +289,6 @@ def model_parts(config: ExperimentConfig, pre: Any, critical_layer: int) -> Any:
     LoRA, of the adapters and the head, every base weight frozen; with FedBT, of the layers its
     cycle trains and the head, the rest frozen) with --freeze over the Hugging Face tensor
     names."""
-    from fedjax_split.fed import layerwise, roles
-    from fedjax_split.models import hf_checkpoint, lora
-
     num_layers = pre.config.num_hidden_layers
     split = roles.critical_layer_rule(critical_layer, num_layers)
     if pre.config.lora_targets:
@@ -322,12 +307,6 @@ def model_parts(config: ExperimentConfig, pre: Any, critical_layer: int) -> Any:
 def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: Any) -> Any:
     """The round's static description: client update (objective, client optimiser, FedProx mu),
     server optimiser, wire dtype, clients at once, devices."""
-    import jax
-
-    from fedjax_split.fed import algorithms, client
-    from fedjax_split.run import safeguards
-    from fedjax_split.sim import devices, rounds
-
     client_spec = client.ClientSpec(
         apply=apply,
         objective=task.objective,
@@ -372,8 +351,6 @@ def build_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = 
 def make_partition(config: ExperimentConfig, task: Any, labels: np.ndarray) -> Any:
     """The clients' train/test split of the pool; a client without training examples is a
     UserError."""
-    from fedjax_split.data import partition
-
     part = partition.partition_clients(
         labels,
         scheme=config.partition,
@@ -413,8 +390,6 @@ def model_meta(model: Model) -> dict[str, Any]:
     """What an export needs to know of the model besides its arrays (JSON): its config, where its
     tokenizer lives, the split, its LoRA adapters. A checkpoint records it, and so does a Flower
     node for the export at its site."""
-    from fedjax_split.models import lora
-
     return {
         "model_config": model.config.to_hf_dict(),
         "model_dir": None if model.model_dir is None else str(model.model_dir),
@@ -425,8 +400,6 @@ def model_meta(model: Model) -> dict[str, Any]:
 
 def method_line(config: ExperimentConfig, model: Model) -> str:
     """The run's method as a person says it (`run.method.describe`), for its first line."""
-    from fedjax_split.run.method import client_words, describe
-
     return describe(
         config.algorithm, model.critical_layer, model.config.num_hidden_layers,
         quantize=config.quantize, num_frozen=model.num_frozen, freeze=config.freeze,
@@ -449,8 +422,6 @@ def check_partition(meta: dict[str, Any], part: Any, what: str) -> None:
 
 def load_tokenized(config: ExperimentConfig, task: Any, examples: Any, model_dir: Any) -> Any:
     """The pool tokenised with the model's tokenizer and flattened once (`batching.pack`)."""
-    from fedjax_split.data import batching, sources, tokenization
-
     tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
     return batching.pack(sources.tokenize_examples(examples, tokenizer, task, config.max_length))
 
@@ -459,8 +430,6 @@ def row_width(config: ExperimentConfig, tokenized: Any) -> int:
     """W of packed attention rows, T of padded batches: run-wide, from the pool's longest
     example. Sites with their own data see no pool: theirs come from --max-length, the longest
     any example can be, so that every site cuts the same shapes without the others' data."""
-    from fedjax_split.data import batching
-
     floor = batching.PACK_WIDTH if config.packing else 8
     if config.site_data is not None:
         return batching.row_width_for(config.max_length, floor)
@@ -479,8 +448,6 @@ def batching_of(
     `evaluation`: with the evaluation batch size (`eval_batch_size`). A packed part's tokens come
     from the pool (`batching.default_part_tokens`), or, for sites with their own data, from the
     config alone (`batching.part_tokens_for`), the same at every site."""
-    from fedjax_split.data import batching
-
     size = eval_batch_size(config) if evaluation else config.batch_size
     part_tokens = None
     if config.packing and config.site_data is not None and width is not None:
@@ -505,8 +472,6 @@ def client_steps(
 ) -> list[Any]:
     """Round r's training steps of one client: a pure function of the config, r, the client's
     id and its own examples (`indices` into the pool: what a federated client builds alone)."""
-    from fedjax_split.data import batching
-
     return batching.client_batches(
         pool.tokenized,
         indices,
@@ -523,8 +488,6 @@ def client_eval_steps(
 ) -> list[Any]:
     """One client's test batches (its own examples, once each, in order, the run's one
     evaluation shape)."""
-    from fedjax_split.data import batching
-
     how = batching_of(config, task, pool.row_width, evaluation=True)
     return batching.client_eval_batches(pool.tokenized, indices, pool.labels, how)
 
@@ -533,16 +496,12 @@ def positions(parts: Sequence[Any]) -> np.ndarray:
     """[real tokens, computed positions] of a round's training parts (the rest is the fixed
     shapes' padding: `data.batching`); masked parts, which a client running alone skips, are not
     counted."""
-    from fedjax_split.data import batching
-
     return np.asarray(batching.positions(parts, skip_masked_steps=True), np.int64)
 
 
 def score(task: Any, examples: Any, res: Any) -> dict[str, float]:
     """The task's metrics of one set of predictions (MNLI's groups by each row's pool index, a
     token task's entities by the pool's tag names)."""
-    from fedjax_split.tasks import registry as tasks
-
     groups = getattr(examples, "groups", None)
     return tasks.compute_metrics(
         task,
@@ -659,19 +618,17 @@ def round_costs(
     )
 
 
-def train_record(
-    r: int, sampled: Sequence[int], losses: np.ndarray, weights: np.ndarray
-) -> dict[str, Any]:
-    """A round record's training part: the sampled clients, each one's mean loss, and their
-    example-weighted mean (the simulation's and the Flower server's rounds write the same)."""
-    losses = np.asarray(losses, np.float64)
-    return {
-        "round": r,
-        "clients_sampled": [int(c) for c in sampled],
-        # None in a round without clients (DP's Poisson sampling may draw none)
-        "train_loss": float(np.sum(losses * weights) / np.sum(weights)) if len(losses) else None,
-        "train_loss_clients": losses.tolist(),
-    }
+def cost_record(
+    history: Sequence[dict[str, Any]], bytes_up: int, bytes_down: int,
+    times: tuple[float, float, float], clients: Sequence[Any], exact: bool,
+    bert_fl_bytes: int | None, sampled: int,
+) -> dict[str, Any]:  # fmt: skip
+    """A round record's bytes and seconds (`round_costs`; `times`: the round's start, the end of
+    its training and of its evaluation), then its FLOPs (`run.costs.round_record` of the
+    sampled clients' `clients` counts): the simulation's and the Flower server's."""
+    record = round_costs(history, bytes_up, bytes_down, *times)
+    record.update(costs.round_record(history, clients, exact, bert_fl_bytes, sampled))
+    return record
 
 
 def newest_rounds(history: Sequence[dict[str, Any]]) -> dict[int, int]:

@@ -35,10 +35,22 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
+from fedjax_split import runtime
+from fedjax_split.data import tokenization
+from fedjax_split.data.text import corpus_split, masking, mlm_batching, text_corpora
 from fedjax_split.errors import UserError
+from fedjax_split.fed import algorithms, client, layerwise, roles
+from fedjax_split.fed.roles import select
+from fedjax_split.fed.server import init_server_state
+from fedjax_split.fed.wire import cast_from_wire, param_count, tree_bytes
+from fedjax_split.models import hf_checkpoint
+from fedjax_split.models.flops import mlm_train_flops
+from fedjax_split.models.hf_checkpoint import save_pretrained
 from fedjax_split.run import driver, outputs
+from fedjax_split.run.config import site_dirs
 from fedjax_split.run.pretrain_config import (
     SCHEMA,
     PretrainConfig,
@@ -46,6 +58,8 @@ from fedjax_split.run.pretrain_config import (
     resolve,
     validate,
 )
+from fedjax_split.sim.pretrain_rounds import Trainer, run_round, unigram_level
+from fedjax_split.sim.pretrain_rounds import evaluate as eval_mlm
 
 STEPS_PER_SEGMENT = 8  # optimiser steps per compiled scan call (a client's last call is padded)
 HELDOUT = 0x7FFF_FFFF  # the "client" part of the held-out masks' seed: no client has this id
@@ -77,8 +91,6 @@ class Setup:
 
 def check(config: PretrainConfig) -> tuple[int, int]:
     """Cheap checks against the model's depth (reads only its config.json): (L_s, k)."""
-    from fedjax_split.models import hf_checkpoint
-
     validate(config)
     model_config = hf_checkpoint.load_config(hf_checkpoint.resolve_model(config.model))
     return check_depth(config, model_config.num_hidden_layers)
@@ -87,8 +99,6 @@ def check(config: PretrainConfig) -> tuple[int, int]:
 def load_split(config: PretrainConfig, tokenizer: Any) -> tuple[Any, Any]:
     """(the corpus' token units, its split): the corpus tokenised, its documents over the
     clients, the held-out documents on none."""
-    from fedjax_split.data.text import corpus_split, text_corpora
-
     corpus = text_corpora.load_corpus(config.corpus, data_dir=config.data_dir)
     units = text_corpora.tokenize_corpus(corpus, tokenizer, config.text_mode)
     split = corpus_split.split_corpus(
@@ -105,8 +115,6 @@ def load_split(config: PretrainConfig, tokenizer: Any) -> tuple[Any, Any]:
 
 def text_sequences(config: PretrainConfig, tokenizer: Any, units: Any, docs: Any) -> Any:
     """The sequences of documents `docs` (a client's, or the held-out ones)."""
-    from fedjax_split.data.text import text_corpora
-
     return text_corpora.sequences(
         units, docs, mode=config.text_mode, max_length=config.max_length,
         cls_id=tokenizer.cls_token_id, sep_id=tokenizer.sep_token_id,
@@ -127,8 +135,6 @@ def heldout_batches(
 ) -> list[Any]:
     """The masked held-out batches (their masks seeded by the seed alone, or for a site's own
     held-out text by the seed and its client id)."""
-    from fedjax_split.data.text import mlm_batching
-
     seed = [config.seed, 0, HELDOUT] + ([] if site is None else [int(site)])
     return mlm_batching.eval_batches(
         seqs, batch_size=min(config.batch_size, 64), masking=spec, seed=seed, pad_id=pad_id
@@ -139,8 +145,6 @@ def site_documents(config: PretrainConfig, client: int, site_dir: Any) -> tuple[
     """(site `client`'s corpus, its training documents, its held-out documents): the *.txt
     under `site_dir` read as --corpus local reads --data-dir, a problem named by the site. No
     tokenizer: the Flower launcher checks every site with it before it starts a process."""
-    from fedjax_split.data.text import corpus_split, text_corpora
-
     try:
         corpus = text_corpora.load_corpus("local", data_dir=site_dir)
         train, held = corpus_split.site_heldout(
@@ -157,8 +161,6 @@ def site_text(
     """Site `client`'s part of the run, computed where its text lives (its SuperNode, or the
     simulation for every site in turn), from its own files alone: (its counts for split.json,
     its training sequences, its held-out masked batches)."""
-    from fedjax_split.data.text import corpus_split, text_corpora
-
     corpus, train, held = site_documents(config, client, site_dir)
     units = text_corpora.tokenize_corpus(corpus, tokenizer, config.text_mode)
     seqs = text_sequences(config, tokenizer, units, train)
@@ -173,9 +175,6 @@ def _sites_text(config: PretrainConfig, tokenizer: Any, spec: Any) -> tuple[Any,
     client order; the held-out batches are the sites' own, site 0's first (the order in which
     Flower's server adds up the sites' figures); centralised training holds every site's
     training sequences on one client."""
-    from fedjax_split.data.text import corpus_split, text_corpora
-    from fedjax_split.run.config import site_dirs
-
     dirs = site_dirs(config)
     if not dirs:
         raise UserError(f"--site-data {config.site_data}: the simulation reads every site "
@@ -212,8 +211,6 @@ def _client_text(config: PretrainConfig, tokenizer: Any, spec: Any) -> tuple[Any
 
 def load_model(config: PretrainConfig) -> Any:
     """The start model with its MLM head (`hf_checkpoint.Pretrained`)."""
-    from fedjax_split.models import hf_checkpoint
-
     return hf_checkpoint.load_pretrained(
         config.model, num_labels=2, seed=config.seed, dtype=config.dtype, head="mlm"
     )
@@ -221,8 +218,6 @@ def load_model(config: PretrainConfig) -> Any:
 
 def masking_spec(config: PretrainConfig, tokenizer: Any, model_config: Any) -> Any:
     """The MLM masking of `tokenizer`; UserError when its vocabulary outgrows the model's."""
-    from fedjax_split.data.text import masking
-
     spec = masking.spec_from_tokenizer(tokenizer, config.mlm_probability)
     if spec.vocab_size > model_config.vocab_size:
         raise UserError(
@@ -234,17 +229,12 @@ def masking_spec(config: PretrainConfig, tokenizer: Any, model_config: Any) -> A
 
 def make_trainer(config: PretrainConfig, model_config: Any) -> Any:
     """What the clients run (`sim.pretrain_rounds.Trainer`), with FedAvg at the server."""
-    from fedjax_split.fed import algorithms, client
-    from fedjax_split.sim.pretrain_rounds import Trainer
-
     optimizer = client.default_client_optimizer(config.lr, config.weight_decay)
     return Trainer(model_config, optimizer, algorithms.server_optimizer("fedavg"))
 
 
 def build(config: PretrainConfig) -> Setup:
     """Load the text and the model, split, tokenise, initialise. Writes nothing but caches."""
-    from fedjax_split.data import tokenization
-
     pre = load_model(config)
     tokenizer = tokenization.load_tokenizer(pre.model_dir)
     spec = masking_spec(config, tokenizer, pre.config)
@@ -261,10 +251,6 @@ def model_setup(
 ) -> Setup:
     """The run's Setup without text (Flower's server holds none): the model, the server state,
     the schedule, --freeze; `split` and `sizes` (each client's sequences) as given."""
-    from fedjax_split.fed import layerwise, roles
-    from fedjax_split.fed.server import init_server_state
-    from fedjax_split.models import hf_checkpoint
-
     small, k = check(config)
     # --freeze chooses parameters by their Hugging Face names, as fine-tuning's does
     frozen = (
@@ -303,9 +289,6 @@ def model_depth(setup: Setup) -> int:
 
 def final_params(setup: Setup) -> tuple[Any, Any]:
     """(params, BertConfig) of the model the run produces, from the server's state."""
-    from fedjax_split.fed import layerwise
-    from fedjax_split.fed.wire import cast_from_wire
-
     params = cast_from_wire(setup.server_state.global_params)
     depth = model_depth(setup)
     return layerwise.assemble(params, range(depth)), setup.trainer.depth_config(depth)
@@ -313,8 +296,6 @@ def final_params(setup: Setup) -> tuple[Any, Any]:
 
 def evaluate(setup: Setup) -> dict[str, float]:
     """Held-out MLM loss and masked-token accuracy of the model the run produces."""
-    from fedjax_split.sim.pretrain_rounds import evaluate as eval_mlm
-
     params, config = final_params(setup)
     return eval_mlm(config, params, setup.heldout)
 
@@ -322,8 +303,6 @@ def evaluate(setup: Setup) -> dict[str, float]:
 def plan(setup: Setup, r: int) -> Any:
     """Round r's plan: which layers each client runs, which paths they train (--freeze's
     parameters left out)."""
-    from fedjax_split.fed import layerwise
-
     params = setup.server_state.global_params
     if setup.config.method == "fedbfpt":
         the_plan = layerwise.fedbfpt_plan(
@@ -336,16 +315,11 @@ def plan(setup: Setup, r: int) -> Any:
 
 
 def _bytes_of(params: Any, paths: frozenset[str]) -> int:
-    from fedjax_split.fed.roles import select
-    from fedjax_split.fed.wire import tree_bytes
-
     return tree_bytes(select(params, paths)[0])
 
 
 def bert_fl_flops(model_config: Any, segments: Sequence[Any]) -> int:
     """Matmul FLOPs of BERT-FL's client on `segments`: the whole model trained."""
-    from fedjax_split.models.flops import mlm_train_flops
-
     total = 0
     layers = model_config.num_hidden_layers
     for s in segments:
@@ -363,9 +337,6 @@ def client_costs(
 ) -> dict[str, Any]:
     """One client's line in a round's record (`report`: a pretrain_rounds.ClientReport;
     `bert_fl`: BERT-FL's FLOPs on the same batches)."""
-    from fedjax_split.fed import layerwise
-    from fedjax_split.fed.wire import tree_bytes
-
     sends = setup.config.method != "centralised"
     return {
         "client": report.client,
@@ -390,8 +361,6 @@ def client_segments(
 ) -> list[Any]:
     """Client `client`'s masked batches of round r, wherever it trains (seeded by the seed, the
     round and the client only)."""
-    from fedjax_split.data.text import mlm_batching
-
     return mlm_batching.train_segments(
         seqs,
         batch_size=config.batch_size,
@@ -420,9 +389,7 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None,
                   on_progress: Callable[[Any], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """Batches, trains and aggregates round r; evaluates when due; the round's record.
     `on_progress`: `sim.pretrain_rounds.run_round`'s (each client's end)."""
-    import jax
 
-    from fedjax_split.sim.pretrain_rounds import run_round
 
     config = setup.config
     t0 = time.perf_counter()
@@ -461,8 +428,6 @@ def round_record(
     """Round r's record (metrics.jsonl's row) from its clients' lines (`client_costs`) and the
     held-out evaluation (None: not due); `params`: the global model the round started from;
     `times`: (start, training done, evaluation done)."""
-    from fedjax_split.fed import layerwise
-
     tokens = np.asarray([c["predicted_tokens"] for c in clients], np.float64)
     losses = np.asarray([c["train_loss"] for c in clients], np.float64)
     record: dict[str, Any] = {
@@ -505,9 +470,6 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]], initial: dict[
                  seconds_total: float) -> dict[str, Any]:  # fmt: skip
     """The run at a glance: held-out MLM before and after, costs and their shares of BERT-FL's
     on the same text and rounds (FLOPs and bytes counted; time only across runs, see the study)."""
-    from fedjax_split import runtime
-    from fedjax_split.fed.wire import param_count
-
     last = history[-1] if history else {}
     evaluated = [h for h in history if h.get("mlm_loss") is not None]
     final = (
@@ -556,8 +518,6 @@ def unigram(setup: Setup) -> dict[str, float] | None:
     """The held-out text's unigram level (`sim.pretrain_rounds.unigram_level`), beside which a
     start model's masked accuracy says whether it is a contextual masked LM; None where the
     held-out text is not here (Flower's nodes hold it)."""
-    from fedjax_split.sim.pretrain_rounds import unigram_level
-
     if not setup.heldout:
         return None
     level = unigram_level(setup.heldout)
@@ -665,8 +625,6 @@ class Pretraining:
         pass  # clients keep nothing between rounds: the checkpoint is the whole state
 
     def summary(self, history: Sequence[dict[str, Any]], stats: Any) -> dict[str, Any]:
-        from fedjax_split.models.hf_checkpoint import save_pretrained
-
         params, model_config = final_params(self.setup)
         save_pretrained(params, model_config, self.run_dir / "model",
                         tokenizer_dir=self.setup.model_dir)  # fmt: skip
@@ -682,8 +640,6 @@ def run_pretraining(
 ) -> dict[str, Any]:
     """Run (or with config.resume, continue) one further pre-training run; returns the summary.
     Everything a user can get wrong is checked before the first byte is written."""
-    from fedjax_split import runtime
-
     started = time.perf_counter()
     if isinstance(config, dict):
         config = resolve(overrides=config)

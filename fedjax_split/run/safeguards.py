@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedjax_split.errors import UserError
+from fedjax_split.fed import accounting, aggregation, privacy
 from fedjax_split.fed.secret import ServerSecret
+from fedjax_split.fed.server_step import ServerSpec
+from fedjax_split.fed.strategy import Sampling, Strategy
+from fedjax_split.run import outputs
 
 if TYPE_CHECKING:  # run.config validates through this module's aggregator(): no cycle at run time
     from fedjax_split.run.config import ExperimentConfig
@@ -27,8 +32,6 @@ ATTACK_PURPOSE = 2  # np.random.default_rng([seed, ATTACK_PURPOSE]) draws the at
 def aggregator(config: ExperimentConfig) -> Any:
     """The `fed.aggregation.Aggregator` the config asks for (DP's denominator: the expected
     clients a round, M)."""
-    from fedjax_split.fed import aggregation, privacy
-
     dp = None
     if config.dp:
         dp = privacy.DPSpec(
@@ -49,8 +52,6 @@ def mechanism(config: ExperimentConfig) -> Any:
     """The accountant's `fed.accounting.Mechanism`, or None (no DP, or no noise to account)."""
     if not config.dp or config.dp_noise_multiplier == 0:
         return None
-    from fedjax_split.fed import accounting
-
     rate = config.sampled_clients / config.clients
     return accounting.Mechanism(float(config.dp_noise_multiplier), rate, config.dp_accountant)
 
@@ -63,18 +64,22 @@ def server_secret(config: ExperimentConfig) -> ServerSecret | None:
     return ServerSecret.for_run(config.seed, config.dp_insecure_reproducible_noise)
 
 
-def sample(config: ExperimentConfig, r: int, secret: ServerSecret | None = None) -> np.ndarray:
-    """Round r's clients: every client; M of K without replacement; or, with DP and M < K, each
-    client independently with probability M/K (Poisson: the sampling the accountant assumes;
-    a round may then have no client at all), drawn from the server's `secret`: a sample anyone
-    could recompute from the seed would void the amplification by sampling."""
-    from fedjax_split.sim import rounds
+def sampling(config: ExperimentConfig) -> Sampling:
+    """The run's `fed.strategy.Sampling`: every client; M of K without replacement; or, with DP
+    and M < K, each client independently with probability M/K (Poisson: the sampling the
+    accountant assumes), drawn from the server's secret."""
+    return Sampling(config.clients, config.sampled_clients, config.seed, config.poisson_sampling)
 
-    if config.poisson_sampling:
-        if secret is None:
-            raise ValueError("DP's Poisson sample needs the server's secret (fed.secret)")
-        return secret.poisson_sample(config.clients, config.sampled_clients / config.clients, r)
-    return rounds.sample_clients(config.clients, config.sampled_clients, config.seed, r)
+
+def sample(config: ExperimentConfig, r: int, secret: ServerSecret | None = None) -> np.ndarray:
+    """Round r's clients (`sampling`; with DP's Poisson sample a round may have no client)."""
+    return sampling(config).sample(r, secret)
+
+
+def strategy(config: ExperimentConfig, round_spec_for: Callable[[int], ServerSpec]) -> Strategy:
+    """The run's `fed.strategy.Strategy`: its sampling, the model's round schedule
+    (`run.pieces.Model.round_spec_for`) and DP's accountant."""
+    return Strategy(sampling(config), round_spec_for, mechanism(config), config.dp_delta)
 
 
 # A round record's fields that name or measure single clients: outside DP's guarantee (which
@@ -99,8 +104,6 @@ def withheld(config: ExperimentConfig) -> bool:
 def partition_path(config: ExperimentConfig, run_dir: Path) -> Path:
     """Where the run writes partition.json (each client's examples and label shares): the run
     directory, or under DP (`withheld`) the server-private folder, created here."""
-    from fedjax_split.run import outputs
-
     if not withheld(config):
         return run_dir / "partition.json"
     return outputs.private_dir(run_dir) / "partition.json"
@@ -145,8 +148,6 @@ def epsilon(config: ExperimentConfig, rounds_done: int) -> float | None:
     mech = mechanism(config)
     if mech is None:
         return None
-    from fedjax_split.fed import accounting
-
     return accounting.epsilon(mech, rounds_done, config.dp_delta)
 
 
@@ -155,8 +156,6 @@ def rounds_allowed(config: ExperimentConfig) -> int:
     mech = mechanism(config)
     if mech is None or config.dp_max_epsilon is None:
         return config.rounds
-    from fedjax_split.fed import accounting
-
     return accounting.rounds_within(mech, config.dp_delta, config.dp_max_epsilon, config.rounds)
 
 
@@ -172,8 +171,6 @@ def line(config: ExperimentConfig) -> str | None:
         if mech is None:
             parts.append(f"DP clipping ({clip}) with no noise (z = 0): no privacy guarantee")
         else:
-            from fedjax_split.fed import accounting
-
             text = accounting.describe(mech, config.dp_delta, None if adaptive else config.dp_clip)
             parts.append(text + ("; " + clip) * adaptive + "; uniform mean over the expected "
                          "clients a round (not example-weighted)")
@@ -210,30 +207,12 @@ def start_lines(config: ExperimentConfig, rounds: int) -> list[str]:
 
 def check_deployable(config: ExperimentConfig) -> None:
     """UserError for what only the simulation runs (a study's simulated attack)."""
-    from fedjax_split.errors import UserError
-
     if config.attack != "none":
         raise UserError(
             "--attack simulates attacking clients in the simulation only; drop it for Flower "
             "(a real attacker is a node: the server's --aggregator and --max-update-norm "
             "apply there too)"
         )
-
-
-def record(
-    config: ExperimentConfig, r: int, sampled: np.ndarray, accepted: Any, norms: Any,
-    clip: float | None,
-) -> dict[str, Any]:
-    """Round r's safeguard figures for metrics.jsonl: the rejected uploads (always), the update
-    norms when the server measured them, DP's clip norm and epsilon after the round."""
-    accepted = np.asarray(accepted, bool)
-    out: dict[str, Any] = {"clients_rejected": [int(c) for c in sampled[~accepted]]}
-    if not (config.aggregator == "mean" and config.max_update_norm is None and not config.dp):
-        out["update_norms"] = [float(n) for n in np.asarray(norms)]
-    if config.dp:
-        out["dp_clip"] = clip
-        out["epsilon"] = epsilon(config, r)
-    return out
 
 
 def summary(config: ExperimentConfig, history: list[dict[str, Any]]) -> dict[str, Any]:
@@ -245,8 +224,6 @@ def summary(config: ExperimentConfig, history: list[dict[str, Any]]) -> dict[str
     }
     if config.dp:
         mech = mechanism(config)
-        from fedjax_split.fed import accounting
-
         event = {"noise_multiplier": 0.0} if mech is None else accounting.as_dict(
             mech, config.dp_delta)  # fmt: skip
         out["privacy"] = {

@@ -1,5 +1,6 @@
 """One federated round of many clients in one process: two execution strategies of the same
-round, and the client sampling before it.
+round (the client sampling before it and the server's step are `fed.strategy`'s and
+`fed.server_step`'s).
 
 Steps (FedSplitBERT's Algorithm 1 with a FedOpt server):
 1. download: the server holds the global part in the wire dtype; each client casts it to fp32;
@@ -9,7 +10,7 @@ Steps (FedSplitBERT's Algorithm 1 with a FedOpt server):
 4. the server aggregates the uploads (`fed.aggregation.aggregate`: by default the
    example-weighted mean in fp32; robust rules and client-level DP as `RoundSpec.aggregator`
    says, DP's clipping done by each client first) and steps the global part
-   (`fed.server.server_update`, the seam every execution strategy shares).
+   (`fed.server_step`, the seam every execution strategy and the Flower server share).
 Frozen parameters are passed to the clients once, as one unstacked tree (not per client, not
 cast). With `RoundSpec.trained` (a schedule's choice for the round) clients train and upload only
 those global parameters; the others enter the model as constants, like the frozen ones.
@@ -62,17 +63,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from fedjax_split.data.batch import Batch
 from fedjax_split.data.batching import stack_clients
 from fedjax_split.errors import UserError
-from fedjax_split.fed.aggregation import (
-    Aggregated,
-    Aggregator,
-    add_upload,
-    aggregate,
-    aggregate_each,
-    empty_sum,
-    finite_each,
-    settled_mean,
-    usable_weights,
-)
+from fedjax_split.fed.aggregation import Aggregator, aggregate
 from fedjax_split.fed.client import (
     ClientFns,
     ClientMetrics,
@@ -84,15 +75,22 @@ from fedjax_split.fed.client import (
 from fedjax_split.fed.client_program import client_functions, client_rngs, download, round_rng
 from fedjax_split.fed.privacy import clip_upload
 from fedjax_split.fed.roles import select
-from fedjax_split.fed.secret import no_noise_key
-from fedjax_split.fed.server import ServerState, init_server_state, server_update, upload
+from fedjax_split.fed.server import ServerState, init_server_state, upload
+from fedjax_split.fed.server_step import (
+    checked_noise_key,
+    server_only_step,
+    server_round,
+    server_step,
+)
+from fedjax_split.fed.strategy import sample_clients
 from fedjax_split.fed.wire import cast_to_wire, tree_bytes, wire_dtype
 from fedjax_split.sim import processes
 
-__all__ = ["ServerState", "init_server_state"]  # re-exported: rounds build on the server's state
+# re-exported: rounds build on the server's state; sampling and the server's step are fed's
+__all__ = ["ServerState", "init_server_state", "sample_clients", "server_round",
+           "server_only_step", "checked_noise_key"]  # fmt: skip
 
 CLIENT_AXIS = "clients"
-SAMPLING_PURPOSE = 1  # np.random.default_rng([seed, round, SAMPLING_PURPOSE])
 
 
 class RoundResult(NamedTuple):
@@ -189,18 +187,6 @@ class _Watcher:
             self.hook(RoundProgress(clients, len(self.left), steps, self.steps, examples))
 
 
-def sample_clients(
-    num_clients: int, clients_per_round: int | None, seed: int, round_index: int
-) -> np.ndarray:
-    """Sorted ids of the clients taking part in a round: all, or m of K without replacement."""
-    if clients_per_round is None or clients_per_round >= num_clients:
-        return np.arange(num_clients, dtype=np.int32)
-    if clients_per_round < 1:
-        raise UserError(f"clients per round must be >= 1, got {clients_per_round}; use 1..K")
-    rng = np.random.default_rng([seed, round_index, SAMPLING_PURPOSE])
-    return np.sort(rng.choice(num_clients, size=clients_per_round, replace=False)).astype(np.int32)
-
-
 def replicate(tree: Any, num_clients: int) -> Any:
     """Stacks `num_clients` copies of `tree` on a new leading client axis."""
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_clients,) + jnp.shape(x)), tree)
@@ -236,130 +222,6 @@ def _pad_clients(tree: Any, pad: int, fill: Any = None) -> Any:
 def client_keys(round_index: jax.Array, rng: jax.Array, client_ids: jax.Array) -> jax.Array:
     """Keys [K] of a round's sampled clients from the run's key (`fed.client_program`'s keys)."""
     return client_rngs(round_rng(rng, round_index), client_ids)
-
-
-def server_step(spec: RoundSpec, state: ServerState, agg: Aggregated) -> ServerState:
-    """The server's step on the clients' aggregate: every strategy's, and the Flower server's."""
-    return server_update(state._replace(aggregator=agg.state), agg.mean, spec.server_optimizer,
-                         wire_dtype(spec.wire_dtype), spec.trained)  # fmt: skip
-
-
-def aggregate_uploads(
-    spec: RoundSpec,
-    state: ServerState,
-    uploads: list[Any],
-    num_examples: jax.Array,
-    noise_key: jax.Array,
-    norms: jax.Array | None = None,
-    factors: jax.Array | None = None,
-) -> Aggregated:
-    """The server's aggregation of K separate uploads (fp32 wire images, in client order), with
-    the round's secret noise key (`fed.secret.ServerSecret.noise_key`): the one-at-a-time round's
-    and the Flower server's (`deploy.server`), so that both compute the same aggregate. `norms`:
-    the clients' update norms before DP's clipping, as they report them."""
-    received = download(state.global_params, spec.trained)[0]
-    return aggregate_each(spec.aggregator, uploads, received, num_examples, state.aggregator,
-                          noise_key, norms, factors)  # fmt: skip
-
-
-@functools.lru_cache(maxsize=32)
-def server_only_step(spec: RoundSpec) -> Callable[..., Any]:
-    """(server state, noise key) -> server state: a round that sampled no client (client-level
-    DP's Poisson sampling may draw none), the server's step on nothing (DP's noise still runs).
-    The simulation's and the Flower server's."""
-
-    def nobody(state: ServerState, noise_key: jax.Array) -> ServerState:
-        return server_step(spec, state,
-                           aggregate_uploads(spec, state, [], jnp.zeros([0]), noise_key))
-
-    return jax.jit(nobody)
-
-
-class StreamedFns(NamedTuple):
-    """The plain mean's server step as programs whose shapes do not depend on K (see
-    `server_round`): check(upload) -> finite everywhere; weigh(valid [K], weights [K]) -> (the
-    normalised weights of the usable uploads, whether any is); add(acc, upload, ok, w) -> acc +
-    w * upload (zero if not ok); start(state) -> zeros like the trained global part;
-    finish(state, acc, any usable) -> the new server state."""
-
-    check: Callable[..., Any]
-    weigh: Callable[..., Any]
-    add: Callable[..., Any]
-    start: Callable[..., Any]
-    finish: Callable[..., Any]
-
-
-@functools.lru_cache(maxsize=32)
-def streamed_functions(spec: RoundSpec) -> StreamedFns:
-    """The jitted pieces of the plain mean's server step for `spec` (cached per spec):
-    `fed.aggregation`'s own, which `aggregate_each` runs in one program."""
-
-    def check(upload: Any) -> jax.Array:
-        return finite_each([upload])[0]
-
-    def start(state: ServerState) -> Any:
-        return empty_sum(download(state.global_params, spec.trained)[0])
-
-    def finish(state: ServerState, acc: Any, any_use: jax.Array) -> ServerState:
-        mean = settled_mean(acc, download(state.global_params, spec.trained)[0], any_use)
-        return server_step(spec, state, Aggregated(mean, state.aggregator, jnp.zeros([0], bool),
-                                                   jnp.zeros([0], jnp.float32)))  # fmt: skip
-
-    return StreamedFns(jax.jit(check), jax.jit(usable_weights),
-                       jax.jit(add_upload, donate_argnums=(0,)), jax.jit(start),
-                       jax.jit(finish, donate_argnums=(0,) if spec.donate else ()))  # fmt: skip
-
-
-def streams(spec: RoundSpec, uploads: Sequence[Any], factors: Any = None) -> bool:
-    """Whether the server's step over separate uploads streams them (`server_round`): the plain
-    mean of uploads that hold something (c = 0 trains no global part)."""
-    return spec.aggregator.plain and factors is None and bool(jax.tree.leaves(uploads))
-
-
-def server_round(
-    spec: RoundSpec,
-    state: ServerState,
-    uploads: Sequence[Any],
-    weights: Any,
-    noise_key: jax.Array,
-    norms: jax.Array | None = None,
-    factors: jax.Array | None = None,
-) -> tuple[ServerState, tuple[jax.Array, jax.Array]]:
-    """The server's aggregation and step over K separate uploads (fp32 wire images, in client
-    order): the one-at-a-time round's and the Flower server's. Returns (new state, (accepted
-    [K], update norms [K])).
-
-    FedAvg's plain mean streams the uploads: a program checks each, one adds each to a running
-    sum, one steps the server, each compiled once whatever K is. One program over all K uploads
-    (the rules that need them side by side: robust ones, DP) took seconds to compile, more with
-    K (1.9 s at K = 3, 6 s at K = 30 for MiniLM's lower half on this CPU), and again for every
-    new K (Poisson sampling draws one each round). The pieces are `fed.aggregation`'s, which
-    `aggregate_each` runs in one program."""
-    if not uploads:
-        raise ValueError("server_round needs at least one upload (server_only_step: none)")
-    weights = jnp.asarray(weights, jnp.float32)
-    if not streams(spec, uploads, factors):
-        return _stacked_server_round(spec)(state, tuple(uploads), weights, noise_key, norms,
-                                           factors)  # fmt: skip
-    fns = streamed_functions(spec)
-    valid = jnp.stack([fns.check(u) for u in uploads])
-    w, any_use = fns.weigh(valid, weights)
-    acc = fns.start(state)
-    for i, u in enumerate(uploads):
-        acc = fns.add(acc, u, valid[i], w[i])
-    return fns.finish(state, acc, any_use), (valid, jnp.zeros(weights.shape, jnp.float32))
-
-
-@functools.lru_cache(maxsize=32)
-def _stacked_server_round(spec: RoundSpec) -> Callable[..., Any]:
-    """The server's step over K uploads in one program (robust rules, DP, a study's factors)."""
-
-    def step(state: ServerState, uploads: tuple, weights: jax.Array, noise_key: jax.Array,
-             norms: jax.Array | None, factors: jax.Array | None):  # fmt: skip
-        agg = aggregate_uploads(spec, state, list(uploads), weights, noise_key, norms, factors)
-        return server_step(spec, state, agg), (agg.valid, agg.norms)
-
-    return jax.jit(step, donate_argnums=(0,) if spec.donate else ())
 
 
 class StackedFns(NamedTuple):
@@ -758,16 +620,6 @@ def run_round(
         accepted, norms,
     )  # fmt: skip
     return state, new_local, result
-
-
-def checked_noise_key(spec: RoundSpec, noise_key: jax.Array | None) -> jax.Array:
-    """The round's noise key; without DP a fixed key nothing draws from. DP without a key is a
-    programming error: a key made up here would be public."""
-    if noise_key is not None:
-        return noise_key
-    if spec.aggregator.dp is not None:
-        raise ValueError("a DP round needs the server's secret noise key (fed.secret)")
-    return no_noise_key()
 
 
 def _run_nobody(
