@@ -1,4 +1,4 @@
-"""tools/fedbt_plateau.py's reading of the NERO plateau study from run directories made by hand:
+"""tools/lib/fedbt_plateau.py's reading of the NERO plateau study from run directories made by hand:
 the plateau of a mean curve, the paired t-test and its interval, FedBT at equal cumulative FLOPs,
 the queue's order and the warm-up's text, and the section fedbt_study.py's report writes."""
 

@@ -8,7 +8,7 @@ tables, appended).
 
     nice -n 10 python tools/fedbt_study.py                  # every missing run, then the report
     nice -n 10 python tools/fedbt_study.py --datasets rt    # one dataset's runs
-    nice -n 19 python tools/fedbt_study.py --plateau        # NERO at plateau (fedbt_plateau.py)
+    nice -n 19 python tools/fedbt_study.py --plateau        # NERO at plateau (lib/fedbt_plateau.py)
     python tools/fedbt_study.py --report-only               # the report from the finished runs
 
 The claim it tests (the journal's Table 3): FedBT 1.37 to 2.39 points below BERT-FL, at 48.26% of
@@ -239,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--plateau",
         action="store_true",
-        help="run the NERO plateau study's queue (tools/fedbt_plateau.py) instead",
+        help="run the NERO plateau study's queue (tools/lib/fedbt_plateau.py) instead",
     )
     args = p.parse_args(argv)
     datasets = chosen(args.datasets, list(DATASETS), "dataset")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lib"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run from anywhere: study_runs beside it
 
 from study_runs import ROOT, Runs, evaluated, pyplot, save_figure  # noqa: E402
 
@@ -369,9 +369,10 @@ def section() -> list[str] | None:
     return [f"## {TITLE}", "", f"Runs at commit(s) {', '.join(commits)}. Finished seeds per arm "
             f"(of {len(SEEDS)}): {counts}. Mean run seconds (2-core CPU, shared): {secs}.", "",
             "`python -m fedjax_split.train " + _shell(BASE) + "` with each arm's flags "
-            "and rounds (tools/fedbt_plateau.py's ARMS) and `--seed`; `python tools/fedbt_study.py "
-            "--plateau` runs the queue.", "", "The figure by round, mean ± sample sd over the "
-            "finished seeds:", "", *round_table(runs), "", *figure,
+            "and rounds (tools/lib/fedbt_plateau.py's ARMS) and `--seed`; "
+            "`python tools/fedbt_study.py --plateau` runs the queue.", "",
+            "The figure by round, mean ± sample sd over the finished seeds:", "",
+            *round_table(runs), "", *figure,
             f"BERT-FL's plateau: the first evaluated round after which its mean F1 never gains "
             f"{PLATEAU_GAIN:.2f} (one point) or more. Equal FLOPs: FedBT at its first evaluated "
             "round whose cumulative training FLOPs (run.costs, exact) reach the same seed's "
