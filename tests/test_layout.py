@@ -90,6 +90,15 @@ def test_no_function_is_longer_than_80_lines() -> None:
     assert long == []
 
 
+def _probe(code: str) -> str:
+    """The stdout of `code` run by a fresh interpreter beside the package (so that no module
+    this test process already imported counts), which must exit 0."""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=PACKAGE.parent, timeout=120)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
 def test_importing_the_library_is_cheap() -> None:
     """`import fedjax_split` and a look at its public names' table import no framework."""
     code = (
@@ -98,10 +107,8 @@ def test_importing_the_library_is_cheap() -> None:
         "heavy = ('jax', 'flax', 'transformers', 'torch', 'flwr')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=PACKAGE.parent, timeout=120)  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "[]"
+    stdout = _probe(code)
+    assert stdout.strip() == "[]"
 
 
 def _module_names() -> dict[str, Path]:
@@ -275,7 +282,5 @@ def test_the_commands_parse_without_jax() -> None:
         "        main(['--help'])\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=PACKAGE.parent, timeout=120)  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.split("\n")[:2] == ["[]", "[]"]
+    stdout = _probe(code)
+    assert stdout.split("\n")[:2] == ["[]", "[]"]
