@@ -96,6 +96,7 @@ class Aggregator:
     trim_fraction: float = 0.1
     max_update_norm: float | None = None
     dp: privacy.DPSpec | None = None
+    secure: bool = False  # secure aggregation: the server sees only the sum (`fed.secure_sum`)
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -108,11 +109,19 @@ class Aggregator:
                 f"--aggregator {self.rule} with DP: the noise is calibrated to a sum of clipped "
                 "updates; use --aggregator mean with --dp-noise-multiplier"
             )
+        if self.secure and self.rule != "mean":
+            raise UserError(
+                f"--aggregator {self.rule} with --secure-aggregation: a robust rule needs every "
+                "upload side by side, and secure aggregation shows the server only their sum; "
+                "use --aggregator mean (--max-update-norm still bounds each update: the clients "
+                "clip their own)"
+            )
 
     @property
     def plain(self) -> bool:
         """FedAvg's example-weighted mean of the uploads themselves, nothing else."""
-        return self.rule == "mean" and self.max_update_norm is None and self.dp is None
+        return (self.rule == "mean" and self.max_update_norm is None and self.dp is None
+                and not self.secure)  # fmt: skip
 
 
 def init_state(aggregator: Aggregator) -> Any:

@@ -155,8 +155,16 @@ def next_clip(
     noised centred count (module docstring); the bound itself when the clip norm is fixed."""
     if not spec.adaptive:
         return bound
-    noised = centred_count(norms, bound, valid) + spec.sigma_b * jax.random.normal(
-        key, (), jnp.float32
-    )
+    return next_clip_from_count(spec, bound, centred_count(norms, bound, valid), key)
+
+
+def next_clip_from_count(
+    spec: DPSpec, bound: jax.Array, centred: jax.Array, key: jax.Array
+) -> jax.Array:
+    """`next_clip` from the centred count itself (secure aggregation gives the server the count
+    of unclipped clients, never their norms)."""
+    if not spec.adaptive:
+        return bound
+    noised = centred + spec.sigma_b * jax.random.normal(key, (), jnp.float32)
     fraction = noised / spec.denominator + 0.5
     return bound * jnp.exp(-spec.clip_learning_rate * (fraction - spec.target_quantile))

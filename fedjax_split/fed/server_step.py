@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedjax_split.fed.aggregation import (
@@ -28,7 +29,9 @@ from fedjax_split.fed.aggregation import (
     usable_weights,
 )
 from fedjax_split.fed.client_program import download
+from fedjax_split.fed.fixed_point import FixedPoint
 from fedjax_split.fed.secret import no_noise_key
+from fedjax_split.fed.secure_sum import secure_aggregated, simulated_sum
 from fedjax_split.fed.server import ServerState, server_update
 from fedjax_split.fed.wire import wire_dtype
 
@@ -144,6 +147,13 @@ def server_round(
     `aggregate_each` runs in one program."""
     if not uploads:
         raise ValueError("server_round needs at least one upload (server_only_step: none)")
+    if spec.aggregator.secure:  # what SecAgg+ would give the server: the sum alone
+        clip = None if spec.aggregator.dp is None else float(state.aggregator["clip"])
+        received = download(state.global_params, spec.trained)[0]
+        total, fixed, valid = simulated_sum(spec.aggregator, clip, uploads, received,
+                                            np.asarray(weights), norms)  # fmt: skip
+        new_state = secure_round(spec, state, total, fixed, noise_key)
+        return new_state, (jnp.asarray(valid), jnp.zeros(np.shape(weights), jnp.float32))
     weights = jnp.asarray(weights, jnp.float32)
     if not streams(spec, uploads, factors):
         return _stacked_server_round(spec)(state, tuple(uploads), weights, noise_key, norms,
@@ -155,6 +165,22 @@ def server_round(
     for i, u in enumerate(uploads):
         acc = fns.add(acc, u, valid[i], w[i])
     return fns.finish(state, acc, any_use), (valid, jnp.zeros(weights.shape, jnp.float32))
+
+
+def secure_round(
+    spec: ServerSpec, state: ServerState, total: np.ndarray, fixed: FixedPoint,
+    noise_key: jax.Array,
+) -> ServerState:  # fmt: skip
+    """The server's step from the sum of the clients' fixed-point vectors alone (secure
+    aggregation, `fed.secure_sum`): the simulation's (`server_round`) and the deployment's, whose
+    sum comes from SecAgg+'s masked vectors."""
+    agg = secure_aggregated(spec.aggregator, state, spec.trained, total, fixed, noise_key)
+    return _secure_step(spec)(state, agg)
+
+
+@functools.lru_cache(maxsize=32)
+def _secure_step(spec: ServerSpec) -> Callable[..., Any]:
+    return jax.jit(functools.partial(server_step, spec))
 
 
 @functools.lru_cache(maxsize=32)

@@ -25,11 +25,14 @@ import numpy as np
 
 from fedjax_split.errors import UserError
 from fedjax_split.fed import accounting
+from fedjax_split.fed.fixed_point import FixedPoint
 from fedjax_split.fed.secret import ServerSecret
+from fedjax_split.fed.secure_sum import round_fixed_point
 from fedjax_split.fed.server import ServerState
 from fedjax_split.fed.server_step import (
     ServerSpec,
     checked_noise_key,
+    secure_round,
     server_only_step,
     server_round,
 )
@@ -134,7 +137,10 @@ class Strategy:
         dp = spec.aggregator.dp is not None
         clip = float(server_state.aggregator["clip"]) if dp else None
         noise_key = checked_noise_key(spec, None if secret is None else secret.noise_key(r))
-        return RoundPlan(r, self.sample(r, secret), spec, clip, noise_key)
+        clients = self.sample(r, secret)
+        if spec.aggregator.secure and len(clients) < 2:  # a sum of one is that client's update
+            clients = clients[:0]  # (DP's Poisson sample may draw one): the server's step alone
+        return RoundPlan(r, clients, spec, clip, noise_key)
 
     def aggregate(
         self, plan: RoundPlan, server_state: ServerState, uploads: Sequence[Any],
@@ -149,6 +155,17 @@ class Strategy:
         state, (valid, out_norms) = server_round(plan.spec, server_state, tuple(uploads),
                                                  weights, plan.noise_key, norms)  # fmt: skip
         return state, valid, out_norms
+
+    def aggregate_sum(
+        self, plan: RoundPlan, server_state: ServerState, total: np.ndarray, fixed: FixedPoint
+    ) -> ServerState:
+        """The server's step from secure aggregation's sum alone (`fed.secure_sum`): the
+        deployment's, whose sum SecAgg+ unmasks (the simulation's `aggregate` sums the same)."""
+        return secure_round(plan.spec, server_state, total, fixed, plan.noise_key)
+
+    def fixed_point(self, plan: RoundPlan, max_weight: int) -> FixedPoint:
+        """Round `plan`'s quantisation for secure aggregation (`fed.secure_sum`)."""
+        return round_fixed_point(plan.spec.aggregator, plan.clip, max_weight, len(plan.clients))
 
     def epsilon(self, rounds_done: int) -> float | None:
         """The privacy spent after `rounds_done` rounds (None without DP's noise)."""
@@ -165,7 +182,8 @@ class Strategy:
         dp = aggregator.dp is not None
         record = train_record(plan.round, plan.clients.tolist(), losses, weights)
         record.update(safeguard_record(
-            np.asarray(answered), accepted, norms, measured=not aggregator.plain, dp=dp,
+            np.asarray(answered), accepted, norms,
+            measured=not (aggregator.plain or aggregator.secure), dp=dp,
             clip=plan.clip, epsilon=self.epsilon(plan.round) if dp else None,
         ))  # fmt: skip
         return record

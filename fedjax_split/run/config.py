@@ -497,6 +497,13 @@ class ExperimentConfig(Settings):
         "default they go to the server-private private/clients.jsonl only.",
         group=PRIVACY,
     )
+    secure_aggregation: bool = _setting(
+        False,
+        "Secure aggregation (SecAgg+): the server learns only the sum of the clients' updates, "
+        "fixed-point in 64 bits (Flower: masked by the sites; the simulation models the same "
+        "sums). Clients are trained one at a time. docs/deployment.md.",
+        group=PRIVACY,
+    )
     attack: str = _setting(
         "none",
         "A study's attack (simulation only): --attack-fraction of the clients upload their "
@@ -847,6 +854,8 @@ def validate_aggregation(config: ExperimentConfig) -> None:
         raise UserError(
             f"--attack-fraction must be in (0, 1], got {_got(config, 'attack_fraction')}"
         )
+    if config.secure_aggregation:
+        _check_secure(config)
     dp_only = ("dp_clip", "dp_clip_quantile", "dp_max_epsilon", "dp_insecure_reproducible_noise",
                "dp_publish_clients")  # fmt: skip
     if not config.dp:
@@ -869,6 +878,26 @@ def validate_aggregation(config: ExperimentConfig) -> None:
     from fedjax_split.run import safeguards  # JAX, as above
 
     safeguards.aggregator(config)  # the DP settings' own checks (the quantile, z < M/10, ...)
+
+
+def _check_secure(config: ExperimentConfig) -> None:
+    """What cannot work on a sum alone is refused before anything runs."""
+    if config.aggregator != "mean":
+        raise UserError(
+            f"{as_given(config, 'aggregator')} with --secure-aggregation: a robust rule needs "
+            "every upload side by side, and secure aggregation shows the server only their sum; "
+            "use --aggregator mean (--max-update-norm still bounds each update: the clients clip "
+            "their own)"
+        )
+    if config.attack != "none":
+        raise UserError("--attack with --secure-aggregation: the simulated attack edits uploads "
+                        "the server can no longer see; drop one of them")  # fmt: skip
+    if config.chunk_size not in (None, 1):
+        raise UserError(f"--chunk-size {config.chunk_size} with --secure-aggregation: each "
+                        "client's upload is quantised on its own; leave it unset")  # fmt: skip
+    if config.sampled_clients < 2:
+        raise UserError("--secure-aggregation needs at least 2 clients a round (the sum of one "
+                        "is its update): raise --clients-per-round")  # fmt: skip
 
 
 def check_trimming(trim_fraction: float, clients: int) -> None:

@@ -99,14 +99,17 @@ def _count(tree: Any) -> int:
     return int(sum(np.size(x) for x in jax.tree.leaves(tree)))
 
 
-def round_chunk_size(chunk_size: int | None, backend: str, processes: int = 1) -> int | None:
+def round_chunk_size(
+    chunk_size: int | None, backend: str, processes: int = 1, secure: bool = False
+) -> int | None:
     """Clients trained at once in a round: as configured, else one at a time on a CPU (each
     matmul already fills the cores, and a vmapped round holds every client's state at once) and
-    all at once on an accelerator (docs/benchmarks.md); one at a time with several processes."""
+    all at once on an accelerator (docs/benchmarks.md); one at a time with several processes or
+    secure aggregation (each upload is quantised on its own, `fed.secure_sum`)."""
     check_chunk_size(chunk_size, processes)
     if chunk_size is not None:
         return chunk_size
-    return 1 if backend == "cpu" or processes > 1 else None
+    return 1 if backend == "cpu" or processes > 1 or secure else None
 
 
 def subsample_indices(n: int, max_examples: int | None, seed: int) -> np.ndarray | None:
@@ -322,7 +325,7 @@ def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: A
                                                      config.server_tau),
         wire_dtype=WIRE_DTYPE[config.quantize],
         chunk_size=round_chunk_size(config.chunk_size, jax.default_backend(),
-                                    jax.process_count()),
+                                    jax.process_count(), config.secure_aggregation),
         devices=devices.for_rounds(config.cpu_devices, jax.default_backend()),
         aggregator=safeguards.aggregator(config),
     )

@@ -45,6 +45,7 @@ def aggregator(config: ExperimentConfig) -> Any:
         trim_fraction=config.trim_fraction,
         max_update_norm=config.max_update_norm,
         dp=dp,
+        secure=config.secure_aggregation,
     )
 
 

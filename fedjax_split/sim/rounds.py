@@ -73,6 +73,7 @@ from fedjax_split.fed.client import (
     real_steps,
 )
 from fedjax_split.fed.client_program import client_functions, client_rngs, download, round_rng
+from fedjax_split.fed.fixed_point import EXTRA_FIELDS
 from fedjax_split.fed.privacy import clip_upload
 from fedjax_split.fed.roles import select
 from fedjax_split.fed.server import ServerState, init_server_state, upload
@@ -540,7 +541,11 @@ def client_bytes(spec: RoundSpec, global_params: Any) -> tuple[int, int]:
     down (a client needs the whole current global part), its trained part up. Frozen and local
     parameters are never sent. Works on arrays or shape structs."""
     sent = jax.eval_shape(lambda g: cast_to_wire(g, spec.wire_dtype), global_params)
-    return tree_bytes(sent), tree_bytes(select(sent, spec.trained)[0])
+    up = select(sent, spec.trained)[0]
+    if spec.aggregator.secure:  # the masked fixed-point vector: 8 bytes an entry, two more
+        return tree_bytes(sent), 8 * (sum(int(np.prod(x.shape)) for x in jax.tree.leaves(up))
+                                      + EXTRA_FIELDS)  # fmt: skip
+    return tree_bytes(sent), tree_bytes(up)
 
 
 def run_round(
