@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 TIMES = ("train_seconds", "eval_seconds")
-FLOWER_ONLY = {"clients_failed", "eval_failed", "eval_bytes_down", "clients_rejected"}
+FLOWER_ONLY = {"clients_failed", "eval_failed", "eval_bytes_down", "clients_rejected",
+               "secagg_bytes_up"}  # fmt: skip
 
 
 def _run(module: str, flags: list[str], out: Path, env: dict[str, str]) -> float:

@@ -75,3 +75,22 @@ def pretrain_train(msg: Message, context: Context) -> Message:
 @app.evaluate(protocol.PRETRAIN)
 def pretrain_evaluate(msg: Message, context: Context) -> Message:
     return _handle(f"{protocol.EVALUATE}.{protocol.PRETRAIN}", msg, context)
+
+
+# Secure aggregation's stages after TRAIN ("query.secagg_share", "query.secagg_mask",
+# "query.secagg_unmask"): `deploy.secure_node`.
+
+
+@app.query(protocol.SECAGG_SHARE)
+def secagg_share(msg: Message, context: Context) -> Message:
+    return _handle(f"{protocol.QUERY}.{protocol.SECAGG_SHARE}", msg, context)
+
+
+@app.query(protocol.SECAGG_MASK)
+def secagg_mask(msg: Message, context: Context) -> Message:
+    return _handle(f"{protocol.QUERY}.{protocol.SECAGG_MASK}", msg, context)
+
+
+@app.query(protocol.SECAGG_UNMASK)
+def secagg_unmask(msg: Message, context: Context) -> Message:
+    return _handle(f"{protocol.QUERY}.{protocol.SECAGG_UNMASK}", msg, context)

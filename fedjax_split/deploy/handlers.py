@@ -21,7 +21,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fedjax_split import runtime
 from fedjax_split.assets import cache_dir
-from fedjax_split.deploy import codec, logs, pretrain_node, protocol
+from fedjax_split.deploy import codec, logs, pretrain_node, protocol, secure_node
 from fedjax_split.deploy import node as node_mod
 from fedjax_split.deploy.node import NodeSetup, local_part, node_clients
 from fedjax_split.errors import UserError
@@ -157,7 +157,8 @@ def _train(msg: Message, context: Context) -> Message:
         protocol.STEPS: int(metrics.num_steps),
         protocol.NUM_TRAIN: len(node.split.train),
     }
-    if norm is not None:  # DP: the update's norm before clipping (adaptive clipping's count)
+    secure = protocol.SECAGG in msg.content.config_records
+    if norm is not None and not secure:  # DP: the norm before clipping (adaptive clipping)
         reported[protocol.UPDATE_NORM] = norm
     for name, value in spent.items():  # run.costs: the steps' matmul FLOPs (and BERT-FL's)
         reported[protocol.COSTS[name]] = value
@@ -167,9 +168,29 @@ def _train(msg: Message, context: Context) -> Message:
             protocol.METRICS: MetricRecord(reported),
         }
     )
-    if sent:
+    if secure:  # the upload stays here: its fixed-point vector goes out masked, later
+        advert = secure_node.start(node, msg.content[protocol.SECAGG], run_id, upload, global_wire,
+                                   trained, clip, norm)  # fmt: skip
+        content[protocol.SECAGG] = ConfigRecord(advert)
+    elif sent:
         content[protocol.UPLOAD] = codec.to_record(sent)
     return _reply(msg, content)
+
+
+def _secagg(kind: str) -> Callable[[Message, Context], Message]:
+    """The handler of secure aggregation's stage `kind` (`deploy.secure_node`)."""
+
+    def handle(msg: Message, context: Context) -> Message:
+        cfg = msg.content[protocol.CONFIG]
+        out = secure_node.stage(kind, cfg, dict(msg.content[protocol.SECAGG]))
+        masked = out.pop("masked", None)
+        who = ConfigRecord({protocol.CLIENT: cfg[protocol.CLIENT]})
+        content = RecordDict({protocol.CONFIG: who, protocol.SECAGG: ConfigRecord(out)})
+        if masked is not None:
+            content[protocol.MASKED] = codec.to_record({protocol.MASKED: masked})
+        return _reply(msg, content)
+
+    return handle
 
 
 def _evaluate(msg: Message, context: Context) -> Message:
@@ -292,4 +313,6 @@ HANDLERS = {
     f"{protocol.QUERY}.{protocol.PRETRAIN}": _pretrain_query,
     f"{protocol.TRAIN}.{protocol.PRETRAIN}": _pretrain_train,
     f"{protocol.EVALUATE}.{protocol.PRETRAIN}": _pretrain_evaluate,
+    **{f"{protocol.QUERY}.{k}": _secagg(k)
+       for k in (protocol.SECAGG_SHARE, protocol.SECAGG_MASK, protocol.SECAGG_UNMASK)},
 }  # fmt: skip

@@ -49,6 +49,10 @@ GLOBAL_EVAL, GLOBAL_EVAL_JSON = "global-eval", "global-metrics-json"
 
 # MetricRecord keys of a train reply
 LOSS_SUM, LOSS_UNITS, STEPS, NUM_TRAIN = "loss-sum", "loss-units", "steps", "num-train"
+SECAGG = "secagg"  # ConfigRecord: secure aggregation's settings (TRAIN) or a stage's payload
+MASKED = "masked"  # ArrayRecord: a node's masked vector (uint64) under "masked"
+# secure aggregation's three queries after TRAIN (message type "query.<stage>")
+SECAGG_SHARE, SECAGG_MASK, SECAGG_UNMASK = "secagg_share", "secagg_mask", "secagg_unmask"
 UPDATE_NORM = "update-norm"  # DP: the update's L2 norm before the client clipped it
 
 # Node config keys (flower-supernode --node-config)

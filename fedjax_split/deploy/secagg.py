@@ -403,7 +403,7 @@ class ServerRound:
         return RoundLost(
             f"secure aggregation round {self.params.round} cannot be recovered: {have} of "
             f"{len(self.params.nodes)} nodes {what}, the threshold is {self.params.threshold}; "
-            f"the round is skipped"
+            f"the run stops (--resume runs the round again, with new keys)"
         )
 
 
@@ -607,7 +607,8 @@ def _secrets(
         if secret is None:
             raise RoundLost(
                 f"secure aggregation round {rnd.params.round} cannot be recovered: no {t} of the "
-                f"{len(shares)} shares of node {v}'s secret rebuild it; the round is skipped"
+                f"{len(shares)} shares of node {v}'s secret rebuild it; the run stops (--resume "
+                "runs the round again, with new keys)"
             )
         out[kind][v] = secret if kind == 0 else _key_from_scalar(secret)
     return rnd, out[0], out[1]

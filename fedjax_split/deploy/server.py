@@ -50,9 +50,10 @@ from fedjax_split import runtime
 from fedjax_split.data import partition as partition_mod
 from fedjax_split.data.partition import SITES, ClientSplit, Partition, sites_partition
 from fedjax_split.data.tokens.tagged import NO_ENTITY
-from fedjax_split.deploy import codec, protocol
+from fedjax_split.deploy import codec, protocol, secagg, secure_node, secure_round
 from fedjax_split.errors import UserError
 from fedjax_split.fed.aggregation import init_state
+from fedjax_split.fed.fixed_point import FixedPoint
 from fedjax_split.fed.roles import flatten_paths, select
 from fedjax_split.fed.secret import CHECKPOINT_KEY, ServerSecret
 from fedjax_split.fed.server import init_server_state
@@ -451,6 +452,18 @@ class Taken:
     norms: list[float] | None = None  # DP: the update norms the clients report (before clipping)
     bytes_up: int = 0  # the taken uploads' bytes as sent
     costs: list[dict[str, int]] = dataclasses.field(default_factory=list)  # run.costs' figures
+    secagg_bytes: int | None = None  # secure aggregation: the keys and shares the clients sent
+
+    def add(self, cid: int, examples: int, loss: float, spent: dict[str, int], nbytes: int,
+            upload: Any = None) -> None:  # fmt: skip
+        """One client's reply taken (`upload` None: secure aggregation's, summed elsewhere)."""
+        self.clients.append(cid)
+        if upload is not None:
+            self.uploads.append(upload)
+        self.weights.append(examples)
+        self.losses.append(loss)
+        self.bytes_up += nbytes
+        self.costs.append(spent)
 
     def answered(
         self, rejected: Mapping[int, str], valid: Any, norms: Any
@@ -514,33 +527,37 @@ def _take_uploads(
         reply = replies[cid]
         try:
             upload, nbytes = _decode_upload(reply, expected, spec.wire_dtype, dtypes)
-            if protocol.METRICS not in reply.content.metric_records:
-                raise ValueError("no training metrics")
-            m = reply.content[protocol.METRICS]
-            examples = _number(m, protocol.NUM_TRAIN, "example count", integral=True)
-            if examples != len(run.partition.clients[cid].train):
-                raise ValueError(
-                    f"example count {examples:g}, but the node reported "
-                    f"{len(run.partition.clients[cid].train)} training examples when it joined"
-                )
-            loss_sum = _number(m, protocol.LOSS_SUM, "loss sum")
-            units = _number(m, protocol.LOSS_UNITS, "loss count")
-            norm = _number(m, protocol.UPDATE_NORM, "update norm") if dp else None
-            spent = {k: whole_count(m, protocol.COSTS[k]) for k in expect}
+            examples, loss, spent = reply_figures(run, cid, reply, expect)
+            norm = _number(reply.content[protocol.METRICS], protocol.UPDATE_NORM,
+                           "update norm") if dp else None  # fmt: skip
         except ValueError as err:
             rejected[cid] = f"bad upload: {err}"
             continue
-        taken.clients.append(cid)
-        taken.uploads.append(upload)
-        taken.weights.append(examples)
+        taken.add(cid, examples, loss, spent, nbytes, upload)
         if norm is not None:
             taken.norms.append(norm)
-        # the simulation's loss_sum / max(num_examples, 1), in fp32
-        loss = np.float32(loss_sum) / np.maximum(np.float32(units), np.float32(1.0))
-        taken.losses.append(float(loss))
-        taken.bytes_up += nbytes
-        taken.costs.append(spent)
     return taken
+
+
+def reply_figures(
+    run: ServerRun, cid: int, reply: Any, expect: tuple[str, ...]
+) -> tuple[int, float, dict[str, int]]:
+    """A TRAIN reply's figures, checked (ValueError): (its example count, the one the node
+    reported when it joined; its mean loss as the simulation computes it; its FLOP counts)."""
+    if protocol.METRICS not in reply.content.metric_records:
+        raise ValueError("no training metrics")
+    m = reply.content[protocol.METRICS]
+    examples = _number(m, protocol.NUM_TRAIN, "example count", integral=True)
+    if examples != len(run.partition.clients[cid].train):
+        raise ValueError(
+            f"example count {examples:g}, but the node reported "
+            f"{len(run.partition.clients[cid].train)} training examples when it joined"
+        )
+    loss_sum = _number(m, protocol.LOSS_SUM, "loss sum")
+    units = _number(m, protocol.LOSS_UNITS, "loss count")
+    # the simulation's loss_sum / max(num_examples, 1), in fp32
+    loss = np.float32(loss_sum) / np.maximum(np.float32(units), np.float32(1.0))
+    return int(examples), float(loss), {k: whole_count(m, protocol.COSTS[k]) for k in expect}
 
 
 def run_round(
@@ -555,15 +572,22 @@ def run_round(
     plan = run.strategy.plan(r, run.server_state, run.secret)  # DP, M < K: Poisson, maybe nobody
     sent = codec.encode(run.server_state.global_params, run.model.round_spec.wire_dtype)
     msgs = _train_messages(run, plan, sent, keep_from)
+    secure = _secure_settings(run, plan, msgs) if plan.spec.aggregator.secure and msgs else None
     replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
     rejected: dict[int, str] = {}
     expect = expected_costs(run, plan.spec)
-    taken = _take_uploads(run, plan.spec, replies, rejected, expect)
-    _check_replies(r, plan.clients, replies, failed, rejected)
+    if secure is not None:  # the server sees the sum alone
+        taken = _secure_step(run, exchange, plan, secure, (replies, failed, rejected), expect)
+    else:
+        taken = _take_uploads(run, plan.spec, replies, rejected, expect)
+        _check_replies(r, plan.clients, replies, failed, rejected)
     weights = np.asarray(taken.weights, np.float32)
-    norms = None if taken.norms is None else np.asarray(taken.norms, np.float32)
-    run.server_state, valid, agg_norms = run.strategy.aggregate(
-        plan, run.server_state, taken.uploads, weights, norms)  # fmt: skip
+    if secure is None:
+        norms = None if taken.norms is None else np.asarray(taken.norms, np.float32)
+        run.server_state, valid, agg_norms = run.strategy.aggregate(
+            plan, run.server_state, taken.uploads, weights, norms)  # fmt: skip
+    else:
+        valid, agg_norms = np.ones(len(weights), bool), np.zeros(len(weights), np.float32)
     jax.block_until_ready(run.server_state)
     t_train = time.perf_counter()
     record = run.strategy.record(plan, np.asarray(taken.losses, np.float64), weights,
@@ -582,7 +606,54 @@ def run_round(
     ))  # fmt: skip
     record.update(clients_failed=sorted(failed), eval_failed=sorted(eval_failed),
                   eval_bytes_down=eval_bytes)  # fmt: skip
+    if taken.secagg_bytes is not None:
+        record["secagg_bytes_up"] = taken.secagg_bytes
     return record
+
+
+def _secure_settings(
+    run: ServerRun, plan: RoundPlan, msgs: Mapping[int, Any]
+) -> tuple[secagg.Params, FixedPoint]:
+    """A secure round's SecAgg+ settings and quantisation, added to each TRAIN message."""
+    sizes = {c: len(run.partition.clients[c].train) for c in plan.clients.tolist()}
+    entries = secure_round.trained_entries(run.server_state.global_params, plan.spec.trained)
+    params, fixed = secure_round.round_settings(plan, run.strategy.fixed_point, sizes, entries)
+    for msg in msgs.values():
+        msg.content[protocol.SECAGG] = _config_record(secure_node.settings(params, fixed))
+    return params, fixed
+
+
+def _secure_step(
+    run: ServerRun, exchange: Exchange, plan: RoundPlan,
+    settings: tuple[secagg.Params, FixedPoint],
+    outcome: tuple[dict[int, Any], dict[int, str], dict[int, str]], expect: tuple[str, ...],
+) -> Taken:  # fmt: skip
+    """A secure round after its TRAIN replies (`outcome`: replies, failed, rejected; the last two
+    filled in here): SecAgg+'s stages (`deploy.secure_round`), then the server's step from the
+    survivors' sum. The survivors' figures, taken."""
+    replies, failed, rejected = outcome
+    trained, adverts = Taken(), []
+    for cid in sorted(replies):
+        try:
+            examples, loss, spent = reply_figures(run, cid, replies[cid], expect)
+            adverts.append(secure_round.advert_of(replies[cid], cid))
+        except ValueError as err:
+            rejected[cid] = f"bad reply: {err}"
+            continue
+        trained.add(cid, examples, loss, spent, 0)
+    cfg = {protocol.RUN: run.run_id, protocol.ROUND: plan.round}
+    result = secure_round.secure_sum(exchange.send, run.nodes, cfg, *settings, adverts,
+                                     exchange.options.round_timeout)  # fmt: skip
+    failed.update(result.failed)
+    rejected.update(result.refused)
+    taken = Taken(bytes_up=result.masked_bytes, secagg_bytes=result.key_bytes)
+    for i, cid in enumerate(trained.clients):
+        if cid in result.survivors:
+            taken.add(cid, trained.weights[i], trained.losses[i], trained.costs[i], 0)
+    _check_replies(plan.round, plan.clients, replies, failed, rejected)
+    run.server_state = run.strategy.aggregate_sum(plan, run.server_state, result.total,
+                                                  result.fixed)  # fmt: skip
+    return taken
 
 
 def _check_replies(
