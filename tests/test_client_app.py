@@ -96,11 +96,13 @@ def _files(state_dir: Path) -> list[str]:
 
 
 def test_the_three_kinds_are_registered() -> None:
-    """Fine-tuning's (the default action) and further pre-training's (`*.pretrain`)."""
+    """Fine-tuning's (the default action), further pre-training's (`*.pretrain`) and secure
+    aggregation's three stages (queries)."""
     kinds = (protocol.QUERY, protocol.TRAIN, protocol.EVALUATE)
+    stages = (protocol.SECAGG_SHARE, protocol.SECAGG_MASK, protocol.SECAGG_UNMASK)
     assert set(client_app.app._registered_funcs) == {
         f"{kind}.{action}" for kind in kinds for action in ("default", protocol.PRETRAIN)
-    }
+    } | {f"{protocol.QUERY}.{stage}" for stage in stages}
 
 
 def test_a_query_reply_carries_the_client_id_and_its_split(
