@@ -975,7 +975,8 @@ def _saved_server(saved: dict[str, Any]) -> dict[str, float | None] | None:
     return {k: saved.get(k) if saved.get(k) is not None else old[k] for k in old}
 
 
-_ADDED_LATER = ("client_optimizer", "lr_schedule", "warmup_ratio", "client_clip_norm")
+_ADDED_LATER = ("client_optimizer", "lr_schedule", "warmup_ratio", "client_clip_norm",
+                "secure_aggregation")
 
 
 def trajectory_mismatch(saved: dict[str, Any], config: ExperimentConfig) -> list[str]:
