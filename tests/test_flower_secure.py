@@ -86,3 +86,28 @@ def test_a_robust_rule_with_secure_aggregation_is_refused_before_anything_starts
                                                  aggregator="median"))  # fmt: skip
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "--aggregator mean" in res.stderr and not out.exists()
+
+
+def test_a_site_killed_after_sharing_its_keys_is_recovered_and_below_the_threshold_the_run_stops(
+    env: dict,
+) -> None:
+    """Three SuperNodes, threshold 2. Round 1: client 2's node dies when asked for its masked
+    vector, after it shared its keys; the others' shares remove its masks and the round goes on
+    without it. Round 2: two nodes die there; one survivor is below the threshold: one line, exit
+    2, round 1's checkpoint and record kept; --resume runs round 2 again with new keys."""
+    out = env["base"] / "secure_drop"
+    flags = {"critical_layer": 1, "secure_aggregation": True}
+    drop = f"1:{protocol.SECAGG_MASK}:2,2:{protocol.SECAGG_MASK}:0,2:{protocol.SECAGG_MASK}:1"
+    res = _run(env, "fedjax_split.flower", _args(env, out, **flags),
+               **{protocol.SECAGG_DROP_ENV: drop})  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    lines = [x for x in res.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "threshold is 2" in lines[0] and "--resume" in lines[0]
+    _no_processes_left(str(out))
+    first = _metrics(out)
+    assert [r["round"] for r in first] == [1]
+    assert first[0]["clients_failed"] == [2] and len(first[0]["train_loss_clients"]) == 2
+    res = _run(env, "fedjax_split.flower", [*_args(env, out, **flags), "--resume"])
+    assert res.returncode == 0, res.stderr
+    got = _metrics(out)
+    assert got[0] == first[0] and got[1]["round"] == 2 and got[1]["clients_failed"] == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,9 @@ def _secagg(kind: str) -> Callable[[Message, Context], Message]:
 
     def handle(msg: Message, context: Context) -> Message:
         cfg = msg.content[protocol.CONFIG]
+        here = f"{int(cfg[protocol.ROUND])}:{kind}:{int(cfg[protocol.CLIENT])}"
+        if here in os.environ.get(protocol.SECAGG_DROP_ENV, "").split(","):
+            os._exit(3)  # tests: this site dies here, its keys with it
         out = secure_node.stage(kind, cfg, dict(msg.content[protocol.SECAGG]))
         masked = out.pop("masked", None)
         who = ConfigRecord({protocol.CLIENT: cfg[protocol.CLIENT]})

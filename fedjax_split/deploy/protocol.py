@@ -88,6 +88,9 @@ BERT_FL_FLOPS, SECONDS, CPU_SECONDS = "bert-fl-flops", "seconds", "cpu-seconds"
 # a fine-tuning TRAIN reply's FLOP counts, by their name in a round's record (run.costs)
 COSTS = {"flops": FLOPS, "bert_fl_flops": BERT_FL_FLOPS}
 
+# tests: "ROUND:STAGE:CLIENT,...": the node's worker dies as it gets that stage's message, as a
+# site killed after sharing its keys would
+SECAGG_DROP_ENV = "FEDJAX_SPLIT_TEST_SECAGG_DROP"
 RECORD_ENV = "FEDJAX_SPLIT_FLOWER_RECORD"  # a directory: every message sent is logged there
 
 
