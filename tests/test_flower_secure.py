@@ -1,8 +1,10 @@
 """Secure aggregation on a real Flower federation on 127.0.0.1 (SuperLink and SuperNodes as
 processes) against the simulation of the same flags: with --secure-aggregation, three and five
-SuperNodes give the simulation's metrics, DP included (the same noise under
+SuperNodes give the simulation's metrics, DP and the 16-bit wire included (the same noise under
 --dp-insecure-reproducible-noise); no node ever sends its upload or its update norm, only its
-keys, its encrypted shares and a masked uint64 vector; a robust rule is refused at start."""
+keys, its encrypted shares and a masked uint64 vector; a site killed after sharing its keys is
+recovered, two stop the run (below the threshold) and --resume goes on; a robust rule is refused
+at start."""
 
 from __future__ import annotations
 
@@ -63,8 +65,13 @@ def test_five_supernodes_with_secure_aggregation_equal_the_simulation(
     env: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(test_flower, "TIMEOUT", 2 * test_flower.TIMEOUT)  # five nodes start
-    _, sent = _secure_equals_simulation(env, "secure5", {"clients": 5, "critical_layer": 1})
+    """With the 16-bit wire: the global part goes down as fp16 bits, the updates up as masked
+    64-bit integers."""
+    flags = {"clients": 5, "critical_layer": 1, "quantize": "fp16"}
+    _, sent = _secure_equals_simulation(env, "secure5", flags)
     _only_masked_vectors_leave_the_nodes(sent)
+    down = [a for e in sent if e["sender"] == "server" for a in e["arrays"]]
+    assert down and all(a["dtype"] == "uint16" for a in down)
 
 
 def test_dp_with_secure_aggregation_on_three_supernodes_equals_the_simulation(env: dict) -> None:

@@ -28,10 +28,11 @@ def test_copy_lines_appends_clean_lines_and_echoes_them(tmp_path: Path) -> None:
     log = tmp_path / "x.log"
     log.write_bytes(b"before\n")
     echo = io.StringIO()
-    source = io.BytesIO(b"\x1b[92mINFO \x1b[0m:      a\n\x1b[92mINFO \x1b[0m:      \nb \xff\n")
+    source = io.BytesIO(b"\x1b[92mINFO \x1b[0m:      a\n\x1b[92mINFO \x1b[0m:      \nb \xff\n"
+                        b"error: bad\n")  # fmt: skip
     logs.copy_lines(source, log, echo)
-    assert log.read_bytes() == b"before\nINFO :      a\nb \xff\n"
-    assert echo.getvalue() == "INFO :      a\nb \ufffd\n"
+    assert log.read_bytes() == b"before\nINFO :      a\nb \xff\nerror: bad\n"
+    assert echo.getvalue() == "INFO :      a\nb \ufffd\n"  # the command says its error itself
 
 
 def test_an_app_process_prints_each_flower_record_once_and_warnings_on_one_line() -> None:

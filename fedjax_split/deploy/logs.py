@@ -29,7 +29,8 @@ def clean(line: bytes) -> bytes | None:
 
 def copy_lines(source: IO[bytes], log_path: Path, echo: TextIO | None = None) -> None:
     """Every line of `source` until its end, cleaned, appended to `log_path` (flushed line by
-    line, so a killed federation leaves its log) and written to `echo` when given."""
+    line, so a killed federation leaves its log) and written to `echo` when given (but a line
+    `error: ...`, which the command says once itself)."""
     with open(log_path, "ab") as log:
         for raw in iter(source.readline, b""):
             line = clean(raw)
@@ -37,7 +38,8 @@ def copy_lines(source: IO[bytes], log_path: Path, echo: TextIO | None = None) ->
                 continue
             log.write(line)
             log.flush()
-            if echo is not None:
+            # the app's own `error: ...` line: the command reports it from the status file
+            if echo is not None and not line.startswith(b"error: "):
                 echo.write(line.decode("utf-8", "replace"))
                 echo.flush()
 
