@@ -8,6 +8,9 @@ Three kinds of message, each answered by one reply:
   (its update clipped, with DP) and its training metrics (with DP, its update's norm before
   clipping). Its local part stays on the node's disk;
 - evaluate: the new global part -> the client's metrics on its own test split.
+With --secure-aggregation the train message also carries the round's SecAgg+ settings and its
+reply the client's public keys instead of its upload; three queries follow (`secagg_share`,
+`secagg_mask`, `secagg_unmask`: `deploy.secure_round`), the masked vector in the second reply.
 """
 
 from __future__ import annotations

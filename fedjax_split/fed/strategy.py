@@ -4,11 +4,13 @@ A `Strategy` is built once per run (`run.safeguards.strategy` builds it from the
 round a transport (the simulation, `run.experiment.Simulation.step`; the Flower server,
 `deploy.server.run_round`) calls:
 1. `plan(r, server_state, secret)`: the round's `RoundPlan`: the clients sampled, the round's
-   spec (what is trained and sent and in which dtype: FedSplitBERT, FedBT and FedBFPT are
-   schedules of one kind, `round_spec_for`), DP's clip norm and the server's noise key;
+   spec (what is trained and sent and in which dtype: FedSplitBERT's split and FedBT's layer
+   schedule are `round_spec_for`'s; further pre-training, FedBFPT, has its own plan still:
+   `run.pretraining`), DP's clip norm and the server's noise key;
 2. moves arrays: sends the global part, trains the clients, receives their uploads (its own I/O);
 3. `aggregate(plan, server_state, uploads, weights, norms)`: the server's step
-   (`fed.server_step`; robust rules and DP inside);
+   (`fed.server_step`; robust rules and DP inside); with secure aggregation the deployment,
+   which holds only the sum, calls `aggregate_sum` (`fed.secure_sum`);
 4. `record(plan, ...)`: the round's training and safeguard figures for metrics.jsonl.
 The secret stays the server's (`fed.secret`): the noise key and DP's Poisson sample come from
 it, never from the seed.
