@@ -10,8 +10,8 @@ tables such as the embeddings costs more than the loop (docs/benchmarks.md measu
 entry points add in the same order, but XLA:CPU may fuse the first multiply-adds of one and not
 of the other, so they agree to an ulp or so, not always bit for bit (tests/test_aggregation.py).
 What must agree bit for bit, the one-at-a-time simulation and a Flower server, both add the
-uploads one at a time with `add_upload` (`fed.server_step.server_round`, one program a client, so that
-its compilation does not depend on K); `aggregate_each` adds them with the same pieces.
+uploads one at a time with `add_upload` (`fed.server_step.server_round`, one program a client,
+so that its compilation does not depend on K); `aggregate_each` adds them with the same pieces.
 
 `aggregate` is the server's whole aggregation step around that mean: it validates every upload
 (a non-finite one is left out of the round, as a client of weight 0), and with an `Aggregator`
