@@ -96,14 +96,15 @@ def test_a_robust_rule_with_secure_aggregation_is_refused_before_anything_starts
 
 
 def test_a_site_killed_after_sharing_its_keys_is_recovered_and_below_the_threshold_the_run_stops(
-    env: dict,
+    env: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Three SuperNodes, threshold 2. Round 1: client 2's node dies when asked for its masked
     vector, after it shared its keys; the others' shares remove its masks and the round goes on
     without it. Round 2: two nodes die there; one survivor is below the threshold: one line, exit
     2, round 1's checkpoint and record kept; --resume runs round 2 again with new keys."""
+    monkeypatch.setattr(test_flower, "TIMEOUT", 2 * test_flower.TIMEOUT)  # workers restart
     out = env["base"] / "secure_drop"
-    flags = {"critical_layer": 1, "secure_aggregation": True}
+    flags = {"critical_layer": 1, "secure_aggregation": True, "eval_every": 2}
     drop = f"1:{protocol.SECAGG_MASK}:2,2:{protocol.SECAGG_MASK}:0,2:{protocol.SECAGG_MASK}:1"
     res = _run(env, "fedjax_split.flower", _args(env, out, **flags),
                **{protocol.SECAGG_DROP_ENV: drop})  # fmt: skip
