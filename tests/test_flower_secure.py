@@ -61,28 +61,22 @@ def _only_masked_vectors_leave_the_nodes(sent: list[dict]) -> None:
                                    protocol.SECAGG_UNMASK)} <= stages  # fmt: skip
 
 
-def test_five_supernodes_with_secure_aggregation_equal_the_simulation(
+def test_five_supernodes_with_dp_and_the_16_bit_wire_equal_the_simulation(
     env: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Five SuperNodes, the global part down as fp16 bits and the updates up as masked 64-bit
+    integers; client-level DP with adaptive clipping from the masked unclipped count and noise
+    z = 0.1 at the server (the same noise both ways under --dp-insecure-reproducible-noise)."""
     monkeypatch.setattr(test_flower, "TIMEOUT", 2 * test_flower.TIMEOUT)  # five nodes start
-    """With the 16-bit wire: the global part goes down as fp16 bits, the updates up as masked
-    64-bit integers."""
-    flags = {"clients": 5, "critical_layer": 1, "quantize": "fp16"}
-    _, sent = _secure_equals_simulation(env, "secure5", flags)
+    flags = {"clients": 5, "critical_layer": 1, "quantize": "fp16", "eval_every": 2,
+             "dp_noise_multiplier": 0.1, "dp_clip": 0.05, "dp_clip_quantile": 0.5,
+             "dp_delta": 1e-3, "dp_insecure_reproducible_noise": True}  # fmt: skip
+    got, sent = _secure_equals_simulation(env, "secure5", flags)
     _only_masked_vectors_leave_the_nodes(sent)
     down = [a for e in sent if e["sender"] == "server" for a in e["arrays"]]
     assert down and all(a["dtype"] == "uint16" for a in down)
-
-
-def test_dp_with_secure_aggregation_on_three_supernodes_equals_the_simulation(env: dict) -> None:
-    """Adaptive clipping from the masked unclipped count; noise z = 0.1 at the server."""
-    flags = {"critical_layer": 1, "eval_every": 2, "dp_noise_multiplier": 0.1, "dp_clip": 0.05,
-             "dp_clip_quantile": 0.5, "dp_delta": 1e-3,
-             "dp_insecure_reproducible_noise": True}  # fmt: skip
-    got, sent = _secure_equals_simulation(env, "secure_dp", flags)
     assert all("update_norms" not in r for r in got)  # the server never sees a norm
     assert got[1]["dp_clip"] != got[0]["dp_clip"]  # adaptive, from the masked unclipped count
-    _only_masked_vectors_leave_the_nodes(sent)
 
 
 def test_a_robust_rule_with_secure_aggregation_is_refused_before_anything_starts(
@@ -95,17 +89,19 @@ def test_a_robust_rule_with_secure_aggregation_is_refused_before_anything_starts
     assert "--aggregator mean" in res.stderr and not out.exists()
 
 
-def test_a_site_killed_after_sharing_its_keys_is_recovered_and_below_the_threshold_the_run_stops(
+def test_three_supernodes_recover_a_killed_site_and_stop_below_the_threshold(
     env: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Three SuperNodes, threshold 2. Round 1: client 2's node dies when asked for its masked
-    vector, after it shared its keys; the others' shares remove its masks and the round goes on
-    without it. Round 2: two nodes die there; one survivor is below the threshold: one line, exit
-    2, round 1's checkpoint and record kept; --resume runs round 2 again with new keys."""
+    """Three SuperNodes, threshold 2. Round 1 equals the simulation's. Round 2: client 2's node
+    dies when asked for its masked vector, after it shared its keys; the others' shares remove
+    its masks and the round goes on without it. Round 3: two nodes die there; one survivor is
+    below the threshold: one line, exit 2, the earlier checkpoints and records kept; --resume
+    runs round 3 again with new keys."""
     monkeypatch.setattr(test_flower, "TIMEOUT", 2 * test_flower.TIMEOUT)  # workers restart
     out = env["base"] / "secure_drop"
-    flags = {"critical_layer": 1, "secure_aggregation": True, "eval_every": 2}
-    drop = f"1:{protocol.SECAGG_MASK}:2,2:{protocol.SECAGG_MASK}:0,2:{protocol.SECAGG_MASK}:1"
+    flags = {"critical_layer": 1, "secure_aggregation": True, "rounds": 3, "eval_every": 3}
+    mask = protocol.SECAGG_MASK
+    drop = f"2:{mask}:2,3:{mask}:0,3:{mask}:1"
     res = _run(env, "fedjax_split.flower", _args(env, out, **flags),
                **{protocol.SECAGG_DROP_ENV: drop})  # fmt: skip
     assert res.returncode == 2, res.stderr
@@ -113,9 +109,11 @@ def test_a_site_killed_after_sharing_its_keys_is_recovered_and_below_the_thresho
     assert len(lines) == 1 and "threshold is 2" in lines[0] and "--resume" in lines[0]
     _no_processes_left(str(out))
     first = _metrics(out)
-    assert [r["round"] for r in first] == [1]
-    assert first[0]["clients_failed"] == [2] and len(first[0]["train_loss_clients"]) == 2
+    sim = _metrics(_simulate(env, "secure_drop_sim", **flags))
+    assert _comparable(first[0]) == _comparable(sim[0]) and first[0]["clients_failed"] == []
+    assert [r["round"] for r in first] == [1, 2]
+    assert first[1]["clients_failed"] == [2] and len(first[1]["train_loss_clients"]) == 2
     res = _run(env, "fedjax_split.flower", [*_args(env, out, **flags), "--resume"])
     assert res.returncode == 0, res.stderr
     got = _metrics(out)
-    assert got[0] == first[0] and got[1]["round"] == 2 and got[1]["clients_failed"] == []
+    assert got[:2] == first and got[2]["round"] == 3 and got[2]["clients_failed"] == []

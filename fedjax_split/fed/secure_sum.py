@@ -56,7 +56,7 @@ def round_fixed_point(
     is the round's L2 bound (no coordinate of a clipped update exceeds it) or COORDINATE_CLIP;
     weights up to `max_weight` (1 under DP's uniform weights); `nodes` vectors summed."""
     bound = round_bound(aggregator, clip)
-    weight = 1 if aggregator.dp is not None else int(max_weight)
+    weight = 1 if aggregator.dp is not None else max(1, int(max_weight))
     return FixedPoint(COORDINATE_CLIP if bound is None else bound, weight, int(nodes))
 
 
