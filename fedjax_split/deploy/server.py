@@ -413,12 +413,14 @@ def _decode_upload(
 
 
 def _train_messages(
-    run: ServerRun, plan: RoundPlan, sent: Mapping[str, np.ndarray], keep_from: int
-) -> dict[int, Any]:
+    run: ServerRun, plan: RoundPlan, sent: Mapping[str, np.ndarray], keep_from: int,
+    carry: Mapping[str, Any] | None = None,
+) -> dict[int, Any]:  # fmt: skip
     """Round r's TRAIN message for each sampled client: the global part as sent, the round's
     config (the server state's round for the keys, the rounds whose local parts to keep, the
     paths a layer schedule trains this round, and with client-level DP the clip norm the client
-    clips its update to)."""
+    clips its update to). `carry`: {client: the config of round r-1's evaluation} for the
+    clients whose message carries it (`evaluate`)."""
     spec, state, clip = plan.spec, run.server_state, plan.clip
     cfg = {
         protocol.ROUND: plan.round,
@@ -433,7 +435,8 @@ def _train_messages(
         cfg[protocol.DP_CLIP] = clip
     msgs = {}
     for cid in plan.clients.tolist():
-        content = {protocol.CONFIG: _config_record({**cfg, protocol.CLIENT: cid})}
+        extra = (carry or {}).get(cid, {})
+        content = {protocol.CONFIG: _config_record({**cfg, **extra, protocol.CLIENT: cid})}
         if sent:
             content[protocol.GLOBAL] = codec.to_record(sent)
         msgs[cid] = _message(content, run.nodes[cid], protocol.TRAIN)
@@ -543,19 +546,39 @@ def _take_uploads(
     return taken
 
 
+@dataclasses.dataclass
+class Ahead:
+    """Round r's training, sent in round r-1's evaluation exchange (`evaluate`): its plan, the
+    global part sent, the replies and failures, and the exchange's seconds, which count as round
+    r's training (not as round r-1's evaluation). Held in memory only: a run stopped or killed
+    before round r starts trains round r again on resume, as if it had never been sent."""
+
+    plan: RoundPlan
+    sent: Mapping[str, np.ndarray]
+    replies: dict[int, Any]
+    failed: dict[int, str]
+    seconds: float
+
+
 def run_round(
     run: ServerRun, exchange: Exchange, r: int, history: list[dict[str, Any]],
-    options: DeployOptions, keep_from: int,
-) -> dict[str, Any]:  # fmt: skip
-    """Round r over the federation; the round's record (metrics.jsonl's row). `keep_from`: the
-    oldest kept checkpoint's round (the nodes keep the local parts it and later ones need). The
-    strategy decides (`fed.strategy`: the clients, the spec, the clip, the server's step, the
-    record); this moves the arrays."""
+    options: DeployOptions, keep_from: int, ahead: Ahead | None = None,
+) -> tuple[dict[str, Any], Ahead | None]:  # fmt: skip
+    """Round r over the federation: (the round's record, metrics.jsonl's row; round r+1's
+    training where its exchange carried round r's evaluation). `keep_from`: the oldest kept
+    checkpoint's round (the nodes keep the local parts it and later ones need). `ahead`: round
+    r's training, already exchanged with round r-1's evaluation. The strategy decides
+    (`fed.strategy`: the clients, the spec, the clip, the server's step, the record); this moves
+    the arrays."""
     t0 = time.perf_counter()
-    plan = run.strategy.plan(r, run.server_state, run.secret)  # DP, M < K: Poisson, maybe nobody
-    sent = codec.encode(run.server_state.global_params, run.model.round_spec.wire_dtype)
-    msgs = _train_messages(run, plan, sent, keep_from)
-    replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
+    if ahead is not None and ahead.plan.round == r:
+        plan, sent, replies, failed = ahead.plan, ahead.sent, ahead.replies, ahead.failed
+        t0 -= ahead.seconds
+    else:
+        plan = run.strategy.plan(r, run.server_state, run.secret)  # DP, M < K: maybe nobody
+        sent = codec.encode(run.server_state.global_params, run.model.round_spec.wire_dtype)
+        msgs = _train_messages(run, plan, sent, keep_from)
+        replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
     rejected: dict[int, str] = {}
     expect = expected_costs(run, plan.spec)
     taken = _take_uploads(run, plan.spec, replies, rejected, expect)
@@ -569,20 +592,23 @@ def run_round(
     record = run.strategy.record(plan, np.asarray(taken.losses, np.float64), weights,
                                  *taken.answered(rejected, valid, agg_norms))  # fmt: skip
     eval_failed: dict[int, str] = {}
-    eval_bytes = 0
+    eval_bytes, next_ahead = 0, None
     if driver.due(r, run.config.eval_every, run.rounds):
         done = [c for c in plan.clients if int(c) not in failed]
-        evaluated, eval_failed, eval_bytes = evaluate(
-            run, exchange, r, options, failed, pieces.trained_clients(history, done))
+        trained = pieces.trained_clients(history, done)
+        evaluated, eval_failed, eval_bytes, next_ahead = evaluate(
+            run, exchange, r, options, failed, trained, keep_from
+        )
         record.update(evaluated)
-    times, num = (t0, t_train, time.perf_counter()), len(plan.clients)
+    t_end = time.perf_counter() - (0.0 if next_ahead is None else next_ahead.seconds)
+    times, num = (t0, t_train, max(t_end, t_train)), len(plan.clients)
     record.update(pieces.cost_record(
         history, taken.bytes_up, codec.nbytes(sent) * num, times, taken.costs, bool(expect),
         run.bert_fl_bytes, num,
     ))  # fmt: skip
     record.update(clients_failed=sorted(failed), eval_failed=sorted(eval_failed),
                   eval_bytes_down=eval_bytes)  # fmt: skip
-    return record
+    return record, next_ahead
 
 
 def _check_replies(
@@ -650,14 +676,18 @@ def evaluate(
     options: DeployOptions,
     skip: Mapping[int, str],
     trained: set[int],
-) -> tuple[dict[str, Any], dict[int, str], int]:
+    keep_from: int = 0,
+) -> tuple[dict[str, Any], dict[int, str], int, Ahead | None]:
     """Every client (but those that just failed) scores the new global part with its own local
-    part on its own test split: (metrics as the simulation records them, failures, bytes sent).
-    `trained`: the clients whose uploads the server has taken so far (for `trained_mean`). At a
-    split run's last evaluation each client also scores the global model (the global part with
-    the initial local part, `run.experiment.global_figures`): the personalisation gain. The
-    simulation's `pooled` figure needs every client's predictions; only metrics leave a node, so
-    it is not recorded here."""
+    part on its own test split: (metrics as the simulation records them, failures, bytes sent for
+    evaluation alone, round r+1's training). `trained`: the clients whose uploads the server has
+    taken so far (for `trained_mean`). Before the last round, round r+1's train messages go in
+    the same exchange, each carrying its client's evaluation (`protocol.EVAL_ROUND`: the global
+    part round r+1 sends is the one evaluated), and only the clients not sampled in round r+1 get
+    an evaluate message; one exchange instead of two. At a split run's last evaluation each
+    client also scores the global model (the global part with the initial local part,
+    `run.experiment.global_figures`): the personalisation gain. The simulation's `pooled` figure
+    needs every client's predictions; only metrics leave a node, so it is not recorded here."""
     state = run.server_state
     wire = run.model.round_spec.wire_dtype
     sent = codec.encode(state.global_params, wire)
@@ -665,15 +695,34 @@ def evaluate(
     both = r == run.rounds and run.model.num_local > 0
     if both:
         cfg[protocol.GLOBAL_EVAL] = True
-    msgs = {}
-    for cid in range(run.config.clients):
-        if cid in skip:
-            continue
+    due = [cid for cid in range(run.config.clients) if cid not in skip]
+    plan = run.strategy.plan(r + 1, state, run.secret) if r < run.rounds else None
+    carry = {cid: {protocol.EVAL_ROUND: r, **({protocol.GLOBAL_EVAL: True} if both else {})}
+             for cid in due}  # fmt: skip
+    train = {} if plan is None else _train_messages(run, plan, sent, keep_from, carry)
+    msgs = {**train}
+    for cid in (c for c in due if c not in train):
         content = {protocol.CONFIG: _config_record({**cfg, protocol.CLIENT: cid})}
         if sent:
             content[protocol.GLOBAL] = codec.to_record(sent)
         msgs[cid] = _message(content, run.nodes[cid], protocol.EVALUATE)
-    replies, failed = exchange.send(msgs, options.round_timeout)
+    t0 = time.perf_counter()
+    replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
+    ahead = None if plan is None else Ahead(
+        plan, sent, {c: m for c, m in replies.items() if c in train},
+        {c: why for c, why in failed.items() if c in train}, time.perf_counter() - t0)  # fmt: skip
+    got = {c: replies[c] for c in due if c in replies}
+    lost = {c: failed[c] for c in due if c in failed}
+    record, lost = _evaluated(run, r, got, lost, skip, trained, both)
+    return record, lost, codec.nbytes(sent) * (len(msgs) - len(train)), ahead
+
+
+def _evaluated(
+    run: ServerRun, r: int, replies: Mapping[int, Any], failed: dict[int, str],
+    skip: Mapping[int, str], trained: set[int], both: bool,
+) -> tuple[dict[str, Any], dict[int, str]]:  # fmt: skip
+    """The evaluation's record from the clients' replies (evaluate replies, or train replies that
+    carried it) and every client that failed to evaluate (`skip`: those that failed to train)."""
     failed.update({cid: why for cid, why in skip.items()})
     per_client, theirs = [], []
     names = metric_names(run.model.task, run.tag_names)
@@ -692,8 +741,7 @@ def evaluate(
     for cid, why in sorted(failed.items()):
         if cid not in skip:
             _warn(f"round {r}: client {cid} failed to evaluate ({why})")
-    record = pieces.personalised_record(per_client, trained, theirs if both else None)
-    return record, failed, codec.nbytes(sent) * len(msgs)
+    return pieces.personalised_record(per_client, trained, theirs if both else None), failed
 
 
 def oldest_checkpoint(run_dir: Any, start_round: int) -> int:
@@ -723,6 +771,7 @@ class FlowerServer:
         # needs (`sim.client_store.prune`, as the simulation prunes its store to min(kept))
         self.keep_from = 0
         self.publish = safeguards.publisher(run.config)  # DP: the per-client figures kept private
+        self.ahead: Ahead | None = None  # the next round's training, exchanged with this one's
 
     def arrays(self) -> dict[str, Any]:
         """The server state and, as the simulation's checkpoint has it, the frozen part (when
@@ -772,7 +821,12 @@ class FlowerServer:
         )
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        return run_round(self.run, self.exchange, r, list(history), self.options, self.keep_from)
+        """Round r's record, complete (its evaluation too) before the driver writes it; round
+        r+1's training, where it went in the same exchange, waits here for step r+1."""
+        ahead, self.ahead = self.ahead, None
+        record, self.ahead = run_round(self.run, self.exchange, r, list(history), self.options,
+                                       self.keep_from, ahead)  # fmt: skip
+        return record
 
     def checkpointed(self, r: int, kept: Sequence[int]) -> None:
         self.keep_from = min(kept, default=r)
