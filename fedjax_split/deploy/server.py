@@ -12,7 +12,9 @@ order, a robust rule, or DP's clipped sum plus Gaussian noise from the server's 
 `server_update`: Delta against the copy sent, any optax server optimiser on the fp32 master);
 Flower's own strategies and FedAvg are not used. The aggregator's state (DP's clip norm) is part
 of the checkpointed server state; epsilon is a function of the rounds done. Then,
-when due, every client evaluates the new global part with its own local part on its own test split.
+when due, every client evaluates the new global part with its own local part on its own test split;
+before the last round in the same exchange as round r+1's training (`evaluate`: one exchange a
+round, the replies of round r+1 held until it starts, so that round r's record is whole first).
 
 Faults: a client that does not answer within `round_timeout` (its SuperNode died, or Flower
 reported an error for it) is left out of the round: the mean is over the replies received,
@@ -72,6 +74,8 @@ class DeployOptions:
     connect_timeout: float = 300.0  # seconds to wait for all K SuperNodes at the start
     poll_interval: float = 0.2  # seconds between two pulls of replies
     stop_after_round: int | None = None  # tests: stop (as Ctrl-C would) after this round
+    # round r's evaluation in round r+1's train messages (`evaluate`); False: an exchange each
+    carry_evaluation: bool = True
 
 
 class Stopped(Exception):
@@ -696,9 +700,9 @@ def evaluate(
     if both:
         cfg[protocol.GLOBAL_EVAL] = True
     due = [cid for cid in range(run.config.clients) if cid not in skip]
-    plan = run.strategy.plan(r + 1, state, run.secret) if r < run.rounds else None
-    carry = {cid: {protocol.EVAL_ROUND: r, **({protocol.GLOBAL_EVAL: True} if both else {})}
-             for cid in due}  # fmt: skip
+    fold = r < run.rounds and options.carry_evaluation  # (then never `both`: not the last)
+    plan = run.strategy.plan(r + 1, state, run.secret) if fold else None
+    carry = {cid: {protocol.EVAL_ROUND: r} for cid in due}
     train = {} if plan is None else _train_messages(run, plan, sent, keep_from, carry)
     msgs = {**train}
     for cid in (c for c in due if c not in train):
@@ -708,13 +712,13 @@ def evaluate(
         msgs[cid] = _message(content, run.nodes[cid], protocol.EVALUATE)
     t0 = time.perf_counter()
     replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
-    ahead = None if plan is None else Ahead(
+    carried = None if plan is None else Ahead(
         plan, sent, {c: m for c, m in replies.items() if c in train},
         {c: why for c, why in failed.items() if c in train}, time.perf_counter() - t0)  # fmt: skip
     got = {c: replies[c] for c in due if c in replies}
     lost = {c: failed[c] for c in due if c in failed}
     record, lost = _evaluated(run, r, got, lost, skip, trained, both)
-    return record, lost, codec.nbytes(sent) * (len(msgs) - len(train)), ahead
+    return record, lost, codec.nbytes(sent) * (len(msgs) - len(train)), carried
 
 
 def _evaluated(
