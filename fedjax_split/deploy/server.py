@@ -418,7 +418,7 @@ def _decode_upload(
 
 def _train_messages(
     run: ServerRun, plan: RoundPlan, sent: Mapping[str, np.ndarray], keep_from: int,
-    carry: Mapping[str, Any] | None = None,
+    carry: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> dict[int, Any]:  # fmt: skip
     """Round r's TRAIN message for each sampled client: the global part as sent, the round's
     config (the server state's round for the keys, the rounds whose local parts to keep, the
