@@ -351,13 +351,14 @@ def test_before_the_last_round_the_evaluation_rides_in_the_next_rounds_train_mes
     exchange = _Exchange(replies, failing={2: "no reply within 9 s"})
     skip = {3: "no reply within 9 s"}
     record, failed, eval_bytes, ahead = server.evaluate(
-        run, exchange, 2, server.DeployOptions(), skip, {0, 1, 2}, keep_from=1)
+        run, exchange, 2, server.DeployOptions(), skip, {0, 1, 2}, keep_from=1
+    )
     sent = {c: (m["kind"], dict(m[protocol.CONFIG])) for c, m in exchange.sent.items()}
-    assert {c: kind for c, (kind, _) in sent.items()} == {
-        0: protocol.TRAIN, 1: protocol.EVALUATE, 2: protocol.TRAIN, 3: protocol.TRAIN}
+    kinds = {c: kind for c, (kind, _) in sent.items()}
+    assert kinds == {0: protocol.TRAIN, 1: protocol.EVALUATE, 2: protocol.TRAIN, 3: "train"}
     assert [sent[c][1][protocol.ROUND] for c in range(4)] == [3, 2, 3, 3]
-    assert {c: cfg.get(protocol.EVAL_ROUND) for c, (_, cfg) in sent.items()} == {
-        0: 2, 1: None, 2: 2, 3: None}
+    carried = {c: cfg.get(protocol.EVAL_ROUND) for c, (_, cfg) in sent.items()}
+    assert carried == {0: 2, 1: None, 2: 2, 3: None}
     assert all(cfg[protocol.KEEP_FROM] == 1 for kind, cfg in sent.values() if kind == "train")
     global_part = codec.encode(run.server_state.global_params, "float32")
     for m in exchange.sent.values():
@@ -373,8 +374,8 @@ def test_before_the_last_round_the_evaluation_rides_in_the_next_rounds_train_mes
 
     alone = server.DeployOptions(carry_evaluation=False)
     _, failed, eval_bytes, ahead = server.evaluate(run, exchange, 2, alone, skip, {0, 1, 2})
-    assert {c: m["kind"] for c, m in exchange.sent.items()} == dict.fromkeys(
-        [0, 1, 2], protocol.EVALUATE)
+    kinds = {c: m["kind"] for c, m in exchange.sent.items()}
+    assert kinds == dict.fromkeys([0, 1, 2], protocol.EVALUATE)
     assert ahead is None and eval_bytes == 3 * codec.nbytes(global_part)
 
 

@@ -257,8 +257,9 @@ def _server_sent(record_dir: Path) -> list[list[tuple[str, int, int | None, int]
             cfg = e["config_values"].get(protocol.CONFIG, {})
             if e["type"] in ("train", "evaluate"):
                 carried = cfg.get(protocol.EVAL_ROUND)
-                sent.append((e["type"], int(cfg[protocol.ROUND]),
-                             None if carried is None else int(carried), int(cfg[protocol.CLIENT])))
+                carried = None if carried is None else int(carried)
+                r, client = int(cfg[protocol.ROUND]), int(cfg[protocol.CLIENT])
+                sent.append((e["type"], r, carried, client))
         runs.append(sent)
     return runs
 
