@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from fedjax_split import train
-from fedjax_split.assets import cache_dir
 from fedjax_split.cli import run_command
 from fedjax_split.deploy import protocol
 from fedjax_split.deploy.launch import Federation, link_identical_files, write_app
@@ -141,23 +140,6 @@ def run_config(config: Config, deploy: dict[str, Any], status_file: str = "") ->
     return values
 
 
-def _jax_cache_env() -> dict[str, str]:
-    """A persistent JAX compilation cache for the ServerApp and every ClientApp process: Flower
-    starts a ClientApp process per message, and without it each would compile its programs."""
-    env = {
-        "JAX_COMPILATION_CACHE_DIR": os.environ.get(
-            "JAX_COMPILATION_CACHE_DIR", str(cache_dir() / "jax")
-        ),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": os.environ.get(
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"
-        ),
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": os.environ.get(
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0"
-        ),
-    }
-    return env
-
-
 def node_configs(
     flower_dir: Path, clients: int, supernodes: int, sites: Sequence[Path] | None = None
 ) -> list[dict[str, Any]]:
@@ -188,7 +170,9 @@ def _federate(
         app = write_app(Path(tmp) / "app", {**values, protocol.STATUS_FILE: str(status_path)})
         # every process of the federation carries the run directory in its environment, so that
         # it can be found (tests check that none outlives the command)
-        env = {**_jax_cache_env(), "FEDJAX_SPLIT_FLOWER_RUN": str(run_dir)}
+        # (no JAX cache setting of its own: every process applies `runtime.enable_xla_cache`, so
+        # the nodes share the simulation's cache and a first run loads what `train` compiled)
+        env = {"FEDJAX_SPLIT_FLOWER_RUN": str(run_dir)}
         fed = Federation(nodes, flower_dir / "logs", env=env)
         try:
             fed.start()

@@ -286,6 +286,42 @@ def test_an_evaluate_reply_carries_the_clients_metrics_as_json(
     assert before == node_mod.evaluate(node, codec.decode(fed.sent, fed.wire), node.local0)
 
 
+def test_a_train_message_that_carries_the_evaluation_answers_both_as_two_messages_would(
+    fed: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Round 2's train message carrying round 1's evaluation (one exchange): its reply holds the
+    metrics round 1's evaluate message gives and the upload round 2's train message gives, bit
+    for bit, and the node keeps the same files (the export's pair of round 1, round 2's part).
+    A train message asking for another round's evaluation is refused."""
+    from test_worker import _content
+
+    replies = {}
+    for way in ("two", "one"):
+        ctx = _context(fed, tmp_path / way)
+        client_app.app(_round_message(fed, protocol.TRAIN), ctx)
+        train2 = {protocol.STATE_ROUND: 1, protocol.KEEP_FROM: 0}
+        if way == "two":
+            evaluated = client_app.app(_round_message(fed, protocol.EVALUATE), ctx)
+            trained = client_app.app(_round_message(fed, protocol.TRAIN, round_=2, **train2), ctx)
+            replies[way] = _content(trained)
+            cfg, scores = f"config/{protocol.CONFIG}", _content(evaluated)
+            assert list(scores) == [cfg]  # an evaluate reply: its config alone
+            replies[way][cfg] = {**replies[way][cfg], **scores[cfg]}
+        else:
+            msg = _round_message(fed, protocol.TRAIN, round_=2, **train2,
+                                 **{protocol.EVAL_ROUND: 1})  # fmt: skip
+            replies[way] = _content(client_app.app(msg, ctx))
+    assert replies["one"] == replies["two"]
+    assert protocol.EVAL_JSON in replies["one"][f"config/{protocol.CONFIG}"]
+    assert any(k.startswith(f"{protocol.UPLOAD}/") for k in replies["one"])
+    assert _files(tmp_path / "one") == _files(tmp_path / "two")
+    assert f"export/client_{CLIENT}_after_1.npz" in _files(tmp_path / "one")
+    wrong = _round_message(fed, protocol.TRAIN, round_=2, **{protocol.STATE_ROUND: 1,
+                           protocol.KEEP_FROM: 0, protocol.EVAL_ROUND: 0})  # fmt: skip
+    with pytest.raises(ValueError, match="evaluate after round 0"):
+        client_app.app(wrong, _context(fed, tmp_path / "one"))
+
+
 def test_a_node_keeps_only_what_resume_and_export_need(
     fed: SimpleNamespace, tmp_path: Path
 ) -> None:

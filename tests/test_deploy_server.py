@@ -235,13 +235,15 @@ class _Exchange:
     """An Exchange whose clients answer an evaluation at once with the given replies; it keeps
     the messages it was given."""
 
-    def __init__(self, replies: dict[int, Any]) -> None:
+    def __init__(self, replies: dict[int, Any], failing: dict[int, str] | None = None) -> None:
         self.replies = replies
+        self.failing = failing or {}
         self.sent: dict = {}
 
     def send(self, messages: dict, timeout: float) -> tuple[dict, dict]:
         self.sent = messages
-        return {c: self.replies[c] for c in messages}, {}
+        failed = {c: why for c, why in self.failing.items() if c in messages}
+        return {c: self.replies[c] for c in messages if c not in failed}, failed
 
 
 def test_evaluate_leaves_out_a_reply_that_is_not_the_clients_own_metrics(monkeypatch) -> None:
@@ -275,8 +277,9 @@ def test_evaluate_leaves_out_a_reply_that_is_not_the_clients_own_metrics(monkeyp
     run.model.task, run.tag_names, run.run_id = get_task("qnli"), (), "ab" * 8
     run.config, run.nodes = SimpleNamespace(clients=len(replies)), {c: c for c in replies}
     run.rounds, run.model.num_local = 1, 0  # the last evaluation, but nothing local
-    record, failed, _ = server.evaluate(run, _Exchange(replies), 1, server.DeployOptions(), {},
-                                        set(range(16)))  # fmt: skip
+    record, failed, _, ahead = server.evaluate(run, _Exchange(replies), 1, server.DeployOptions(),
+                                               {}, set(range(16)))  # fmt: skip
+    assert ahead is None  # the last round: nothing to carry
     assert sorted(failed) == list(range(3, 16))
     assert all(why.startswith("bad evaluation: ") for why in failed.values())
     assert "client 0" in failed[10] and "not a real number" in failed[7]
@@ -308,10 +311,11 @@ def test_a_split_runs_last_evaluation_asks_every_client_for_the_global_models_fi
     run.config, run.nodes = SimpleNamespace(clients=len(replies)), {c: c for c in replies}
     run.rounds, run.model.num_local = 4, 10
     exchange = _Exchange(replies)
-    early, _, _ = server.evaluate(run, exchange, 2, server.DeployOptions(), {}, set())
+    alone = server.DeployOptions(carry_evaluation=False)  # (carried: the next test)
+    early, _, _, _ = server.evaluate(run, exchange, 2, alone, {}, set())
     assert not any(protocol.GLOBAL_EVAL in m[protocol.CONFIG] for m in exchange.sent.values())
     assert "personalization_gain" not in early
-    record, failed, _ = server.evaluate(run, exchange, 4, server.DeployOptions(), {}, set())
+    record, failed, _, _ = server.evaluate(run, exchange, 4, server.DeployOptions(), {}, set())
     assert all(m[protocol.CONFIG][protocol.GLOBAL_EVAL] is True for m in exchange.sent.values())
     assert sorted(failed) == [3, 4] and protocol.GLOBAL_EVAL_JSON in failed[3]
     assert record["clients"] == [{"client": 0, "accuracy": 0.9}, {"client": 1, "accuracy": 0.6}]
@@ -319,6 +323,60 @@ def test_a_split_runs_last_evaluation_asks_every_client_for_the_global_models_fi
                                         {"client": 1, "accuracy": 0.7}]  # fmt: skip
     assert record["personalization_gain"]["accuracy"] == pytest.approx(((0.9 - 0.5) - 0.1) / 2)
     assert record["worst_client"] == {"accuracy": 0.6}
+
+
+def test_before_the_last_round_the_evaluation_rides_in_the_next_rounds_train_messages(
+    monkeypatch,
+) -> None:
+    """Round 2 of 3, evaluation due; round 3 samples clients 0, 2 and 3, and 3 failed to train
+    in round 2: one exchange, in which 0 and 2 get round 3's train message carrying round 2's
+    evaluation, 3 round 3's train message alone, 1 (not sampled) an evaluate message, each with
+    the same global part. Client 2's message fails: its evaluation and its training both. The
+    replies of round 3's messages wait for round 3; the evaluation's own bytes are one global
+    part. Without `carry_evaluation` every due client gets an evaluate message and nothing
+    waits."""
+    from fedjax_split.fed.strategy import RoundPlan
+    from fedjax_split.tasks.registry import get_task
+
+    monkeypatch.setattr(server, "_message", lambda content, node, kind: {**content, "kind": kind})
+    acc = lambda a: json.dumps({"accuracy": a})  # noqa: E731
+    replies = {c: _eval_reply(c, acc(0.5 + c / 10)) for c in range(4)}
+    run = _run("float32")
+    run.model.task, run.tag_names, run.run_id = get_task("qnli"), (), "ab" * 8
+    run.config, run.nodes = SimpleNamespace(clients=4), {c: c for c in range(4)}
+    run.rounds, run.model.num_local, run.secret = 3, 10, None
+    spec = run.model.round_spec
+    run.strategy = SimpleNamespace(plan=lambda r, state, secret: RoundPlan(
+        r, np.asarray([0, 2, 3]), spec, None, None))  # fmt: skip
+    exchange = _Exchange(replies, failing={2: "no reply within 9 s"})
+    skip = {3: "no reply within 9 s"}
+    record, failed, eval_bytes, ahead = server.evaluate(
+        run, exchange, 2, server.DeployOptions(), skip, {0, 1, 2}, keep_from=1
+    )
+    sent = {c: (m["kind"], dict(m[protocol.CONFIG])) for c, m in exchange.sent.items()}
+    kinds = {c: kind for c, (kind, _) in sent.items()}
+    assert kinds == {0: protocol.TRAIN, 1: protocol.EVALUATE, 2: protocol.TRAIN, 3: "train"}
+    assert [sent[c][1][protocol.ROUND] for c in range(4)] == [3, 2, 3, 3]
+    carried = {c: cfg.get(protocol.EVAL_ROUND) for c, (_, cfg) in sent.items()}
+    assert carried == {0: 2, 1: None, 2: 2, 3: None}
+    assert all(cfg[protocol.KEEP_FROM] == 1 for kind, cfg in sent.values() if kind == "train")
+    global_part = codec.encode(run.server_state.global_params, "float32")
+    for m in exchange.sent.values():
+        got = codec.from_record(m[protocol.GLOBAL])
+        assert all(np.array_equal(got[p], x) for p, x in global_part.items())
+    assert [c["client"] for c in record["clients"]] == [0, 1]
+    assert record["accuracy"] == pytest.approx((0.5 + 0.6) / 2)
+    assert failed == {2: "no reply within 9 s", 3: "no reply within 9 s"}
+    assert eval_bytes == codec.nbytes(global_part)  # client 1's evaluate message alone
+    assert ahead.plan.round == 3 and sorted(ahead.replies) == [0, 3]
+    assert ahead.replies[0] is replies[0] and ahead.failed == {2: "no reply within 9 s"}
+    assert ahead.sent.keys() == global_part.keys()
+
+    alone = server.DeployOptions(carry_evaluation=False)
+    _, failed, eval_bytes, ahead = server.evaluate(run, exchange, 2, alone, skip, {0, 1, 2})
+    kinds = {c: m["kind"] for c, m in exchange.sent.items()}
+    assert kinds == dict.fromkeys([0, 1, 2], protocol.EVALUATE)
+    assert ahead is None and eval_bytes == 3 * codec.nbytes(global_part)
 
 
 def test_the_metric_names_are_the_tasks_with_groups_and_entity_types() -> None:
@@ -438,7 +496,14 @@ def test_the_nodes_keep_the_local_parts_of_the_oldest_kept_checkpoint(
     from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 
     sent: list[int] = []
-    monkeypatch.setattr(server, "run_round", lambda run, ex, r, h, o, keep: sent.append(keep))
+    carried: list = []
+
+    def run_round(run, ex, r, h, o, keep, ahead):  # noqa: ANN001, ANN202
+        sent.append(keep)
+        carried.append(ahead)
+        return {}, f"round {r + 1}'s training"  # what the next step gets
+
+    monkeypatch.setattr(server, "run_round", run_round)
     task = SimpleNamespace(primary_metric="f1")
     run = SimpleNamespace(config=SimpleNamespace(run_dir=tmp_path, dp=False), rounds=9,
                           model=SimpleNamespace(task=task))  # fmt: skip
@@ -449,6 +514,7 @@ def test_the_nodes_keep_the_local_parts_of_the_oldest_kept_checkpoint(
     flower.checkpointed(4, [2, 4])
     flower.step(5, [])
     assert sent == [0, 2, 2]
+    assert carried == [None, "round 2's training", "round 4's training"]
     checkpoints = RunCheckpointer(checkpoint_dir(tmp_path))
     for r in (2, 4):
         checkpoints.save(r, {"x": np.zeros(1)}, {})

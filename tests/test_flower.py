@@ -247,6 +247,66 @@ def test_fp16_split_run_equals_simulation_and_a_restarted_server_resumes(env: di
     _same_exports(env, out, sim, client=1, node=1)
 
 
+def _server_sent(record_dir: Path) -> list[list[tuple[str, int, int | None, int]]]:
+    """Per server process (in the order they ran): each message it sent as (type, round, the
+    round whose evaluation it carries or None, client)."""
+    runs = []
+    for f in sorted(record_dir.glob("server-*.jsonl"), key=lambda f: f.stat().st_mtime):
+        sent = []
+        for e in (json.loads(x) for x in f.read_text().splitlines()):
+            cfg = e["config_values"].get(protocol.CONFIG, {})
+            if e["type"] in ("train", "evaluate"):
+                carried = cfg.get(protocol.EVAL_ROUND)
+                carried = None if carried is None else int(carried)
+                r, client = int(cfg[protocol.ROUND]), int(cfg[protocol.CLIENT])
+                sent.append((e["type"], r, carried, client))
+        runs.append(sent)
+    return runs
+
+
+def test_evaluation_rides_in_the_next_train_message_and_a_stopped_run_resumes(env: dict) -> None:
+    """Evaluation every round, 2 of 3 clients a round: round r's evaluation goes in round r+1's
+    train message to each client sampled in r+1, an evaluate message only to the client that is
+    not, and the last round's evaluation goes alone; one exchange a round. Stopped after round 1
+    (whose evaluation went with round 2's training: the nodes trained round 2, the stopping server
+    drops it), then resumed: round 2 is trained again and every round equals the simulation's."""
+    flags = {"quantize": "fp16", "critical_layer": 1, "rounds": 3, "eval_every": 1,
+             "clients_per_round": 2}  # fmt: skip
+    out, record_dir = env["base"] / "carried", env["base"] / "carried_sent"
+    record = {protocol.RECORD_ENV: str(record_dir)}
+    res = _run(env, "fedjax_split.flower", _args(env, out, **flags),
+               FEDJAX_SPLIT_STOP_AFTER_ROUND="1", **record)  # fmt: skip
+    assert res.returncode == 130, res.stderr
+    assert [r["round"] for r in _metrics(out)] == [1]
+    res = _run(env, "fedjax_split.flower", [*_args(env, out, **flags), "--resume"], **record)
+    assert res.returncode == 0, res.stderr
+    _no_processes_left(str(out))
+    sim = _simulate(env, "carried_sim", **flags)
+    got, want = _metrics(out), _metrics(sim)
+    assert [_comparable(r) for r in got] == [_comparable(r) for r in want]
+    assert all(r["clients_failed"] == [] == r["eval_failed"] for r in got)
+    assert all(len(r["clients"]) == 3 for r in got)  # every client evaluated, every round
+
+    sampled = {r["round"]: set(r["clients_sampled"]) for r in got}
+    assert all(len(c) == 2 for c in sampled.values())
+    first, second = _server_sent(record_dir)
+
+    def expected(rounds: range) -> list[tuple[str, int, int | None, int]]:
+        """What a server sends from round rounds[0]'s training on (one message a client)."""
+        msgs = [("train", rounds[0], None, c) for c in sorted(sampled[rounds[0]])]
+        for r in rounds:
+            nxt = sampled.get(r + 1, set())
+            msgs += [("train", r + 1, r, c) for c in sorted(nxt)]
+            msgs += [("evaluate", r, None, c) for c in range(3) if c not in nxt]
+        return msgs
+
+    assert sorted(first) == sorted(expected(range(1, 2)))  # round 2's training went, then stop
+    assert sorted(second) == sorted(expected(range(2, 4)))  # round 2 again, round 3, alone: 3
+    # evaluation's own bytes: one global part (of the two a round sends) in rounds 1 and 2
+    one = got[0]["bytes_down"] // 2
+    assert [r["eval_bytes_down"] for r in got] == [one, one, 3 * one]
+
+
 def test_fedadam_run_equals_simulation_and_a_killed_node_is_left_out(env: dict) -> None:
     """FedAdam on a bfloat16 wire: rounds 1-2 equal the simulation's; SuperNode 2 is killed
     while round 3 waits for it: the round gives up on it (its timeout, or Flower's missed

@@ -31,6 +31,13 @@ def test_the_overhead_per_round_and_its_steady_median() -> None:
     assert "| 2 | 3.00 / 1.00 | 6.00 / 2.50 | +4.50 |" in table
     assert "| 3 | 3.00 / 0.00 | 5.00 / 0.00 | +2.00 |" in table
     assert "+4.50 s a round" in table
+    assert "Load average" not in table  # none measured
+    loads = {"simulation start": (1.24, 2.0, 3.06), "end": (0.5, 0.31, 0.74)}
+    table = overhead.markdown({**got, "simulation_wall_s": 30.0, "flower_wall_s": 70.0,
+                               "load_averages": loads})  # fmt: skip
+    assert table.endswith(
+        "Load average (1 / 5 / 15 min): simulation start 1.2 / 2.0 / 3.1; end 0.5 / 0.3 / 0.7.\n"
+    )
 
 
 def test_the_figures_are_compared_but_times_and_flower_only_keys() -> None:

@@ -158,7 +158,8 @@ def test_names_do_not_collide() -> None:
         protocol.ROUND, protocol.STATE_ROUND, protocol.WIRE, protocol.CLIENT, protocol.RUN,
         protocol.KEEP_FROM, protocol.TRAINED, protocol.SPLIT_TRAIN, protocol.SPLIT_TEST,
         protocol.SHARES, protocol.POOL_SIZE, protocol.PARTITION, protocol.TAG_NAMES,
-        protocol.EVAL_JSON, protocol.GLOBAL_EVAL, protocol.GLOBAL_EVAL_JSON,
+        protocol.EVAL_JSON, protocol.GLOBAL_EVAL, protocol.GLOBAL_EVAL_JSON, protocol.DP_CLIP,
+        protocol.EVAL_ROUND,
     ]  # fmt: skip
     metric_keys = [protocol.LOSS_SUM, protocol.LOSS_UNITS, protocol.STEPS, protocol.NUM_TRAIN]
     node_keys = [protocol.PARTITION_ID, protocol.STATE_DIR, protocol.DATA_DIR]

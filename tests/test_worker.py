@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -76,6 +77,31 @@ def test_replies_through_the_worker_are_the_clientapps_own(
     _exchange(fed, warm)  # the same worker answers again
     assert _worker_pid(warm) == pid
     assert not (tmp_path / "cold" / "worker.log").exists()
+
+
+def test_the_workers_log_says_what_each_message_cost(capsys: pytest.CaptureFixture) -> None:
+    """`logged` handlers answer as the handlers do (an error is still raised) and each writes one
+    line: the kind, its seconds, the programs compiled for it and those loaded from the cache."""
+    import jax
+    import jax.numpy as jnp
+
+    def compiles(msg: object, context: object) -> object:
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(msg))  # a program no other test builds
+        return "reply"
+
+    def fails(msg: object, context: object) -> object:
+        raise ValueError("bad message")
+
+    handlers = worker.logged({protocol.TRAIN: compiles, protocol.EVALUATE: fails})
+    assert handlers[protocol.TRAIN](7, None) == "reply"
+    with pytest.raises(ValueError, match="bad message"):
+        handlers[protocol.EVALUATE](None, None)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("worker: evaluate in ")
+    train = re.fullmatch(r"worker: train in \d+\.\d\d s; (\d+) programs compiled \(\d+\.\d s\), "
+                         r"(\d+) loaded from the cache", lines[0])  # fmt: skip
+    assert train and int(train[1]) + int(train[2]) >= 1, lines[0]
+    assert lines[1].endswith("0 programs compiled (0.0 s), 0 loaded from the cache")
 
 
 def test_a_handlers_error_comes_back_as_its_class_and_bad_frames_are_refused(

@@ -10,8 +10,12 @@ client on 127.0.0.1, each node's messages answered by its warm worker), checks t
 figures are the same (every metrics.jsonl value but the times), and writes OUT/overhead.json and
 OUT/overhead.md: per round, train and eval seconds both ways and the difference; the steady
 overhead is the median difference over the rounds after the first (which compiles or loads its
-programs: reported apart). `--no-warm-worker` runs the federation with each message in its own
-ClientApp process (Flower's default), for the comparison. Run it on a quiet machine.
+programs: reported apart). A Flower round's seconds hold the one exchange that carried its
+training (and, where due, the previous round's evaluation: `deploy.server.evaluate`); its last
+round's evaluation goes alone. `--no-warm-worker` runs the federation with each message in its
+own ClientApp process (Flower's default), for the comparison. Run it on a quiet machine: the
+load average (1, 5, 15 minutes) at the start of each run and at the end is written beside the
+figures.
 """
 
 from __future__ import annotations
@@ -78,6 +82,11 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append(f"Steady overhead (median over rounds 2 on): {result['steady_overhead_s']:+.2f} s "
                  f"a round; whole commands {result['simulation_wall_s']:.0f} s (simulation) and "
                  f"{result['flower_wall_s']:.0f} s (Flower).")  # fmt: skip
+    loads = result.get("load_averages")
+    if loads:
+        lines.append("Load average (1 / 5 / 15 min): " + "; ".join(
+            f"{when} {' / '.join(f'{x:.1f}' for x in load)}" for when, load in loads.items()
+        ) + ".")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -95,12 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     if args.no_warm_worker:
         env["FEDJAX_SPLIT_WARM_WORKER"] = "0"
+    loads = {"simulation start": os.getloadavg()}
     sim_wall = _run("fedjax_split.train", flags, out / "simulation", env)
+    loads["Flower start"] = os.getloadavg()
     fl_wall = _run("fedjax_split.flower", flags, out / "flower", env)
+    loads["end"] = os.getloadavg()
     sim, fl = _records(out / "simulation"), _records(out / "flower")
     result = {"flags": flags, "warm_worker": not args.no_warm_worker,
               "same_figures": _same_figures(sim, fl), "simulation_wall_s": sim_wall,
-              "flower_wall_s": fl_wall, "load_average": os.getloadavg(),
+              "flower_wall_s": fl_wall, "load_averages": loads,
               **compare(sim, fl)}  # fmt: skip
     (out / "overhead.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "overhead.md").write_text(markdown(result))

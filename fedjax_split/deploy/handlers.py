@@ -126,11 +126,14 @@ def _query(msg: Message, context: Context) -> Message:
 
 def _train(msg: Message, context: Context) -> Message:
     """One round of local training; the new local part goes to the node's disk, the trained global
-    part (wire dtype, as bits) into the reply."""
+    part (wire dtype, as bits) into the reply. A message that carries the previous round's
+    evaluation (`protocol.EVAL_ROUND`) is first answered as `_evaluate` would answer it: the
+    same global part, the same local part, the metrics in the same reply."""
     node = _node(context, msg)
     global_wire, cfg = _received(msg, node)
     run_id, r = str(cfg[protocol.RUN]), int(cfg[protocol.ROUND])
     state_round = int(cfg[protocol.STATE_ROUND])
+    scores = _carried_evaluation(node, _store(context, run_id, node), global_wire, cfg, r)
     trained = frozenset(str(p) for p in cfg[protocol.TRAINED]) if protocol.TRAINED in cfg else None
     if trained is not None:
         unknown = sorted(trained - set(node.global_shapes))[:3]
@@ -165,7 +168,9 @@ def _train(msg: Message, context: Context) -> Message:
         reported[protocol.COSTS[name]] = value
     content = RecordDict(
         {
-            protocol.CONFIG: ConfigRecord({protocol.CLIENT: node.client_id, protocol.WIRE: wire}),
+            protocol.CONFIG: ConfigRecord(
+                {protocol.CLIENT: node.client_id, protocol.WIRE: wire, **scores}
+            ),
             protocol.METRICS: MetricRecord(reported),
         }
     )
@@ -203,15 +208,39 @@ def _evaluate(msg: Message, context: Context) -> Message:
     node = _node(context, msg)
     global_wire, cfg = _received(msg, node)
     store = _store(context, str(cfg[protocol.RUN]), node)
-    r = int(cfg[protocol.ROUND])
+    content = {protocol.CLIENT: node.client_id,
+               **_scores(node, store, global_wire, int(cfg[protocol.ROUND]),
+                         bool(cfg.get(protocol.GLOBAL_EVAL)))}  # fmt: skip
+    return _reply(msg, RecordDict({protocol.CONFIG: ConfigRecord(content)}))
+
+
+def _scores(
+    node: NodeSetup, store: ClientStore, global_wire: Any, r: int, global_eval: bool
+) -> dict[str, str]:
+    """The evaluate reply's metrics (JSON) of the client's model after round r: the global part
+    received with its local part after round r (kept for the export at the site), and with
+    `global_eval` the global model's (the initial local part in place of ours)."""
     local = local_part(node, store, r)
     node_mod.keep_for_export(store, node, global_wire, r, local)
-    metrics = node_mod.evaluate(node, global_wire, local)
-    content = {protocol.CLIENT: node.client_id, protocol.EVAL_JSON: json.dumps(metrics)}
-    if cfg.get(protocol.GLOBAL_EVAL):  # the global model: the initial local part in place of ours
+    scores = {protocol.EVAL_JSON: json.dumps(node_mod.evaluate(node, global_wire, local))}
+    if global_eval:
         initial = node_mod.evaluate(node, global_wire, node.local0)
-        content[protocol.GLOBAL_EVAL_JSON] = json.dumps(initial)
-    return _reply(msg, RecordDict({protocol.CONFIG: ConfigRecord(content)}))
+        scores[protocol.GLOBAL_EVAL_JSON] = json.dumps(initial)
+    return scores
+
+
+def _carried_evaluation(
+    node: NodeSetup, store: ClientStore, global_wire: Any, cfg: Any, r: int
+) -> dict[str, str]:
+    """`_scores` of the evaluation a train message of round r carries (that of round r - 1, whose
+    server state is the global part received), before the client trains; {} where none."""
+    if protocol.EVAL_ROUND not in cfg:
+        return {}
+    after = int(cfg[protocol.EVAL_ROUND])
+    if after != r - 1:
+        raise ValueError(f"a train message of round {r} asked to evaluate after round {after}; "
+                         f"only round {r - 1}'s state is in it")  # fmt: skip
+    return _scores(node, store, global_wire, after, bool(cfg.get(protocol.GLOBAL_EVAL)))
 
 
 # Further pre-training ("query.pretrain", "train.pretrain", "evaluate.pretrain": the run config's

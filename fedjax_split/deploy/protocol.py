@@ -11,6 +11,12 @@ Three kinds of message, each answered by one reply:
 With --secure-aggregation the train message also carries the round's SecAgg+ settings and its
 reply the client's public keys instead of its upload; three queries follow (`secagg_share`,
 `secagg_mask`, `secagg_unmask`: `deploy.secure_round`), the masked vector in the second reply.
+
+One exchange a round where evaluation is due before the last round: round r's evaluation rides in
+round r+1's train message (`EVAL_ROUND` = r; the global part round r+1 sends is the server state
+after round r, which round r's evaluation scores), and the reply carries both the client's
+metrics and its upload. A client due to evaluate but not sampled in round r+1 gets an evaluate
+message in the same exchange; the last round's evaluation goes on its own.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ RUN = "run-id"  # our run's id (survives a server restart), not Flower's run id
 KEEP_FROM = "keep-from"  # the oldest kept checkpoint's round: parts none of them needs may go
 TRAINED = "trained"  # the trained global paths, when a schedule chooses (absent: all)
 DP_CLIP = "dp-clip"  # client-level DP: the round's clip norm, the client clips its update to it
+EVAL_ROUND = "eval-round"  # train: evaluate after this round (ROUND - 1) first, then train
 SPLIT_TRAIN, SPLIT_TEST = "train", "test"  # a node's pool indices (query reply)
 SHARES = "shares"  # a node's realised label shares, JSON (query reply; null: none to report)
 POOL_SIZE = "pool-size"

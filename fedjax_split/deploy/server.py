@@ -12,7 +12,9 @@ order, a robust rule, or DP's clipped sum plus Gaussian noise from the server's 
 `server_update`: Delta against the copy sent, any optax server optimiser on the fp32 master);
 Flower's own strategies and FedAvg are not used. The aggregator's state (DP's clip norm) is part
 of the checkpointed server state; epsilon is a function of the rounds done. Then,
-when due, every client evaluates the new global part with its own local part on its own test split.
+when due, every client evaluates the new global part with its own local part on its own test split;
+before the last round in the same exchange as round r+1's training (`evaluate`: one exchange a
+round, the replies of round r+1 held until it starts, so that round r's record is whole first).
 
 Faults: a client that does not answer within `round_timeout` (its SuperNode died, or Flower
 reported an error for it) is left out of the round: the mean is over the replies received,
@@ -73,6 +75,8 @@ class DeployOptions:
     connect_timeout: float = 300.0  # seconds to wait for all K SuperNodes at the start
     poll_interval: float = 0.2  # seconds between two pulls of replies
     stop_after_round: int | None = None  # tests: stop (as Ctrl-C would) after this round
+    # round r's evaluation in round r+1's train messages (`evaluate`); False: an exchange each
+    carry_evaluation: bool = True
 
 
 class Stopped(Exception):
@@ -414,12 +418,14 @@ def _decode_upload(
 
 
 def _train_messages(
-    run: ServerRun, plan: RoundPlan, sent: Mapping[str, np.ndarray], keep_from: int
-) -> dict[int, Any]:
+    run: ServerRun, plan: RoundPlan, sent: Mapping[str, np.ndarray], keep_from: int,
+    carry: Mapping[int, Mapping[str, Any]] | None = None,
+) -> dict[int, Any]:  # fmt: skip
     """Round r's TRAIN message for each sampled client: the global part as sent, the round's
     config (the server state's round for the keys, the rounds whose local parts to keep, the
     paths a layer schedule trains this round, and with client-level DP the clip norm the client
-    clips its update to)."""
+    clips its update to). `carry`: {client: the config of round r-1's evaluation} for the
+    clients whose message carries it (`evaluate`)."""
     spec, state, clip = plan.spec, run.server_state, plan.clip
     cfg = {
         protocol.ROUND: plan.round,
@@ -434,7 +440,8 @@ def _train_messages(
         cfg[protocol.DP_CLIP] = clip
     msgs = {}
     for cid in plan.clients.tolist():
-        content = {protocol.CONFIG: _config_record({**cfg, protocol.CLIENT: cid})}
+        extra = (carry or {}).get(cid, {})
+        content = {protocol.CONFIG: _config_record({**cfg, **extra, protocol.CLIENT: cid})}
         if sent:
             content[protocol.GLOBAL] = codec.to_record(sent)
         msgs[cid] = _message(content, run.nodes[cid], protocol.TRAIN)
@@ -560,20 +567,42 @@ def reply_figures(
     return int(examples), float(loss), {k: whole_count(m, protocol.COSTS[k]) for k in expect}
 
 
+@dataclasses.dataclass
+class Ahead:
+    """Round r's training, sent in round r-1's evaluation exchange (`evaluate`): its plan, the
+    global part sent, the replies and failures, and the exchange's seconds, which count as round
+    r's training (not as round r-1's evaluation). Held in memory only: a run stopped or killed
+    before round r starts trains round r again on resume, as if it had never been sent."""
+
+    plan: RoundPlan
+    sent: Mapping[str, np.ndarray]
+    replies: dict[int, Any]
+    failed: dict[int, str]
+    seconds: float
+    secure: tuple[secagg.Params, FixedPoint] | None = None  # a secure round's settings, sent
+
+
 def run_round(
     run: ServerRun, exchange: Exchange, r: int, history: list[dict[str, Any]],
-    options: DeployOptions, keep_from: int,
-) -> dict[str, Any]:  # fmt: skip
-    """Round r over the federation; the round's record (metrics.jsonl's row). `keep_from`: the
-    oldest kept checkpoint's round (the nodes keep the local parts it and later ones need). The
-    strategy decides (`fed.strategy`: the clients, the spec, the clip, the server's step, the
-    record); this moves the arrays."""
+    options: DeployOptions, keep_from: int, ahead: Ahead | None = None,
+) -> tuple[dict[str, Any], Ahead | None]:  # fmt: skip
+    """Round r over the federation: (the round's record, metrics.jsonl's row; round r+1's
+    training where its exchange carried round r's evaluation). `keep_from`: the oldest kept
+    checkpoint's round (the nodes keep the local parts it and later ones need). `ahead`: round
+    r's training, already exchanged with round r-1's evaluation. The strategy decides
+    (`fed.strategy`: the clients, the spec, the clip, the server's step, the record); this moves
+    the arrays."""
     t0 = time.perf_counter()
-    plan = run.strategy.plan(r, run.server_state, run.secret)  # DP, M < K: Poisson, maybe nobody
-    sent = codec.encode(run.server_state.global_params, run.model.round_spec.wire_dtype)
-    msgs = _train_messages(run, plan, sent, keep_from)
-    secure = _secure_settings(run, plan, msgs) if plan.spec.aggregator.secure and msgs else None
-    replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
+    if ahead is not None and ahead.plan.round == r:
+        plan, sent, replies, failed = ahead.plan, ahead.sent, ahead.replies, ahead.failed
+        secure = ahead.secure
+        t0 -= ahead.seconds
+    else:
+        plan = run.strategy.plan(r, run.server_state, run.secret)  # DP, M < K: maybe nobody
+        sent = codec.encode(run.server_state.global_params, run.model.round_spec.wire_dtype)
+        msgs = _train_messages(run, plan, sent, keep_from)
+        secure = _secure_settings(run, plan, msgs)
+        replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
     rejected: dict[int, str] = {}
     expect = expected_costs(run, plan.spec)
     if secure is not None:  # the server sees the sum alone
@@ -593,13 +622,16 @@ def run_round(
     record = run.strategy.record(plan, np.asarray(taken.losses, np.float64), weights,
                                  *taken.answered(rejected, valid, agg_norms))  # fmt: skip
     eval_failed: dict[int, str] = {}
-    eval_bytes = 0
+    eval_bytes, next_ahead = 0, None
     if driver.due(r, run.config.eval_every, run.rounds):
         done = [c for c in plan.clients if int(c) not in failed]
-        evaluated, eval_failed, eval_bytes = evaluate(
-            run, exchange, r, options, failed, pieces.trained_clients(history, done))
+        trained = pieces.trained_clients(history, done)
+        evaluated, eval_failed, eval_bytes, next_ahead = evaluate(
+            run, exchange, r, options, failed, trained, keep_from
+        )
         record.update(evaluated)
-    times, num = (t0, t_train, time.perf_counter()), len(plan.clients)
+    t_end = time.perf_counter() - (0.0 if next_ahead is None else next_ahead.seconds)
+    times, num = (t0, t_train, max(t_end, t_train)), len(plan.clients)
     record.update(pieces.cost_record(
         history, taken.bytes_up, codec.nbytes(sent) * num, times, taken.costs, bool(expect),
         run.bert_fl_bytes, num,
@@ -608,13 +640,16 @@ def run_round(
                   eval_bytes_down=eval_bytes)  # fmt: skip
     if taken.secagg_bytes is not None:
         record["secagg_bytes_up"] = taken.secagg_bytes
-    return record
+    return record, next_ahead
 
 
 def _secure_settings(
     run: ServerRun, plan: RoundPlan, msgs: Mapping[int, Any]
-) -> tuple[secagg.Params, FixedPoint]:
-    """A secure round's SecAgg+ settings and quantisation, added to each TRAIN message."""
+) -> tuple[secagg.Params, FixedPoint] | None:
+    """A secure round's SecAgg+ settings and quantisation, added to each TRAIN message (None,
+    nothing added, for a round without secure aggregation or without clients)."""
+    if not (plan.spec.aggregator.secure and msgs):
+        return None
     sizes = {c: len(run.partition.clients[c].train) for c in plan.clients.tolist()}
     entries = secure_round.trained_entries(run.server_state.global_params, plan.spec.trained)
     params, fixed = secure_round.round_settings(plan, run.strategy.fixed_point, sizes, entries)
@@ -721,14 +756,18 @@ def evaluate(
     options: DeployOptions,
     skip: Mapping[int, str],
     trained: set[int],
-) -> tuple[dict[str, Any], dict[int, str], int]:
+    keep_from: int = 0,
+) -> tuple[dict[str, Any], dict[int, str], int, Ahead | None]:
     """Every client (but those that just failed) scores the new global part with its own local
-    part on its own test split: (metrics as the simulation records them, failures, bytes sent).
-    `trained`: the clients whose uploads the server has taken so far (for `trained_mean`). At a
-    split run's last evaluation each client also scores the global model (the global part with
-    the initial local part, `run.experiment.global_figures`): the personalisation gain. The
-    simulation's `pooled` figure needs every client's predictions; only metrics leave a node, so
-    it is not recorded here."""
+    part on its own test split: (metrics as the simulation records them, failures, bytes sent for
+    evaluation alone, round r+1's training). `trained`: the clients whose uploads the server has
+    taken so far (for `trained_mean`). Before the last round, round r+1's train messages go in
+    the same exchange, each carrying its client's evaluation (`protocol.EVAL_ROUND`: the global
+    part round r+1 sends is the one evaluated), and only the clients not sampled in round r+1 get
+    an evaluate message; one exchange instead of two. At a split run's last evaluation each
+    client also scores the global model (the global part with the initial local part,
+    `run.experiment.global_figures`): the personalisation gain. The simulation's `pooled` figure
+    needs every client's predictions; only metrics leave a node, so it is not recorded here."""
     state = run.server_state
     wire = run.model.round_spec.wire_dtype
     sent = codec.encode(state.global_params, wire)
@@ -736,15 +775,36 @@ def evaluate(
     both = r == run.rounds and run.model.num_local > 0
     if both:
         cfg[protocol.GLOBAL_EVAL] = True
-    msgs = {}
-    for cid in range(run.config.clients):
-        if cid in skip:
-            continue
+    due = [cid for cid in range(run.config.clients) if cid not in skip]
+    fold = r < run.rounds and options.carry_evaluation  # (then never `both`: not the last)
+    plan = run.strategy.plan(r + 1, state, run.secret) if fold else None
+    carry = {cid: {protocol.EVAL_ROUND: r} for cid in due}
+    train = {} if plan is None else _train_messages(run, plan, sent, keep_from, carry)
+    secure = None if plan is None else _secure_settings(run, plan, train)
+    msgs = {**train}
+    for cid in (c for c in due if c not in train):
         content = {protocol.CONFIG: _config_record({**cfg, protocol.CLIENT: cid})}
         if sent:
             content[protocol.GLOBAL] = codec.to_record(sent)
         msgs[cid] = _message(content, run.nodes[cid], protocol.EVALUATE)
-    replies, failed = exchange.send(msgs, options.round_timeout)
+    t0 = time.perf_counter()
+    replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
+    carried = None if plan is None else Ahead(
+        plan, sent, {c: m for c, m in replies.items() if c in train},
+        {c: why for c, why in failed.items() if c in train}, time.perf_counter() - t0,
+        secure)  # fmt: skip
+    got = {c: replies[c] for c in due if c in replies}
+    lost = {c: failed[c] for c in due if c in failed}
+    record, lost = _evaluated(run, r, got, lost, skip, trained, both)
+    return record, lost, codec.nbytes(sent) * (len(msgs) - len(train)), carried
+
+
+def _evaluated(
+    run: ServerRun, r: int, replies: Mapping[int, Any], failed: dict[int, str],
+    skip: Mapping[int, str], trained: set[int], both: bool,
+) -> tuple[dict[str, Any], dict[int, str]]:  # fmt: skip
+    """The evaluation's record from the clients' replies (evaluate replies, or train replies that
+    carried it) and every client that failed to evaluate (`skip`: those that failed to train)."""
     failed.update({cid: why for cid, why in skip.items()})
     per_client, theirs = [], []
     names = metric_names(run.model.task, run.tag_names)
@@ -763,8 +823,7 @@ def evaluate(
     for cid, why in sorted(failed.items()):
         if cid not in skip:
             _warn(f"round {r}: client {cid} failed to evaluate ({why})")
-    record = pieces.personalised_record(per_client, trained, theirs if both else None)
-    return record, failed, codec.nbytes(sent) * len(msgs)
+    return pieces.personalised_record(per_client, trained, theirs if both else None), failed
 
 
 def oldest_checkpoint(run_dir: Any, start_round: int) -> int:
@@ -794,6 +853,7 @@ class FlowerServer:
         # needs (`sim.client_store.prune`, as the simulation prunes its store to min(kept))
         self.keep_from = 0
         self.publish = safeguards.publisher(run.config)  # DP: the per-client figures kept private
+        self.ahead: Ahead | None = None  # the next round's training, exchanged with this one's
 
     def arrays(self) -> dict[str, Any]:
         """The server state and, as the simulation's checkpoint has it, the frozen part (when
@@ -843,7 +903,12 @@ class FlowerServer:
         )
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        return run_round(self.run, self.exchange, r, list(history), self.options, self.keep_from)
+        """Round r's record, complete (its evaluation too) before the driver writes it; round
+        r+1's training, where it went in the same exchange, waits here for step r+1."""
+        ahead, self.ahead = self.ahead, None
+        record, self.ahead = run_round(self.run, self.exchange, r, list(history), self.options,
+                                       self.keep_from, ahead)  # fmt: skip
+        return record
 
     def checkpointed(self, r: int, kept: Sequence[int]) -> None:
         self.keep_from = min(kept, default=r)

@@ -376,8 +376,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     runtime.one_line_warnings()
     from fedjax_split.deploy.handlers import HANDLERS
 
-    serve(Path(args.socket), args.watch_pid, HANDLERS, args.idle_seconds)
+    serve(Path(args.socket), args.watch_pid, logged(HANDLERS), args.idle_seconds)
     return 0
+
+
+def logged(
+    handlers: Mapping[str, Callable[[Any, Any], Any]],
+) -> dict[str, Callable[[Any, Any], Any]]:
+    """`handlers`, each of which says in the worker's log what a message cost: its seconds and
+    the programs XLA compiled for it or loaded from the persistent cache (a node's first round
+    compiles unless the cache holds its programs: `runtime.enable_xla_cache`)."""
+    from fedjax_split import compilation
+
+    log = compilation.watch()
+
+    def wrap(kind: str, handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        def run(msg: Any, context: Any) -> Any:
+            mark, t0 = log.mark(), time.perf_counter()
+            try:
+                return handler(msg, context)
+            finally:
+                got = compilation.report(log.since(mark))
+                print(f"worker: {kind} in {time.perf_counter() - t0:.2f} s; "
+                      f"{got['programs_compiled']} programs compiled "
+                      f"({got['compile_seconds']:.1f} s), {got['programs_from_cache']} loaded "
+                      "from the cache", file=sys.stderr, flush=True)  # fmt: skip
+
+        return run
+
+    return {kind: wrap(kind, handler) for kind, handler in handlers.items()}
 
 
 if __name__ == "__main__":
