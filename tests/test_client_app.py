@@ -99,7 +99,7 @@ def test_the_three_kinds_are_registered() -> None:
     """Fine-tuning's (the default action), further pre-training's (`*.pretrain`) and secure
     aggregation's three stages (queries)."""
     kinds = (protocol.QUERY, protocol.TRAIN, protocol.EVALUATE)
-    stages = (protocol.SECAGG_SHARE, protocol.SECAGG_MASK, protocol.SECAGG_UNMASK)
+    stages = ("secagg_share", "secagg_mask", "secagg_unmask")
     assert set(client_app.app._registered_funcs) == {
         f"{kind}.{action}" for kind in kinds for action in ("default", protocol.PRETRAIN)
     } | {f"{protocol.QUERY}.{stage}" for stage in stages}

@@ -59,38 +59,20 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 
 # Further pre-training ("query.pretrain", "train.pretrain", "evaluate.pretrain": the run config's
-# kind is "pretrain").
+# kind is "pretrain") and secure aggregation's stages after TRAIN ("query.secagg_share", ...:
+# `deploy.secure_node`), each a named action of its message kind.
+ACTIONS = (
+    *((kind, protocol.PRETRAIN) for kind in (protocol.QUERY, protocol.TRAIN, protocol.EVALUATE)),
+    *((protocol.QUERY, stage) for stage in protocol.SECAGG_STAGES),
+)
 
 
-@app.query(protocol.PRETRAIN)
-def pretrain_query(msg: Message, context: Context) -> Message:
-    return _handle(f"{protocol.QUERY}.{protocol.PRETRAIN}", msg, context)
+def _handler(kind: str) -> Callable[[Message, Context], Message]:
+    def handle(msg: Message, context: Context) -> Message:
+        return _handle(kind, msg, context)
+
+    return handle
 
 
-@app.train(protocol.PRETRAIN)
-def pretrain_train(msg: Message, context: Context) -> Message:
-    return _handle(f"{protocol.TRAIN}.{protocol.PRETRAIN}", msg, context)
-
-
-@app.evaluate(protocol.PRETRAIN)
-def pretrain_evaluate(msg: Message, context: Context) -> Message:
-    return _handle(f"{protocol.EVALUATE}.{protocol.PRETRAIN}", msg, context)
-
-
-# Secure aggregation's stages after TRAIN ("query.secagg_share", "query.secagg_mask",
-# "query.secagg_unmask"): `deploy.secure_node`.
-
-
-@app.query(protocol.SECAGG_SHARE)
-def secagg_share(msg: Message, context: Context) -> Message:
-    return _handle(f"{protocol.QUERY}.{protocol.SECAGG_SHARE}", msg, context)
-
-
-@app.query(protocol.SECAGG_MASK)
-def secagg_mask(msg: Message, context: Context) -> Message:
-    return _handle(f"{protocol.QUERY}.{protocol.SECAGG_MASK}", msg, context)
-
-
-@app.query(protocol.SECAGG_UNMASK)
-def secagg_unmask(msg: Message, context: Context) -> Message:
-    return _handle(f"{protocol.QUERY}.{protocol.SECAGG_UNMASK}", msg, context)
+for _kind, _action in ACTIONS:
+    getattr(app, _kind)(_action)(_handler(f"{_kind}.{_action}"))

@@ -346,6 +346,5 @@ HANDLERS = {
     f"{protocol.QUERY}.{protocol.PRETRAIN}": _pretrain_query,
     f"{protocol.TRAIN}.{protocol.PRETRAIN}": _pretrain_train,
     f"{protocol.EVALUATE}.{protocol.PRETRAIN}": _pretrain_evaluate,
-    **{f"{protocol.QUERY}.{k}": _secagg(k)
-       for k in (protocol.SECAGG_SHARE, protocol.SECAGG_MASK, protocol.SECAGG_UNMASK)},
+    **{f"{protocol.QUERY}.{k}": _secagg(k) for k in protocol.SECAGG_STAGES},
 }  # fmt: skip

@@ -63,6 +63,7 @@ SECAGG = "secagg"  # ConfigRecord: secure aggregation's settings (TRAIN) or a st
 MASKED = "masked"  # ArrayRecord: a node's masked vector (uint64) under "masked"
 # secure aggregation's three queries after TRAIN (message type "query.<stage>")
 SECAGG_SHARE, SECAGG_MASK, SECAGG_UNMASK = "secagg_share", "secagg_mask", "secagg_unmask"
+SECAGG_STAGES = (SECAGG_SHARE, SECAGG_MASK, SECAGG_UNMASK)
 UPDATE_NORM = "update-norm"  # DP: the update's L2 norm before the client clipped it
 
 # Node config keys (flower-supernode --node-config)
