@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import numpy as np
 
 from fedjax_split.deploy import protocol, secagg
@@ -31,6 +30,7 @@ from fedjax_split.fed.secure_sum import (
     round_bound,
     round_fixed_point,
 )
+from fedjax_split.fed.wire import param_count
 
 _KEEP_ROUNDS = 2  # a node's round states kept (a run's latest rounds)
 
@@ -69,7 +69,7 @@ def start(
                          f"{fixed.max_nodes} nodes)")  # fmt: skip
     received = download(global_wire, trained)[0]
     mine = select(upload, trained)[0]
-    entries = sum(int(np.size(x)) for x in jax.tree.leaves(received))
+    entries = param_count(received)
     if params.length != fixed.length(entries):
         raise ValueError(f"the server's vector length {params.length} is not this model's "
                          f"{fixed.length(entries)}")  # fmt: skip

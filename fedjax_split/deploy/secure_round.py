@@ -21,13 +21,11 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedjax_split.deploy import codec, protocol, secagg
 from fedjax_split.fed.fixed_point import FixedPoint
-from fedjax_split.fed.roles import select
 from fedjax_split.fed.strategy import RoundPlan
 
 
@@ -152,8 +150,3 @@ def advert_of(reply: Any, cid: int) -> dict[str, Any]:
         return _payload(reply, cid)
     except secagg.Refused as error:
         raise ValueError(str(error)) from None
-
-
-def trained_entries(global_params: Any, trained: frozenset[str] | None) -> int:
-    """The entries of the global part a round trains: a vector's length before its two fields."""
-    return sum(int(np.size(x)) for x in jax.tree.leaves(select(global_params, trained)[0]))

@@ -60,7 +60,7 @@ from fedjax_split.fed.roles import flatten_paths, select
 from fedjax_split.fed.secret import CHECKPOINT_KEY, ServerSecret
 from fedjax_split.fed.server import init_server_state
 from fedjax_split.fed.strategy import RoundPlan, Strategy
-from fedjax_split.fed.wire import cast_from_wire
+from fedjax_split.fed.wire import cast_from_wire, param_count
 from fedjax_split.run import costs, driver, pieces, plots, safeguards
 from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 from fedjax_split.run.config import ExperimentConfig, saved_dict, trajectory_mismatch
@@ -605,18 +605,12 @@ def run_round(
         replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
     rejected: dict[int, str] = {}
     expect = expected_costs(run, plan.spec)
-    if secure is not None:  # the server sees the sum alone
-        taken = _secure_step(run, exchange, plan, secure, (replies, failed, rejected), expect)
-    else:
-        taken = _take_uploads(run, plan.spec, replies, rejected, expect)
-        _check_replies(r, plan.clients, replies, failed, rejected)
-    weights = np.asarray(taken.weights, np.float32)
+    outcome = (replies, failed, rejected)
     if secure is None:
-        norms = None if taken.norms is None else np.asarray(taken.norms, np.float32)
-        run.server_state, valid, agg_norms = run.strategy.aggregate(
-            plan, run.server_state, taken.uploads, weights, norms)  # fmt: skip
-    else:
-        valid, agg_norms = np.ones(len(weights), bool), np.zeros(len(weights), np.float32)
+        taken, valid, agg_norms = _plain_step(run, plan, outcome, expect)
+    else:  # the server sees the sum alone
+        taken, valid, agg_norms = _secure_step(run, exchange, plan, secure, outcome, expect)
+    weights = np.asarray(taken.weights, np.float32)
     jax.block_until_ready(run.server_state)
     t_train = time.perf_counter()
     record = run.strategy.record(plan, np.asarray(taken.losses, np.float64), weights,
@@ -643,6 +637,25 @@ def run_round(
     return record, next_ahead
 
 
+Stepped = tuple[Taken, Any, Any]  # the uploads taken; accepted and update norms, each [taken]
+
+
+def _plain_step(
+    run: ServerRun, plan: RoundPlan,
+    outcome: tuple[dict[int, Any], dict[int, str], dict[int, str]], expect: tuple[str, ...],
+) -> Stepped:  # fmt: skip
+    """A round after its TRAIN replies (`outcome`: replies, failed, rejected; the last filled in
+    here): the valid uploads taken, then the strategy's server step over them."""
+    replies, failed, rejected = outcome
+    taken = _take_uploads(run, plan.spec, replies, rejected, expect)
+    _check_replies(plan.round, plan.clients, replies, failed, rejected)
+    weights = np.asarray(taken.weights, np.float32)
+    norms = None if taken.norms is None else np.asarray(taken.norms, np.float32)
+    run.server_state, valid, agg_norms = run.strategy.aggregate(
+        plan, run.server_state, taken.uploads, weights, norms)  # fmt: skip
+    return taken, valid, agg_norms
+
+
 def _secure_settings(
     run: ServerRun, plan: RoundPlan, msgs: Mapping[int, Any]
 ) -> tuple[secagg.Params, FixedPoint] | None:
@@ -651,7 +664,7 @@ def _secure_settings(
     if not (plan.spec.aggregator.secure and msgs):
         return None
     sizes = {c: len(run.partition.clients[c].train) for c in plan.clients.tolist()}
-    entries = secure_round.trained_entries(run.server_state.global_params, plan.spec.trained)
+    entries = param_count(select(run.server_state.global_params, plan.spec.trained)[0])
     params, fixed = secure_round.round_settings(plan, run.strategy.fixed_point, sizes, entries)
     for msg in msgs.values():
         msg.content[protocol.SECAGG] = _config_record(secure_node.settings(params, fixed))
@@ -662,10 +675,10 @@ def _secure_step(
     run: ServerRun, exchange: Exchange, plan: RoundPlan,
     settings: tuple[secagg.Params, FixedPoint],
     outcome: tuple[dict[int, Any], dict[int, str], dict[int, str]], expect: tuple[str, ...],
-) -> Taken:  # fmt: skip
+) -> Stepped:  # fmt: skip
     """A secure round after its TRAIN replies (`outcome`: replies, failed, rejected; the last two
     filled in here): SecAgg+'s stages (`deploy.secure_round`), then the server's step from the
-    survivors' sum. The survivors' figures, taken."""
+    survivors' sum. The survivors' figures, taken (each accepted; no norm is seen)."""
     replies, failed, rejected = outcome
     trained, adverts = Taken(), []
     for cid in sorted(replies):
@@ -688,7 +701,8 @@ def _secure_step(
     _check_replies(plan.round, plan.clients, replies, failed, rejected)
     run.server_state = run.strategy.aggregate_sum(plan, run.server_state, result.total,
                                                   result.fixed)  # fmt: skip
-    return taken
+    num = len(taken.clients)
+    return taken, np.ones(num, bool), np.zeros(num, np.float32)
 
 
 def _check_replies(

@@ -35,6 +35,7 @@ from fedjax_split.fed.aggregation import Aggregated, Aggregator
 from fedjax_split.fed.client_program import download
 from fedjax_split.fed.fixed_point import FixedPoint, dequantise, quantise, sum_quantised
 from fedjax_split.fed.server import ServerState
+from fedjax_split.fed.wire import param_count
 
 # Each coordinate of an update is clipped to [-1, 1] when the round has no L2 bound: a client's
 # update of a pretrained model in one round moves a weight by far less (Adam moves it at most by
@@ -113,7 +114,7 @@ def simulated_sum(
             norm = None if norms is None else float(np.asarray(norms)[i])
             weight = client_weight(aggregator, weights[i])
             vectors.append(client_vector(upload, received, weight, fixed, bound, norm))
-    entries = sum(int(np.size(x)) for x in jax.tree.leaves(received))
+    entries = param_count(received)
     total = sum_quantised(vectors) if vectors else np.zeros([fixed.length(entries)], np.uint64)
     return total, fixed, np.asarray(valid, bool)
 

@@ -84,7 +84,7 @@ from fedjax_split.fed.server_step import (
     server_step,
 )
 from fedjax_split.fed.strategy import sample_clients
-from fedjax_split.fed.wire import cast_to_wire, tree_bytes, wire_dtype
+from fedjax_split.fed.wire import cast_to_wire, param_count, tree_bytes, wire_dtype
 from fedjax_split.sim import processes
 
 # re-exported: rounds build on the server's state; sampling and the server's step are fed's
@@ -543,8 +543,7 @@ def client_bytes(spec: RoundSpec, global_params: Any) -> tuple[int, int]:
     sent = jax.eval_shape(lambda g: cast_to_wire(g, spec.wire_dtype), global_params)
     up = select(sent, spec.trained)[0]
     if spec.aggregator.secure:  # the masked fixed-point vector: 8 bytes an entry, two more
-        return tree_bytes(sent), 8 * (sum(int(np.prod(x.shape)) for x in jax.tree.leaves(up))
-                                      + EXTRA_FIELDS)  # fmt: skip
+        return tree_bytes(sent), 8 * (param_count(up) + EXTRA_FIELDS)
     return tree_bytes(sent), tree_bytes(up)
 
 
