@@ -71,10 +71,10 @@ def _transport(drop: dict[str, set[int]], tamper: Tamper | None = None, seen: li
     return send
 
 
-def _sum(send, params, fixed, adverts) -> secure_round.SecureResult:
+def _sum(send, params, adverts) -> secure_round.SecureResult:
     cfg = {protocol.RUN: RUN, protocol.ROUND: 1}
     nodes = {c: 1000 + c for c in params.nodes}
-    return secure_round.secure_sum(send, nodes, cfg, params, fixed, adverts, 5.0)
+    return secure_round.secure_sum(send, nodes, cfg, params, adverts, 5.0)
 
 
 def _mod_sum(vectors: dict[int, np.ndarray], clients: list[int]) -> list[int]:
@@ -86,7 +86,7 @@ def _mod_sum(vectors: dict[int, np.ndarray], clients: list[int]) -> list[int]:
 def test_the_server_ends_with_the_sum_and_sees_no_clients_vector(n: int) -> None:
     params, fixed, vectors, adverts = _start(n)
     seen: list = []
-    result = _sum(_transport({}, seen=seen), params, fixed, adverts)
+    result = _sum(_transport({}, seen=seen), params, adverts)
     assert result.total.tolist() == _mod_sum(vectors, list(range(n)))
     assert result.survivors == tuple(range(n)) and not result.failed and not result.refused
     assert result.masked_bytes == 8 * params.length * n and result.key_bytes > 0
@@ -100,7 +100,7 @@ def test_the_server_ends_with_the_sum_and_sees_no_clients_vector(n: int) -> None
 
 def test_a_client_dropped_after_sharing_its_keys_is_recovered_from_the_others_shares() -> None:
     params, fixed, vectors, adverts = _start(5)
-    result = _sum(_transport({protocol.SECAGG_MASK: {1, 3}}), params, fixed, adverts)
+    result = _sum(_transport({protocol.SECAGG_MASK: {1, 3}}), params, adverts)
     assert result.total.tolist() == _mod_sum(vectors, [0, 2, 4])
     assert result.survivors == (0, 2, 4) and sorted(result.failed) == [1, 3]
 
@@ -114,7 +114,7 @@ def test_a_client_whose_worker_restarted_counts_as_dropped() -> None:
             secure_node._ROUNDS.pop((RUN, 1, 2), None)
         return send(msgs, timeout)
 
-    result = _sum(restarted, params, fixed, adverts)
+    result = _sum(restarted, params, adverts)
     assert result.total.tolist() == _mod_sum(vectors, [0, 1])
     assert "no secure-aggregation keys" in result.failed[2]
 
@@ -122,7 +122,7 @@ def test_a_client_whose_worker_restarted_counts_as_dropped() -> None:
 def test_below_the_threshold_the_round_is_lost_with_one_line() -> None:
     params, fixed, _, adverts = _start(3)
     with pytest.raises(secagg.RoundLost) as err:
-        _sum(_transport({protocol.SECAGG_MASK: {0, 2}}), params, fixed, adverts)
+        _sum(_transport({protocol.SECAGG_MASK: {0, 2}}), params, adverts)
     assert "\n" not in str(err.value) and "--resume" in str(err.value)
 
 
@@ -136,7 +136,7 @@ def test_a_malformed_masked_vector_is_refused_recorded_and_the_rest_recovered() 
                 {protocol.MASKED: masked.astype(np.float64)})
         return reply
 
-    result = _sum(_transport({}, tamper), params, fixed, adverts)
+    result = _sum(_transport({}, tamper), params, adverts)
     assert result.total.tolist() == _mod_sum(vectors, [0, 1, 2, 3])
     assert "uint64" in result.refused[4] and result.survivors == (0, 1, 2, 3)
 
@@ -151,6 +151,6 @@ def test_a_reply_in_another_clients_name_is_refused() -> None:
             reply.content[protocol.SECAGG] = ConfigRecord(payload)
         return reply
 
-    result = _sum(_transport({}, tamper), params, fixed, adverts)
+    result = _sum(_transport({}, tamper), params, adverts)
     assert result.total.tolist() == _mod_sum(vectors, [1, 2])
     assert "node 1" in result.refused[0]

@@ -34,7 +34,6 @@ class SecureResult:
     """A secure round's outcome on the server: the sum, and what each client came to."""
 
     total: np.ndarray  # the survivors' vectors summed modulo 2^64
-    fixed: FixedPoint
     survivors: tuple[int, ...]
     failed: dict[int, str]  # client -> why it dropped out (no reply, an error)
     refused: dict[int, str]  # client -> why its message was refused
@@ -123,7 +122,7 @@ class _Stages:
 
 def secure_sum(
     send: Callable[..., Any], nodes: Mapping[int, int], cfg: Mapping[str, Any],
-    params: secagg.Params, fixed: FixedPoint, adverts: list[dict[str, Any]], timeout: float,
+    params: secagg.Params, adverts: list[dict[str, Any]], timeout: float,
 ) -> SecureResult:  # fmt: skip
     """Stages 2 to 4 after the TRAIN replies' `adverts`: the survivors' sum. `send({client:
     message}, timeout)` is the exchange (`deploy.server.Exchange.send`); `nodes`: each client's
@@ -141,7 +140,7 @@ def secure_sum(
     refused = {**{int(v): why for v, why in agg.refused.items()}, **stages.refused}
     masked = 8 * params.length * len(agg.survivors)
     keys = stages.bytes_up + sum(map(payload_size, adverts))
-    return SecureResult(agg.total, fixed, agg.survivors, stages.failed, refused, masked, keys)
+    return SecureResult(agg.total, agg.survivors, stages.failed, refused, masked, keys)
 
 
 def advert_of(reply: Any, cid: int) -> dict[str, Any]:

@@ -690,7 +690,8 @@ def _secure_step(
             continue
         trained.add(cid, examples, loss, spent, 0)
     cfg = {protocol.RUN: run.run_id, protocol.ROUND: plan.round}
-    result = secure_round.secure_sum(exchange.send, run.nodes, cfg, *settings, adverts,
+    params, fixed = settings
+    result = secure_round.secure_sum(exchange.send, run.nodes, cfg, params, adverts,
                                      exchange.options.round_timeout)  # fmt: skip
     failed.update(result.failed)
     rejected.update(result.refused)
@@ -699,8 +700,7 @@ def _secure_step(
         if cid in result.survivors:
             taken.add(cid, trained.weights[i], trained.losses[i], trained.costs[i], 0)
     _check_replies(plan.round, plan.clients, replies, failed, rejected)
-    run.server_state = run.strategy.aggregate_sum(plan, run.server_state, result.total,
-                                                  result.fixed)  # fmt: skip
+    run.server_state = run.strategy.aggregate_sum(plan, run.server_state, result.total, fixed)
     num = len(taken.clients)
     return taken, np.ones(num, bool), np.zeros(num, np.float32)
 
