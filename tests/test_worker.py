@@ -119,6 +119,24 @@ def test_a_handlers_error_comes_back_as_its_class_and_bad_frames_are_refused(
             worker._send_parts(conn, parts)
             status, text = worker._recv_parts(conn)
         assert status == b"error" and text, parts
+    from flwr.common import serde
+
+    ctx = serde.context_to_proto(_context(fed, warm)).SerializeToString()
+    skeleton, _, *arrays = worker.message_parts(_round_message(fed, protocol.TRAIN))
+    assert arrays  # the global part's arrays travel beside the protobuf
+    index = json.loads(worker.message_parts(_round_message(fed, protocol.TRAIN))[1])
+    for bad, needle in (
+        ([*arrays, b"one more"], "do not match its index"),
+        (arrays[:-1], "do not match its index"),
+    ):
+        parts = [b"train", ctx, skeleton, json.dumps(index).encode(), *bad]
+        assert needle in _refusal(path, parts)
+    for entry, needle in (
+        ([protocol.GLOBAL, "x", "<f4", [2, "2"], "numpy.ndarray"], "malformed entry"),
+        ([protocol.CONFIG, *index[0][1:]], "which is no ArrayRecord"),  # into a ConfigRecord
+    ):
+        parts = [b"train", ctx, skeleton, json.dumps([entry, *index[1:]]).encode(), *arrays]
+        assert needle in _refusal(path, parts)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:  # a frame announcing 2^32-1
         conn.connect(str(path))
         conn.sendall(b"\xff\xff\xff\xff")
@@ -127,6 +145,16 @@ def test_a_handlers_error_comes_back_as_its_class_and_bad_frames_are_refused(
     assert list(reply.content[protocol.CONFIG][protocol.CLIENTS]) == [1]  # the worker goes on
     assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
     assert oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def _refusal(path: Path, parts: list[bytes]) -> str:
+    """The worker's error text for the request frame `parts` (it must refuse it)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(str(path))
+        worker._send_parts(conn, parts)
+        status, text = worker._recv_parts(conn)
+    assert status == b"error", parts[:2]
+    return text.decode()
 
 
 def test_two_messages_at_once_start_one_worker_which_stop_ends(
