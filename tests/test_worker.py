@@ -122,9 +122,9 @@ def test_a_handlers_error_comes_back_as_its_class_and_bad_frames_are_refused(
     from flwr.common import serde
 
     ctx = serde.context_to_proto(_context(fed, warm)).SerializeToString()
-    skeleton, _, *arrays = worker.message_parts(_round_message(fed, protocol.TRAIN))
+    skeleton, raw_index, *arrays = worker.message_parts(_round_message(fed, protocol.TRAIN))
     assert arrays  # the global part's arrays travel beside the protobuf
-    index = json.loads(worker.message_parts(_round_message(fed, protocol.TRAIN))[1])
+    index = json.loads(raw_index)
     for bad, needle in (
         ([*arrays, b"one more"], "do not match its index"),
         (arrays[:-1], "do not match its index"),
