@@ -680,15 +680,16 @@ def _secure_step(
     filled in here): SecAgg+'s stages (`deploy.secure_round`), then the server's step from the
     survivors' sum. The survivors' figures, taken (each accepted; no norm is seen)."""
     replies, failed, rejected = outcome
-    trained, adverts = Taken(), []
+    figures: dict[int, tuple[int, float, dict[str, int]]] = {}
+    adverts = []
     for cid in sorted(replies):
         try:
-            examples, loss, spent = reply_figures(run, cid, replies[cid], expect)
+            figured = reply_figures(run, cid, replies[cid], expect)
             adverts.append(secure_round.advert_of(replies[cid], cid))
         except ValueError as err:
             rejected[cid] = f"bad reply: {err}"
             continue
-        trained.add(cid, examples, loss, spent, 0)
+        figures[cid] = figured
     cfg = {protocol.RUN: run.run_id, protocol.ROUND: plan.round}
     params, fixed = settings
     result = secure_round.secure_sum(exchange.send, run.nodes, cfg, params, adverts,
@@ -696,9 +697,9 @@ def _secure_step(
     failed.update(result.failed)
     rejected.update(result.refused)
     taken = Taken(bytes_up=result.masked_bytes, secagg_bytes=result.key_bytes)
-    for i, cid in enumerate(trained.clients):
+    for cid, (examples, loss, spent) in figures.items():
         if cid in result.survivors:
-            taken.add(cid, trained.weights[i], trained.losses[i], trained.costs[i], 0)
+            taken.add(cid, examples, loss, spent, 0)
     _check_replies(plan.round, plan.clients, replies, failed, rejected)
     run.server_state = run.strategy.aggregate_sum(plan, run.server_state, result.total, fixed)
     num = len(taken.clients)

@@ -128,15 +128,14 @@ def _secure_aggregate(
     noised mean of the clipped updates and the next clip norm; else the mean update (already
     divided by the weight)."""
     dp = aggregator.dp
-    if dp is None:
-        return jax.tree.map(lambda r, d: r.astype(jnp.float32) + d, received, sums), state
-    bound = state["clip"]
-    noise_key, count_key = jax.random.split(key)
-    update = privacy.noised_mean(dp, sums, bound, noise_key)
-    centred = unclipped.astype(jnp.float32) - 0.5 * weight.astype(jnp.float32)
-    clip = privacy.next_clip_from_count(dp, bound, centred, count_key)
-    mean = jax.tree.map(lambda r, d: r.astype(jnp.float32) + d, received, update)
-    return mean, {"clip": clip}
+    update = sums
+    if dp is not None:
+        bound = state["clip"]
+        noise_key, count_key = jax.random.split(key)
+        update = privacy.noised_mean(dp, sums, bound, noise_key)
+        centred = unclipped.astype(jnp.float32) - 0.5 * weight.astype(jnp.float32)
+        state = {"clip": privacy.next_clip_from_count(dp, bound, centred, count_key)}
+    return jax.tree.map(lambda r, d: r.astype(jnp.float32) + d, received, update), state
 
 
 def secure_aggregated(
