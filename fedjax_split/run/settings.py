@@ -130,13 +130,21 @@ def value_of(config: Any, name: str) -> Any:
     return getattr(config if where is None else getattr(config, where), f.name)
 
 
-def replaced(config: Any, **changes: Any) -> Any:
-    """`config` with settings changed, given by flat name (`replaced(config, lr=1e-4)`)."""
+def _by_section(cls: type, values: Mapping[str, Any]) -> tuple[dict, dict[str, dict]]:
+    """Flat-named `values` as (top-level fields, {section: its fields}) of settings class `cls`."""
     top: dict[str, Any] = {}
     sections: dict[str, dict[str, Any]] = {}
-    for name, new in changes.items():
-        where, f = index(type(config))[name]
-        (top if where is None else sections.setdefault(where, {}))[f.name] = new
+    for name, given in values.items():
+        if name not in index(cls):
+            raise TypeError(f"{cls.__name__} has no setting {name!r}")
+        where, f = index(cls)[name]
+        (top if where is None else sections.setdefault(where, {}))[f.name] = given
+    return top, sections
+
+
+def replaced(config: Any, **changes: Any) -> Any:
+    """`config` with settings changed, given by flat name (`replaced(config, lr=1e-4)`)."""
+    top, sections = _by_section(type(config), changes)
     for where, fields in sections.items():
         top[where] = dataclasses.replace(getattr(config, where), **fields)
     return dataclasses.replace(config, **top)
@@ -145,15 +153,11 @@ def replaced(config: Any, **changes: Any) -> Any:
 def build(cls: type, values: Mapping[str, Any], **extra: Any) -> Any:
     """A settings class from flat-named values (the defaults for the others); `extra`: its
     fields that are not settings (`origins`)."""
-    top: dict[str, Any] = dict(extra)
-    sections: dict[str, dict[str, Any]] = {}
-    for name, given in values.items():
-        where, f = index(cls)[name]
-        (top if where is None else sections.setdefault(where, {}))[f.name] = given
+    top, sections = _by_section(cls, values)
     hints = typing.get_type_hints(cls)
     for where, fields in sections.items():
         top[where] = hints[where](**fields)
-    return cls(**top)
+    return cls(**top, **extra)
 
 
 def flag_name(name: str) -> str:
