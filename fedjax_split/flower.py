@@ -18,7 +18,6 @@ the run directory `pretrain` writes, equal to it bit for bit but for times.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -42,7 +41,7 @@ from fedjax_split.run.config import (
     site_dirs,
 )
 from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, resolve
-from fedjax_split.run.settings import DEPLOYMENT, Parser
+from fedjax_split.run.settings import DEPLOYMENT, Parser, replaced
 
 Config = ExperimentConfig | PretrainConfig  # what a run of either command is
 DEPLOY_FLAGS = ("supernodes", "round_timeout", "connect_timeout", "run_timeout", "write_app")
@@ -105,23 +104,23 @@ def parse(argv: Sequence[str] | None) -> tuple[ExperimentConfig, dict[str, Any]]
 def _absolute(config: Config) -> Config:
     """Paths made absolute: the ServerApp and ClientApps run in other working directories."""
     changes: dict[str, Any] = {"output_dir": str(config.run_dir.absolute())}
-    if config.data_dir is not None:
-        changes["data_dir"] = str(Path(config.data_dir).absolute())
-    if Path(config.model).exists():
-        changes["model"] = str(Path(config.model).absolute())
+    if config.data.data_dir is not None:
+        changes["data_dir"] = str(Path(config.data.data_dir).absolute())
+    if Path(config.model.name).exists():
+        changes["model"] = str(Path(config.model.name).absolute())
     if config.config is not None:
         changes["config"] = str(Path(config.config).absolute())
     sites = site_dirs(config)
     if sites:
         changes["site_data"] = ",".join(str(d.absolute()) for d in sites)
-    return dataclasses.replace(config, **changes)
+    return replaced(config, **changes)
 
 
 def run_config(config: Config, deploy: dict[str, Any], status_file: str = "") -> dict[str, Any]:
     """The Flower App's run config for this run. With --site-data the sites' paths stay out of
     it: the run says `node-config`, and each SuperNode is given its own site's directory."""
-    if config.site_data is not None:
-        config = dataclasses.replace(config, site_data=NODE_SITES)
+    if config.data.site_data is not None:
+        config = replaced(config, site_data=NODE_SITES)
     stop = os.environ.get("FEDJAX_SPLIT_STOP_AFTER_ROUND", "")
 
     if isinstance(config, PretrainConfig):  # further pre-training: deploy.pretrain_server
@@ -210,7 +209,8 @@ def _launch(
     """The run of `config` (fine-tuning or pre-training) on a federation of `supernodes` nodes
     on this machine, each given its clients and, with --site-data, its site: `_federate`'s
     (exit status, the ServerApp's status)."""
-    nodes = node_configs(config.run_dir / "flower", config.clients, supernodes, site_dirs(config))
+    clients = config.federation.clients
+    nodes = node_configs(config.run_dir / "flower", clients, supernodes, site_dirs(config))
     return _federate(config.run_dir, nodes, run_config(config, deploy), deploy)
 
 
@@ -226,12 +226,13 @@ def _app_only(config: Config, deploy: dict[str, Any]) -> bool:
 def _supernodes(config: Config, deploy: dict[str, Any], several: bool = False) -> int:
     """The SuperNodes to start, the federation's flags checked: one per client, or with
     `several` (fine-tuning on one pool) between 1 and --clients, each holding a block of them."""
-    supernodes = config.clients if deploy.get("supernodes") is None else deploy["supernodes"]
-    allowed = 1 <= supernodes <= config.clients if several else supernodes == config.clients
+    clients = config.federation.clients
+    supernodes = clients if deploy.get("supernodes") is None else deploy["supernodes"]
+    allowed = 1 <= supernodes <= clients if several else supernodes == clients
     if not allowed:
         raise UserError(
-            f"--supernodes {supernodes} but --clients {config.clients}: "
-            + (f"pass 1 to {config.clients}" if several else
+            f"--supernodes {supernodes} but --clients {clients}: "
+            + (f"pass 1 to {clients}" if several else
                "this federation runs one client per SuperNode; pass the same number")
         )  # fmt: skip
     for name in ("round_timeout", "connect_timeout", "run_timeout"):
@@ -260,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _absolute(config)
         if _app_only(config, deploy):
             return 0
-        supernodes = _supernodes(config, deploy, several=config.site_data is None)
+        supernodes = _supernodes(config, deploy, several=config.data.site_data is None)
         from fedjax_split.deploy import preflight  # the job's modules (JAX): after parsing
 
         preflight.check_experiment(config)

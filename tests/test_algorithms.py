@@ -41,13 +41,13 @@ def test_server_optimizer_steps_by_hand(name: str, lr: float | None, want: float
 
 def test_config_reads_the_registry() -> None:
     # tuned on the K=10 ramp and checked on K=3 (docs/fedopt_tuning.md)
-    assert ExperimentConfig(algorithm="fedadam").effective_server_lr == 1e-2
-    assert ExperimentConfig(algorithm="fedyogi").effective_server_lr == 1e-2
-    assert ExperimentConfig(algorithm="fedadagrad").effective_server_lr == 1e-2
+    assert ExperimentConfig.of(algorithm="fedadam").federation.effective_server_lr == 1e-2
+    assert ExperimentConfig.of(algorithm="fedyogi").federation.effective_server_lr == 1e-2
+    assert ExperimentConfig.of(algorithm="fedadagrad").federation.effective_server_lr == 1e-2
     assert {a.tau for a in algorithms.ALGORITHMS.values() if a.adaptive} == {1e-3}
-    assert ExperimentConfig(algorithm="fedavgm").effective_server_lr == 1.0
-    assert ExperimentConfig(algorithm="fedprox", mu=0.1).prox_mu == 0.1
-    assert ExperimentConfig(algorithm="fedavg", mu=0.1).prox_mu == 0.0
+    assert ExperimentConfig.of(algorithm="fedavgm").federation.effective_server_lr == 1.0
+    assert ExperimentConfig.of(algorithm="fedprox", mu=0.1).prox_mu == 0.1
+    assert ExperimentConfig.of(algorithm="fedavg", mu=0.1).prox_mu == 0.0
 
 
 def test_tau_reaches_the_adaptive_servers_and_only_them() -> None:

@@ -124,7 +124,7 @@ def test_a_query_reply_carries_the_client_id_and_its_split(
     shares = json.loads(str(cfg[protocol.SHARES]))
     assert shares is None or sum(shares) == pytest.approx(1.0)
     partition = json.loads(str(cfg[protocol.PARTITION]))
-    assert partition["scheme"] == fed.config.partition and "clients" not in partition
+    assert partition["scheme"] == fed.config.data.partition and "clients" not in partition
     assert protocol.TAG_NAMES not in cfg  # sst2 has no tags
     other = client_app.app(msg, _context(fed, tmp_path, client=0)).content[
         protocol.client_record(0)]  # fmt: skip

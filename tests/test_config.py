@@ -29,26 +29,28 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 def test_defaults_are_the_paper_setting() -> None:
     c = ExperimentConfig()
-    assert (c.model, c.clients, c.partition, c.critical_layer) == (
+    assert (c.model.name, c.federation.clients, c.data.partition, c.model.critical_layer) == (
         "bert-base-uncased",
         3,
         "paper",
         "half",
     )
     assert validate_critical_layer(c, 12) == 6  # the paper's c = 6 of bert-base's 12
-    assert c.algorithm == "fedavg" and c.quantize == "none" and c.max_length == 128
-    assert c.sampled_clients == 3 and c.prox_mu == 0.0 and c.effective_server_lr == 1.0
+    fed = c.federation
+    assert fed.algorithm == "fedavg" and fed.quantize == "none" and c.data.max_length == 128
+    assert fed.sampled_clients == 3 and c.prox_mu == 0.0 and fed.effective_server_lr == 1.0
 
 
 def test_file_then_flags_later_wins(tmp_path: Path) -> None:
     py = tmp_path / "c.py"
     py.write_text('def get_config():\n    return {"task": "mrpc", "rounds": 4, "lr": 3e-5}\n')
     cfg = resolve_config(load_config_file(py), {"rounds": 7})
-    assert (cfg.task, cfg.rounds, cfg.lr, cfg.seed) == ("mrpc", 7, 3e-5, 0)
+    assert (cfg.data.task, cfg.federation.rounds, cfg.client.lr, cfg.seed) == ("mrpc", 7, 3e-5, 0)
     js = tmp_path / "c.json"
     js.write_text(json.dumps({"algorithm": "fedprox", "mu": 1, "critical_layer": None}))
     cfg = resolve_config(load_config_file(js))
-    assert cfg.mu == 1.0 and isinstance(cfg.mu, float) and cfg.critical_layer is None
+    assert cfg.client.mu == 1.0 and isinstance(cfg.client.mu, float)
+    assert cfg.model.critical_layer is None
     assert cfg.prox_mu == 1.0
 
 
@@ -132,10 +134,10 @@ def test_default_critical_layer_is_half_of_any_models_layers(num_layers: int, wa
 def test_critical_layer_words_in_flags_and_files(tmp_path: Path, text: str, want: object) -> None:
     from fedjax_split import train
 
-    assert train.config_from_args(["--critical-layer", text]).critical_layer == want
+    assert train.config_from_args(["--critical-layer", text]).model.critical_layer == want
     js = tmp_path / "c.json"
     js.write_text(json.dumps({"critical_layer": text}))
-    assert resolve_config(load_config_file(js)).critical_layer == want
+    assert resolve_config(load_config_file(js)).model.critical_layer == want
 
 
 def test_a_bad_critical_layer_word_is_one_line(tmp_path: Path) -> None:
@@ -146,52 +148,53 @@ def test_a_bad_critical_layer_word_is_one_line(tmp_path: Path) -> None:
 
 
 def test_critical_layer_against_model_depth() -> None:
-    assert validate_critical_layer(ExperimentConfig(critical_layer=None), 6) == 6
-    assert validate_critical_layer(ExperimentConfig(critical_layer=0), 6) == 0
-    assert validate_critical_layer(ExperimentConfig(critical_layer=12), 12) == 12
+    assert validate_critical_layer(ExperimentConfig.of(critical_layer=None), 6) == 6
+    assert validate_critical_layer(ExperimentConfig.of(critical_layer=0), 6) == 0
+    assert validate_critical_layer(ExperimentConfig.of(critical_layer=12), 12) == 12
     with pytest.raises(UserError, match=r"outside 0\.\.6"):
-        validate_critical_layer(ExperimentConfig(critical_layer=7), 6)
+        validate_critical_layer(ExperimentConfig.of(critical_layer=7), 6)
 
 
 def test_trajectory_mismatch_ignores_bookkeeping() -> None:
-    saved = ExperimentConfig(rounds=4).to_dict()
-    assert trajectory_mismatch(saved, ExperimentConfig(rounds=8, resume=True)) == []
+    saved = ExperimentConfig.of(rounds=4).to_dict()
+    assert trajectory_mismatch(saved, ExperimentConfig.of(rounds=8, resume=True)) == []
     # clients dealt to more devices train the same models (tests/test_rounds.py)
-    assert trajectory_mismatch(saved, ExperimentConfig(cpu_devices=1, chunk_size=1)) == []
+    assert trajectory_mismatch(saved, ExperimentConfig.of(cpu_devices=1, chunk_size=1)) == []
     # another attention kernel computes the same attention (a GPU run may resume on a CPU)
-    assert trajectory_mismatch(saved, ExperimentConfig(attention="cudnn")) == []
-    assert trajectory_mismatch(saved, ExperimentConfig(lr=1e-4, seed=2)) == ["lr", "seed"]
+    assert trajectory_mismatch(saved, ExperimentConfig.of(attention="cudnn")) == []
+    assert trajectory_mismatch(saved, ExperimentConfig.of(lr=1e-4, seed=2)) == ["lr", "seed"]
     # packing and bucketing change the batches, so a run cannot switch them on resume
-    assert trajectory_mismatch(saved, ExperimentConfig(packing=False)) == ["packing"]
-    assert trajectory_mismatch(saved, ExperimentConfig(bucketing=True)) == ["bucketing"]
+    assert trajectory_mismatch(saved, ExperimentConfig.of(packing=False)) == ["packing"]
+    assert trajectory_mismatch(saved, ExperimentConfig.of(bucketing=True)) == ["bucketing"]
     # a run saved before the client optimiser flags trained AdamW at a constant rate, unclipped
     old = {k: v for k, v in saved.items() if k not in ("client_optimizer", "lr_schedule",
                                                        "warmup_ratio", "client_clip_norm")}
     assert trajectory_mismatch(old, ExperimentConfig()) == []
-    sgd = ExperimentConfig(client_optimizer="sgd", lr_schedule="linear", client_clip_norm=1.0)
+    sgd = ExperimentConfig.of(client_optimizer="sgd", lr_schedule="linear", client_clip_norm=1.0)
     assert trajectory_mismatch(old, sgd) == ["client_clip_norm", "client_optimizer",
                                              "lr_schedule"]  # fmt: skip
-    assert trajectory_mismatch(saved, ExperimentConfig(paper_fill="sequential")) == ["paper_fill"]
+    sequential = ExperimentConfig.of(paper_fill="sequential")
+    assert trajectory_mismatch(saved, sequential) == ["paper_fill"]
 
 
 def test_a_resume_runs_the_server_settings_the_run_started_with() -> None:
     """config.json saves the server lr and tau the flags resolved to; one written before the
     adaptive servers' defaults were tuned (no `server_settings`, --server-lr unset) ran lr 1e-3,
     tau 1e-3: resuming it at today's default is refused, naming the flags that continue it."""
-    today = ExperimentConfig(algorithm="fedadam")
+    today = ExperimentConfig.of(algorithm="fedadam")
     assert saved_dict(today)["server_settings"] == {"server_lr": 1e-2, "server_tau": 1e-3}
     assert trajectory_mismatch(saved_dict(today), today) == []
-    old = ExperimentConfig(algorithm="fedadam").to_dict()  # as written before: no server_settings
+    old = ExperimentConfig.of(algorithm="fedadam").to_dict()  # as before: no server_settings
     assert trajectory_mismatch(old, today) == [
         "the server it ran: --server-lr 0.001 --server-tau 0.001"]  # fmt: skip
-    assert trajectory_mismatch(old, ExperimentConfig(algorithm="fedadam", server_lr=1e-3,
+    assert trajectory_mismatch(old, ExperimentConfig.of(algorithm="fedadam", server_lr=1e-3,
                                                      server_tau=1e-3)) == []  # fmt: skip
     # an explicit flag equal to today's default is the same run
-    explicit = ExperimentConfig(algorithm="fedadam", server_lr=1e-2)
+    explicit = ExperimentConfig.of(algorithm="fedadam", server_lr=1e-2)
     assert trajectory_mismatch(saved_dict(today), explicit) == []
     # FedAvg's default never changed; another tau is another run
     assert trajectory_mismatch(ExperimentConfig().to_dict(), ExperimentConfig()) == []
-    assert trajectory_mismatch(saved_dict(today), ExperimentConfig(
+    assert trajectory_mismatch(saved_dict(today), ExperimentConfig.of(
         algorithm="fedadam", server_tau=1e-4)) == ["the server it ran: --server-lr 0.01 "
                                                    "--server-tau 0.001"]  # fmt: skip
 
@@ -228,7 +231,7 @@ def test_every_shipped_config_and_arg_resolves_and_states_only_what_differs() ->
         for arg in _args_of(f):
             spec = f"configs/{f.name}" + ("" if arg is None else f":{arg}")
             values = load_config_file(CONFIGS.parent / spec)
-            assert resolve_config(values).rounds >= 1
+            assert resolve_config(values).federation.rounds >= 1
             same &= {k for k, v in values.items() if v == defaults[k]}
             assert f"--config {spec} " in documented, f"{spec}: no run command in its docstring"
         assert not same, f"{f.name} repeats the defaults of {sorted(same)}"
@@ -270,11 +273,11 @@ def test_site_data_makes_the_sites_the_clients_and_refuses_pool_settings(tmp_pat
         d.mkdir()
     listed = ",".join(map(str, dirs))
     config = resolve_config(overrides={"site_data": listed})
-    assert config.clients == 4 and site_dirs(config) == dirs  # no --clients: one per site
-    assert resolve_config({"site_data": listed}, {"clients": 4}).clients == 4
+    assert config.federation.clients == 4 and site_dirs(config) == dirs  # no --clients: a site each
+    assert resolve_config({"site_data": listed}, {"clients": 4}).federation.clients == 4
     # real sites: the server and the nodes know the count from --clients, each node its dir
     real = resolve_config(overrides={"site_data": NODE_SITES, "clients": 5})
-    assert real.clients == 5 and site_dirs(real) == []
+    assert real.federation.clients == 5 and site_dirs(real) == []
     assert "site_data" not in trajectory_mismatch({"site_data": listed}, real)
     bad = [
         ({"clients": 3}, "--clients 3 but --site-data names 4 sites"),
@@ -304,7 +307,8 @@ def test_fedbt_shares_the_whole_model_and_names_its_run_dir() -> None:
                                        6) == 6  # fmt: skip
     with pytest.raises(UserError, match=r"L = 6\), but --critical-layer 3 keeps .*; drop --crit"):
         validate_critical_layer(resolve_config(overrides={**fedbt, "critical_layer": 3}), 6)
-    assert resolve_config(overrides=fedbt).critical_layer is None  # 'half' is L: resumes agree
+    # 'half' is L: resumes agree
+    assert resolve_config(overrides=fedbt).model.critical_layer is None
     assert resolve_config(overrides=fedbt).run_dir.name == "sst2_fedavg_fedbt_K3_s0"
     assert resolve_config(overrides={**fedbt, "cycle_factor": 2}).run_dir.name == (
         "sst2_fedavg_fedbt2_K3_s0")  # fmt: skip
@@ -357,13 +361,14 @@ def test_a_trimmed_mean_that_trims_nobody_is_refused(values: dict, want: str) ->
 def test_the_fixes_the_refusal_names_trim_and_are_the_least_that_do() -> None:
     trimmed = {"aggregator": "trimmed-mean"}
     # the paper's 3 clients: 0.34 trims (floor(1.02) = 1), 0.33 does not (floor(0.99) = 0)
-    assert resolve_config(overrides={**trimmed, "trim_fraction": 0.34}).trim_fraction == 0.34
+    cut = resolve_config(overrides={**trimmed, "trim_fraction": 0.34})
+    assert cut.privacy.trim_fraction == 0.34
     with pytest.raises(UserError, match="plain unweighted mean"):
         resolve_config(overrides={**trimmed, "trim_fraction": 0.33})
     # exactly 1/3 trims one of 3 too: (1/3) x 3 is 1.0 in floats
     resolve_config(overrides={**trimmed, "trim_fraction": 1 / 3})
     # the default 0.1: 10 clients a round trim one at each end, 9 do not
-    assert resolve_config(overrides={**trimmed, "clients": 10}).sampled_clients == 10
+    assert resolve_config(overrides={**trimmed, "clients": 10}).federation.sampled_clients == 10
     resolve_config(overrides={**trimmed, "clients": 20, "clients_per_round": 10})
     with pytest.raises(UserError, match=r"floor\(0.1 x 9\)"):
         resolve_config(overrides={**trimmed, "clients": 20, "clients_per_round": 9})
@@ -379,7 +384,6 @@ def test_the_fixes_the_refusal_names_trim_and_are_the_least_that_do() -> None:
 def test_train_and_flower_refuse_a_trimmed_mean_that_trims_nobody_alike() -> None:
     """The command lines of train and of the Flower federation, and the ServerApp's settings from
     the run config, all resolve through `resolve_config` and so refuse it the same."""
-    import dataclasses
 
     from fedjax_split import flower, train
     from fedjax_split.deploy import protocol
@@ -389,9 +393,9 @@ def test_train_and_flower_refuse_a_trimmed_mean_that_trims_nobody_alike() -> Non
         with pytest.raises(UserError) as err:
             parse(["--aggregator", "trimmed-mean"])
         assert str(err.value).startswith(want) and "\n" not in str(err.value)
-        assert parse(["--aggregator", "trimmed-mean", "--clients", "10"]).aggregator == (
+        assert parse(["--aggregator", "trimmed-mean", "--clients", "10"]).privacy.aggregator == (
             "trimmed-mean")  # fmt: skip
-    experiment = dataclasses.replace(ExperimentConfig(), aggregator="trimmed-mean").to_dict()
+    experiment = ExperimentConfig.of(aggregator="trimmed-mean").to_dict()
     run_config = {protocol.EXPERIMENT: json.dumps(experiment)}
     with pytest.raises(UserError) as err:
         resolve_config(overrides=protocol.experiment_values(run_config))
@@ -416,7 +420,7 @@ def test_an_error_says_whether_a_value_came_from_a_flag_the_file_or_the_default(
     cfg.write_text("def get_config():\n    return {'clients': 0}\n")
     assert _error(["--clients", "0"]) == "--clients must be at least 1, got 0"  # typed: no more
     assert _error(["--config", str(cfg)]) == f"--clients must be at least 1, got 0 (from {cfg})"
-    assert train.config_from_args(["--config", str(cfg), "--clients", "2"]).clients == 2
+    assert train.config_from_args(["--config", str(cfg), "--clients", "2"]).federation.clients == 2
     many = _error(["--clients-per-round", "5"])
     assert many.endswith("got 5; --clients 3 (the default) sets the clients"), many
     # FILE.py:ARG is named as given
@@ -455,5 +459,5 @@ def test_where_values_came_from_is_not_a_setting() -> None:
     by_flag = train.config_from_args(["--clients", "2"])
     assert by_flag.origins["clients"] == "flag" and by_flag.origins["rounds"] == "default"
     assert "origins" not in by_flag.to_dict() and "origins" not in saved_dict(by_flag)
-    assert by_flag == resolve_config({"clients": 2}) == ExperimentConfig(clients=2)
+    assert by_flag == resolve_config({"clients": 2}) == ExperimentConfig.of(clients=2)
     assert "--origins" not in train.build_parser().format_help()

@@ -22,6 +22,7 @@ from fedjax_split.fed import privacy
 from fedjax_split.fed.aggregation import Aggregator
 from fedjax_split.fed.server import init_server_state
 from fedjax_split.fed.server_optimizers import fedavg
+from fedjax_split.run.config import ExperimentConfig
 
 GLOBAL = {"layer": {"kernel": jnp.ones((2, 3), jnp.float32), "bias": jnp.zeros(3, jnp.float32)}}
 
@@ -127,7 +128,7 @@ def test_sites_partition_is_rebuilt_from_the_counts_and_own_indices_the_nodes_re
         0: (10, {protocol.SPLIT_TRAIN: [1, 3, 4], protocol.SPLIT_TEST: [0],
                  protocol.POOL_SIZE: 5, protocol.PARTITION: meta}),
     }  # fmt: skip
-    part = server.partition_from_nodes(SimpleNamespace(clients=2), found)
+    part = server.partition_from_nodes(ExperimentConfig.of(clients=2), found)
     assert [(c.train.tolist(), c.test.tolist()) for c in part.clients] == [
         ([1, 3, 4], [0]), ([5, 7], [6])]  # fmt: skip
     assert (part.scheme, part.num_examples, part.seed, part.task) == (SITES, 8, 4, "sst2")
@@ -202,7 +203,7 @@ def test_connect_maps_each_client_to_the_node_that_holds_it(monkeypatch) -> None
     monkeypatch.setattr(server, "_message", lambda content, node, kind: SimpleNamespace(
         metadata=SimpleNamespace(dst_node_id=node, message_type=kind)))  # fmt: skip
 
-    config = SimpleNamespace(clients=3)
+    config = ExperimentConfig.of(clients=3)
     options = server.DeployOptions(connect_timeout=5, poll_interval=0.01)
     grid = _Grid({11: _query_reply(0, 1), 12: _query_reply(2, single=True)})
     found = server.connect(grid, config, options)
@@ -275,7 +276,7 @@ def test_evaluate_leaves_out_a_reply_that_is_not_the_clients_own_metrics(monkeyp
     }
     run = _run("float32")
     run.model.task, run.tag_names, run.run_id = get_task("qnli"), (), "ab" * 8
-    run.config, run.nodes = SimpleNamespace(clients=len(replies)), {c: c for c in replies}
+    run.config, run.nodes = ExperimentConfig.of(clients=len(replies)), {c: c for c in replies}
     run.rounds, run.model.num_local = 1, 0  # the last evaluation, but nothing local
     record, failed, _, ahead = server.evaluate(run, _Exchange(replies), 1, server.DeployOptions(),
                                                {}, set(range(16)))  # fmt: skip
@@ -308,7 +309,7 @@ def test_a_split_runs_last_evaluation_asks_every_client_for_the_global_models_fi
     }
     run = _run("float32")
     run.model.task, run.tag_names, run.run_id = get_task("qnli"), (), "ab" * 8
-    run.config, run.nodes = SimpleNamespace(clients=len(replies)), {c: c for c in replies}
+    run.config, run.nodes = ExperimentConfig.of(clients=len(replies)), {c: c for c in replies}
     run.rounds, run.model.num_local = 4, 10
     exchange = _Exchange(replies)
     alone = server.DeployOptions(carry_evaluation=False)  # (carried: the next test)
@@ -343,7 +344,7 @@ def test_before_the_last_round_the_evaluation_rides_in_the_next_rounds_train_mes
     replies = {c: _eval_reply(c, acc(0.5 + c / 10)) for c in range(4)}
     run = _run("float32")
     run.model.task, run.tag_names, run.run_id = get_task("qnli"), (), "ab" * 8
-    run.config, run.nodes = SimpleNamespace(clients=4), {c: c for c in range(4)}
+    run.config, run.nodes = ExperimentConfig.of(clients=4), {c: c for c in range(4)}
     run.rounds, run.model.num_local, run.secret = 3, 10, None
     spec = run.model.round_spec
     run.strategy = SimpleNamespace(plan=lambda r, state, secret: RoundPlan(
@@ -444,12 +445,12 @@ def test_a_malformed_query_reply_is_one_line_naming_the_supernode(case: str) -> 
     changes, needle = BAD_QUERIES[case]
     found = _pool_found(**changes)
     with pytest.raises(UserError, match=needle):
-        server.partition_from_nodes(SimpleNamespace(clients=2), found)
+        server.partition_from_nodes(ExperimentConfig.of(clients=2), found)
 
 
 def test_a_good_pool_query_is_the_partition_and_bad_shares_are_one_line() -> None:
     found = _pool_found()
-    part = server.partition_from_nodes(SimpleNamespace(clients=2), found)
+    part = server.partition_from_nodes(ExperimentConfig.of(clients=2), found)
     assert [(c.train.tolist(), c.test.tolist()) for c in part.clients] == [
         ([0, 1, 2, 3], [4]), ([5, 6, 7, 8], [9])]  # fmt: skip
     assert (part.scheme, part.num_examples, part.seed) == ("iid", 10, 4)
@@ -466,11 +467,11 @@ def test_a_site_reports_indices_within_its_own_rows() -> None:
                        "target_shares": None, "dropped": 0})  # fmt: skip
     site = {protocol.SPLIT_TRAIN: [0, 1], protocol.SPLIT_TEST: [2], protocol.PARTITION: meta}
     found = {0: (10, {**site, protocol.POOL_SIZE: 3}), 1: (11, {**site, protocol.POOL_SIZE: 5})}
-    assert server.partition_from_nodes(SimpleNamespace(clients=2), found).num_examples == 8
+    assert server.partition_from_nodes(ExperimentConfig.of(clients=2), found).num_examples == 8
     for size, needle in ((2, "outside 0..1"), (-1, "pool size -1"), (2.5, "pool size 2.5")):
         found[1] = (11, {**site, protocol.POOL_SIZE: size})
         with pytest.raises(UserError, match=f"SuperNode 11 .*{needle}"):
-            server.partition_from_nodes(SimpleNamespace(clients=2), found)
+            server.partition_from_nodes(ExperimentConfig.of(clients=2), found)
 
 
 def test_a_query_reply_without_a_client_id_is_one_line(monkeypatch) -> None:
@@ -484,7 +485,7 @@ def test_a_query_reply_without_a_client_id_is_one_line(monkeypatch) -> None:
                             (RecordDict({protocol.CONFIG: ConfigRecord({protocol.CLIENTS: "x"})}),
                              "client ids")):  # fmt: skip
         with pytest.raises(UserError, match=f"SuperNode 12 answered the query with {needle}"):
-            server.connect(_Grid({12: content}), SimpleNamespace(clients=1), options)
+            server.connect(_Grid({12: content}), ExperimentConfig.of(clients=1), options)
 
 
 def test_the_nodes_keep_the_local_parts_of_the_oldest_kept_checkpoint(
@@ -505,7 +506,7 @@ def test_the_nodes_keep_the_local_parts_of_the_oldest_kept_checkpoint(
 
     monkeypatch.setattr(server, "run_round", run_round)
     task = SimpleNamespace(primary_metric="f1")
-    run = SimpleNamespace(config=SimpleNamespace(run_dir=tmp_path, dp=False), rounds=9,
+    run = SimpleNamespace(config=ExperimentConfig.of(output_dir=str(tmp_path)), rounds=9,
                           model=SimpleNamespace(task=task))  # fmt: skip
     flower = server.FlowerServer(run, None, server.DeployOptions())
     flower.step(1, [])

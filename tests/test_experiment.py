@@ -231,12 +231,13 @@ def test_the_client_store_trains_what_clients_held_in_memory_train(files: dict[s
     experiment.run_experiment(cfg, progress=False)
     setup = experiment.build(cfg)  # the same start, held in memory
     model = setup.model
-    stacked = rounds.replicate(model.local0, cfg.clients)
+    stacked = rounds.replicate(model.local0, cfg.federation.clients)
     state = rounds.init_server_state(
         model.global0, model.round_spec.server_optimizer, model.round_spec.wire_dtype
     )
     for r in (1, 2):
-        sampled = rounds.sample_clients(cfg.clients, cfg.sampled_clients, cfg.seed, r)
+        fed = cfg.federation
+        sampled = rounds.sample_clients(fed.clients, fed.sampled_clients, cfg.seed, r)
         n = np.asarray([len(setup.partition.clients[i].train) for i in sampled], np.float32)
         state, new, _ = rounds.run_round(
             model.round_spec, state, rounds.take_clients(stacked, sampled), n,
@@ -245,7 +246,7 @@ def test_the_client_store_trains_what_clients_held_in_memory_train(files: dict[s
         )  # fmt: skip
         stacked = rounds.put_clients(stacked, sampled, new)
     store = ClientStore(cfg.run_dir / experiment.CLIENTS_DIR)
-    for k in range(cfg.clients):
+    for k in range(cfg.federation.clients):
         held = jax.tree.map(lambda x, k=k: np.asarray(x[k]), stacked)
         for a, b in zip(jax.tree.leaves(store.load(k)), jax.tree.leaves(held), strict=True):
             np.testing.assert_array_equal(a, b)

@@ -32,6 +32,7 @@ from test_flower import _kill_marked, _no_processes_left
 from fedjax_split.deploy import codec, protocol
 from fedjax_split.deploy.pretrain_server import heldout_rows, take_upload
 from fedjax_split.errors import UserError
+from fedjax_split.run.pretrain_config import PretrainConfig
 
 pytestmark = pytest.mark.xdist_group("federation")  # one at a time: see pyproject.toml
 
@@ -334,7 +335,7 @@ def test_the_join_counts_are_whole_numbers_within_bounds_else_one_line_naming_th
     with one line naming the site."""
     from fedjax_split.deploy import pretrain_server
 
-    config = SimpleNamespace(clients=2, site_data="node-config", seed=3)
+    config = PretrainConfig.of(clients=2, site_data="node-config", seed=3)
     split, shares, sizes = pretrain_server.join_counts(config, _sites_found())
     assert [(s.count, s.offset) for s in shares] == [(3, 0), (2, 3)] and sizes == [40, 41]
     bad = {
@@ -356,7 +357,7 @@ def test_one_corpus_join_counts_are_checked_too() -> None:
     from fedjax_split.deploy import pretrain_server
 
     split = json.dumps({"clients": [[0, 1], [2]], "heldout": [3], "scheme": "source", "seed": 3})
-    config = SimpleNamespace(clients=2, site_data=None, seed=3)
+    config = PretrainConfig.of(clients=2, site_data=None, seed=3)
 
     def found(heldout: object, text: str = split) -> dict:
         return {c: (20 + c, {protocol.SPLIT_JSON: text, protocol.HELDOUT_BATCHES: heldout,

@@ -30,6 +30,7 @@ MAX_LINES = 80
 # deferred import of their job each (which keeps --help fast) and the few a module of the flags
 # makes to stay free of JAX. The issue's ceiling (47) is 40.
 MAX_FUNCTION_IMPORTS = 40
+MAX_FIELDS = 20  # no dataclass wider: the issue's ceiling
 
 
 def _unit(module: str) -> str:
@@ -88,6 +89,38 @@ def test_no_function_is_longer_than_80_lines() -> None:
                 if lines > MAX_LINES:
                     long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} {lines}")
     assert long == []
+
+
+def _dataclass_fields(tree: ast.AST) -> dict[str, int]:
+    """The fields (annotated class attributes) of each `@dataclass` class in `tree`."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and any(
+            "dataclass" in ast.unparse(d) for d in node.decorator_list
+        ):
+            out[node.name] = sum(isinstance(s, ast.AnnAssign) for s in node.body)
+    return out
+
+
+def test_the_field_counter_counts_a_dataclass_fields() -> None:
+    code = (
+        "@dataclasses.dataclass(frozen=True)\nclass A:\n    x: int = 0\n    y: str = ''\n"
+        "    def f(self) -> int:\n        return 1\n"
+        "class B:\n    z: int = 0\n"
+    )
+    assert _dataclass_fields(ast.parse(code)) == {"A": 2}
+
+
+def test_no_dataclass_has_more_than_20_fields() -> None:
+    """A config of 66 fields was the domain model once: a dataclass this wide is a bag of
+    concerns, to split into sections (run/config.py's)."""
+    wide = [
+        f"{path.relative_to(PACKAGE)} {name} {n}"
+        for path in PACKAGE.rglob("*.py")
+        for name, n in _dataclass_fields(ast.parse(path.read_text())).items()
+        if n > MAX_FIELDS
+    ]
+    assert wide == []
 
 
 def _probe(code: str) -> str:

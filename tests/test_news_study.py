@@ -27,8 +27,9 @@ def test_the_ceiling_is_one_client_with_every_document_of_the_preset(monkeypatch
     from fedjax_split.train import config_from_args
 
     config = config_from_args(fednlp)  # the flags parse and validate, with the preset
-    assert (config.client_optimizer, config.lr_schedule, config.batch_size) == ("sgd", "linear", 8)
-    assert (config.task, config.clients, config.rounds) == ("20news", 100, 22)
+    client, fed = config.client, config.federation
+    assert (client.client_optimizer, client.lr_schedule, client.batch_size) == ("sgd", "linear", 8)
+    assert (config.data.task, fed.clients, fed.rounds) == ("20news", 100, 22)
     assert study.main(["--only", "imdb"]) == 2
 
 

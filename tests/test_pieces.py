@@ -255,22 +255,22 @@ def test_sites_rows_are_as_wide_as_max_length_allows_whatever_their_data() -> No
     """A site sees no pool: its rows (packed W, padded T) come from --max-length, and its packed
     parts' tokens from the batch size and W alone, so all sites agree. A pool's rows come from
     its longest example (at least 64 packed, 8 padded) and its parts' N from the pool itself."""
-    from types import SimpleNamespace
-
     from fedjax_split.data.tokenization import Tokenized
+    from fedjax_split.run.config import ExperimentConfig
+    from fedjax_split.run.settings import replaced
     from fedjax_split.tasks.registry import get_task
 
     short = Tokenized([np.ones(3, np.int32)], [np.zeros(3, np.int32)], np.array([3]))
     long = Tokenized([np.ones(13, np.int32)], [np.zeros(13, np.int32)], np.array([13]))
-    sites = SimpleNamespace(packing=True, site_data="a,b", max_length=100, batch_size=16,
-                            bucketing=False)  # fmt: skip
+    sites = ExperimentConfig.of(packing=True, site_data="a,b", max_length=100, batch_size=16,
+                                bucketing=False)  # fmt: skip
     assert pieces.row_width(sites, short) == 104  # 100 rounded up to a multiple of 8
-    assert pieces.row_width(SimpleNamespace(**{**vars(sites), "max_length": 16}), short) == 64
-    pool = SimpleNamespace(**{**vars(sites), "site_data": None})
+    assert pieces.row_width(replaced(sites, max_length=16), short) == 64
+    pool = replaced(sites, site_data=None)
     assert pieces.row_width(pool, short) == 64  # the pool's longest example, at least 64
-    padded_sites = SimpleNamespace(**{**vars(sites), "packing": False})
+    padded_sites = replaced(sites, packing=False)
     assert pieces.row_width(padded_sites, short) == 104  # padded T: the same bound
-    padded_pool = SimpleNamespace(**{**vars(pool), "packing": False})
+    padded_pool = replaced(pool, packing=False)
     assert pieces.row_width(padded_pool, short) == 8 and pieces.row_width(padded_pool, long) == 16
     # N of a site's parts: B half-full rows of W (whole rows), from the config alone
     task = get_task("sst2")

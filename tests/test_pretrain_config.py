@@ -12,10 +12,10 @@ from fedjax_split.run.pretrain_config import FIELDS, PretrainConfig, check_depth
 
 def test_defaults_are_the_released_setting() -> None:
     c = PretrainConfig()
-    assert (c.method, c.clients, c.rounds, c.local_epochs, c.batch_size, c.lr) == (
-        "fedbfpt", 6, 5, 1, 256, 5e-5,
-    )  # fmt: skip
-    assert (c.max_length, c.mlm_probability, c.weight_decay, c.schedule) == (
+    fed, client = c.federation, c.client
+    assert (fed.method, fed.clients, fed.rounds, client.local_epochs, client.batch_size,
+            client.lr) == ("fedbfpt", 6, 5, 1, 256, 5e-5)  # fmt: skip
+    assert (c.data.max_length, c.data.mlm_probability, client.weight_decay, fed.schedule) == (
         128, 0.15, 0.01, "halving",
     )  # fmt: skip
     assert str(c.run_dir) == "runs/pretrain_pubmed_fedbfpt_K6_s0"
@@ -34,7 +34,8 @@ def test_one_flag_per_setting() -> None:
     parser = pretrain.build_parser()
     assert {a.dest for a in parser._actions} - {"help"} == set(FIELDS)
     got = pretrain.config_from_args(["--method", "bert-fl", "--small-layers", "3", "--rounds", "2"])
-    assert (got.method, got.small_layers, got.rounds) == ("bert-fl", 3, 2)
+    fed = got.federation
+    assert (fed.method, got.model.small_layers, fed.rounds) == ("bert-fl", 3, 2)
 
 
 @pytest.mark.parametrize(
@@ -71,9 +72,9 @@ def test_site_data_implies_local_text_and_one_client_per_site(tmp_path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
     got = resolve(overrides={"site_data": f"{a},{b}"})
-    assert (got.corpus, got.clients, got.data_dir) == ("local", 2, None)
+    assert (got.data.corpus, got.federation.clients, got.data.data_dir) == ("local", 2, None)
     # real sites (--write-app): each SuperNode knows its own directory, --clients is given
-    assert resolve(overrides={"site_data": "node-config", "clients": 3}).clients == 3
+    assert resolve(overrides={"site_data": "node-config", "clients": 3}).federation.clients == 3
 
 
 @pytest.mark.parametrize(

@@ -226,7 +226,7 @@ def test_each_sites_client_trains_on_exactly_its_sites_text(base: dict) -> None:
 
     dirs = write_text_sites(base["root"] / "sites")
     setup = _site_setup(base, dirs)
-    assert setup.clients == [0, 1] and setup.config.corpus == "local"
+    assert setup.clients == [0, 1] and setup.config.data.corpus == "local"
     tok = tokenization.load_tokenizer(base["model"])
     special = {tok.cls_token_id, tok.sep_token_id}
     counts = []
@@ -298,7 +298,7 @@ def test_a_run_saved_before_layer_draw_resumes_with_the_draw_it_used() -> None:
     from fedjax_split.run.pretrain_config import resolve
 
     today = resolve(overrides={"method": "fedbfpt"})
-    assert today.layer_draw == "replacement"
+    assert today.federation.layer_draw == "replacement"
     old = {k: v for k, v in today.to_dict().items() if k != "layer_draw"}
     assert pretraining.mismatch(old, today) == ["layer_draw"]
     assert pretraining.mismatch(old, resolve(overrides={"layer_draw": "distinct"})) == []

@@ -21,7 +21,8 @@ def _run(root: Path, name: str, accs, per_round_bytes, extra=(), down=None, **co
     sent to the clients a round (default: as many as they upload)."""
     d = root / name
     d.mkdir(parents=True)
-    cfg = {**ExperimentConfig(algorithm="fedavg", critical_layer=6, clients=10).to_dict(), **config}
+    base = ExperimentConfig.of(algorithm="fedavg", critical_layer=6, clients=10)
+    cfg = {**base.to_dict(), **config}
     (d / "config.json").write_text(json.dumps(cfg))
     records, cum = [], 0
     sampled = list(range(cfg["clients_per_round"] or cfg["clients"]))
@@ -105,7 +106,7 @@ def test_majority_baseline_by_hand(tmp_path, fake_pool):
         {"train": [0, 1, 2], "test": [5, 6]},  # majority 0; test labels 0, 1: 0.5
         {"train": [3, 4], "test": [7]},  # majority 1; test label 0: 0.0
     ]}))  # fmt: skip
-    run = {"dir": tmp_path, "config": ExperimentConfig(task="sst2", seed=0).to_dict()}
+    run = {"dir": tmp_path, "config": ExperimentConfig.of(task="sst2", seed=0).to_dict()}
     # everyone's majority training label is 1 (three of five); the pooled test labels 0, 1, 0
     assert reproduce.majority_baseline(run) == (0.25, 1 / 3)
 
@@ -260,6 +261,6 @@ def test_every_study_run_resolves_from_its_preset(monkeypatch):
     for _, name, preset, overrides in reproduce.RUNS:
         args = reproduce.command(preset, overrides, Path("runs/study") / name)[3:]
         config = train.config_from_args(args)
-        assert config.config == preset and config.output_dir == f"runs/study/{name}"
+        assert config.config == preset and config.outputs.output_dir == f"runs/study/{name}"
     k10, k3 = (train.config_from_args([f"--config={p}"]) for p in (reproduce.K10, reproduce.K3))
-    assert (k10.clients, k3.clients) == (10, 3)
+    assert (k10.federation.clients, k3.federation.clients) == (10, 3)

@@ -167,7 +167,7 @@ def test_aggregator_and_mechanism_from_the_config() -> None:
 def test_epsilon_is_dp_accountings_own(kw: dict, z: float, q: float) -> None:
     config = _dp(dp_delta=1e-4, **kw)
     for r in (1, 5, 40):
-        want = dp_reference_epsilon(z, q, r, 1e-4, config.dp_accountant)
+        want = dp_reference_epsilon(z, q, r, 1e-4, config.privacy.dp_accountant)
         assert safeguards.epsilon(config, r) == pytest.approx(want, rel=1e-9)
     assert safeguards.epsilon(config, 0) == 0.0
     assert safeguards.epsilon(_config(), 5) is None  # no DP
@@ -264,7 +264,8 @@ def test_summary_fields() -> None:
 
 def test_start_lines_state_the_mechanism_and_the_rounds_a_budget_allows() -> None:
     plain = _config()
-    assert safeguards.start_lines(plain, plain.rounds) == []  # the plain mean: nothing to say
+    # the plain mean: nothing to say
+    assert safeguards.start_lines(plain, plain.federation.rounds) == []
     config = _dp(rounds=10, dp_max_epsilon=2.0)
     allowed = safeguards.rounds_allowed(config)
     lines = safeguards.start_lines(config, allowed)

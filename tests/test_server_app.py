@@ -242,4 +242,4 @@ def test_a_pretrain_run_config_with_the_sites_paths_never_makes_the_server_look_
                   protocol.STATUS_FILE: str(status)}  # fmt: skip
     server_app.main(NoGrid(), _context(run_config))
     assert _status(status) == {"status": "done", "summary": {"ok": 1}}
-    assert seen[0].site_data == NODE_SITES and seen[0].clients == 2
+    assert seen[0].data.site_data == NODE_SITES and seen[0].federation.clients == 2

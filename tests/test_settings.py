@@ -13,13 +13,18 @@ from fedjax_split.errors import UserError
 from fedjax_split.run.settings import (
     OUTPUTS,
     Schema,
+    Section,
     Settings,
     as_given,
     choose,
     drop,
+    index,
     load_config_file,
+    replaced,
+    section,
     setting,
     split_config_spec,
+    value_of,
 )
 
 
@@ -173,3 +178,72 @@ def test_each_value_keeps_where_it_came_from(tmp_path) -> None:
     assert "origins" not in got.to_dict() and set(KEPT.fields) == set(got.to_dict())
     parser = KEPT.build_parser("kept", "Kept.")
     assert parser.groups["outputs"]._group_actions[0].dest == "count"  # its --help section
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine(Section):
+    name: str = setting("v8", "The engine.", key="engine", choices=("v8", "v6"))
+    cylinders: int = setting(8, "Cylinders.", metavar="N")
+
+
+@dataclasses.dataclass(frozen=True)
+class Trip(Section):
+    rounds: int = setting(3, "Laps.", metavar="N", group=OUTPUTS)
+    config_only: float = 0.0  # not a setting: no flag, not saved
+
+
+@dataclasses.dataclass(frozen=True)
+class Car(Settings):
+    seed: int = setting(0, "Seed.", metavar="SEED")
+    config: str | None = setting(None, "Config file.", metavar="FILE")
+    engine: Engine = section(Engine)
+    trip: Trip = section(Trip)
+
+
+CAR = Schema(Car, non_trajectory=("config",))
+
+
+def test_sections_keep_flat_names_for_flags_files_and_saved_configs(tmp_path) -> None:
+    """Code reads `car.engine.cylinders`; a user, a config file and config.json say
+    `--cylinders`, and a section's field may answer to another flat name (`--engine`)."""
+    assert list(index(Car)) == ["seed", "config", "engine", "cylinders", "rounds"]
+    cfg = tmp_path / "car.json"
+    cfg.write_text('{"cylinders": 6, "engine": "v6"}')
+    parser = CAR.build_parser("car", "A car.")
+    got = CAR.from_args(parser, ["--config", str(cfg), "--rounds", "5", "--seed", "2"])
+    assert (got.engine.name, got.engine.cylinders, got.trip.rounds, got.seed) == ("v6", 6, 5, 2)
+    assert got.to_dict() == {"seed": 2, "config": str(cfg), "engine": "v6", "cylinders": 6,
+                             "rounds": 5}  # fmt: skip
+    assert got.origins["cylinders"] == str(cfg) and got.origins["rounds"] == "flag"
+    assert as_given(got, "cylinders") == f"--cylinders 6 (from {cfg})"
+    assert parser.groups["outputs"]._group_actions[0].dest == "rounds"
+    assert Car.of(**got.to_dict()) == got  # a saved config builds the same config back
+    assert value_of(got, "engine") == "v6" and value_of(got, "seed") == 2
+    wrong = r"unknown engine 'v12' \(from the config file\); pass --engine one of: v8, v6"
+    with pytest.raises(UserError, match=wrong):
+        CAR.resolve({"engine": "v12"}, validate=CAR.check_choices)
+    with pytest.raises(UserError, match="unknown setting 'name'"):  # the field's own name
+        CAR.resolve({"name": "v6"})
+    saved = Car().to_dict()
+    assert CAR.trajectory_mismatch(saved, Car.of(cylinders=4, config="x")) == ["cylinders"]
+
+
+def test_replaced_changes_settings_by_flat_name_in_their_sections() -> None:
+    car = CAR.resolve(overrides={"rounds": 7})
+    new = replaced(car, cylinders=4, engine="v6", seed=9)
+    assert (new.engine, new.trip.rounds, new.seed) == (Engine("v6", 4), 7, 9)
+    assert new.origins == car.origins and car.engine == Engine()  # the old one is unchanged
+    with pytest.raises(TypeError, match="Car has no setting 'wheels'"):
+        replaced(car, wheels=3)
+    with pytest.raises(TypeError, match="Car has no setting 'config_only'"):
+        Car.of(config_only=1.0)
+
+
+def test_two_settings_with_one_flat_name_are_refused() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Twice(Settings):
+        cylinders: int = setting(4, "Again.")
+        engine: Engine = section(Engine)
+
+    with pytest.raises(ValueError, match="two settings named 'cylinders'"):
+        index(Twice)

@@ -160,6 +160,7 @@ def test_the_runs_strategy_is_built_from_the_config() -> None:
                                        "dp_noise_multiplier": 1.1, "dp_clip": 0.5})  # fmt: skip
     strategy = safeguards.strategy(config, lambda r: Spec(aggregator=DP))
     assert strategy.sampling == Sampling(10, 2, config.seed, poisson=True)
-    assert strategy.mechanism == safeguards.mechanism(config) and strategy.delta == config.dp_delta
+    assert strategy.mechanism == safeguards.mechanism(config)
+    assert strategy.delta == config.privacy.dp_delta
     plain = safeguards.strategy(resolve_config(overrides={"clients": 4}), lambda r: Spec())
     assert plain.sampling.poisson is False and plain.mechanism is None

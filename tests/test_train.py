@@ -504,18 +504,18 @@ def test_help_explains_every_flag() -> None:
         "--cpu-devices", "--attention", "--bucketing", "--paper-fill", "--freeze",
     ):  # fmt: skip
         assert flag in text, flag
-    assert train.config_from_args(["--packing"]).packing is True
-    assert train.config_from_args(["--no-packing"]).packing is False
-    assert train.config_from_args([]).packing is True  # packed, plain shuffled batches
-    assert train.config_from_args([]).bucketing is False
-    assert train.config_from_args(["--bucketing"]).bucketing is True
-    assert train.config_from_args([]).paper_fill == "exact"
-    assert train.config_from_args(["--paper-fill", "sequential"]).paper_fill == "sequential"
-    assert train.config_from_args(["--cpu-devices", "1"]).cpu_devices == 1
-    assert train.config_from_args([]).cpu_devices is None  # default: one device
-    assert train.config_from_args(["--attention", "cudnn"]).attention == "cudnn"
-    assert train.config_from_args([]).attention == "xla"
-    assert train.config_from_args(["--freeze", r"embeddings\."]).freeze == r"embeddings\."
+    assert train.config_from_args(["--packing"]).runtime.packing is True
+    assert train.config_from_args(["--no-packing"]).runtime.packing is False
+    assert train.config_from_args([]).runtime.packing is True  # packed, plain shuffled batches
+    assert train.config_from_args([]).runtime.bucketing is False
+    assert train.config_from_args(["--bucketing"]).runtime.bucketing is True
+    assert train.config_from_args([]).data.paper_fill == "exact"
+    assert train.config_from_args(["--paper-fill", "sequential"]).data.paper_fill == "sequential"
+    assert train.config_from_args(["--cpu-devices", "1"]).runtime.cpu_devices == 1
+    assert train.config_from_args([]).runtime.cpu_devices is None  # default: one device
+    assert train.config_from_args(["--attention", "cudnn"]).runtime.attention == "cudnn"
+    assert train.config_from_args([]).runtime.attention == "xla"
+    assert train.config_from_args(["--freeze", r"embeddings\."]).model.freeze == r"embeddings\."
 
 
 def test_help_lists_every_registered_task() -> None:
@@ -537,16 +537,17 @@ def test_every_setting_has_exactly_one_flag_with_help() -> None:
     assert dests == set(FIELDS)
     for name in FIELDS:
         assert len(SCHEMA.help(name)) >= 10, name
-    assert train.config_from_args(["--critical-layer", "L"]).critical_layer is None
-    assert train.config_from_args(["--clients-per-round", "all"]).clients_per_round is None
-    assert train.config_from_args(["--server-lr", "0.5"]).server_lr == 0.5
+    assert train.config_from_args(["--critical-layer", "L"]).model.critical_layer is None
+    every = train.config_from_args(["--clients-per-round", "all"])
+    assert every.federation.clients_per_round is None
+    assert train.config_from_args(["--server-lr", "0.5"]).federation.server_lr == 0.5
 
 
 def test_config_file_with_flag_override(env: dict, tmp_path: Path) -> None:
     cfg = tmp_path / "c.py"
     cfg.write_text('def get_config():\n    return {"task": "sst2", "rounds": 9, "seed": 5}\n')
     config = train.config_from_args(["--config", str(cfg), "--rounds", "2"])
-    assert (config.rounds, config.seed, config.task) == (2, 5, "sst2")
+    assert (config.federation.rounds, config.seed, config.data.task) == (2, 5, "sst2")
 
 
 def test_an_error_names_the_config_file_a_value_came_from_and_a_fix_that_works(

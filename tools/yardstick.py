@@ -42,7 +42,7 @@ def _flops(setup: Any, sampled: list[int]) -> tuple[int, int]:
     from fedjax_split.models import flops
 
     config, lengths = setup.model.config, setup.pool.tokenized.lengths
-    epochs = setup.config.local_epochs
+    epochs = setup.config.client.local_epochs
     train = sum(
         epochs * flops.train_step_flops(config, 1, int(n))
         for i in sampled
@@ -56,15 +56,14 @@ def _flops(setup: Any, sampled: list[int]) -> tuple[int, int]:
 def ours(config: Any, rounds: int) -> tuple[Any, list[dict[str, Any]]]:
     """The experiment's own rounds, as run_experiment runs them (what a round writes, its client
     store and plot, goes to a temporary directory)."""
-    import dataclasses
-
     from fedjax_split import runtime
     from fedjax_split.run import experiment
+    from fedjax_split.run.settings import replaced
     from fedjax_split.sim.client_store import ClientStore
 
-    runtime.apply(config.cpu_devices)
+    runtime.apply(config.runtime.cpu_devices)
     scratch = Path(tempfile.mkdtemp(prefix="yardstick-"))
-    setup = experiment.build(dataclasses.replace(config, output_dir=str(scratch)))
+    setup = experiment.build(replaced(config, output_dir=str(scratch)))
     store = ClientStore.create(scratch / "clients", setup.model.local0)
     simulation = experiment.Simulation(setup, store)
     history: list[dict[str, Any]] = []
@@ -92,7 +91,7 @@ def torch_rounds(setup: Any, rounds: int) -> list[float]:
     state = {k: v.clone() for k, v in model.state_dict().items()}
     global_sd = {k: v for k, v in state.items() if k.startswith(prefixes)}
     local_sd = [{k: v.clone() for k, v in state.items() if not k.startswith(prefixes)}
-                for _ in range(config.clients)]  # fmt: skip
+                for _ in range(config.federation.clients)]  # fmt: skip
     packed, labels = setup.pool.tokenized, setup.pool.labels
 
     def batch(rows: np.ndarray) -> dict[str, torch.Tensor]:
@@ -116,7 +115,8 @@ def torch_rounds(setup: Any, rounds: int) -> list[float]:
     seconds = []
     for r in range(1, rounds + 1):
         steps = experiment.round_batches(setup, r)  # the same examples in each step as ours
-        sampled = rounds_mod.sample_clients(config.clients, config.sampled_clients, config.seed, r)
+        fed = config.federation
+        sampled = rounds_mod.sample_clients(fed.clients, fed.sampled_clients, config.seed, r)
         t0 = time.perf_counter()
         total = {k: torch.zeros_like(v) for k, v in global_sd.items()}
         weights = 0.0
@@ -124,7 +124,7 @@ def torch_rounds(setup: Any, rounds: int) -> list[float]:
             model.load_state_dict({**global_sd, **local_sd[i]})
             opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01},
                                      {"params": no_decay, "weight_decay": 0.0}],
-                                    lr=config.lr, fused=True)  # fmt: skip
+                                    lr=config.client.lr, fused=True)  # fmt: skip
             model.train()
             for step in own:
                 opt.zero_grad(set_to_none=True)

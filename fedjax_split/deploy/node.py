@@ -78,10 +78,11 @@ def _tokenized(
     tokenizer's files and the length, so that only a node's first ClientApp process loads a
     tokenizer (transformers' import alone takes seconds, and Flower starts a process per
     message)."""
+    data = config.data
     path = None
     fingerprint = getattr(examples, "fingerprint", None)
     if cache is not None and model_dir is not None and fingerprint is not None:
-        h = hashlib.sha256(json.dumps([task.name, int(config.max_length), fingerprint()]).encode())
+        h = hashlib.sha256(json.dumps([task.name, int(data.max_length), fingerprint()]).encode())
         for name in _TOKENIZER_FILES:
             f = Path(model_dir) / name
             if f.is_file():
@@ -93,8 +94,8 @@ def _tokenized(
                     return batching.Packed(**{k: np.array(z[k]) for k in z.files})
             except (OSError, ValueError, KeyError, TypeError):
                 pass  # unreadable: tokenise again and rewrite it
-    tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
-    packed = batching.pack(sources.tokenize_examples(examples, tokenizer, task, config.max_length))
+    tokenizer = tokenization.load_tokenizer(config.model.name if model_dir is None else model_dir)
+    packed = batching.pack(sources.tokenize_examples(examples, tokenizer, task, data.max_length))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         arrays = {k: v for k, v in packed._asdict().items() if v is not None}
@@ -153,14 +154,14 @@ def prepare_many(
 ) -> dict[int, NodeSetup]:  # fmt: skip
     """`prepare` for each of a node's clients, the data, the partition and the model loaded once
     and shared by them (a site is one client)."""
-    bad = [c for c in client_ids if not 0 <= c < config.clients]
+    bad = [c for c in client_ids if not 0 <= c < config.federation.clients]
     if bad:
         raise UserError(
-            f"partition-id {bad[0]} is outside 0..{config.clients - 1} (--clients "
-            f"{config.clients}); give each SuperNode one of those"
+            f"partition-id {bad[0]} is outside 0..{config.federation.clients - 1} (--clients "
+            f"{config.federation.clients}); give each SuperNode one of those"
         )
-    task = tasks.get_task(config.task)
-    if config.site_data is not None:
+    task = tasks.get_task(config.data.task)
+    if config.data.site_data is not None:
         if len(client_ids) != 1:
             raise UserError("a site is one client: give its SuperNode one partition-id")
         shares = {client_ids[0]: _site_share(config, task, client_ids[0], site_dir)}
@@ -264,7 +265,7 @@ def train(
     key = client_key(jax.random.key(node.config.seed), state_round, node.client_id)
     upload, new_local, metrics = client_round(node.round_spec, global_wire, local, steps, key,
                                               node.frozen)  # fmt: skip
-    schedule = node.config.layer_schedule != "none"
+    schedule = node.config.federation.layer_schedule != "none"
     spent = costs.client_costs(node.paths, node.round_spec.trained, steps, schedule)
     if clip is None:
         return upload, new_local, metrics, None, spent

@@ -20,7 +20,7 @@ def check_experiment(config: ExperimentConfig) -> None:
     """A fine-tuning run's settings, run directory and sites."""
     pieces.check(config)
     safeguards.check_deployable(config)
-    driver.check_run_dir(config.run_dir, config.resume,  # before anything is written
+    driver.check_run_dir(config.run_dir, config.outputs.resume,  # before anything is written
                          lambda saved: trajectory_mismatch(saved, config))  # fmt: skip
     check_sites(config)
 
@@ -29,7 +29,7 @@ def check_pretraining(config: PretrainConfig) -> None:
     """A further pre-training run's settings, run directory and sites."""
     pretraining.check(config)
     check_deployable(config)
-    driver.check_run_dir(config.run_dir, config.resume,  # before anything is written
+    driver.check_run_dir(config.run_dir, config.outputs.resume,  # before anything is written
                          lambda saved: pretraining.mismatch(saved, config),
                          output_names=["model"])  # fmt: skip
     check_sites(config)
@@ -39,9 +39,9 @@ def check_sites(config: ExperimentConfig | PretrainConfig) -> None:
     """With --site-data, each site's files read as its SuperNode will read them (pre-training:
     its *.txt, its held-out documents drawn), so that a bad file is one line before any process
     starts (the local federation's sites are all here)."""
-    if config.site_data is not None and not site_dirs(config):
+    if config.data.site_data is not None and not site_dirs(config):
         raise UserError(
-            f"--site-data {config.site_data} is for `--write-app` (real sites, each SuperNode "
+            f"--site-data {config.data.site_data} is for `--write-app` (real sites, each SuperNode "
             "with its own data-dir); this local federation needs the sites' directories "
             "DIR0,DIR1,..."
         )
@@ -49,6 +49,6 @@ def check_sites(config: ExperimentConfig | PretrainConfig) -> None:
         for k, d in enumerate(site_dirs(config)):
             site_documents(config, k, d)
         return
-    task = get_task(config.task)
+    task = get_task(config.data.task)
     for k, d in enumerate(site_dirs(config)):
         pieces.site_split(config, pieces.load_site(config, task, k, d), k, d)

@@ -41,9 +41,9 @@ FLOWER_METHODS = ("fedbfpt", "bert-fl", "truncated")
 
 def check_deployable(config: PretrainConfig) -> None:
     """UserError for a method that does not run on Flower."""
-    if config.method not in FLOWER_METHODS:
+    if config.federation.method not in FLOWER_METHODS:
         raise UserError(
-            f"--method {config.method} does not run on Flower (use one of "
+            f"--method {config.federation.method} does not run on Flower (use one of "
             f"{', '.join(FLOWER_METHODS)}); run it with `python -m fedjax_split.pretrain`"
         )
 
@@ -79,7 +79,7 @@ def node_text(
     splits it, this client's documents kept, all the held-out batches. --site-data: `site_dir`'s
     text alone, this site's counts and its own held-out batches. The one place a node's text
     comes from."""
-    if config.site_data is not None:
+    if config.data.site_data is not None:
         if site_dir is None:
             raise UserError(
                 f"this run's sites read their own text: give SuperNode {client_id} its directory "
@@ -100,10 +100,10 @@ def prepare(
     """This client's text and model, as the simulation builds them for it (`site_dir`: its own
     directory in a --site-data run)."""
     check_deployable(config)
-    if not 0 <= client_id < config.clients:
+    if not 0 <= client_id < config.federation.clients:
         raise UserError(
-            f"partition-id {client_id} is outside 0..{config.clients - 1} (--clients "
-            f"{config.clients}); give each SuperNode one of those"
+            f"partition-id {client_id} is outside 0..{config.federation.clients - 1} (--clients "
+            f"{config.federation.clients}); give each SuperNode one of those"
         )
     pretraining.check(config)
     pre = pretraining.load_model(config)

@@ -97,13 +97,13 @@ def join_counts(
 ) -> tuple[Any, list[HeldoutShare], list[int]]:
     """(the corpus split or the sites' split.json record, each client's `HeldoutShare`, each
     client's training sequences) from the nodes' query replies, checked."""
-    clients = list(range(config.clients))
-    if config.site_data is not None:
+    clients = list(range(config.federation.clients))
+    if config.data.site_data is not None:
         split, shares = _sites_from_nodes(config, found)
     else:
         split, count = _split_from_nodes(found)
         shares = [HeldoutShare(c, len(clients), count, 0) for c in clients]
-    who = "client" if config.site_data is None else "site"
+    who = "client" if config.data.site_data is None else "site"
     sizes = [join_count(found, c, protocol.SEQUENCES, MAX_SEQUENCES, who) for c in clients]
     return split, shares, sizes
 
@@ -115,7 +115,7 @@ def setup_from_nodes(
     the split they derive (all the same; sites: each its own counts), each client's sequences."""
     split, shares, sizes = join_counts(config, found)
     pre = pretraining.load_model(config)
-    clients = list(range(config.clients))
+    clients = list(range(config.federation.clients))
     return pretraining.model_setup(config, pre, split, clients, sizes), shares
 
 
@@ -153,7 +153,7 @@ def _sites_from_nodes(
     """(the sites' split.json record, each site's held-out share) from what each site says of
     itself: its counts (whole numbers, train + held out = documents) and held-out batches."""
     sites, shares, offset = [], [], 0
-    for c in range(config.clients):
+    for c in range(config.federation.clients):
         cfg = found[c][1]
         try:
             counts = json.loads(str(cfg[protocol.SPLIT_JSON]))
@@ -355,7 +355,7 @@ def run_round(run: FlowerPretraining, r: int, previous: dict[str, Any] | None) -
     lines = [pretraining.client_costs(setup, params, taken[c][1], taken[c][2], down)
              for c in clients]  # fmt: skip
     evaluated, run.eval_failed, run.eval_bytes = None, {}, 0
-    if driver.due(r, config.eval_every, config.rounds):
+    if driver.due(r, config.outputs.eval_every, config.federation.rounds):
         evaluated = run.evaluate_at_nodes()
     record = pretraining.round_record(setup, r, previous, params, lines, evaluated,
                                       (t0, t_train, time.perf_counter()))  # fmt: skip
@@ -367,14 +367,14 @@ def run_round(run: FlowerPretraining, r: int, previous: dict[str, Any] | None) -
 def run_pretrain_server(
     grid: Any, config: PretrainConfig, options: DeployOptions, *, progress: bool = True
 ) -> dict[str, Any]:
-    """The whole further pre-training run (or with config.resume, its continuation) over
+    """The whole further pre-training run (or with config.outputs.resume, its continuation) over
     `grid`; the summary. Writes what `python -m fedjax_split.pretrain` writes (config.json,
     split.json, metrics.jsonl, summary.json, checkpoints/, model/). Raises
     `deploy.server.Stopped` after the checkpoint of `options.stop_after_round`."""
     started = time.perf_counter()
     pretraining.check(config)
     check_deployable(config)
-    driver.check_run_dir(config.run_dir, config.resume,
+    driver.check_run_dir(config.run_dir, config.outputs.resume,
                          lambda saved: pretraining.mismatch(saved, config),
                          output_names=["model"])  # fmt: skip
     found = connect(grid, config, options, query=QUERY)
@@ -386,6 +386,6 @@ def run_pretrain_server(
         if options.stop_after_round == round_:
             raise Stopped(round_)
 
-    return driver.drive(run, config.to_dict(), resume=config.resume,
-                        checkpoint_every=config.checkpoint_every, progress=progress,
+    return driver.drive(run, config.to_dict(), resume=config.outputs.resume,
+                        checkpoint_every=config.outputs.checkpoint_every, progress=progress,
                         on_round_end=stop)  # fmt: skip

@@ -150,6 +150,7 @@ def connect(
 
     Every client id 0..K-1 must answer exactly once within `connect_timeout`, else UserError.
     `query`: the message type that asks (further pre-training's is "query.pretrain")."""
+    fed = config.federation
     exchange = Exchange(grid, options)
     deadline = time.monotonic() + options.connect_timeout
     found: dict[int, tuple[int, Any]] = {}
@@ -175,7 +176,7 @@ def connect(
                             f"two SuperNodes say partition-id {cid}; give each a different one"
                         )
                     found[cid] = (node_id, cfg)
-        missing = sorted(set(range(config.clients)) - set(found))
+        missing = sorted(set(range(fed.clients)) - set(found))
         if not missing:
             break
         if time.monotonic() >= deadline:
@@ -183,12 +184,12 @@ def connect(
             raise UserError(
                 f"clients {missing} did not connect within {options.connect_timeout:g} s{why}; "
                 f"start SuperNodes that hold them, with --node-config 'partition-id=<0..."
-                f"{config.clients - 1}>' or 'partition-ids=A-B'"
+                f"{fed.clients - 1}>' or 'partition-ids=A-B'"
             )
         time.sleep(options.poll_interval)
-    extra = sorted(set(found) - set(range(config.clients)))
+    extra = sorted(set(found) - set(range(fed.clients)))
     if extra:
-        raise UserError(f"SuperNodes with partition-id {extra} but --clients {config.clients}")
+        raise UserError(f"SuperNodes with partition-id {extra} but --clients {fed.clients}")
     return found
 
 
@@ -283,13 +284,14 @@ def partition_from_nodes(config: ExperimentConfig, found: Mapping[int, tuple[int
     sites with their own data report indices into their own rows, which the server offsets by
     the sizes the sites before them report, as the simulation concatenates them). Checked: one
     pool size (sites: each its own row count), indices within it, disjoint."""
+    fed = config.federation
     metas = {json.dumps(_partition_meta(node_id, cfg), sort_keys=True)
              for node_id, cfg in found.values()}  # fmt: skip
     if len(metas) != 1:
         raise UserError("the SuperNodes partition the data differently; give them the same data")
     meta = json.loads(metas.pop())
     sizes = []
-    for i in range(config.clients):
+    for i in range(fed.clients):
         node_id, cfg = found[i]
         size = _whole(cfg.get(protocol.POOL_SIZE))
         if size is None or size < 0:
@@ -299,7 +301,7 @@ def partition_from_nodes(config: ExperimentConfig, found: Mapping[int, tuple[int
     if not sites and len(set(sizes)) > 1:
         raise UserError(f"the SuperNodes report pools of {sorted(set(sizes))} examples; give "
                         "them the same data")  # fmt: skip
-    clients = [_client_split(found[i][0], i, found[i][1], sizes[i]) for i in range(config.clients)]
+    clients = [_client_split(found[i][0], i, found[i][1], sizes[i]) for i in range(fed.clients)]
     if not sites:
         _check_disjoint(clients, found)
     try:
@@ -380,12 +382,12 @@ def _shares(node_id: int, cfg: Any, cid: int) -> list[float] | None:
 
 def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> ServerRun:
     """Model, roles and server state, as `run.pieces` makes them for every node, without data."""
-    task = tasks.get_task(config.task)
+    task = tasks.get_task(config.data.task)
     tag_names = _tag_names(found, pieces.tag_names(config, task))
     model = pieces.build_model(config, task, tag_names)
     spec = model.round_spec
     nodes = {cid: node_id for cid, (node_id, _) in found.items()}
-    shares = [_shares(*found[i], i) for i in range(config.clients)]
+    shares = [_shares(*found[i], i) for i in range(config.federation.clients)]
     return ServerRun(
         config=config,
         model=model,
@@ -617,7 +619,7 @@ def run_round(
                                  *taken.answered(rejected, valid, agg_norms))  # fmt: skip
     eval_failed: dict[int, str] = {}
     eval_bytes, next_ahead = 0, None
-    if driver.due(r, run.config.eval_every, run.rounds):
+    if driver.due(r, run.config.outputs.eval_every, run.rounds):
         done = [c for c in plan.clients if int(c) not in failed]
         trained = pieces.trained_clients(history, done)
         evaluated, eval_failed, eval_bytes, next_ahead = evaluate(
@@ -790,7 +792,7 @@ def evaluate(
     both = r == run.rounds and run.model.num_local > 0
     if both:
         cfg[protocol.GLOBAL_EVAL] = True
-    due = [cid for cid in range(run.config.clients) if cid not in skip]
+    due = [cid for cid in range(run.config.federation.clients) if cid not in skip]
     fold = r < run.rounds and options.carry_evaluation  # (then never `both`: not the last)
     plan = run.strategy.plan(r + 1, state, run.secret) if fold else None
     carry = {cid: {protocol.EVAL_ROUND: r} for cid in due}
@@ -912,7 +914,7 @@ class FlowerServer:
         for line in safeguards.start_lines(config, self.rounds):
             note(line)
         note(
-            f"{config.task} on Flower: {config.clients} SuperNodes, "
+            f"{config.data.task} on Flower: {config.federation.clients} SuperNodes, "
             f"{model.num_global:,} global / {model.num_local:,} local parameters per client"
             + (f"; resuming after round {start_round}" if start_round else "")
         )
@@ -952,14 +954,15 @@ def run_server(
     *,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """The whole run (or with config.resume, its continuation) over `grid`; the summary dict.
+    """The whole run (or with --resume, its continuation) over `grid`; the summary dict.
 
     Writes the run directory as `train` does: config.json, partition.json, metrics.jsonl,
     summary.json, checkpoints/ (server state; the clients' local parts stay on their nodes).
     Raises Stopped after the checkpoint of `options.stop_after_round`."""
+    outputs = config.outputs
     pieces.check(config)
     safeguards.check_deployable(config)
-    driver.check_run_dir(config.run_dir, config.resume,
+    driver.check_run_dir(config.run_dir, outputs.resume,
                          lambda saved: trajectory_mismatch(saved, config))  # fmt: skip
     run = build_server(config, connect(grid, config, options))
 
@@ -970,9 +973,9 @@ def run_server(
     return driver.drive(
         FlowerServer(run, Exchange(grid, options), options),
         saved_dict(config),
-        resume=config.resume,
-        checkpoint_every=config.checkpoint_every,
-        keep_checkpoints=config.keep_checkpoints,
+        resume=outputs.resume,
+        checkpoint_every=outputs.checkpoint_every,
+        keep_checkpoints=outputs.keep_checkpoints,
         progress=progress,
         on_round_end=stop,
     )

@@ -1,8 +1,12 @@
-"""Experiment configuration: one dataclass, config files, flag overrides, validation.
+"""Experiment configuration: sections, config files, flag overrides, validation.
 
-The schema machinery (flags, config files, typing, choices, resume checks) is `run.settings`,
-shared with `pretrain`'s config. Resolution order (later wins): dataclass defaults ->
-`--config FILE` -> flags given explicitly on the command line. Every problem a user can cause is a
+A run's `ExperimentConfig` holds one frozen section per concern (data, model, client,
+federation, privacy, runtime, outputs), so that code reads `config.federation.rounds` and a
+reader sees which settings a piece of code depends on; the flags, config files and config.json
+keep each setting's flat name (`--rounds`). The schema machinery (flags, config files, typing,
+choices, resume checks) is `run.settings`, shared with `pretrain`'s config. Resolution order
+(later wins): dataclass defaults -> `--config FILE` -> flags given explicitly on the command
+line. Every problem a user can cause is a
 one-line `UserError`, raised before anything is written to the output directory.
 """
 
@@ -26,6 +30,7 @@ from fedjax_split.run.settings import (
     PRIVACY,
     TASK,
     Schema,
+    Section,
     Settings,
     as_given,
     drop,
@@ -33,6 +38,9 @@ from fedjax_split.run.settings import (
     load_config_file,
     optional_int,
     origin,
+    replaced,
+    section,
+    value_of,
 )
 from fedjax_split.run.settings import setting as _setting
 
@@ -106,31 +114,10 @@ def critical_layer_value(text: str) -> int | str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class ExperimentConfig(Settings):
-    """Everything that defines a run. Defaults are the paper's setting (FedSplitBERT, Table III).
-
-    Paper choices (MISSION.md section 1): bert-base-uncased, K=3 clients all taking part, Table I
-    label partition, critical layer c=6 of 12 (the default is L/2 for any model, so a smaller
-    model stays FedSplitBERT), inputs of 128 tokens. The paper tunes lr in {2,3,4,5}e-5, local
-    epochs in 3..9 and batch in {8,16,32}; we default to the cheapest end that is standard for
-    BERT fine-tuning (lr 2e-5, 3 local epochs, batch 16) and 10 rounds (Table VI's FedAvg needs 6
-    rounds to reach 84% on MRPC; Table V uses 3 to 9).
-    """
+class DataSettings(Section):
+    """The task and its data: where the examples come from, how the pool is split into clients."""
 
     task: str = _setting("sst2", _task_help, group=TASK, metavar="TASK")
-    model: str = _setting(
-        "bert-base-uncased",
-        "Hugging Face model id, local HF-format directory, or the offline alias 'minilm-l6'.",
-        group=MODEL,
-        metavar="MODEL",
-    )
-    model_layers: int | None = _setting(
-        None,
-        "Keep only the first LAYERS encoder layers of the pretrained model (a truncated model: the "
-        "shallow baselines of FedBT's Table 3, as DistilBERT or TinyBERT's depth); unset: all.",
-        metavar="LAYERS",
-        group=MODEL,
-    )
     data_dir: str | None = _setting(
         None,
         "Directory with the task's local files (GLUE TSV/parquet, CoNLL for ner); unset: the hub "
@@ -160,10 +147,62 @@ class ExperimentConfig(Settings):
         metavar="TYPES",
         group=TASK,
     )
-    algorithm: str = _setting(
-        "fedavg",
-        "Server algorithm; FedSplitBERT is any algorithm with --critical-layer < L.",
-        choices=tuple(ALGORITHMS),
+    partition: str = _setting(
+        "paper",
+        "How examples are split over clients: the paper's label shares, Dirichlet label skew, "
+        "Dirichlet quantity skew, or IID.",
+        choices=PARTITIONS,
+        group=TASK,
+    )
+    paper_fill: str = _setting(
+        "exact",
+        "--partition paper: 'exact' gives every client its row's label shares exactly (all clients "
+        "the largest size at which every row is feasible, the surplus left out and reported); "
+        "'sequential' gives each |D|/K examples filled in client order, so on skewed pools the "
+        "last clients miss their shares.",
+        choices=PAPER_FILLS,
+        group=TASK,
+    )
+    alpha: float = _setting(
+        1.0,
+        "Dirichlet concentration for --partition dirichlet (small = more skewed).",
+        group=TASK,
+        metavar="ALPHA",
+    )
+    beta: float = _setting(
+        1.0,
+        "Dirichlet concentration of client sizes for --partition quantity.",
+        group=TASK,
+        metavar="BETA",
+    )
+    max_length: int = _setting(
+        128, "Tokens per input after truncation.", group=TASK, metavar="TOKENS"
+    )
+    max_examples: int | None = _setting(
+        None,
+        "Subsample the task to this many examples before partitioning (quick runs).",
+        metavar="N",
+        group=TASK,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings(Section):
+    """The model and what of it is shared: the checkpoint, its depth, the critical layer, frozen
+    parameters, LoRA adapters."""
+
+    name: str = _setting(
+        "bert-base-uncased",
+        "Hugging Face model id, local HF-format directory, or the offline alias 'minilm-l6'.",
+        group=MODEL,
+        metavar="MODEL",
+        key="model",
+    )
+    model_layers: int | None = _setting(
+        None,
+        "Keep only the first LAYERS encoder layers of the pretrained model (a truncated model: the "
+        "shallow baselines of FedBT's Table 3, as DistilBERT or TinyBERT's depth); unset: all.",
+        metavar="LAYERS",
         group=MODEL,
     )
     critical_layer: int | str | None = _setting(
@@ -173,23 +212,6 @@ class ExperimentConfig(Settings):
         "global (plain FedAvg), 0 = no sharing.",
         metavar="C",
         parse=critical_layer_value,
-        group=MODEL,
-    )
-    layer_schedule: str = _setting(
-        "none",
-        "Which layers a round trains: none (all that the roles train), or fedbt (FedBT's "
-        "fine-tuning, Algorithm 2: one shared model; round r trains the top layers and the "
-        "head, one layer more each round up to --cycle-factor, then from the top again; only "
-        "those are uploaded; the embeddings and the layers below the cycle stay frozen). "
-        "docs/fedbt.md.",
-        choices=LAYER_SCHEDULES,
-        group=MODEL,
-    )
-    cycle_factor: int | None = _setting(
-        None,
-        "--layer-schedule fedbt: the cycle's length c, so the top c layers take turns "
-        "(unset: L // 2, at least 1: the journal's 6 of 12).",
-        metavar="C",
         group=MODEL,
     )
     freeze: str | None = _setting(
@@ -225,42 +247,12 @@ class ExperimentConfig(Settings):
     lora_dropout: float = _setting(
         0.0, "LoRA: dropout on the adapters' input (PEFT's default 0).", group=MODEL, metavar="P"
     )
-    clients: int = _setting(3, "Number of clients K.", group=FEDERATION, metavar="K")
-    clients_per_round: int | None = _setting(
-        None,
-        "Clients sampled each round; 'all' = every client (the paper).",
-        metavar="M",
-        group=FEDERATION,
-    )
-    partition: str = _setting(
-        "paper",
-        "How examples are split over clients: the paper's label shares, Dirichlet label skew, "
-        "Dirichlet quantity skew, or IID.",
-        choices=PARTITIONS,
-        group=TASK,
-    )
-    paper_fill: str = _setting(
-        "exact",
-        "--partition paper: 'exact' gives every client its row's label shares exactly (all clients "
-        "the largest size at which every row is feasible, the surplus left out and reported); "
-        "'sequential' gives each |D|/K examples filled in client order, so on skewed pools the "
-        "last clients miss their shares.",
-        choices=PAPER_FILLS,
-        group=TASK,
-    )
-    alpha: float = _setting(
-        1.0,
-        "Dirichlet concentration for --partition dirichlet (small = more skewed).",
-        group=TASK,
-        metavar="ALPHA",
-    )
-    beta: float = _setting(
-        1.0,
-        "Dirichlet concentration of client sizes for --partition quantity.",
-        group=TASK,
-        metavar="BETA",
-    )
-    rounds: int = _setting(10, "Number of federated rounds.", group=FEDERATION, metavar="N")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientSettings(Section):
+    """How each client trains in a round: its epochs, batches, optimiser and loss."""
+
     local_epochs: int = _setting(
         3, "Epochs each client trains on its data per round.", group=FEDERATION, metavar="E"
     )
@@ -305,133 +297,68 @@ class ExperimentConfig(Settings):
         group=MODEL,
         metavar="MU",
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class FederationSettings(Section):
+    """The federation: its clients, its rounds, the server's algorithm, the layers a round
+    trains, the wire dtype."""
+
+    algorithm: str = _setting(
+        "fedavg",
+        "Server algorithm; FedSplitBERT is any algorithm with --critical-layer < L.",
+        choices=tuple(ALGORITHMS),
+        group=MODEL,
+    )
+    layer_schedule: str = _setting(
+        "none",
+        "Which layers a round trains: none (all that the roles train), or fedbt (FedBT's "
+        "fine-tuning, Algorithm 2: one shared model; round r trains the top layers and the "
+        "head, one layer more each round up to --cycle-factor, then from the top again; only "
+        "those are uploaded; the embeddings and the layers below the cycle stay frozen). "
+        "docs/fedbt.md.",
+        choices=LAYER_SCHEDULES,
+        group=MODEL,
+    )
+    cycle_factor: int | None = _setting(
+        None,
+        "--layer-schedule fedbt: the cycle's length c, so the top c layers take turns "
+        "(unset: L // 2, at least 1: the journal's 6 of 12).",
+        metavar="C",
+        group=MODEL,
+    )
+    clients: int = _setting(3, "Number of clients K.", group=FEDERATION, metavar="K")
+    clients_per_round: int | None = _setting(
+        None,
+        "Clients sampled each round; 'all' = every client (the paper).",
+        metavar="M",
+        group=FEDERATION,
+    )
+    rounds: int = _setting(10, "Number of federated rounds.", group=FEDERATION, metavar="N")
     quantize: str = _setting(
         "none",
         "Wire dtype of the global weights in both directions (the paper's +16-bit).",
         choices=QUANTIZE,
         group=FEDERATION,
     )
-    max_length: int = _setting(
-        128, "Tokens per input after truncation.", group=TASK, metavar="TOKENS"
-    )
-    max_examples: int | None = _setting(
-        None,
-        "Subsample the task to this many examples before partitioning (quick runs).",
-        metavar="N",
-        group=TASK,
-    )
-    seed: int = _setting(
-        0,
-        "The one seed of the run (data subsample, partition, init, batches, dropout).",
-        group=TASK,
-        metavar="SEED",
-    )
-    output_dir: str | None = _setting(
-        None,
-        "Run directory for metrics.jsonl, summary.json, config.json, partition.json and "
-        "checkpoints/ (unset: runs/<task>_<algorithm>_c<c>_K<K>_s<seed>).",
-        metavar="DIR",
-        group=OUTPUTS,
-    )
-    resume: bool = _setting(
-        False, "Continue the run in --output-dir from its latest checkpoint.", group=OUTPUTS
-    )
-    config: str | None = _setting(
-        None,
-        "Python (get_config() -> dict; FILE.py:ARG calls get_config(ARG)) or JSON config "
-        "file; flags given override it.",
-        metavar="FILE",
-    )
     server_lr: float | None = _setting(None, _server_lr_help, group=MODEL, metavar="LR")
     server_tau: float | None = _setting(None, _server_tau_help, group=MODEL, metavar="TAU")
-    eval_every: int = _setting(
-        1,
-        "Evaluate the personalised models every N rounds (and after the last).",
-        group=OUTPUTS,
-        metavar="N",
-    )
-    checkpoint_every: int = _setting(
-        1,
-        "Save a checkpoint every N rounds (and after the last); 0 = never.",
-        group=OUTPUTS,
-        metavar="N",
-    )
-    keep_checkpoints: int = _setting(
-        2,
-        "How many of the latest checkpoints stay on disk, with the client-store versions they "
-        "need (at least 1); --resume and export read the latest.",
-        metavar="N",
-        group=OUTPUTS,
-    )
-    chunk_size: int | None = _setting(
-        None,
-        "Clients trained at once, which picks how a round runs. 1: one at a time, each with its "
-        "own programs, as a Flower client trains (a CPU's default; --cpu-devices deals them "
-        "over devices). N > 1: the accelerator path: the clients' steps stacked and N clients "
-        "vmapped at once on one device (N at least the round's clients: all at once, an "
-        "accelerator's default); memory grows with N.",
-        group=PERFORMANCE,
-        metavar="N",
-    )
-    cpu_devices: int | None = _setting(
-        None,
-        "CPU devices that clients trained one at a time are dealt to, each running its clients "
-        "while the others run theirs (default 1): two streams of small ops keep the cores "
-        "busier, but every program compiles once per device, so it pays in long runs with many "
-        "clients (docs/benchmarks.md measures it). Results do not depend on it.",
-        metavar="N",
-        group=PERFORMANCE,
-    )
-    dtype: str = _setting(
-        "float32",
-        "Compute dtype of the model (parameters stay float32).",
-        choices=DTYPES,
-        group=PERFORMANCE,
-    )
-    coordinator: str | None = _setting(
-        None,
-        "One simulation over several processes (JAX's distributed runtime): HOST:PORT of "
-        "process 0, the same for every process (unset: JAX_COORDINATOR_ADDRESS, if set). Every "
-        "process needs --output-dir on a filesystem they all see (docs/scaling.md).",
-        metavar="HOST:PORT",
-        group=DEPLOYMENT,
-    )
-    num_processes: int | None = _setting(
-        None,
-        "Processes of a multi-process simulation (unset: 1, or what SLURM / Open MPI say when "
-        "a coordinator is given); the sampled clients are dealt over every device of every "
-        "process, one at a time on each, and the results equal one process's that trains them "
-        "one at a time (a CPU's default) bit for bit.",
-        metavar="N",
-        group=DEPLOYMENT,
-    )
-    process_id: int | None = _setting(
-        None,
-        "This process's index, 0..N-1 (0 writes the run directory).",
-        metavar="I",
-        group=DEPLOYMENT,
-    )
-    packing: bool = _setting(
-        True,
-        "Pack each batch's examples end to end into one token stream instead of padding each to "
-        "the longest: no padding is computed whatever the mix of lengths (docs/benchmarks.md). "
-        "--no-packing pads each batch to its longest example.",
-        group=PERFORMANCE,
-    )
-    bucketing: bool = _setting(
-        False,
-        "Sort examples by length inside windows of 200 batches before cutting batches (less "
-        "padding without packing), instead of Algorithm 1's plain random mini-batches; batches "
-        "then repeat their membership across epochs.",
-        group=PERFORMANCE,
-    )
-    attention: str = _setting(
-        "xla",
-        "Attention kernel: xla (default, anywhere) or cudnn (jax's fused cuDNN attention; GPU "
-        "with --dtype bfloat16; evaluation only, training keeps xla's).",
-        choices=ATTENTIONS,
-        group=PERFORMANCE,
-    )
+
+    @property
+    def sampled_clients(self) -> int:
+        """Clients per round; None means all clients (the paper's cross-silo setting)."""
+        return self.clients if self.clients_per_round is None else self.clients_per_round
+
+    @property
+    def effective_server_lr(self) -> float:
+        return ALGORITHMS[self.algorithm].server_lr if self.server_lr is None else self.server_lr
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacySettings(Section):
+    """Privacy and robustness: the server's aggregation rule, client-level DP, secure
+    aggregation, and the simulated attacker of the robustness studies."""
+
     aggregator: str = _setting(
         "mean",
         "How the server combines the clients' updates: mean (example-weighted, FedAvg's), or "
@@ -526,38 +453,174 @@ class ExperimentConfig(Settings):
         """Whether client-level DP is on."""
         return self.dp_noise_multiplier is not None
 
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeSettings(Section):
+    """How the run uses the machine: devices, processes, compute dtype, batch shapes, kernels;
+    none of it changes what a run computes beyond rounding."""
+
+    chunk_size: int | None = _setting(
+        None,
+        "Clients trained at once, which picks how a round runs. 1: one at a time, each with its "
+        "own programs, as a Flower client trains (a CPU's default; --cpu-devices deals them "
+        "over devices). N > 1: the accelerator path: the clients' steps stacked and N clients "
+        "vmapped at once on one device (N at least the round's clients: all at once, an "
+        "accelerator's default); memory grows with N.",
+        group=PERFORMANCE,
+        metavar="N",
+    )
+    cpu_devices: int | None = _setting(
+        None,
+        "CPU devices that clients trained one at a time are dealt to, each running its clients "
+        "while the others run theirs (default 1): two streams of small ops keep the cores "
+        "busier, but every program compiles once per device, so it pays in long runs with many "
+        "clients (docs/benchmarks.md measures it). Results do not depend on it.",
+        metavar="N",
+        group=PERFORMANCE,
+    )
+    dtype: str = _setting(
+        "float32",
+        "Compute dtype of the model (parameters stay float32).",
+        choices=DTYPES,
+        group=PERFORMANCE,
+    )
+    packing: bool = _setting(
+        True,
+        "Pack each batch's examples end to end into one token stream instead of padding each to "
+        "the longest: no padding is computed whatever the mix of lengths (docs/benchmarks.md). "
+        "--no-packing pads each batch to its longest example.",
+        group=PERFORMANCE,
+    )
+    bucketing: bool = _setting(
+        False,
+        "Sort examples by length inside windows of 200 batches before cutting batches (less "
+        "padding without packing), instead of Algorithm 1's plain random mini-batches; batches "
+        "then repeat their membership across epochs.",
+        group=PERFORMANCE,
+    )
+    attention: str = _setting(
+        "xla",
+        "Attention kernel: xla (default, anywhere) or cudnn (jax's fused cuDNN attention; GPU "
+        "with --dtype bfloat16; evaluation only, training keeps xla's).",
+        choices=ATTENTIONS,
+        group=PERFORMANCE,
+    )
+    coordinator: str | None = _setting(
+        None,
+        "One simulation over several processes (JAX's distributed runtime): HOST:PORT of "
+        "process 0, the same for every process (unset: JAX_COORDINATOR_ADDRESS, if set). Every "
+        "process needs --output-dir on a filesystem they all see (docs/scaling.md).",
+        metavar="HOST:PORT",
+        group=DEPLOYMENT,
+    )
+    num_processes: int | None = _setting(
+        None,
+        "Processes of a multi-process simulation (unset: 1, or what SLURM / Open MPI say when "
+        "a coordinator is given); the sampled clients are dealt over every device of every "
+        "process, one at a time on each, and the results equal one process's that trains them "
+        "one at a time (a CPU's default) bit for bit.",
+        metavar="N",
+        group=DEPLOYMENT,
+    )
+    process_id: int | None = _setting(
+        None,
+        "This process's index, 0..N-1 (0 writes the run directory).",
+        metavar="I",
+        group=DEPLOYMENT,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSettings(Section):
+    """Where the run writes and how often: its directory, evaluations, checkpoints."""
+
+    output_dir: str | None = _setting(
+        None,
+        "Run directory for metrics.jsonl, summary.json, config.json, partition.json and "
+        "checkpoints/ (unset: runs/<task>_<algorithm>_c<c>_K<K>_s<seed>).",
+        metavar="DIR",
+        group=OUTPUTS,
+    )
+    resume: bool = _setting(
+        False, "Continue the run in --output-dir from its latest checkpoint.", group=OUTPUTS
+    )
+    eval_every: int = _setting(
+        1,
+        "Evaluate the personalised models every N rounds (and after the last).",
+        group=OUTPUTS,
+        metavar="N",
+    )
+    checkpoint_every: int = _setting(
+        1,
+        "Save a checkpoint every N rounds (and after the last); 0 = never.",
+        group=OUTPUTS,
+        metavar="N",
+    )
+    keep_checkpoints: int = _setting(
+        2,
+        "How many of the latest checkpoints stay on disk, with the client-store versions they "
+        "need (at least 1); --resume and export read the latest.",
+        metavar="N",
+        group=OUTPUTS,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig(Settings):
+    """Everything that defines a run. Defaults are the paper's setting (FedSplitBERT, Table III).
+
+    Paper choices (MISSION.md section 1): bert-base-uncased, K=3 clients all taking part, Table I
+    label partition, critical layer c=6 of 12 (the default is L/2 for any model, so a smaller
+    model stays FedSplitBERT), inputs of 128 tokens. The paper tunes lr in {2,3,4,5}e-5, local
+    epochs in 3..9 and batch in {8,16,32}; we default to the cheapest end that is standard for
+    BERT fine-tuning (lr 2e-5, 3 local epochs, batch 16) and 10 rounds (Table VI's FedAvg needs 6
+    rounds to reach 84% on MRPC; Table V uses 3 to 9).
+    """
+
+    seed: int = _setting(
+        0,
+        "The one seed of the run (data subsample, partition, init, batches, dropout).",
+        group=TASK,
+        metavar="SEED",
+    )
+    config: str | None = _setting(
+        None,
+        "Python (get_config() -> dict; FILE.py:ARG calls get_config(ARG)) or JSON config "
+        "file; flags given override it.",
+        metavar="FILE",
+    )
+    data: DataSettings = section(DataSettings)
+    model: ModelSettings = section(ModelSettings)
+    client: ClientSettings = section(ClientSettings)
+    federation: FederationSettings = section(FederationSettings)
+    privacy: PrivacySettings = section(PrivacySettings)
+    runtime: RuntimeSettings = section(RuntimeSettings)
+    outputs: OutputSettings = section(OutputSettings)
+
     @property
     def poisson_sampling(self) -> bool:
         """DP with fewer clients a round than K: each client takes part independently with
         probability M/K (Poisson sampling, what the accountant's amplification assumes)."""
-        return self.dp and self.sampled_clients < self.clients
-
-    @property
-    def sampled_clients(self) -> int:
-        """Clients per round; None means all clients (the paper's cross-silo setting)."""
-        return self.clients if self.clients_per_round is None else self.clients_per_round
-
-    @property
-    def effective_server_lr(self) -> float:
-        return ALGORITHMS[self.algorithm].server_lr if self.server_lr is None else self.server_lr
+        return self.privacy.dp and self.federation.sampled_clients < self.federation.clients
 
     @property
     def prox_mu(self) -> float:
         """FedProx's proximal weight; the other algorithms train the plain client loss."""
-        return self.mu if ALGORITHMS[self.algorithm].prox else 0.0
+        return self.client.mu if ALGORITHMS[self.federation.algorithm].prox else 0.0
 
     @property
     def run_dir(self) -> Path:
-        if self.output_dir is not None:
-            return Path(self.output_dir)
-        c = "L" if self.critical_layer is None else self.critical_layer
-        how = f"c{c}" if self.layer_schedule == "none" else self.layer_schedule
-        if self.layer_schedule != "none" and self.cycle_factor is not None:
-            how += str(self.cycle_factor)
-        if self.model_layers is not None:
-            how += f"_l{self.model_layers}"
-        method = f"{self.algorithm}_{how}"
-        return Path("runs") / f"{self.task}_{method}_K{self.clients}_s{self.seed}"
+        if self.outputs.output_dir is not None:
+            return Path(self.outputs.output_dir)
+        model, fed = self.model, self.federation
+        c = "L" if model.critical_layer is None else model.critical_layer
+        how = f"c{c}" if fed.layer_schedule == "none" else fed.layer_schedule
+        if fed.layer_schedule != "none" and fed.cycle_factor is not None:
+            how += str(fed.cycle_factor)
+        if model.model_layers is not None:
+            how += f"_l{model.model_layers}"
+        method = f"{fed.algorithm}_{how}"
+        return Path("runs") / f"{self.data.task}_{method}_K{fed.clients}_s{self.seed}"
 
 
 # Fields that do not change the trajectory of a run; everything else must match on --resume.
@@ -599,19 +662,19 @@ def resolve_config(
     if isinstance(sites, str) and sites != NODE_SITES and "clients" not in given:
         overrides = {**(overrides or {}), "clients": len(sites.split(","))}
     config = SCHEMA.resolve(file_values, overrides, validate)
-    if config.layer_schedule == "fedbt" and config.critical_layer == HALF:
+    if config.federation.layer_schedule == "fedbt" and config.model.critical_layer == HALF:
         # FedBT shares the whole model: the default 'half' means L (as --critical-layer L
         # does), so a run resumed with either has the same settings
-        config = dataclasses.replace(config, critical_layer=None)
+        config = replaced(config, critical_layer=None)
     return config
 
 
 def site_dirs(config: Any) -> list[Path]:
     """--site-data's directories (train's or pretrain's config), client k's at k ([] without
     --site-data or with `node-config`, where each node knows its own)."""
-    if config.site_data is None or config.site_data == NODE_SITES:
+    if config.data.site_data is None or config.data.site_data == NODE_SITES:
         return []
-    return [Path(d.strip()).expanduser() for d in config.site_data.split(",")]
+    return [Path(d.strip()).expanduser() for d in config.data.site_data.split(",")]
 
 
 # settings that draw a partition from a pool: with --site-data there is none to draw
@@ -621,7 +684,7 @@ _POOL_ONLY = ("partition", "paper_fill", "alpha", "beta", "max_examples", "data_
 def validate_sites(config: ExperimentConfig) -> None:
     """--site-data: one existing directory per client, none named twice, and none of the
     settings that subsample or partition a pool (they would be silently ignored)."""
-    if config.site_data is None:
+    if config.data.site_data is None:
         return
     refuse_with_sites(config, _POOL_ONLY, FIELDS, "data are its own site's files, not drawn "
                       "from a pool", "partition one pool")  # fmt: skip
@@ -634,7 +697,7 @@ def refuse_with_sites(
     """UserError naming the first of `names` set to other than its default (`fields`: the
     schema's) in a --site-data run, where it would be silently ignored: "each client's
     {what}", "drop --site-data to {instead}"."""
-    given = [n for n in names if getattr(config, n) != fields[n].default]
+    given = [n for n in names if value_of(config, n) != fields[n].default]
     if given:
         raise UserError(f"{as_given(config, given[0])} with --site-data: each client's {what}; "
                         f"{drop(config, given[0])} (or drop --site-data to {instead})")  # fmt: skip
@@ -643,16 +706,17 @@ def refuse_with_sites(
 def check_site_dirs(config: Any) -> None:
     """--site-data DIR0,DIR1,... of train's or pretrain's config: one existing directory per
     client, none empty or named twice (`node-config`: nothing to check here)."""
-    if config.site_data is None or config.site_data == NODE_SITES:
+    data_cfg = config.data
+    if data_cfg.site_data is None or data_cfg.site_data == NODE_SITES:
         return
-    texts = [d.strip() for d in config.site_data.split(",")]
+    texts = [d.strip() for d in data_cfg.site_data.split(",")]
     if not all(texts):
         raise UserError(
-            f"--site-data {config.site_data!r} has an empty entry; pass DIR0,DIR1,... with one "
+            f"--site-data {data_cfg.site_data!r} has an empty entry; pass DIR0,DIR1,... with one "
             "directory per client"
         )
     dirs = site_dirs(config)
-    if config.clients != len(dirs):
+    if config.federation.clients != len(dirs):
         raise UserError(
             f"{as_given(config, 'clients')} but --site-data names {len(dirs)} sites; "
             f"{drop(config, 'clients', unset=f'--clients {len(dirs)}')} (each site is one "
@@ -671,13 +735,13 @@ def check_site_dirs(config: Any) -> None:
 def entity_type_list(config: ExperimentConfig) -> tuple[str, ...] | None:
     """--entity-types as sorted types (None when unset); a UserError for an empty entry, a
     duplicate, a space (CoNLL columns are split on spaces) or a tag given for a type."""
-    if config.entity_types is None:
+    if config.data.entity_types is None:
         return None
-    types = [t.strip() for t in config.entity_types.split(",")]
+    types = [t.strip() for t in config.data.entity_types.split(",")]
     for t in types:
         if not t or any(c.isspace() for c in t) or t == "O" or t[:2] in ("B-", "I-"):
             raise UserError(
-                f"--entity-types {config.entity_types!r}: {t!r} is not an entity type; pass "
+                f"--entity-types {config.data.entity_types!r}: {t!r} is not an entity type; pass "
                 "TYPE1,TYPE2,... (e.g. PER,LOC,ORG: the tags are O and B-/I- of each)"
             )
     twice = sorted({t for t in types if types.count(t) > 1})
@@ -688,52 +752,55 @@ def entity_type_list(config: ExperimentConfig) -> tuple[str, ...] | None:
 
 def validate(config: ExperimentConfig) -> None:
     """Checks that need no data or model; `validate_critical_layer` needs the model's depth."""
+    federation_cfg, client_cfg = config.federation, config.client
+    model_cfg, data_cfg = config.model, config.data
     SCHEMA.check_choices(config)
-    if config.clients < 1:
+    if federation_cfg.clients < 1:
         raise UserError(f"--clients must be at least 1, got {_got(config, 'clients')}")
-    if config.clients_per_round is not None and not 1 <= config.clients_per_round <= config.clients:
+    per_round = federation_cfg.clients_per_round
+    if per_round is not None and not 1 <= per_round <= federation_cfg.clients:
         raise UserError(
-            f"--clients-per-round must be in 1..{config.clients}, got "
+            f"--clients-per-round must be in 1..{federation_cfg.clients}, got "
             f"{_got(config, 'clients_per_round')}; {as_given(config, 'clients')} sets the clients"
         )
     positive_ints = ("rounds", "local_epochs", "batch_size", "max_length", "eval_every",
                      "keep_checkpoints")  # fmt: skip
     for name in positive_ints:
-        if getattr(config, name) < 1:
+        if value_of(config, name) < 1:
             raise UserError(f"{flag_name(name)} must be at least 1, got {_got(config, name)}")
     for name in ("max_examples", "chunk_size", "cpu_devices", "model_layers"):
-        value = getattr(config, name)
+        value = value_of(config, name)
         if value is not None and value < 1:
             raise UserError(f"{flag_name(name)} must be at least 1, got {_got(config, name)}")
-    if config.checkpoint_every < 0:
+    if config.outputs.checkpoint_every < 0:
         raise UserError(
             f"--checkpoint-every must be >= 0 (0 = never), got {_got(config, 'checkpoint_every')}"
         )
     for name in ("lr", "alpha", "beta"):
-        value = getattr(config, name)
+        value = value_of(config, name)
         if not (math.isfinite(value) and value > 0):
             raise UserError(f"--{name} must be a positive number, got {_got(config, name)}")
-    if config.server_lr is not None and not (
-        math.isfinite(config.server_lr) and config.server_lr > 0
+    if federation_cfg.server_lr is not None and not (
+        math.isfinite(federation_cfg.server_lr) and federation_cfg.server_lr > 0
     ):
         raise UserError(f"--server-lr must be a positive number, got {_got(config, 'server_lr')}")
     _positive(config, "server_tau")
-    check_tau(config.algorithm, config.server_tau)
-    if not (math.isfinite(config.mu) and config.mu >= 0):
+    check_tau(federation_cfg.algorithm, federation_cfg.server_tau)
+    if not (math.isfinite(client_cfg.mu) and client_cfg.mu >= 0):
         raise UserError(f"--mu must be >= 0, got {_got(config, 'mu')}")
-    if isinstance(config.critical_layer, str) and config.critical_layer != HALF:
+    if isinstance(model_cfg.critical_layer, str) and model_cfg.critical_layer != HALF:
         raise UserError(
             f"--critical-layer must be an integer, 'half' or 'L', got "
-            f"{config.critical_layer!r}{origin(config, 'critical_layer')}"
+            f"{model_cfg.critical_layer!r}{origin(config, 'critical_layer')}"
         )
-    if isinstance(config.critical_layer, int) and config.critical_layer < 0:
+    if isinstance(model_cfg.critical_layer, int) and model_cfg.critical_layer < 0:
         raise UserError(
             f"--critical-layer must be in 0..L (L = the model's layers), got "
             f"{_got(config, 'critical_layer')}"
         )
-    if config.freeze is not None:
+    if model_cfg.freeze is not None:
         try:
-            re.compile(config.freeze)
+            re.compile(model_cfg.freeze)
         except re.error as e:
             raise UserError(
                 f"{as_given(config, 'freeze')} is not a valid regex ({e}); pass a Python regex "
@@ -743,9 +810,9 @@ def validate(config: ExperimentConfig) -> None:
     validate_schedule(config)
     validate_client_optimizer(config)
     validate_processes(config)
-    if config.data_dir is not None and not Path(config.data_dir).is_dir():
-        raise UserError(f"data dir {config.data_dir!r}{origin(config, 'data_dir')} does not exist; "
-                        "pass an existing --data-dir")  # fmt: skip
+    if data_cfg.data_dir is not None and not Path(data_cfg.data_dir).is_dir():
+        raise UserError(f"data dir {data_cfg.data_dir!r}{origin(config, 'data_dir')} does not "
+                        "exist; pass an existing --data-dir")  # fmt: skip
     validate_sites(config)
     entity_type_list(config)
     validate_aggregation(config)
@@ -753,11 +820,11 @@ def validate(config: ExperimentConfig) -> None:
 
 def _got(config: Any, name: str) -> str:
     """A setting's value in an error, with where it came from: "0 (from configs/x.py)"."""
-    return f"{getattr(config, name)}{origin(config, name)}"
+    return f"{value_of(config, name)}{origin(config, name)}"
 
 
 def _positive(config: ExperimentConfig, name: str, zero_ok: bool = False) -> None:
-    value = getattr(config, name)
+    value = value_of(config, name)
     if value is not None and not (math.isfinite(value) and (value > 0 or zero_ok and value == 0)):
         bound = ">= 0" if zero_ok else "> 0"
         raise UserError(f"{flag_name(name)} must be a number {bound}, got {_got(config, name)}")
@@ -765,20 +832,20 @@ def _positive(config: ExperimentConfig, name: str, zero_ok: bool = False) -> Non
 
 def lora_settings(config: ExperimentConfig) -> LoraSettings | None:
     """The run's `models.lora.LoraSettings`, None without --lora-rank."""
-    if config.lora_rank is None:
+    if config.model.lora_rank is None:
         return None
     from fedjax_split.models.lora import LoraSettings  # JAX: the flags' modules import none
 
-    return LoraSettings(config.lora_rank, config.lora_alpha, config.lora_targets,
-                        config.lora_dropout)  # fmt: skip
+    return LoraSettings(config.model.lora_rank, config.model.lora_alpha, config.model.lora_targets,
+                        config.model.lora_dropout)  # fmt: skip
 
 
 def validate_lora(config: ExperimentConfig) -> None:
     """The LoRA flags: the rank first, and the others only with it; their values by
     `models.lora.check_settings` (which the model's configuration runs too)."""
-    if config.lora_rank is None:
+    if config.model.lora_rank is None:
         given = [n for n in ("lora_alpha", "lora_targets", "lora_dropout")
-                 if getattr(config, n) != FIELDS[n].default]  # fmt: skip
+                 if value_of(config, n) != FIELDS[n].default]  # fmt: skip
         if given:
             raise UserError(f"{as_given(config, given[0])} needs --lora-rank R, the adapters' "
                             "rank (e.g. 8)")  # fmt: skip
@@ -792,13 +859,13 @@ def validate_schedule(config: ExperimentConfig) -> None:
     """--layer-schedule and --cycle-factor: the factor only with FedBT, at least 1 (at most L
     is checked with the model); FedBT trains whole layers, so no LoRA (its one shared model:
     `validate_critical_layer`)."""
-    if config.layer_schedule == "none":
-        if config.cycle_factor is not None:
+    if config.federation.layer_schedule == "none":
+        if config.federation.cycle_factor is not None:
             raise UserError(f"{as_given(config, 'cycle_factor')} needs --layer-schedule fedbt")
         return
-    if config.cycle_factor is not None and config.cycle_factor < 1:
+    if config.federation.cycle_factor is not None and config.federation.cycle_factor < 1:
         raise UserError(f"--cycle-factor must be at least 1, got {_got(config, 'cycle_factor')}")
-    if config.lora_rank is not None:
+    if config.model.lora_rank is not None:
         raise UserError(
             f"{as_given(config, 'layer_schedule')} trains whole layers, not LoRA adapters "
             f"({as_given(config, 'lora_rank')}): "
@@ -810,9 +877,9 @@ def validate_schedule(config: ExperimentConfig) -> None:
 def validate_client_optimizer(config: ExperimentConfig) -> None:
     """--warmup-ratio in [0, 1) and only with the linear schedule; --client-clip-norm > 0."""
     _positive(config, "client_clip_norm")
-    if not (math.isfinite(config.warmup_ratio) and 0 <= config.warmup_ratio < 1):
+    if not (math.isfinite(config.client.warmup_ratio) and 0 <= config.client.warmup_ratio < 1):
         raise UserError(f"--warmup-ratio must be in [0, 1), got {_got(config, 'warmup_ratio')}")
-    if config.warmup_ratio and config.lr_schedule != "linear":
+    if config.client.warmup_ratio and config.client.lr_schedule != "linear":
         raise UserError(f"{as_given(config, 'warmup_ratio')} needs --lr-schedule linear (the "
                         "constant rate has no warm-up)")  # fmt: skip
 
@@ -820,13 +887,13 @@ def validate_client_optimizer(config: ExperimentConfig) -> None:
 def validate_processes(config: ExperimentConfig) -> None:
     """The multi-process flags: a count of at least 1, an index inside it, one-at-a-time clients
     (several processes deal single clients to their devices; a vmapped chunk spans no process)."""
-    n, i = config.num_processes, config.process_id
+    n, i = config.runtime.num_processes, config.runtime.process_id
     if n is not None and n < 1:
         raise UserError(f"--num-processes must be at least 1, got {_got(config, 'num_processes')}")
     if i is not None and not 0 <= i < (n or 1):
         raise UserError(f"--process-id must be in 0..{(n or 1) - 1} (--num-processes), got "
                         f"{_got(config, 'process_id')}")  # fmt: skip
-    check_chunk_size(config.chunk_size, n or 1)
+    check_chunk_size(config.runtime.chunk_size, n or 1)
 
 
 def check_chunk_size(chunk_size: int | None, processes: int) -> None:
@@ -841,39 +908,40 @@ def check_chunk_size(chunk_size: int | None, processes: int) -> None:
 
 def validate_aggregation(config: ExperimentConfig) -> None:
     """The server's aggregation, client-level DP and the attack: settings that go together."""
+    privacy_cfg = config.privacy
     for name in ("max_update_norm", "dp_clip", "dp_max_epsilon", "attack_scale"):
         _positive(config, name)
     _positive(config, "dp_noise_multiplier", zero_ok=True)
-    if not 0 <= config.trim_fraction < 0.5:
+    if not 0 <= privacy_cfg.trim_fraction < 0.5:
         raise UserError(f"--trim-fraction must be in [0, 0.5), got {_got(config, 'trim_fraction')}")
-    if config.aggregator == "trimmed-mean" and not config.dp:  # with DP: refused below
-        check_trimming(config.trim_fraction, config.sampled_clients)
-    if not 0 < config.dp_delta < 1:
+    if privacy_cfg.aggregator == "trimmed-mean" and not privacy_cfg.dp:  # with DP: refused below
+        check_trimming(privacy_cfg.trim_fraction, config.federation.sampled_clients)
+    if not 0 < privacy_cfg.dp_delta < 1:
         raise UserError(f"--dp-delta must be in (0, 1), got {_got(config, 'dp_delta')}")
-    if not 0 < config.attack_fraction <= 1:
+    if not 0 < privacy_cfg.attack_fraction <= 1:
         raise UserError(
             f"--attack-fraction must be in (0, 1], got {_got(config, 'attack_fraction')}"
         )
-    if config.secure_aggregation:
+    if privacy_cfg.secure_aggregation:
         _check_secure(config)
     dp_only = ("dp_clip", "dp_clip_quantile", "dp_max_epsilon", "dp_insecure_reproducible_noise",
                "dp_publish_clients")  # fmt: skip
-    if not config.dp:
-        given = [n for n in dp_only if getattr(config, n) not in (None, False)]
+    if not privacy_cfg.dp:
+        given = [n for n in dp_only if value_of(config, n) not in (None, False)]
         if given:
             raise UserError(
                 f"{as_given(config, given[0])} needs --dp-noise-multiplier (client-level DP); for "
                 "clipping without noise use --max-update-norm"
             )
         return
-    if config.dp_clip is None:
+    if privacy_cfg.dp_clip is None:
         raise UserError("--dp-noise-multiplier needs --dp-clip C, the clip norm of the updates")
-    if config.aggregator != "mean":
+    if privacy_cfg.aggregator != "mean":
         raise UserError(
             f"{as_given(config, 'aggregator')} with DP: the noise is calibrated to a sum of "
             "clipped updates; use --aggregator mean"
         )
-    if config.dp_max_epsilon is not None and config.dp_noise_multiplier == 0:
+    if privacy_cfg.dp_max_epsilon is not None and privacy_cfg.dp_noise_multiplier == 0:
         raise UserError("--dp-max-epsilon with --dp-noise-multiplier 0: no noise, no budget")
     from fedjax_split.run import safeguards  # JAX, as above
 
@@ -882,20 +950,20 @@ def validate_aggregation(config: ExperimentConfig) -> None:
 
 def _check_secure(config: ExperimentConfig) -> None:
     """What cannot work on a sum alone is refused before anything runs."""
-    if config.aggregator != "mean":
+    if config.privacy.aggregator != "mean":
         raise UserError(
             f"{as_given(config, 'aggregator')} with --secure-aggregation: a robust rule needs "
             "every upload side by side, and secure aggregation shows the server only their sum; "
             "use --aggregator mean (--max-update-norm still bounds each update: the clients clip "
             "their own)"
         )
-    if config.attack != "none":
+    if config.privacy.attack != "none":
         raise UserError("--attack with --secure-aggregation: the simulated attack edits uploads "
                         "the server can no longer see; drop one of them")  # fmt: skip
-    if config.chunk_size not in (None, 1):
-        raise UserError(f"--chunk-size {config.chunk_size} with --secure-aggregation: each "
+    if config.runtime.chunk_size not in (None, 1):
+        raise UserError(f"--chunk-size {config.runtime.chunk_size} with --secure-aggregation: each "
                         "client's upload is quantised on its own; leave it unset")  # fmt: skip
-    if config.sampled_clients < 2:
+    if config.federation.sampled_clients < 2:
         raise UserError("--secure-aggregation needs at least 2 clients a round (the sum of one "
                         "is its update): raise --clients-per-round")  # fmt: skip
 
@@ -927,8 +995,9 @@ def check_trimming(trim_fraction: float, clients: int) -> None:
 def validate_critical_layer(config: ExperimentConfig, num_layers: int) -> int:
     """The critical layer as an int in 0..L ('half' is L // 2; None is L: plain FedAvg,
     everything global; FedBT's schedule: L)."""
-    c = config.critical_layer
-    if config.layer_schedule == "fedbt":  # one shared model: the default 'half' becomes L
+    model_cfg = config.model
+    c = model_cfg.critical_layer
+    if config.federation.layer_schedule == "fedbt":  # one shared model: 'half' becomes L
         if c not in (HALF, None, num_layers):
             raise UserError(
                 f"{as_given(config, 'layer_schedule')} trains one shared model, every layer "
@@ -941,7 +1010,7 @@ def validate_critical_layer(config: ExperimentConfig, num_layers: int) -> int:
     if not 0 <= c <= num_layers:
         raise UserError(
             f"{as_given(config, 'critical_layer')} is outside 0..{num_layers} for model "
-            f"{config.model!r} ({num_layers} layers); pass --critical-layer with a value in "
+            f"{model_cfg.name!r} ({num_layers} layers); pass --critical-layer with a value in "
             f"0..{num_layers}"
         )
     return c
@@ -955,9 +1024,10 @@ _UNTUNED = {"server_lr": 1e-3, "server_tau": 1e-3}
 def server_settings(config: ExperimentConfig) -> dict[str, float | None]:
     """The server's learning rate and tau as the run uses them (the registry's where unset),
     saved in config.json beside the flags, so that a --resume after a default changes is caught."""
-    algorithm = ALGORITHMS[config.algorithm]
-    tau = config.server_tau if config.server_tau is not None else algorithm.tau
-    return {"server_lr": config.effective_server_lr, "server_tau": tau}
+    federation_cfg = config.federation
+    algorithm = ALGORITHMS[federation_cfg.algorithm]
+    tau = federation_cfg.server_tau if federation_cfg.server_tau is not None else algorithm.tau
+    return {"server_lr": federation_cfg.effective_server_lr, "server_tau": tau}
 
 
 def saved_dict(config: ExperimentConfig) -> dict[str, Any]:

@@ -58,10 +58,10 @@ class Setup:
 
 def build(config: ExperimentConfig) -> Setup:
     """Load task, data, model; partition, tokenise. Writes nothing."""
-    task = tasks.get_task(config.task)
+    task = tasks.get_task(config.data.task)
     # the data first: a token task's tag vocabulary (from the whole pool) sizes the model's head;
     # sites with their own data are their clients' data as they are (no pool to partition)
-    if config.site_data is not None:
+    if config.data.site_data is not None:
         examples, part = pieces.load_sites(config, task)
     else:
         examples, part = pieces.load_pool(config, task), None
@@ -292,7 +292,7 @@ class Simulation:
         for line in safeguards.start_lines(config, self.rounds):
             note(line)
         note(
-            f"{config.task}: {len(labels)} examples, {config.clients} clients, "
+            f"{config.data.task}: {len(labels)} examples, {config.federation.clients} clients, "
             f"{model.num_global:,} global / "
             f"{model.num_local:,} local parameters per client"
             + (f" / {model.num_frozen:,} frozen" if model.num_frozen else "")
@@ -324,7 +324,7 @@ class Simulation:
         t_train = time.perf_counter()  # the store wrote the new local parts: the whole round's
         record = self.strategy.record(plan, losses, weights, sampled, result.accepted,
                                       result.update_norms)  # fmt: skip
-        if driver.due(r, setup.config.eval_every, self.rounds):
+        if driver.due(r, setup.config.outputs.eval_every, self.rounds):
             trained = pieces.trained_clients(history, sampled.tolist())
             record.update(evaluate(setup, self.server_state, self.frozen, self.store, trained,
                                    last=r == self.rounds))  # fmt: skip
@@ -410,28 +410,29 @@ def run_experiment(
     progress: bool = True,
     on_round_end: driver.RoundHook | None = None,
 ) -> dict[str, Any]:
-    """Run (or with config.resume, continue) one simulated federated experiment; returns the
-    summary dict. Everything a user can get wrong (task, model depth, run directory, checkpoint)
+    """Run (or with --resume, continue) one simulated federated experiment; returns the summary
+    dict. Everything a user can get wrong (task, model depth, run directory, checkpoint)
     is checked before the first byte is written. `on_round_end(round, record)` is called after
     each round's record and checkpoint are on disk."""
     if isinstance(config, dict):
         config = resolve_config(overrides=config)
     pieces.check(config)
+    outputs, runtime_cfg = config.outputs, config.runtime
 
     # before the first JAX computation: the CPU devices, and the processes' runtime
-    runtime.apply(config.cpu_devices,
-                  (config.coordinator, config.num_processes, config.process_id))  # fmt: skip
-    check_attention(config.attention, config.dtype, jax.default_backend())
-    driver.check_run_dir(config.run_dir, config.resume,
+    group = (runtime_cfg.coordinator, runtime_cfg.num_processes, runtime_cfg.process_id)
+    runtime.apply(runtime_cfg.cpu_devices, group)
+    check_attention(runtime_cfg.attention, runtime_cfg.dtype, jax.default_backend())
+    driver.check_run_dir(config.run_dir, outputs.resume,
                          lambda saved: trajectory_mismatch(saved, config))  # fmt: skip
     processes.barrier("run directory checked")  # by every process, before process 0 writes
     simulation = Simulation(build(config))
     return driver.drive(
         simulation,
         saved_dict(config),
-        resume=config.resume,
-        checkpoint_every=config.checkpoint_every,
-        keep_checkpoints=config.keep_checkpoints,
+        resume=outputs.resume,
+        checkpoint_every=outputs.checkpoint_every,
+        keep_checkpoints=outputs.keep_checkpoints,
         progress=progress,
         on_round_end=on_round_end,
     )

@@ -145,11 +145,11 @@ def check(config: ExperimentConfig) -> int:
     """Cheap checks of a config against the task registry and the model's depth and layers (reads
     only the model's config.json); returns the critical layer as an int in 0..L."""
     validate(config)
-    task = tasks.get_task(config.task)
+    task = tasks.get_task(config.data.task)
     entity_types(config, task)  # a token task's vocabulary, before any file is read
-    model_config = hf_checkpoint.load_config(hf_checkpoint.resolve_model(config.model))
-    if config.model_layers is not None:  # a truncated model: its depth is what the rest sees
-        model_config = hf_checkpoint.truncate(model_config, {}, config.model_layers)[0]
+    model_config = hf_checkpoint.load_config(hf_checkpoint.resolve_model(config.model.name))
+    if config.model.model_layers is not None:  # a truncated model: its depth is what the rest sees
+        model_config = hf_checkpoint.truncate(model_config, {}, config.model.model_layers)[0]
     head = dataclasses.replace(model_config, head=task.objective.head)
     lora.configure(head, lora_settings(config))  # e.g. a --lora-targets that chooses no layer
     cycle_factor(config, model_config.num_hidden_layers)
@@ -175,7 +175,7 @@ def entity_types(config: ExperimentConfig, task: Any) -> tuple[str, ...] | None:
                 f"{','.join(task.entity_types)}; {drop(config, 'entity_types')}"
             )
         return task.entity_types
-    if given is None and config.site_data is not None:
+    if given is None and config.data.site_data is not None:
         raise UserError(
             f"task {task.name} with --site-data needs its tag vocabulary from the run, not from "
             "the sites' tags: pass --entity-types TYPE1,TYPE2,... (e.g. PER,LOC,ORG)"
@@ -194,9 +194,9 @@ def load_pool(config: ExperimentConfig, task: Any) -> Any:
     """The task's example pool as every client sees it: loaded, then subsampled (--max-examples).
     A token task's tag vocabulary (`tag_names`) is the run's (`entity_types`), else the whole
     pool's, taken before subsampling."""
-    examples = sources.load_examples(task, data_dir=config.data_dir,
+    examples = sources.load_examples(task, data_dir=config.data.data_dir,
                                      entity_types=entity_types(config, task))  # fmt: skip
-    idx = subsample_indices(len(examples.labels), config.max_examples, config.seed)
+    idx = subsample_indices(len(examples.labels), config.data.max_examples, config.seed)
     return subset_examples(examples, idx)
 
 
@@ -245,8 +245,8 @@ def load_sites(config: ExperimentConfig, task: Any) -> tuple[Any, Any]:
     dirs = site_dirs(config)
     if not dirs:
         raise UserError(
-            f"--site-data {config.site_data}: the simulation reads every site itself; pass the "
-            "sites' directories DIR0,DIR1,..."
+            f"--site-data {config.data.site_data}: the simulation reads every site itself; pass "
+            "the sites' directories DIR0,DIR1,..."
         )
     sites = [load_site(config, task, k, d) for k, d in enumerate(dirs)]
     splits = [site_split(config, sites[k], k, d) for k, d in enumerate(dirs)]
@@ -260,28 +260,29 @@ def load_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = (
     task's: its tags), so that an exported model's id2label reads "rotten"/"fresh", not LABEL_0."""
     tag_names = tuple(tag_names)
     return hf_checkpoint.load_pretrained(
-        config.model,
+        config.model.name,
         num_labels=len(tag_names) if tag_names else task.num_labels,
         seed=config.seed,
         problem_type="regression" if task.is_regression else None,
-        dtype=config.dtype,
-        attention=config.attention,
+        dtype=config.runtime.dtype,
+        attention=config.runtime.attention,
         head=task.objective.head,
         label_names=tag_names or task.label_names,
         lora=lora_settings(config),
-        num_layers=config.model_layers,
+        num_layers=config.model.model_layers,
     )
 
 
 def cycle_factor(config: ExperimentConfig, num_layers: int) -> int | None:
     """FedBT's cycle factor for an L-layer model (unset: L // 2, at least 1), checked; None
     without the schedule."""
-    if config.layer_schedule != "fedbt":
+    fed = config.federation
+    if fed.layer_schedule != "fedbt":
         return None
-    c = max(1, num_layers // 2) if config.cycle_factor is None else config.cycle_factor
+    c = max(1, num_layers // 2) if fed.cycle_factor is None else fed.cycle_factor
     if not 1 <= c <= num_layers:
         raise UserError(
-            f"--cycle-factor {c} is outside 1..{num_layers} for model {config.model!r} "
+            f"--cycle-factor {c} is outside 1..{num_layers} for model {config.model.name!r} "
             f"({num_layers} layers); pass a value in 1..{num_layers}"
         )
     return c
@@ -301,7 +302,7 @@ def model_parts(config: ExperimentConfig, pre: Any, critical_layer: int) -> Any:
         split = roles.train_only(split, layerwise.fedbt_cycled(num_layers, cycle))
     rule = roles.freeze_rule(
         split,
-        config.freeze,
+        config.model.freeze,
         hf_checkpoint.tensor_names(pre.config),
     )
     return roles.partition(pre.params, rule)
@@ -310,23 +311,24 @@ def model_parts(config: ExperimentConfig, pre: Any, critical_layer: int) -> Any:
 def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: Any) -> Any:
     """The round's static description: client update (objective, client optimiser, FedProx mu),
     server optimiser, wire dtype, clients at once, devices."""
+    client_cfg, fed, runtime = config.client, config.federation, config.runtime
     client_spec = client.ClientSpec(
         apply=apply,
         objective=task.objective,
         optimizer=client.client_optimizer(
-            config.client_optimizer, config.lr, schedule=config.lr_schedule,
-            warmup_ratio=config.warmup_ratio, clip_norm=config.client_clip_norm,
+            client_cfg.client_optimizer, client_cfg.lr, schedule=client_cfg.lr_schedule,
+            warmup_ratio=client_cfg.warmup_ratio, clip_norm=client_cfg.client_clip_norm,
         ),  # fmt: skip
         prox_mu=config.prox_mu,
     )
     return rounds.RoundSpec(
         client=client_spec,
-        server_optimizer=algorithms.server_optimizer(config.algorithm, config.effective_server_lr,
-                                                     config.server_tau),
-        wire_dtype=WIRE_DTYPE[config.quantize],
-        chunk_size=round_chunk_size(config.chunk_size, jax.default_backend(),
-                                    jax.process_count(), config.secure_aggregation),
-        devices=devices.for_rounds(config.cpu_devices, jax.default_backend()),
+        server_optimizer=algorithms.server_optimizer(fed.algorithm, fed.effective_server_lr,
+                                                     fed.server_tau),
+        wire_dtype=WIRE_DTYPE[fed.quantize],
+        chunk_size=round_chunk_size(runtime.chunk_size, jax.default_backend(),
+                                    jax.process_count(), config.privacy.secure_aggregation),
+        devices=devices.for_rounds(runtime.cpu_devices, jax.default_backend()),
         aggregator=safeguards.aggregator(config),
     )
 
@@ -354,22 +356,23 @@ def build_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = 
 def make_partition(config: ExperimentConfig, task: Any, labels: np.ndarray) -> Any:
     """The clients' train/test split of the pool; a client without training examples is a
     UserError."""
+    data, fed = config.data, config.federation
     part = partition.partition_clients(
         labels,
-        scheme=config.partition,
-        num_clients=config.clients,
+        scheme=data.partition,
+        num_clients=fed.clients,
         seed=config.seed,
-        alpha=config.alpha if config.partition == "dirichlet" else None,
-        beta=config.beta if config.partition == "quantity" else None,
+        alpha=data.alpha if data.partition == "dirichlet" else None,
+        beta=data.beta if data.partition == "quantity" else None,
         # a token task partitions by each sentence's dominant entity type, not by its tags
         task=None if task.objective.per_token else task,
-        fill=config.paper_fill,
+        fill=data.paper_fill,
     )
     for i, cs in enumerate(part.clients):
         if len(cs.train) == 0:
             raise UserError(
                 f"client {i} got no training examples ({len(labels)} examples for "
-                f"{config.clients} clients); use more data (--max-examples) or fewer --clients"
+                f"{fed.clients} clients); use more data (--max-examples) or fewer --clients"
             )
     return part
 
@@ -403,13 +406,14 @@ def model_meta(model: Model) -> dict[str, Any]:
 
 def method_line(config: ExperimentConfig, model: Model) -> str:
     """The run's method as a person says it (`run.method.describe`), for its first line."""
+    fed, c = config.federation, config.client
     return describe(
-        config.algorithm, model.critical_layer, model.config.num_hidden_layers,
-        quantize=config.quantize, num_frozen=model.num_frozen, freeze=config.freeze,
+        fed.algorithm, model.critical_layer, model.config.num_hidden_layers,
+        quantize=fed.quantize, num_frozen=model.num_frozen, freeze=config.model.freeze,
         mu=config.prox_mu, lora=model.config if model.config.lora_targets else None,
         cycle=model.cycle_factor,
-    ) + client_words(config.client_optimizer, config.lr, config.lr_schedule, config.warmup_ratio,
-                     config.client_clip_norm)  # fmt: skip
+    ) + client_words(c.client_optimizer, c.lr, c.lr_schedule, c.warmup_ratio,
+                     c.client_clip_norm)  # fmt: skip
 
 
 def check_partition(meta: dict[str, Any], part: Any, what: str) -> None:
@@ -425,23 +429,24 @@ def check_partition(meta: dict[str, Any], part: Any, what: str) -> None:
 
 def load_tokenized(config: ExperimentConfig, task: Any, examples: Any, model_dir: Any) -> Any:
     """The pool tokenised with the model's tokenizer and flattened once (`batching.pack`)."""
-    tokenizer = tokenization.load_tokenizer(model_dir if model_dir is not None else config.model)
-    return batching.pack(sources.tokenize_examples(examples, tokenizer, task, config.max_length))
+    tokenizer = tokenization.load_tokenizer(config.model.name if model_dir is None else model_dir)
+    rows = sources.tokenize_examples(examples, tokenizer, task, config.data.max_length)
+    return batching.pack(rows)
 
 
 def row_width(config: ExperimentConfig, tokenized: Any) -> int:
     """W of packed attention rows, T of padded batches: run-wide, from the pool's longest
     example. Sites with their own data see no pool: theirs come from --max-length, the longest
     any example can be, so that every site cuts the same shapes without the others' data."""
-    floor = batching.PACK_WIDTH if config.packing else 8
-    if config.site_data is not None:
-        return batching.row_width_for(config.max_length, floor)
+    floor = batching.PACK_WIDTH if config.runtime.packing else 8
+    if config.data.site_data is not None:
+        return batching.row_width_for(config.data.max_length, floor)
     return batching.default_row_width(tokenized, floor)
 
 
 def eval_batch_size(config: ExperimentConfig) -> int:
     """Evaluation batches: at least 32 examples (no gradients to hold)."""
-    return max(config.batch_size, 32)
+    return max(config.client.batch_size, 32)
 
 
 def batching_of(
@@ -451,15 +456,15 @@ def batching_of(
     `evaluation`: with the evaluation batch size (`eval_batch_size`). A packed part's tokens come
     from the pool (`batching.default_part_tokens`), or, for sites with their own data, from the
     config alone (`batching.part_tokens_for`), the same at every site."""
-    size = eval_batch_size(config) if evaluation else config.batch_size
+    size = eval_batch_size(config) if evaluation else config.client.batch_size
     part_tokens = None
-    if config.packing and config.site_data is not None and width is not None:
+    if config.runtime.packing and config.data.site_data is not None and width is not None:
         part_tokens = batching.part_tokens_for(size, width)
     return batching.Batching(
         batch_size=size,
         objective=task.objective,
-        packing=config.packing,
-        bucketing=config.bucketing,
+        packing=config.runtime.packing,
+        bucketing=config.runtime.bucketing,
         row_width=width,
         part_tokens=part_tokens,
     )
@@ -480,7 +485,7 @@ def client_steps(
         indices,
         pool.labels,
         batching_of(config, task, pool.row_width),
-        epochs=config.local_epochs,
+        epochs=config.client.local_epochs,
         seed=[config.seed, r],
         client_id=int(client_id),
     )
@@ -667,10 +672,10 @@ def summary(
     final_eval = evaluated[-1] if evaluated else {}
     best = max(evaluated, key=lambda h: h[metric]) if evaluated else {}
     return {
-        "task": config.task,
+        "task": config.data.task,
         "method": method_line(config, model),
         "label": plots.label_of(config, model),  # the method in a legend's words (tools/plot.py)
-        "algorithm": config.algorithm,
+        "algorithm": config.federation.algorithm,
         "critical_layer": model.critical_layer,
         "num_layers": model.config.num_hidden_layers,
         "rounds": len(history),

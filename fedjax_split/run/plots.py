@@ -234,6 +234,7 @@ def write_fine_tuning_plot(
     if publish is not None:
         records = [publish(dict(r)) for r in records]
     label = label_of(config, model)
-    title = f"{config.task}: {config.clients} clients, {Path(str(config.model)).name}"
+    model_name = Path(str(config.model.name)).name
+    title = f"{config.data.task}: {config.federation.clients} clients, {model_name}"
     return write_run_plot(Path(run_dir) / PLOT_FILE, records, model.task.primary_metric, label,
                           title, baseline)  # fmt: skip

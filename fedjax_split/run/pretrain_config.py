@@ -27,10 +27,13 @@ from fedjax_split.run.settings import (
     PERFORMANCE,
     TASK,
     Schema,
+    Section,
     Settings,
     as_given,
     flag_name,
     origin,
+    section,
+    value_of,
 )
 from fedjax_split.run.settings import setting as _setting
 
@@ -43,8 +46,8 @@ DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
-class PretrainConfig(Settings):
-    """Everything that defines a further pre-training run."""
+class PretrainData(Section):
+    """The text and how it is split into clients, held out and masked."""
 
     corpus: str = _setting(
         "pubmed",
@@ -78,23 +81,6 @@ class PretrainConfig(Settings):
         choices=MODES,
         group=TASK,
     )
-    model: str = _setting(
-        "bert-base-uncased",
-        "Hugging Face model id, local HF directory, or the offline alias 'minilm-l6'.",
-        group=MODEL,
-        metavar="MODEL",
-    )
-    method: str = _setting(
-        "fedbfpt",
-        "fedbfpt (one layer + MLM head a round, small client models), bert-fl (FedAvg of the "
-        "whole model), centralised (one client, all text), truncated (the first "
-        "--truncated-layers layers, trained whole), none (no further pre-training).",
-        choices=METHODS,
-        group=MODEL,
-    )
-    clients: int = _setting(
-        6, "Number of clients K (all take part every round).", group=FEDERATION, metavar="K"
-    )
     split: str = _setting(
         "iid",
         "How documents are split over clients: iid, quantity (normal-distributed sizes), source "
@@ -121,12 +107,49 @@ class PretrainConfig(Settings):
         group=TASK,
         metavar="FRACTION",
     )
-    rounds: int = _setting(
-        5,
-        "Federated rounds (centralised: epochs over all the text).",
-        group=FEDERATION,
-        metavar="N",
+    max_length: int = _setting(
+        128, "Tokens per sequence, [CLS] and [SEP] included.", group=TASK, metavar="TOKENS"
     )
+    mlm_probability: float = _setting(
+        0.15, "Share of tokens predicted per sequence.", group=TASK, metavar="P"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainModel(Section):
+    """The model: the checkpoint, its depth for the truncated baseline and FedBFPT's small
+    client models, frozen parameters."""
+
+    name: str = _setting(
+        "bert-base-uncased",
+        "Hugging Face model id, local HF directory, or the offline alias 'minilm-l6'.",
+        group=MODEL,
+        metavar="MODEL",
+        key="model",
+    )
+    small_layers: int | None = _setting(
+        None, "Layers of a FedBFPT client's small model (default: L/2).", metavar="L_S", group=MODEL
+    )
+    truncated_layers: int | None = _setting(
+        None,
+        "The truncated baseline's model: the first LAYERS layers (default: L/2).",
+        metavar="LAYERS",
+        group=MODEL,
+    )
+    freeze: str | None = _setting(
+        None,
+        "Regex over Hugging Face tensor names (re.search): matching parameters are neither "
+        "trained nor sent, whatever the method trains; e.g. 'embeddings\\.|encoder\\.' trains "
+        "the MLM head alone.",
+        metavar="REGEX",
+        group=MODEL,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainClient(Section):
+    """How each client trains in a round."""
+
     local_epochs: int = _setting(
         1, "Epochs each client trains on its text per round.", group=FEDERATION, metavar="E"
     )
@@ -135,14 +158,34 @@ class PretrainConfig(Settings):
     weight_decay: float = _setting(
         0.01, "AdamW weight decay (not on biases and LayerNorm).", group=MODEL, metavar="DECAY"
     )
-    max_length: int = _setting(
-        128, "Tokens per sequence, [CLS] and [SEP] included.", group=TASK, metavar="TOKENS"
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainFederation(Section):
+    """The method, its clients and rounds, and FedBFPT's layer schedule."""
+
+    method: str = _setting(
+        "fedbfpt",
+        "fedbfpt (one layer + MLM head a round, small client models), bert-fl (FedAvg of the "
+        "whole model), centralised (one client, all text), truncated (the first "
+        "--truncated-layers layers, trained whole), none (no further pre-training).",
+        choices=METHODS,
+        group=MODEL,
     )
-    mlm_probability: float = _setting(
-        0.15, "Share of tokens predicted per sequence.", group=TASK, metavar="P"
+    clients: int = _setting(
+        6, "Number of clients K (all take part every round).", group=FEDERATION, metavar="K"
     )
-    small_layers: int | None = _setting(
-        None, "Layers of a FedBFPT client's small model (default: L/2).", metavar="L_S", group=MODEL
+    rounds: int = _setting(
+        5,
+        "Federated rounds (centralised: epochs over all the text).",
+        group=FEDERATION,
+        metavar="N",
+    )
+    aggregation: str = _setting(
+        "weighted",
+        "Server mean: weighted by the clients' sequences, or unweighted (the released code).",
+        choices=AGGREGATIONS,
+        group=FEDERATION,
     )
     schedule: str = _setting(
         "halving",
@@ -161,32 +204,24 @@ class PretrainConfig(Settings):
         choices=LAYER_DRAWS,
         group=MODEL,
     )
-    truncated_layers: int | None = _setting(
-        None,
-        "The truncated baseline's model: the first LAYERS layers (default: L/2).",
-        metavar="LAYERS",
-        group=MODEL,
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainRuntime(Section):
+    """How the run uses the machine."""
+
+    dtype: str = _setting(
+        "float32",
+        "Compute dtype of the model (parameters stay float32).",
+        choices=DTYPES,
+        group=PERFORMANCE,
     )
-    freeze: str | None = _setting(
-        None,
-        "Regex over Hugging Face tensor names (re.search): matching parameters are neither "
-        "trained nor sent, whatever the method trains; e.g. 'embeddings\\.|encoder\\.' trains "
-        "the MLM head alone.",
-        metavar="REGEX",
-        group=MODEL,
-    )
-    aggregation: str = _setting(
-        "weighted",
-        "Server mean: weighted by the clients' sequences, or unweighted (the released code).",
-        choices=AGGREGATIONS,
-        group=FEDERATION,
-    )
-    seed: int = _setting(
-        0,
-        "The one seed (subsample, split, masks, layer draws, dropout).",
-        group=TASK,
-        metavar="SEED",
-    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainOutputs(Section):
+    """Where the run writes and how often."""
+
     output_dir: str | None = _setting(
         None,
         "Run directory (unset: runs/pretrain_<corpus>_<method>_K<K>_s<seed>).",
@@ -195,12 +230,6 @@ class PretrainConfig(Settings):
     )
     resume: bool = _setting(
         False, "Continue the run in --output-dir from its latest checkpoint.", group=OUTPUTS
-    )
-    config: str | None = _setting(
-        None,
-        "Python (get_config() -> dict; FILE.py:ARG calls get_config(ARG)) or JSON config "
-        "file; flags override it.",
-        metavar="FILE",
     )
     eval_every: int = _setting(
         1,
@@ -214,19 +243,38 @@ class PretrainConfig(Settings):
         group=OUTPUTS,
         metavar="N",
     )
-    dtype: str = _setting(
-        "float32",
-        "Compute dtype of the model (parameters stay float32).",
-        choices=DTYPES,
-        group=PERFORMANCE,
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig(Settings):
+    """Everything that defines a further pre-training run."""
+
+    seed: int = _setting(
+        0,
+        "The one seed (subsample, split, masks, layer draws, dropout).",
+        group=TASK,
+        metavar="SEED",
     )
+    config: str | None = _setting(
+        None,
+        "Python (get_config() -> dict; FILE.py:ARG calls get_config(ARG)) or JSON config "
+        "file; flags override it.",
+        metavar="FILE",
+    )
+    data: PretrainData = section(PretrainData)
+    model: PretrainModel = section(PretrainModel)
+    client: PretrainClient = section(PretrainClient)
+    federation: PretrainFederation = section(PretrainFederation)
+    runtime: PretrainRuntime = section(PretrainRuntime)
+    outputs: PretrainOutputs = section(PretrainOutputs)
 
     @property
     def run_dir(self) -> Path:
-        if self.output_dir is not None:
-            return Path(self.output_dir)
-        corpus = self.corpus.replace(":", "_").replace("/", "_")
-        return Path("runs") / f"pretrain_{corpus}_{self.method}_K{self.clients}_s{self.seed}"
+        if self.outputs.output_dir is not None:
+            return Path(self.outputs.output_dir)
+        corpus = self.data.corpus.replace(":", "_").replace("/", "_")
+        method, clients = self.federation.method, self.federation.clients
+        return Path("runs") / f"pretrain_{corpus}_{method}_K{clients}_s{self.seed}"
 
 
 SCHEMA = Schema(
@@ -261,9 +309,9 @@ _CORPUS_ONLY = ("split", "sigma", "max_documents", "data_dir")
 def validate_sites(config: PretrainConfig) -> None:
     """--site-data: local text, one existing directory per client (`run.config.check_site_dirs`),
     and none of the settings that split one corpus (they would be silently ignored)."""
-    if config.site_data is None:
+    if config.data.site_data is None:
         return
-    if config.corpus != "local":
+    if config.data.corpus != "local":
         raise UserError(
             f"{as_given(config, 'corpus')} with --site-data: each site's text is its *.txt "
             "files; pass --corpus local, or drop --site-data"
@@ -275,56 +323,60 @@ def validate_sites(config: PretrainConfig) -> None:
 
 def _got(config: PretrainConfig, name: str) -> str:
     """A setting's value in an error, with where it came from: "0 (from configs/x.py)"."""
-    return f"{getattr(config, name)}{origin(config, name)}"
+    return f"{value_of(config, name)}{origin(config, name)}"
 
 
 def validate(config: PretrainConfig) -> None:
     """Checks that need neither data nor model (`check_depth` needs the model's depth)."""
+    data_cfg, client_cfg, model_cfg = config.data, config.client, config.model
     SCHEMA.check_choices(config)
-    check_corpus_name(config.corpus)
+    check_corpus_name(data_cfg.corpus)
     for name in ("clients", "rounds", "local_epochs", "batch_size", "eval_every",
                  "schedule_period"):  # fmt: skip
-        if getattr(config, name) < 1:
+        if value_of(config, name) < 1:
             raise UserError(f"{flag_name(name)} must be at least 1, got {_got(config, name)}")
-    if config.max_length < 8:
+    if data_cfg.max_length < 8:
         raise UserError(f"--max-length must be at least 8, got {_got(config, 'max_length')}")
     for name in ("max_documents", "small_layers", "truncated_layers"):
-        value = getattr(config, name)
+        value = value_of(config, name)
         if value is not None and value < 1:
             raise UserError(f"{flag_name(name)} must be at least 1, got {_got(config, name)}")
     bounds = {
-        "checkpoint_every": (">= 0", config.checkpoint_every >= 0),
-        "lr": ("a positive number", math.isfinite(config.lr) and config.lr > 0),
-        "weight_decay": (">= 0", math.isfinite(config.weight_decay) and config.weight_decay >= 0),
-        "mlm_probability": ("in (0, 1)", 0 < config.mlm_probability < 1),
-        "heldout_fraction": ("in (0, 1)", 0 < config.heldout_fraction < 1),
-        "sigma": (">= 0", math.isfinite(config.sigma) and config.sigma >= 0),
+        "checkpoint_every": (">= 0", config.outputs.checkpoint_every >= 0),
+        "lr": ("a positive number", math.isfinite(client_cfg.lr) and client_cfg.lr > 0),
+        "weight_decay": (">= 0", math.isfinite(client_cfg.weight_decay)
+                         and client_cfg.weight_decay >= 0),  # fmt: skip
+        "mlm_probability": ("in (0, 1)", 0 < data_cfg.mlm_probability < 1),
+        "heldout_fraction": ("in (0, 1)", 0 < data_cfg.heldout_fraction < 1),
+        "sigma": (">= 0", math.isfinite(data_cfg.sigma) and data_cfg.sigma >= 0),
     }
     for name, (bound, ok) in bounds.items():
         if not ok:
             raise UserError(f"{flag_name(name)} must be {bound}, got {_got(config, name)}")
-    if config.data_dir is not None and not Path(config.data_dir).is_dir():
-        raise UserError(f"data dir {config.data_dir!r}{origin(config, 'data_dir')} does not exist; "
-                        "pass an existing --data-dir")  # fmt: skip
-    if config.freeze is not None:
+    if data_cfg.data_dir is not None and not Path(data_cfg.data_dir).is_dir():
+        raise UserError(f"data dir {data_cfg.data_dir!r}{origin(config, 'data_dir')} does not "
+                        "exist; pass an existing --data-dir")  # fmt: skip
+    if model_cfg.freeze is not None:
         try:
-            re.compile(config.freeze)
+            re.compile(model_cfg.freeze)
         except re.error as e:
             raise UserError(f"{as_given(config, 'freeze')} is not a valid regex ({e})") from None
     validate_sites(config)
-    if config.corpus == "local" and config.data_dir is None and config.site_data is None:
+    if data_cfg.corpus == "local" and data_cfg.data_dir is None and data_cfg.site_data is None:
         raise UserError("--corpus local needs --data-dir DIR holding *.txt files (or --site-data)")
 
 
 def check_depth(config: PretrainConfig, num_layers: int) -> tuple[int, int]:
     """(small model layers L_s, truncated layers k) for an L-layer model; UserError when the
     settings cannot work with it (the schedule's layers must fit the small model)."""
-    small = config.small_layers if config.small_layers is not None else max(1, num_layers // 2)
-    k = config.truncated_layers if config.truncated_layers is not None else max(1, num_layers // 2)
-    if config.method == "fedbfpt":
-        layers = schedule_layers(config.schedule, config.rounds, config.schedule_period)
+    model_cfg, fed = config.model, config.federation
+    half = max(1, num_layers // 2)
+    small = half if model_cfg.small_layers is None else model_cfg.small_layers
+    k = half if model_cfg.truncated_layers is None else model_cfg.truncated_layers
+    if fed.method == "fedbfpt":
+        layers = schedule_layers(fed.schedule, fed.rounds, fed.schedule_period)
         check_small_model(layers, num_layers, small)
-    if config.method == "truncated" and not 1 <= k <= num_layers:
+    if fed.method == "truncated" and not 1 <= k <= num_layers:
         raise UserError(
             f"{as_given(config, 'truncated_layers')} is outside 1..{num_layers} for this "
             f"{num_layers}-layer model; pass --truncated-layers with a value in 1..{num_layers}"

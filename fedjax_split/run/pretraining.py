@@ -92,23 +92,23 @@ class Setup:
 def check(config: PretrainConfig) -> tuple[int, int]:
     """Cheap checks against the model's depth (reads only its config.json): (L_s, k)."""
     validate(config)
-    model_config = hf_checkpoint.load_config(hf_checkpoint.resolve_model(config.model))
+    model_config = hf_checkpoint.load_config(hf_checkpoint.resolve_model(config.model.name))
     return check_depth(config, model_config.num_hidden_layers)
 
 
 def load_split(config: PretrainConfig, tokenizer: Any) -> tuple[Any, Any]:
     """(the corpus' token units, its split): the corpus tokenised, its documents over the
     clients, the held-out documents on none."""
-    corpus = text_corpora.load_corpus(config.corpus, data_dir=config.data_dir)
-    units = text_corpora.tokenize_corpus(corpus, tokenizer, config.text_mode)
+    corpus = text_corpora.load_corpus(config.data.corpus, data_dir=config.data.data_dir)
+    units = text_corpora.tokenize_corpus(corpus, tokenizer, config.data.text_mode)
     split = corpus_split.split_corpus(
         corpus.sources,
-        scheme=config.split,
-        num_clients=config.clients,
+        scheme=config.data.split,
+        num_clients=config.federation.clients,
         seed=config.seed,
-        heldout_fraction=config.heldout_fraction,
-        sigma=config.sigma,
-        max_documents=config.max_documents,
+        heldout_fraction=config.data.heldout_fraction,
+        sigma=config.data.sigma,
+        max_documents=config.data.max_documents,
     )
     return units, split
 
@@ -116,7 +116,7 @@ def load_split(config: PretrainConfig, tokenizer: Any) -> tuple[Any, Any]:
 def text_sequences(config: PretrainConfig, tokenizer: Any, units: Any, docs: Any) -> Any:
     """The sequences of documents `docs` (a client's, or the held-out ones)."""
     return text_corpora.sequences(
-        units, docs, mode=config.text_mode, max_length=config.max_length,
+        units, docs, mode=config.data.text_mode, max_length=config.data.max_length,
         cls_id=tokenizer.cls_token_id, sep_id=tokenizer.sep_token_id,
         pad_id=tokenizer.pad_token_id,
     )  # fmt: skip
@@ -137,7 +137,7 @@ def heldout_batches(
     held-out text by the seed and its client id)."""
     seed = [config.seed, 0, HELDOUT] + ([] if site is None else [int(site)])
     return mlm_batching.eval_batches(
-        seqs, batch_size=min(config.batch_size, 64), masking=spec, seed=seed, pad_id=pad_id
+        seqs, batch_size=min(config.client.batch_size, 64), masking=spec, seed=seed, pad_id=pad_id
     )
 
 
@@ -148,7 +148,8 @@ def site_documents(config: PretrainConfig, client: int, site_dir: Any) -> tuple[
     try:
         corpus = text_corpora.load_corpus("local", data_dir=site_dir)
         train, held = corpus_split.site_heldout(
-            len(corpus), client=client, seed=config.seed, heldout_fraction=config.heldout_fraction
+            len(corpus), client=client, seed=config.seed,
+            heldout_fraction=config.data.heldout_fraction,
         )
     except UserError as err:
         raise UserError(f"site {client} ({site_dir}): {err}") from None
@@ -162,7 +163,7 @@ def site_text(
     simulation for every site in turn), from its own files alone: (its counts for split.json,
     its training sequences, its held-out masked batches)."""
     corpus, train, held = site_documents(config, client, site_dir)
-    units = text_corpora.tokenize_corpus(corpus, tokenizer, config.text_mode)
+    units = text_corpora.tokenize_corpus(corpus, tokenizer, config.data.text_mode)
     seqs = text_sequences(config, tokenizer, units, train)
     check_has_text(client, seqs, site=True)
     held_seqs = text_sequences(config, tokenizer, units, held)
@@ -177,13 +178,13 @@ def _sites_text(config: PretrainConfig, tokenizer: Any, spec: Any) -> tuple[Any,
     training sequences on one client."""
     dirs = site_dirs(config)
     if not dirs:
-        raise UserError(f"--site-data {config.site_data}: the simulation reads every site "
+        raise UserError(f"--site-data {config.data.site_data}: the simulation reads every site "
                         "itself; pass the sites' directories DIR0,DIR1,...")  # fmt: skip
     parts = [site_text(config, tokenizer, spec, k, d) for k, d in enumerate(dirs)]
     split = corpus_split.SitesSplit(tuple(p[0] for p in parts), config.seed)
     seqs = [p[1] for p in parts]
     heldout = [batch for p in parts for batch in p[2]]
-    if config.method == "centralised":
+    if config.federation.method == "centralised":
         joined = text_corpora.Sequences(np.concatenate([s.input_ids for s in seqs]),
                                         np.concatenate([s.lengths for s in seqs]))  # fmt: skip
         return split, [0], [joined], heldout
@@ -195,14 +196,14 @@ def _client_text(config: PretrainConfig, tokenizer: Any, spec: Any) -> tuple[Any
     corpus tokenised and cut into sequences, documents over the clients (all of it on one client
     for centralised training), the held-out documents on none; with --site-data, each site's own
     (`_sites_text`)."""
-    if config.site_data is not None:
+    if config.data.site_data is not None:
         return _sites_text(config, tokenizer, spec)
     units, split = load_split(config, tokenizer)
     make = lambda docs: text_sequences(config, tokenizer, units, docs)  # noqa: E731
-    if config.method == "centralised":
+    if config.federation.method == "centralised":
         clients, seqs = [0], [make(np.concatenate(split.clients))]
     else:
-        clients, seqs = list(range(config.clients)), [make(d) for d in split.clients]
+        clients, seqs = list(range(config.federation.clients)), [make(d) for d in split.clients]
     for c, s in zip(clients, seqs, strict=True):
         check_has_text(c, s)
     heldout = heldout_batches(config, make(split.heldout), spec, tokenizer.pad_token_id)
@@ -212,13 +213,13 @@ def _client_text(config: PretrainConfig, tokenizer: Any, spec: Any) -> tuple[Any
 def load_model(config: PretrainConfig) -> Any:
     """The start model with its MLM head (`hf_checkpoint.Pretrained`)."""
     return hf_checkpoint.load_pretrained(
-        config.model, num_labels=2, seed=config.seed, dtype=config.dtype, head="mlm"
+        config.model.name, num_labels=2, seed=config.seed, dtype=config.runtime.dtype, head="mlm"
     )
 
 
 def masking_spec(config: PretrainConfig, tokenizer: Any, model_config: Any) -> Any:
     """The MLM masking of `tokenizer`; UserError when its vocabulary outgrows the model's."""
-    spec = masking.spec_from_tokenizer(tokenizer, config.mlm_probability)
+    spec = masking.spec_from_tokenizer(tokenizer, config.data.mlm_probability)
     if spec.vocab_size > model_config.vocab_size:
         raise UserError(
             f"the tokenizer has {spec.vocab_size} tokens, the model's vocabulary "
@@ -229,7 +230,7 @@ def masking_spec(config: PretrainConfig, tokenizer: Any, model_config: Any) -> A
 
 def make_trainer(config: PretrainConfig, model_config: Any) -> Any:
     """What the clients run (`sim.pretrain_rounds.Trainer`), with FedAvg at the server."""
-    optimizer = client.default_client_optimizer(config.lr, config.weight_decay)
+    optimizer = client.default_client_optimizer(config.client.lr, config.client.weight_decay)
     return Trainer(model_config, optimizer, algorithms.server_optimizer("fedavg"))
 
 
@@ -251,23 +252,24 @@ def model_setup(
 ) -> Setup:
     """The run's Setup without text (Flower's server holds none): the model, the server state,
     the schedule, --freeze; `split` and `sizes` (each client's sequences) as given."""
+    model_cfg, fed = config.model, config.federation
     small, k = check(config)
     # --freeze chooses parameters by their Hugging Face names, as fine-tuning's does
     frozen = (
         roles.paths_where(
-            pre.params, roles.name_filter(config.freeze, hf_checkpoint.tensor_names(pre.config))
+            pre.params, roles.name_filter(model_cfg.freeze, hf_checkpoint.tensor_names(pre.config))
         )
-        if config.freeze
+        if model_cfg.freeze
         else frozenset()
     )
-    if config.method != "none":  # round 1 trains layer 0 (FedBFPT) or everything
-        first = [0] if config.method == "fedbfpt" else None
+    if fed.method != "none":  # round 1 trains layer 0 (FedBFPT) or everything
+        first = [0] if fed.method == "fedbfpt" else None
         if not layerwise.trained_paths(pre.params, first) - frozen:
-            raise UserError(f"--freeze {config.freeze!r} leaves nothing to train; loosen it")
+            raise UserError(f"--freeze {model_cfg.freeze!r} leaves nothing to train; loosen it")
     trainer = make_trainer(config, pre.config)
     schedule = (
-        layerwise.schedule_layers(config.schedule, config.rounds, config.schedule_period)
-        if config.method == "fedbfpt"
+        layerwise.schedule_layers(fed.schedule, fed.rounds, fed.schedule_period)
+        if fed.method == "fedbfpt"
         else []
     )
     return Setup(
@@ -282,7 +284,7 @@ def model_setup(
 
 def model_depth(setup: Setup) -> int:
     """Layers of the model the run produces: k for the truncated baseline, else L."""
-    if setup.config.method == "truncated":
+    if setup.config.federation.method == "truncated":
         return setup.truncated_layers
     return setup.model_config.num_hidden_layers
 
@@ -304,10 +306,11 @@ def plan(setup: Setup, r: int) -> Any:
     """Round r's plan: which layers each client runs, which paths they train (--freeze's
     parameters left out)."""
     params = setup.server_state.global_params
-    if setup.config.method == "fedbfpt":
+    if setup.config.federation.method == "fedbfpt":
         the_plan = layerwise.fedbfpt_plan(
             params, layer=setup.schedule[r - 1], round_=r, clients=setup.clients,
-            seed=setup.config.seed, small_layers=setup.small_layers, draw=setup.config.layer_draw,
+            seed=setup.config.seed, small_layers=setup.small_layers,
+            draw=setup.config.federation.layer_draw,
         )  # fmt: skip
     else:
         the_plan = layerwise.full_plan(params, clients=setup.clients, depth=model_depth(setup))
@@ -337,7 +340,7 @@ def client_costs(
 ) -> dict[str, Any]:
     """One client's line in a round's record (`report`: a pretrain_rounds.ClientReport;
     `bert_fl`: BERT-FL's FLOPs on the same batches)."""
-    sends = setup.config.method != "centralised"
+    sends = setup.config.federation.method != "centralised"
     return {
         "client": report.client,
         "layers": list(report.layers),
@@ -363,8 +366,8 @@ def client_segments(
     round and the client only)."""
     return mlm_batching.train_segments(
         seqs,
-        batch_size=config.batch_size,
-        epochs=config.local_epochs,
+        batch_size=config.client.batch_size,
+        epochs=config.client.local_epochs,
         steps_per_segment=STEPS_PER_SEGMENT,
         masking=masking,
         seed=[config.seed, r, client],
@@ -374,7 +377,7 @@ def client_segments(
 
 def round_weights(config: PretrainConfig, sizes: Sequence[int]) -> list[float]:
     """The server mean's weight of each client: its sequences, or 1 (--aggregation unweighted)."""
-    if config.aggregation == "weighted":
+    if config.federation.aggregation == "weighted":
         return [float(n) for n in sizes]
     return [1.0] * len(sizes)
 
@@ -411,7 +414,8 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None,
         client_costs(setup, params, rep, bert_fl_flops(setup.model_config, segs), down)
         for rep, segs in zip(outcome.clients, segments, strict=True)
     ]
-    evaluated = evaluate(setup) if driver.due(r, config.eval_every, config.rounds) else None
+    due = driver.due(r, config.outputs.eval_every, config.federation.rounds)
+    evaluated = evaluate(setup) if due else None
     return round_record(setup, r, previous, params, clients, evaluated,
                         (t0, t_train, time.perf_counter()))  # fmt: skip
 
@@ -483,15 +487,16 @@ def make_summary(setup: Setup, history: Sequence[dict[str, Any]], initial: dict[
         "bert_fl_bytes_up", "bert_fl_bytes_down",
     )}  # fmt: skip
     params, config = final_params(setup)
+    fedbfpt = setup.config.federation.method == "fedbfpt"
     return {
-        "method": setup.config.method,
-        "corpus": setup.config.corpus,
-        "model": setup.config.model,
+        "method": setup.config.federation.method,
+        "corpus": setup.config.data.corpus,
+        "model": setup.config.model.name,
         "rounds": len(history),
         "clients": len(setup.clients),
         "layers": model_depth(setup),
-        "small_layers": setup.small_layers if setup.config.method == "fedbfpt" else None,
-        "layer_draw": setup.config.layer_draw if setup.config.method == "fedbfpt" else None,
+        "small_layers": setup.small_layers if fedbfpt else None,
+        "layer_draw": setup.config.federation.layer_draw if fedbfpt else None,
         "schedule": setup.schedule or None,
         "initial": {k: initial[k] for k in ("mlm_loss", "mlm_accuracy")},
         "unigram": unigram(setup),
@@ -528,21 +533,22 @@ def mismatch(saved: dict[str, Any], config: PretrainConfig) -> list[str]:
     """The settings of a saved run that differ from `config`'s and would change its results on
     --resume. A FedBFPT run saved before --layer-draw existed drew its deeper layers without
     replacement ("distinct"), so it resumes with that draw only (the other methods draw none)."""
-    if saved.get("method") == "fedbfpt" and config.method == "fedbfpt":
+    if saved.get("method") == "fedbfpt" and config.federation.method == "fedbfpt":
         saved = {"layer_draw": "distinct", **saved}
-    elif config.method != "fedbfpt":
+    elif config.federation.method != "fedbfpt":
         saved = {k: v for k, v in saved.items() if k != "layer_draw"}
     return SCHEMA.trajectory_mismatch(saved, config)
 
 
 def method_line(setup: Setup) -> str:
     """The further pre-training method as a person says it, for the run's first line."""
-    method, big_l = setup.config.method, setup.model_config.num_hidden_layers
+    fed, big_l = setup.config.federation, setup.model_config.num_hidden_layers
+    method = fed.method
     layers = "layer" if setup.truncated_layers == 1 else "layers"
     return {
         "fedbfpt": f"FedBFPT: each client trains a {setup.small_layers}-layer model, one encoder "
         f"layer of {big_l} + the MLM head a round (deeper layers drawn "
-        f"{'with' if setup.config.layer_draw == 'replacement' else 'without'} replacement); "
+        f"{'with' if fed.layer_draw == 'replacement' else 'without'} replacement); "
         "the server averages what was trained",
         "bert-fl": f"BERT-FL: FedAvg of the whole {big_l}-layer model and its MLM head",
         "centralised": f"centralised: one client holds all the text and trains all {big_l} layers",
@@ -559,7 +565,8 @@ class Pretraining:
     def __init__(self, setup: Setup, started: float) -> None:
         self.setup = setup
         self.run_dir = setup.config.run_dir
-        self.rounds = 0 if setup.config.method == "none" else setup.config.rounds
+        fed = setup.config.federation
+        self.rounds = 0 if fed.method == "none" else fed.rounds
         self.metric = "mlm_accuracy"
         self.initial: dict[str, Any] | None = None  # held-out MLM before round 1
         self.started = started
@@ -596,8 +603,9 @@ class Pretraining:
         note(method_line(setup))
         sizes = list(setup.sizes)
         note(
-            f"{config.corpus}: {config.method}, {len(setup.clients)} client(s) with {sizes} "
-            f"sequences of {config.max_length} tokens, {setup.model_config.num_hidden_layers}"
+            f"{config.data.corpus}: {config.federation.method}, {len(setup.clients)} client(s) "
+            f"with {sizes} "
+            f"sequences of {config.data.max_length} tokens, {setup.model_config.num_hidden_layers}"
             f"-layer model" + (f", small models of {setup.small_layers} layers, layers by round "
                                f"{setup.schedule}" if setup.schedule else "")
             + (f"; resuming after round {start_round}" if start_round else "")
@@ -638,16 +646,17 @@ def run_pretraining(
     progress: bool = True,
     on_round_end: RoundHook | None = None,
 ) -> dict[str, Any]:
-    """Run (or with config.resume, continue) one further pre-training run; returns the summary.
+    """Run (or with --resume, continue) one further pre-training run; returns the summary.
     Everything a user can get wrong is checked before the first byte is written."""
     started = time.perf_counter()
     if isinstance(config, dict):
         config = resolve(overrides=config)
     check(config)
     runtime.apply()  # before the first JAX computation
-    driver.check_run_dir(config.run_dir, config.resume, lambda saved: mismatch(saved, config),
+    saved = config.outputs
+    driver.check_run_dir(config.run_dir, saved.resume, lambda old: mismatch(old, config),
                          output_names=["model"])  # fmt: skip
     run = Pretraining(build(config), started)
-    return driver.drive(run, config.to_dict(), resume=config.resume,
-                        checkpoint_every=config.checkpoint_every, progress=progress,
+    return driver.drive(run, config.to_dict(), resume=saved.resume,
+                        checkpoint_every=saved.checkpoint_every, progress=progress,
                         on_round_end=on_round_end)  # fmt: skip

@@ -33,43 +33,45 @@ def aggregator(config: ExperimentConfig) -> Any:
     """The `fed.aggregation.Aggregator` the config asks for (DP's denominator: the expected
     clients a round, M)."""
     dp = None
-    if config.dp:
+    if config.privacy.dp:
         dp = privacy.DPSpec(
-            clip=float(config.dp_clip),
-            noise_multiplier=float(config.dp_noise_multiplier),
-            denominator=float(config.sampled_clients),
-            target_quantile=config.dp_clip_quantile,
+            clip=float(config.privacy.dp_clip),
+            noise_multiplier=float(config.privacy.dp_noise_multiplier),
+            denominator=float(config.federation.sampled_clients),
+            target_quantile=config.privacy.dp_clip_quantile,
         )
     return aggregation.Aggregator(
-        rule=config.aggregator,
-        trim_fraction=config.trim_fraction,
-        max_update_norm=config.max_update_norm,
+        rule=config.privacy.aggregator,
+        trim_fraction=config.privacy.trim_fraction,
+        max_update_norm=config.privacy.max_update_norm,
         dp=dp,
-        secure=config.secure_aggregation,
+        secure=config.privacy.secure_aggregation,
     )
 
 
 def mechanism(config: ExperimentConfig) -> Any:
     """The accountant's `fed.accounting.Mechanism`, or None (no DP, or no noise to account)."""
-    if not config.dp or config.dp_noise_multiplier == 0:
+    priv, fed = config.privacy, config.federation
+    if not priv.dp or priv.dp_noise_multiplier == 0:
         return None
-    rate = config.sampled_clients / config.clients
-    return accounting.Mechanism(float(config.dp_noise_multiplier), rate, config.dp_accountant)
+    rate = fed.sampled_clients / fed.clients
+    return accounting.Mechanism(float(priv.dp_noise_multiplier), rate, priv.dp_accountant)
 
 
 def server_secret(config: ExperimentConfig) -> ServerSecret | None:
     """A new run's server secret for DP's noise and sample (`fed.secret`): from the OS's entropy,
     or from the seed under --dp-insecure-reproducible-noise; None without DP."""
-    if not config.dp:
+    if not config.privacy.dp:
         return None
-    return ServerSecret.for_run(config.seed, config.dp_insecure_reproducible_noise)
+    return ServerSecret.for_run(config.seed, config.privacy.dp_insecure_reproducible_noise)
 
 
 def sampling(config: ExperimentConfig) -> Sampling:
     """The run's `fed.strategy.Sampling`: every client; M of K without replacement; or, with DP
     and M < K, each client independently with probability M/K (Poisson: the sampling the
     accountant assumes), drawn from the server's secret."""
-    return Sampling(config.clients, config.sampled_clients, config.seed, config.poisson_sampling)
+    fed = config.federation
+    return Sampling(fed.clients, fed.sampled_clients, config.seed, config.poisson_sampling)
 
 
 def sample(config: ExperimentConfig, r: int, secret: ServerSecret | None = None) -> np.ndarray:
@@ -80,7 +82,7 @@ def sample(config: ExperimentConfig, r: int, secret: ServerSecret | None = None)
 def strategy(config: ExperimentConfig, round_spec_for: Callable[[int], ServerSpec]) -> Strategy:
     """The run's `fed.strategy.Strategy`: its sampling, the model's round schedule
     (`run.pieces.Model.round_spec_for`) and DP's accountant."""
-    return Strategy(sampling(config), round_spec_for, mechanism(config), config.dp_delta)
+    return Strategy(sampling(config), round_spec_for, mechanism(config), config.privacy.dp_delta)
 
 
 # A round record's fields that name or measure single clients: outside DP's guarantee (which
@@ -99,7 +101,7 @@ NOT_COVERED = (
 def withheld(config: ExperimentConfig) -> bool:
     """Whether the run's published files leave out the per-client figures: DP without
     --dp-publish-clients."""
-    return config.dp and not config.dp_publish_clients
+    return config.privacy.dp and not config.privacy.dp_publish_clients
 
 
 def partition_path(config: ExperimentConfig, run_dir: Path) -> Path:
@@ -129,18 +131,18 @@ def public_record(config: ExperimentConfig, record: dict[str, Any]) -> dict[str,
 
 def attackers(config: ExperimentConfig) -> np.ndarray:
     """The attacking clients' ids (sorted; the same every round): a fraction of K, at least one."""
-    if config.attack == "none":
+    if config.privacy.attack == "none":
         return np.zeros([0], np.int64)
-    count = max(1, round(config.attack_fraction * config.clients))
+    count = max(1, round(config.privacy.attack_fraction * config.federation.clients))
     rng = np.random.default_rng([config.seed, ATTACK_PURPOSE])
-    return np.sort(rng.choice(config.clients, size=count, replace=False))
+    return np.sort(rng.choice(config.federation.clients, size=count, replace=False))
 
 
 def attack_factors(config: ExperimentConfig, sampled: np.ndarray) -> np.ndarray | None:
     """`fed.aggregation.tampered`'s factors [K] for a round's sampled clients, or None."""
-    if config.attack == "none":
+    if config.privacy.attack == "none":
         return None
-    factor = -1.0 if config.attack == "sign-flip" else float(config.attack_scale)
+    factor = -1.0 if config.privacy.attack == "sign-flip" else float(config.privacy.attack_scale)
     return np.where(np.isin(sampled, attackers(config)), factor, 1.0).astype(np.float32)
 
 
@@ -149,40 +151,42 @@ def epsilon(config: ExperimentConfig, rounds_done: int) -> float | None:
     mech = mechanism(config)
     if mech is None:
         return None
-    return accounting.epsilon(mech, rounds_done, config.dp_delta)
+    return accounting.epsilon(mech, rounds_done, config.privacy.dp_delta)
 
 
 def rounds_allowed(config: ExperimentConfig) -> int:
     """The rounds the run may do: --rounds, or fewer where --dp-max-epsilon stops it first."""
+    priv, fed = config.privacy, config.federation
     mech = mechanism(config)
-    if mech is None or config.dp_max_epsilon is None:
-        return config.rounds
-    return accounting.rounds_within(mech, config.dp_delta, config.dp_max_epsilon, config.rounds)
+    if mech is None or priv.dp_max_epsilon is None:
+        return fed.rounds
+    return accounting.rounds_within(mech, priv.dp_delta, priv.dp_max_epsilon, fed.rounds)
 
 
 def line(config: ExperimentConfig) -> str | None:
     """One line on what protects the global part, for the run's start (None: nothing beyond the
     plain mean)."""
+    priv = config.privacy
     parts = []
-    if config.dp:
+    if priv.dp:
         mech = mechanism(config)
-        adaptive = config.dp_clip_quantile is not None
-        clip = (f"adaptive clip norm from {config.dp_clip:g} (quantile {config.dp_clip_quantile:g})"
-                if adaptive else f"clip norm {config.dp_clip:g}")  # fmt: skip
+        adaptive = priv.dp_clip_quantile is not None
+        clip = (f"adaptive clip norm from {priv.dp_clip:g} (quantile {priv.dp_clip_quantile:g})"
+                if adaptive else f"clip norm {priv.dp_clip:g}")  # fmt: skip
         if mech is None:
             parts.append(f"DP clipping ({clip}) with no noise (z = 0): no privacy guarantee")
         else:
-            text = accounting.describe(mech, config.dp_delta, None if adaptive else config.dp_clip)
+            text = accounting.describe(mech, priv.dp_delta, None if adaptive else priv.dp_clip)
             parts.append(text + ("; " + clip) * adaptive + "; uniform mean over the expected "
                          "clients a round (not example-weighted)")
-    if config.aggregator != "mean":
-        trim = f" (cutting {config.trim_fraction:g} at each end)" * (config.aggregator
+    if priv.aggregator != "mean":
+        trim = f" (cutting {priv.trim_fraction:g} at each end)" * (priv.aggregator
                                                                      == "trimmed-mean")
-        parts.append(f"coordinate-wise {config.aggregator}{trim} over the clients, unweighted")
-    if config.max_update_norm is not None:
-        parts.append(f"updates clipped to norm {config.max_update_norm:g}")
-    if config.attack != "none":
-        what = "sign-flipped" if config.attack == "sign-flip" else f"x{config.attack_scale:g}"
+        parts.append(f"coordinate-wise {priv.aggregator}{trim} over the clients, unweighted")
+    if priv.max_update_norm is not None:
+        parts.append(f"updates clipped to norm {priv.max_update_norm:g}")
+    if priv.attack != "none":
+        what = "sign-flipped" if priv.attack == "sign-flip" else f"x{priv.attack_scale:g}"
         ids = ", ".join(map(str, attackers(config)))
         parts.append(f"simulated attack: client(s) {ids} upload {what} updates")
     return "; ".join(parts) if parts else None
@@ -191,24 +195,25 @@ def line(config: ExperimentConfig) -> str | None:
 def start_lines(config: ExperimentConfig, rounds: int) -> list[str]:
     """The run's first lines on its safeguards (`line`) and on the rounds DP's budget allows
     (`rounds`: `rounds_allowed`'s), for the simulation and the Flower server alike."""
+    priv, fed = config.privacy, config.federation
     first = line(config)
     out = [] if first is None else [first]
-    if config.dp and config.dp_insecure_reproducible_noise:
+    if priv.dp and priv.dp_insecure_reproducible_noise:
         out.append("WARNING: --dp-insecure-reproducible-noise: the DP noise and client sample "
                    "follow --seed, so anyone who knows it can remove the noise; no privacy "
                    "guarantee holds for this run, whatever epsilon says")  # fmt: skip
     elif withheld(config):
         out.append("DP: per-client figures go to private/clients.jsonl (the server's own), not "
                    "to metrics.jsonl")  # fmt: skip
-    if rounds < config.rounds and config.dp_max_epsilon is not None:
-        out.append(f"--dp-max-epsilon {config.dp_max_epsilon:g} allows {rounds} of the "
-                   f"{config.rounds} rounds (epsilon {epsilon(config, rounds):.3g} after them)")
+    if rounds < fed.rounds and priv.dp_max_epsilon is not None:
+        out.append(f"--dp-max-epsilon {priv.dp_max_epsilon:g} allows {rounds} of the "
+                   f"{fed.rounds} rounds (epsilon {epsilon(config, rounds):.3g} after them)")
     return out
 
 
 def check_deployable(config: ExperimentConfig) -> None:
     """UserError for what only the simulation runs (a study's simulated attack)."""
-    if config.attack != "none":
+    if config.privacy.attack != "none":
         raise UserError(
             "--attack simulates attacking clients in the simulation only; drop it for Flower "
             "(a real attacker is a node: the server's --aggregator and --max-update-norm "
@@ -221,28 +226,28 @@ def summary(config: ExperimentConfig, history: list[dict[str, Any]]) -> dict[str
     accountant was told it and the epsilon spent."""
     out: dict[str, Any] = {
         "clients_rejected": sum(len(h.get("clients_rejected", ())) for h in history),
-        "aggregator": config.aggregator,
+        "aggregator": config.privacy.aggregator,
     }
-    if config.dp:
+    if config.privacy.dp:
         mech = mechanism(config)
         event = {"noise_multiplier": 0.0} if mech is None else accounting.as_dict(
-            mech, config.dp_delta)  # fmt: skip
+            mech, config.privacy.dp_delta)  # fmt: skip
         out["privacy"] = {
             **event,
             "noise": ("INSECURE: regenerable from the seed (--dp-insecure-reproducible-noise); "
-                      "no guarantee holds" if config.dp_insecure_reproducible_noise
+                      "no guarantee holds" if config.privacy.dp_insecure_reproducible_noise
                       else "secret: drawn from the server's OS-entropy key"),
             "covers": COVERED,
             "not_covered": [*NOT_COVERED, *(("each client's figures in metrics.jsonl "
                                              "(--dp-publish-clients)",)
-                                            if config.dp_publish_clients else ())],
-            "per_client_figures": ("metrics.jsonl" if config.dp_publish_clients
+                                            if config.privacy.dp_publish_clients else ())],
+            "per_client_figures": ("metrics.jsonl" if config.privacy.dp_publish_clients
                                    else "private/clients.jsonl"),
-            "clip": config.dp_clip,
-            "adaptive_clip_quantile": config.dp_clip_quantile,
+            "clip": config.privacy.dp_clip,
+            "adaptive_clip_quantile": config.privacy.dp_clip_quantile,
             "weighting": "uniform over the expected clients a round",
             "epsilon": history[-1].get("epsilon") if history else 0.0,
-            "max_epsilon": config.dp_max_epsilon,
+            "max_epsilon": config.privacy.dp_max_epsilon,
             "rounds": len(history),
         }
     return out

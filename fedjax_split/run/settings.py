@@ -1,7 +1,8 @@
-"""Settings schemas: a frozen dataclass whose fields say their help, choices and metavar, and
-everything generated from it once, for every command that has one (`train`'s ExperimentConfig,
-`pretrain`'s PretrainConfig): the command-line flags, config files and their typing, choice
-checks, and which settings a `--resume` must keep.
+"""Settings schemas: a frozen dataclass of `Section`s whose fields say their help, choices and
+metavar, and everything generated from it once, for every command that has one (`train`'s
+ExperimentConfig, `pretrain`'s PretrainConfig): the command-line flags, config files and their
+typing, choice checks, and which settings a `--resume` must keep. Sections are for the code;
+a user, a config file and config.json name each setting by its flat name (`index`).
 
 Resolution order (later wins): dataclass defaults -> `--config FILE` -> flags given explicitly on
 the command line. A config file is either a Python file defining `get_config() -> dict`
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import json
 import runpy
@@ -48,6 +50,7 @@ def setting(
     choices: tuple[str, ...] | None = None,
     metavar: str | None = None,
     parse: Callable[[str], Any] | None = None,
+    key: str | None = None,
 ) -> Any:
     """A setting and what its flag needs (help text, --help section, allowed values, metavar):
     the one place each is written; `Schema` generates flags, typing and choice checks from it. A
@@ -55,11 +58,14 @@ def setting(
     costly to import. `group` is one of `GROUPS` (None: the general section). `parse` reads a
     value written as text (a flag, or a string in a config file) where the annotation's type
     alone cannot, e.g. an integer or a word such as 'half'; it raises
-    argparse.ArgumentTypeError for a bad value."""
+    argparse.ArgumentTypeError for a bad value. `key`: the setting's flat name (its flag, its
+    key in config files and config.json) where it differs from the field's name in its section
+    (`--model` is `config.model.name`)."""
     if group is not None and group not in GROUPS:
         raise ValueError(f"unknown settings group {group!r}; use one of {GROUPS}")
     metadata = {
-        "help": help, "group": group, "choices": choices, "metavar": metavar, "parse": parse
+        "help": help, "group": group, "choices": choices, "metavar": metavar, "parse": parse,
+        "key": key,
     }  # fmt: skip
     return dataclasses.field(default=default, metadata=metadata)
 
@@ -68,18 +74,90 @@ FLAG, DEFAULT = "flag", "default"  # where a value came from, besides a config f
 
 
 @dataclasses.dataclass(frozen=True)
+class Section:
+    """A section of a config: the settings of one concern (the model, the data, privacy...),
+    which the code that needs them takes alone. Its settings keep flat names: a flag, a config
+    file's key and config.json say `--lr`, not the section."""
+
+
+def section(cls: type[Section]) -> Any:
+    """A config's field holding section `cls` (its defaults unless given)."""
+    return dataclasses.field(default_factory=cls, metadata={"section": True})
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
-    """Base of a settings dataclass: `origins` says where each value came from (`FLAG`,
-    `DEFAULT`, or the --config spec as given), filled by `Schema.resolve` for the errors
-    (`as_given`, `drop`); not a setting: no flag, not saved, not compared. A config built in code
-    has none."""
+    """Base of a settings dataclass: `Section`s and top-level settings. `origins` says where each
+    value came from (`FLAG`, `DEFAULT`, or the --config spec as given), keyed by flat name,
+    filled by `Schema.resolve` for the errors (`as_given`, `drop`); not a setting: no flag, not
+    saved, not compared. A config built in code has none."""
 
     origins: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
+    @classmethod
+    def of(cls, **settings: Any) -> Any:
+        """A config from settings given by flat name (`ExperimentConfig.of(lr=1e-4)`), the
+        defaults for the others; unchecked (`Schema.resolve` checks)."""
+        return build(cls, settings)
+
     def to_dict(self) -> dict[str, Any]:
-        """The settings, as config.json and the Flower run config hold them."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "origins"}  # fmt: skip
+        """The settings by flat name, as config.json and the Flower run config hold them."""
+        return {name: value_of(self, name) for name in index(type(self))}
+
+
+@functools.cache
+def index(cls: type) -> dict[str, tuple[str | None, dataclasses.Field]]:
+    """A settings class's settings by flat name: (the section's attribute, or None for a
+    top-level setting; the field)."""
+    out: dict[str, tuple[str | None, dataclasses.Field]] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        members = ([(f.name, g) for g in dataclasses.fields(hints[f.name])]
+                   if f.metadata.get("section") else [(None, f)])  # fmt: skip
+        for where, g in members:
+            if "help" not in g.metadata:
+                continue
+            name = g.metadata.get("key") or g.name
+            if name in out:
+                raise ValueError(f"{cls.__name__}: two settings named {name!r}")
+            out[name] = (where, g)
+    return out
+
+
+def value_of(config: Any, name: str) -> Any:
+    """Setting `name` (its flat name) of `config`, wherever its section keeps it."""
+    where, f = index(type(config))[name]
+    return getattr(config if where is None else getattr(config, where), f.name)
+
+
+def _by_section(cls: type, values: Mapping[str, Any]) -> tuple[dict, dict[str, dict]]:
+    """Flat-named `values` as (top-level fields, {section: its fields}) of settings class `cls`."""
+    top: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {}
+    for name, given in values.items():
+        if name not in index(cls):
+            raise TypeError(f"{cls.__name__} has no setting {name!r}")
+        where, f = index(cls)[name]
+        (top if where is None else sections.setdefault(where, {}))[f.name] = given
+    return top, sections
+
+
+def replaced(config: Any, **changes: Any) -> Any:
+    """`config` with settings changed, given by flat name (`replaced(config, lr=1e-4)`)."""
+    top, sections = _by_section(type(config), changes)
+    for where, fields in sections.items():
+        top[where] = dataclasses.replace(getattr(config, where), **fields)
+    return dataclasses.replace(config, **top)
+
+
+def build(cls: type, values: Mapping[str, Any], **extra: Any) -> Any:
+    """A settings class from flat-named values (the defaults for the others); `extra`: its
+    fields that are not settings (`origins`)."""
+    top, sections = _by_section(cls, values)
+    hints = typing.get_type_hints(cls)
+    for where, fields in sections.items():
+        top[where] = hints[where](**fields)
+    return cls(**top, **extra)
 
 
 def flag_name(name: str) -> str:
@@ -107,8 +185,8 @@ def flag_text(name: str, value: Any) -> str:
 def as_given(config: Any, name: str) -> str:
     """Setting `name` as it was set, with where from: `--critical-layer 3 (from configs/x.py)`,
     `--clients 0`; what every error that quotes a setting's value shows."""
-    value = getattr(config, name)
-    shown = flag_name(name) if value is None else flag_text(name, value)
+    given = value_of(config, name)
+    shown = flag_name(name) if given is None else flag_text(name, given)
     return shown + origin(config, name)
 
 
@@ -119,7 +197,7 @@ def drop(config: Any, name: str, unset: str | None = None) -> str:
     where = getattr(config, "origins", {}).get(name, FLAG)
     if where in (FLAG, DEFAULT):
         return f"drop {flag_name(name)}"
-    default = next(f.default for f in dataclasses.fields(config) if f.name == name)
+    default = index(type(config))[name][1].default
     if unset is None and default is not None:
         unset = flag_text(name, default)
     remove = f"remove {name} from {where}"
@@ -235,9 +313,13 @@ class Schema:
 
     def __init__(self, cls: type, non_trajectory: Collection[str] = ()) -> None:
         self.cls = cls
-        self.fields = {f.name: f for f in dataclasses.fields(cls) if "help" in f.metadata}
+        self.fields = {name: f for name, (_, f) in index(cls).items()}
         self.non_trajectory = frozenset(non_trajectory)
-        self._hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls)
+        self._hints = {
+            name: typing.get_type_hints(hints[where])[f.name] if where else hints[f.name]
+            for name, (where, f) in index(cls).items()
+        }
 
     def value_type(self, name: str) -> type:
         """The type of a setting's values (int for `int | None`)."""
@@ -289,9 +371,8 @@ class Schema:
                     raise UserError(f"unknown setting {name!r}; known settings: {known}")
                 merged[name] = self.coerce(name, value)
                 origins[name] = where
-        if issubclass(self.cls, Settings):
-            merged["origins"] = origins
-        config = self.cls(**merged)
+        extra = {"origins": origins} if issubclass(self.cls, Settings) else {}
+        config = build(self.cls, merged, **extra)
         if validate is not None:
             validate(config)
         return config
@@ -300,10 +381,10 @@ class Schema:
         """UserError for a setting outside its choices."""
         for name, field in self.fields.items():
             choices = field.metadata["choices"]
-            value = getattr(config, name)
-            if choices and value not in choices:
+            given = value_of(config, name)
+            if choices and given not in choices:
                 raise UserError(
-                    f"unknown {name} {value!r}{origin(config, name)}; pass "
+                    f"unknown {name} {given!r}{origin(config, name)}; pass "
                     f"{flag_name(name)} one of: {', '.join(choices)}"
                 )
 
@@ -351,7 +432,7 @@ class Schema:
 
     def trajectory_mismatch(self, saved: dict[str, Any], config: Any) -> list[str]:
         """Settings that differ from a saved run's and would change its results on --resume."""
-        current = {name: getattr(config, name) for name in self.fields}
+        current = {name: value_of(config, name) for name in self.fields}
         return sorted(
             k
             for k in current
