@@ -20,7 +20,8 @@ from fedjax_split.fed.roles import flatten_paths, merge_params, unflatten_paths
 from fedjax_split.fed.wire import cast_from_wire
 from fedjax_split.models import hf_checkpoint, lora
 from fedjax_split.models import peft as peft_export
-from fedjax_split.models.bert import BertConfig, Params
+from fedjax_split.models.bert import Params
+from fedjax_split.models.bert_config import BertConfig
 from fedjax_split.run import outputs
 from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 from fedjax_split.run.experiment import CLIENTS_DIR
@@ -186,7 +187,7 @@ def export_client(
         params, config, model_dir = site_params(state_dir, client, run_id, round_)
     else:
         params, config, model_dir = personalised_params(run_dir, client, round_)
-    if peft and not config.lora_targets:
+    if peft and config.lora is None:
         raise UserError(
             "--peft writes LoRA adapters and this run has none; export without --peft, or "
             "train with --lora-rank R"
@@ -196,7 +197,7 @@ def export_client(
         say(f"note: the base model's directory {model_dir} is not on this machine, so no "
             "tokenizer files are written; copy them from the base model")  # fmt: skip
     if not peft:
-        if config.lora_targets:
+        if config.lora is not None:
             params, config = lora.merge(params, config)
         return hf_checkpoint.save_pretrained(params, config, out, tokenizer_dir=base)
     if base_model is None:

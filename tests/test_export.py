@@ -332,7 +332,7 @@ def test_a_lora_clients_model_exports_merged_and_as_a_peft_adapter_with_the_same
 
     ids = np.random.default_rng(0).integers(5, _vocab(files), size=(3, 8))
     params, config, _ = export.personalised_params(lora_run, 0)
-    assert config.lora_rank == 2 and any(lora.is_adapter(p) for p in _paths(params))
+    assert config.lora.rank == 2 and any(lora.is_adapter(p) for p in _paths(params))
     ours = np.asarray(make_apply(config)(params, ids, train=False))
     base = transformers.AutoModelForSequenceClassification.from_pretrained(files["model"])
     with torch.no_grad():

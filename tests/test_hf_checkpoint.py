@@ -160,7 +160,7 @@ def test_a_truncated_model_gets_lora_adapters_on_its_own_layers_only(torch_class
     _, path = torch_classifier
     _, params, config = load_pretrained(path, num_labels=2, num_layers=1,
                                         lora=lora.LoraSettings(2, None, "query|value"))  # fmt: skip
-    assert config.lora_targets == ("encoder/layer_0/attention/query",
+    assert config.lora.targets == ("encoder/layer_0/attention/query",
                                    "encoder/layer_0/attention/value")  # fmt: skip
     assert set(params["encoder"]) == {"layer_0"}
 
@@ -188,7 +188,7 @@ def test_encoder_checkpoint_without_prefix_gets_fresh_seeded_head(torch_encoder)
 def test_bfloat16_compute_option_keeps_fp32_params(torch_classifier):
     model, path = torch_classifier
     apply, params, config = load_pretrained(path, num_labels=2, dtype="bfloat16")
-    assert config.dtype == "bfloat16"
+    assert config.compute.dtype == "bfloat16"
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
     ids, mask, types = _inputs(np.random.default_rng(3), TINY.vocab_size)
     ref = _torch_out(model, ids, mask, types).logits.numpy()

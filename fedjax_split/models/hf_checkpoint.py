@@ -44,7 +44,8 @@ from fedjax_split import assets
 from fedjax_split.atomic import replace_dir
 from fedjax_split.errors import Note, UserError
 from fedjax_split.models import lora as lora_adapters
-from fedjax_split.models.bert import BertConfig, Params, make_apply
+from fedjax_split.models.bert import Params, make_apply
+from fedjax_split.models.bert_config import BertConfig, Compute
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = (
@@ -523,8 +524,7 @@ def load_pretrained(
         model_dir,
         num_labels=num_labels,
         problem_type=problem_type,
-        dtype=dtype,
-        attention=attention,
+        compute=Compute(dtype, attention),
         head=head,
         label_names=tuple(label_names) or None,
     )
@@ -533,7 +533,7 @@ def load_pretrained(
         config, tensors = truncate(config, tensors, num_layers)
     config = lora_adapters.configure(config, lora)
     params = params_from_tensors(tensors, config, seed=seed, source=str(model_dir))
-    if config.lora_targets:
+    if config.lora is not None:
         params = lora_adapters.with_adapters(params, config, seed)
     return Pretrained(make_apply(config), params, config, model_dir)
 
@@ -544,7 +544,7 @@ def rebuild_params(model_dir: Path, config: BertConfig, seed: int) -> Params:
     seed: what an export reads instead of a copy of weights that never changed."""
     _, tensors = truncate(config, read_weights(model_dir), config.num_hidden_layers)
     params = params_from_tensors(tensors, config, seed=seed, source=str(model_dir))
-    if config.lora_targets:
+    if config.lora is not None:
         params = lora_adapters.with_adapters(params, config, seed)
     return params
 

@@ -294,7 +294,7 @@ def model_parts(config: ExperimentConfig, pre: Any, critical_layer: int) -> Any:
     names."""
     num_layers = pre.config.num_hidden_layers
     split = roles.critical_layer_rule(critical_layer, num_layers)
-    if pre.config.lora_targets:
+    if pre.config.lora is not None:
         split = roles.train_only(split, lora.trainable)
     cycle = cycle_factor(config, num_layers)
     if cycle is not None:
@@ -406,7 +406,7 @@ def method_line(config: ExperimentConfig, model: Model) -> str:
     return describe(
         config.algorithm, model.critical_layer, model.config.num_hidden_layers,
         quantize=config.quantize, num_frozen=model.num_frozen, freeze=config.freeze,
-        mu=config.prox_mu, lora=model.config if model.config.lora_targets else None,
+        mu=config.prox_mu, lora=model.config if model.config.lora is not None else None,
         cycle=model.cycle_factor,
     ) + client_words(config.client_optimizer, config.lr, config.lr_schedule, config.warmup_ratio,
                      config.client_clip_norm)  # fmt: skip
