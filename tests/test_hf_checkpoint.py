@@ -19,9 +19,10 @@ import pytest
 
 from fedjax_split import assets
 from fedjax_split.errors import Note, UserError
-from fedjax_split.models import hf_checkpoint
+from fedjax_split.models import weight_files
 from fedjax_split.models.bert import BertConfig, init_params, make_apply, make_encode
-from fedjax_split.models.hf_checkpoint import load_pretrained, resolve_model, save_pretrained
+from fedjax_split.models.hf_checkpoint import load_pretrained, save_pretrained
+from fedjax_split.models.hf_hub import resolve_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -346,7 +347,7 @@ def test_torch_bin_reader_handles_views_and_dtypes(tmp_path):
         "p": torch.nn.Parameter(torch.ones(2, 2)),
     }
     torch.save(sd, tmp_path / "w.bin")
-    got = hf_checkpoint._read_torch_bin(tmp_path / "w.bin")
+    got = weight_files._read_torch_bin(tmp_path / "w.bin")
     for k, v in sd.items():
         ref = v.detach().float().numpy() if k == "b" else v.detach().numpy()
         np.testing.assert_array_equal(np.asarray(got[k], dtype=ref.dtype), ref)
