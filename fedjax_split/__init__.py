@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     # models
-    "BertConfig": "fedjax_split.models.bert",
+    "BertConfig": "fedjax_split.models.bert_config",
     "init_params": "fedjax_split.models.bert",
     "make_apply": "fedjax_split.models.bert",
     "load_pretrained": "fedjax_split.models.hf_checkpoint",

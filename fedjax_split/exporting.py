@@ -18,9 +18,10 @@ from fedjax_split.deploy import node
 from fedjax_split.errors import UserError
 from fedjax_split.fed.roles import flatten_paths, merge_params, unflatten_paths
 from fedjax_split.fed.wire import cast_from_wire
-from fedjax_split.models import hf_checkpoint, lora
+from fedjax_split.models import hf_checkpoint, hf_hub, lora
 from fedjax_split.models import peft as peft_export
-from fedjax_split.models.bert import BertConfig, Params
+from fedjax_split.models.bert import Params
+from fedjax_split.models.bert_config import BertConfig
 from fedjax_split.run import outputs
 from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 from fedjax_split.run.experiment import CLIENTS_DIR
@@ -186,7 +187,7 @@ def export_client(
         params, config, model_dir = site_params(state_dir, client, run_id, round_)
     else:
         params, config, model_dir = personalised_params(run_dir, client, round_)
-    if peft and not config.lora_targets:
+    if peft and config.lora is None:
         raise UserError(
             "--peft writes LoRA adapters and this run has none; export without --peft, or "
             "train with --lora-rank R"
@@ -196,7 +197,7 @@ def export_client(
         say(f"note: the base model's directory {model_dir} is not on this machine, so no "
             "tokenizer files are written; copy them from the base model")  # fmt: skip
     if not peft:
-        if config.lora_targets:
+        if config.lora is not None:
             params, config = lora.merge(params, config)
         return hf_checkpoint.save_pretrained(params, config, out, tokenizer_dir=base)
     if base_model is None:
@@ -211,7 +212,7 @@ def peft_base(
     run_dir: str | Path | None, model_dir: str | None, say: Callable[[str], None]
 ) -> str | None:
     """A PEFT adapter's `base_model_name_or_path`: the hub id of the model the run started from
-    (`hf_checkpoint.hub_id` of config.json's `model` and the directory it was loaded from), else
+    (`hf_hub.hub_id` of config.json's `model` and the directory it was loaded from), else
     that directory, with a note saying how to name it."""
     model = None
     if run_dir is not None:
@@ -219,7 +220,7 @@ def peft_base(
             model = outputs.read_json(Path(run_dir) / "config.json").get("model")
         except (OSError, ValueError, AttributeError):
             model = None  # a run without its config: the directory alone tells
-    found = hf_checkpoint.hub_id(model if isinstance(model, str) else None, model_dir)
+    found = hf_hub.hub_id(model if isinstance(model, str) else None, model_dir)
     if found is None:
         say(f"note: the adapter names its base model by the local path {model_dir}; pass "
             "--base-model ID (its hub id) so that it loads on another machine")  # fmt: skip

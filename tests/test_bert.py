@@ -11,16 +11,10 @@ import numpy as np
 import pytest
 
 from fedjax_split.errors import UserError
-from fedjax_split.models.bert import (
-    _DRAW_BLOCK,
-    DROPOUT_LEVELS,
-    BertConfig,
-    check_attention,
-    dropout,
-    init_params,
-    make_apply,
-    make_encode,
-)
+from fedjax_split.models import layers
+from fedjax_split.models.bert import init_params, make_apply, make_encode
+from fedjax_split.models.bert_config import HIDDEN_ACTS, BertConfig, Compute, check_attention
+from fedjax_split.models.dropout import _DRAW_BLOCK, DROPOUT_LEVELS, dropout
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -303,7 +297,7 @@ def test_bfloat16_compute_keeps_fp32_params_and_is_close():
     model = _torch_model(TINY, seed=11)
     params = _ours_from_torch(model, TINY)
     ids, mask, types = _batch(np.random.default_rng(7), TINY)
-    bf = dataclasses.replace(TINY, dtype="bfloat16")
+    bf = dataclasses.replace(TINY, compute=Compute("bfloat16"))
     ref = make_apply(TINY)(params, ids, mask, types, train=False)
     out = make_apply(bf)(params, ids, mask, types, train=False)
     assert out.dtype == jnp.float32
@@ -329,7 +323,7 @@ def test_config_hf_dict_round_trip_and_transformers_accepts_it():
     d = config.to_hf_dict()
     assert d["model_type"] == "bert" and d["architectures"] == ["BertForSequenceClassification"]
     assert BertConfig.from_hf_dict(d) == config
-    assert BertConfig.from_hf_dict(d, dtype="bfloat16").dtype == "bfloat16"
+    assert BertConfig.from_hf_dict(d, compute=Compute("bfloat16")).compute.dtype == "bfloat16"
     hf = transformers.BertConfig(**d)
     assert (hf.num_labels, hf.hidden_size, hf.hidden_act) == (3, 32, "gelu_new")
 
@@ -339,7 +333,7 @@ def test_config_from_real_style_dicts():
          "id2label": {"0": "a", "1": "b", "2": "c", "3": "d"}, "torch_dtype": "float16",
          "dtype": "float16", "transformers_version": "4.8.2"}  # fmt: skip
     c = BertConfig.from_hf_dict(d)
-    assert (c.hidden_size, c.num_labels, c.dtype) == (64, 4, "float32")
+    assert (c.hidden_size, c.num_labels, c.compute.dtype) == (64, 4, "float32")
     assert BertConfig.from_hf_dict(d, num_labels=1).problem_type == "regression"
 
 
@@ -360,9 +354,13 @@ def test_config_rejects_what_we_do_not_implement(bad):
     assert "\n" not in str(e.value)
 
 
+def test_the_config_takes_the_activations_the_model_computes():
+    assert sorted(layers.ACTIVATIONS) == sorted(HIDDEN_ACTS)
+
+
 def test_config_rejects_bad_dtype():
     with pytest.raises(UserError, match="dtype"):
-        BertConfig(dtype="float16")
+        Compute(dtype="float16")
 
 
 def _packed(ids: np.ndarray, mask: np.ndarray, types: np.ndarray, width: int) -> tuple:
@@ -433,22 +431,22 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list:
     """attention="cudnn" routed to jax's "xla" implementation of the same call (a CPU has no
     cuDNN), counting the calls: what the model passes to jax.nn.dot_product_attention is checked,
     only the kernel differs on a GPU."""
-    from fedjax_split.models import bert as model
+    from fedjax_split.models import attention
 
     calls = []
-    real = model.fused_attention
+    real = attention.fused_attention
 
     def counted(q, k, v, mask, implementation):
         calls.append(implementation)
         return real(q, k, v, mask, "xla")
 
-    monkeypatch.setattr(model, "fused_attention", counted)
+    monkeypatch.setattr(attention, "fused_attention", counted)
     return calls
 
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_fused_attention_matches_transformers(fused_calls: list, packed: bool) -> None:
-    fused = dataclasses.replace(TINY, attention="cudnn")
+    fused = dataclasses.replace(TINY, compute=Compute(attention="cudnn"))
     model = _torch_model(TINY, seed=5)
     params = _ours_from_torch(model, TINY)
     ids, mask, types = _batch(np.random.default_rng(2), TINY, lengths=(9, 5, 1, 7, 3))
@@ -465,8 +463,9 @@ def test_fused_attention_matches_transformers(fused_calls: list, packed: bool) -
         hidden, _ = make_encode(fused)(*args)
         for i, n in enumerate(mask.sum(1)):
             np.testing.assert_allclose(hidden[i, :n], ref_hidden[i, :n], atol=2e-5)
-    bf = dataclasses.replace(fused, dtype="bfloat16")
-    ref_bf = make_apply(dataclasses.replace(bf, attention="xla"))(*args, train=False, **kw)
+    bf = dataclasses.replace(fused, compute=Compute("bfloat16", "cudnn"))
+    einsum_bf = dataclasses.replace(bf, compute=Compute("bfloat16"))
+    ref_bf = make_apply(einsum_bf)(*args, train=False, **kw)
     np.testing.assert_allclose(make_apply(bf)(*args, train=False, **kw), ref_bf, atol=2e-2)
 
 
@@ -478,7 +477,7 @@ def test_fused_attention_only_in_evaluation(fused_calls: list, attention_dropout
     ids, mask, types = _batch(np.random.default_rng(5), TINY)
     key = jax.random.key(3)
     xla = dataclasses.replace(TINY, attention_probs_dropout_prob=attention_dropout)
-    fused = dataclasses.replace(xla, attention="cudnn")
+    fused = dataclasses.replace(xla, compute=Compute(attention="cudnn"))
     train = make_apply(fused)(params, ids, mask, types, train=True, rng=key)
     assert fused_calls == []
     ref = make_apply(xla)(params, ids, mask, types, train=True, rng=key)
@@ -498,7 +497,7 @@ def test_fused_attention_passes_cudnns_own_checks_vmapped(packed: bool, monkeypa
 
     monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 90800)  # cuDNN 9.8 "found"
     monkeypatch.setattr(cudnn, "check_compute_capability", lambda *a, **k: True)
-    config = dataclasses.replace(TINY, attention="cudnn", dtype="bfloat16")
+    config = dataclasses.replace(TINY, compute=Compute("bfloat16", "cudnn"))
     params = init_params(config, jax.random.key(0))  # anywhere: init traces the einsum
     assert jax.tree.structure(params) == jax.tree.structure(init_params(TINY, jax.random.key(0)))
     ids, mask, types = _batch(np.random.default_rng(6), TINY, lengths=(9, 5, 1, 7), t=16)
@@ -518,16 +517,18 @@ def test_fused_attention_passes_cudnns_own_checks_vmapped(packed: bool, monkeypa
 
 
 def test_attention_setting_is_ours_and_checked() -> None:
-    fused = dataclasses.replace(TINY, attention="cudnn")
-    assert "attention" not in fused.to_hf_dict()  # a kernel choice, not part of HF's config
+    cudnn = Compute(attention="cudnn")
+    fused = dataclasses.replace(TINY, compute=cudnn)
+    d = fused.to_hf_dict()  # a kernel choice, not part of HF's config
+    assert "attention" not in d and "compute" not in d
     assert BertConfig.from_hf_dict(fused.to_hf_dict()) == TINY
-    assert BertConfig.from_hf_dict(TINY.to_hf_dict(), attention="cudnn") == fused
+    assert BertConfig.from_hf_dict(TINY.to_hf_dict(), compute=cudnn) == fused
     with pytest.raises(UserError, match="unsupported attention"):
-        BertConfig(attention="flash")
-    assert BertConfig(hidden_size=256, num_attention_heads=2, attention="cudnn").head_dim == 128
+        Compute(attention="flash")
+    assert BertConfig(hidden_size=256, num_attention_heads=2, compute=cudnn).head_dim == 128
     for hidden, heads in [(32, 8), (512, 2), (36, 3)]:  # head sizes 4, 256, 12
         with pytest.raises(UserError, match="multiple of 8 and at most 128"):
-            BertConfig(hidden_size=hidden, num_attention_heads=heads, attention="cudnn")
+            BertConfig(hidden_size=hidden, num_attention_heads=heads, compute=cudnn)
     check_attention("xla", "float32", "cpu")
     check_attention("cudnn", "bfloat16", "gpu")
     for dtype, backend in [("bfloat16", "cpu"), ("float32", "gpu"), ("bfloat16", "tpu")]:

@@ -250,7 +250,7 @@ def test_every_command_in_a_config_docstring_parses(monkeypatch: pytest.MonkeyPa
 
 def test_choices_mirror_the_models_own() -> None:
     """config.py keeps its own copies so that parsing flags imports no jax; they must agree."""
-    from fedjax_split.models import bert as model
+    from fedjax_split.models import bert_config as model
     from fedjax_split.run import config
 
     assert config.DTYPES == model.COMPUTE_DTYPES

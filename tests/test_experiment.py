@@ -487,7 +487,7 @@ def test_a_run_with_nothing_local_has_no_gain_but_its_spread(files: dict[str, Pa
 def test_freeze_sends_nothing_frozen_and_keeps_it_bit_identical(files: dict[str, Path]) -> None:
     """--critical-layer L --freeze 'embeddings\\.': every parameter but the embeddings is global
     and sent (4 bytes each, each way, per client); the embeddings stay exactly the checkpoint's."""
-    from fedjax_split.models.hf_checkpoint import read_weights
+    from fedjax_split.models.weight_files import read_weights
 
     out = files["base"] / "frozen"
     summary = experiment.run_experiment(

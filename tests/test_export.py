@@ -332,7 +332,7 @@ def test_a_lora_clients_model_exports_merged_and_as_a_peft_adapter_with_the_same
 
     ids = np.random.default_rng(0).integers(5, _vocab(files), size=(3, 8))
     params, config, _ = export.personalised_params(lora_run, 0)
-    assert config.lora_rank == 2 and any(lora.is_adapter(p) for p in _paths(params))
+    assert config.lora.rank == 2 and any(lora.is_adapter(p) for p in _paths(params))
     ours = np.asarray(make_apply(config)(params, ids, train=False))
     base = transformers.AutoModelForSequenceClassification.from_pretrained(files["model"])
     with torch.no_grad():
@@ -398,8 +398,8 @@ def test_a_peft_adapter_names_the_hub_id_the_run_started_from(
 
 
 def test_the_hub_id_of_a_runs_model() -> None:
-    """`hf_checkpoint.hub_id`: by what the run was given, else by where it loaded the model."""
-    from fedjax_split.models.hf_checkpoint import hub_id
+    """`hf_hub.hub_id`: by what the run was given, else by where it loaded the model."""
+    from fedjax_split.models.hf_hub import hub_id
 
     cache = "/c/hub/models--bert-base-uncased/snapshots/abc"
     assert hub_id("bert-base-uncased", cache) == "bert-base-uncased"
@@ -419,7 +419,7 @@ def test_a_known_offline_copy_is_named_by_its_hub_id(
     import hashlib
 
     from fedjax_split import assets
-    from fedjax_split.models.hf_checkpoint import hub_id
+    from fedjax_split.models.hf_hub import hub_id
 
     weights = (files["model"] / "model.safetensors").read_bytes()
     pinned = {"m/model.safetensors": (hashlib.sha256(weights).hexdigest(), len(weights))}

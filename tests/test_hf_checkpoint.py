@@ -19,9 +19,10 @@ import pytest
 
 from fedjax_split import assets
 from fedjax_split.errors import Note, UserError
-from fedjax_split.models import hf_checkpoint
+from fedjax_split.models import weight_files
 from fedjax_split.models.bert import BertConfig, init_params, make_apply, make_encode
-from fedjax_split.models.hf_checkpoint import load_pretrained, resolve_model, save_pretrained
+from fedjax_split.models.hf_checkpoint import load_pretrained, save_pretrained
+from fedjax_split.models.hf_hub import resolve_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -160,7 +161,7 @@ def test_a_truncated_model_gets_lora_adapters_on_its_own_layers_only(torch_class
     _, path = torch_classifier
     _, params, config = load_pretrained(path, num_labels=2, num_layers=1,
                                         lora=lora.LoraSettings(2, None, "query|value"))  # fmt: skip
-    assert config.lora_targets == ("encoder/layer_0/attention/query",
+    assert config.lora.targets == ("encoder/layer_0/attention/query",
                                    "encoder/layer_0/attention/value")  # fmt: skip
     assert set(params["encoder"]) == {"layer_0"}
 
@@ -188,7 +189,7 @@ def test_encoder_checkpoint_without_prefix_gets_fresh_seeded_head(torch_encoder)
 def test_bfloat16_compute_option_keeps_fp32_params(torch_classifier):
     model, path = torch_classifier
     apply, params, config = load_pretrained(path, num_labels=2, dtype="bfloat16")
-    assert config.dtype == "bfloat16"
+    assert config.compute.dtype == "bfloat16"
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
     ids, mask, types = _inputs(np.random.default_rng(3), TINY.vocab_size)
     ref = _torch_out(model, ids, mask, types).logits.numpy()
@@ -346,7 +347,7 @@ def test_torch_bin_reader_handles_views_and_dtypes(tmp_path):
         "p": torch.nn.Parameter(torch.ones(2, 2)),
     }
     torch.save(sd, tmp_path / "w.bin")
-    got = hf_checkpoint._read_torch_bin(tmp_path / "w.bin")
+    got = weight_files._read_torch_bin(tmp_path / "w.bin")
     for k, v in sd.items():
         ref = v.detach().float().numpy() if k == "b" else v.detach().numpy()
         np.testing.assert_array_equal(np.asarray(got[k], dtype=ref.dtype), ref)

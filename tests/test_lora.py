@@ -18,7 +18,8 @@ from fedjax_split.errors import UserError
 from fedjax_split.fed import roles
 from fedjax_split.models import hf_checkpoint, lora
 from fedjax_split.models import peft as peft_export
-from fedjax_split.models.bert import BertConfig, init_params, make_apply
+from fedjax_split.models.bert import init_params, make_apply
+from fedjax_split.models.bert_config import BertConfig, Compute
 
 BASE = BertConfig(
     vocab_size=40, hidden_size=16, num_hidden_layers=3, num_attention_heads=2,
@@ -26,8 +27,10 @@ BASE = BertConfig(
 )  # fmt: skip
 
 
-def _config(rank: int = 2, targets: str = lora.DEFAULT_TARGETS, **kw) -> BertConfig:
-    return lora.configure(dataclasses.replace(BASE, **kw), lora.LoraSettings(rank, None, targets))
+def _config(rank: int = 2, targets: str = lora.DEFAULT_TARGETS, dropout: float = 0.0,
+            **kw) -> BertConfig:  # fmt: skip
+    settings = lora.LoraSettings(rank, None, targets, dropout)
+    return lora.configure(dataclasses.replace(BASE, **kw), settings)
 
 
 def _batch(seed: int = 0, b: int = 3, t: int = 7):
@@ -54,12 +57,12 @@ def _base_only(params: dict) -> dict:
 def test_default_targets_are_every_layers_query_and_value() -> None:
     config = _config()
     want = tuple(f"encoder/layer_{i}/attention/{m}" for i in range(3) for m in ("query", "value"))
-    assert config.lora_targets == want
-    assert config.lora_alpha == 4.0  # 2r
+    assert config.lora.targets == want
+    assert config.lora.alpha == 4.0  # 2r
     every = _config(targets="query|key|value|dense")
-    assert len(every.lora_targets) == 6 * 3
+    assert len(every.lora.targets) == 6 * 3
     one = _config(targets=r"layer\.1\.intermediate")
-    assert one.lora_targets == ("encoder/layer_1/intermediate",)
+    assert one.lora.targets == ("encoder/layer_1/intermediate",)
 
 
 def test_the_adapters_sit_beside_their_layers_with_peft_shapes_and_init() -> None:
@@ -96,9 +99,9 @@ def test_fresh_adapters_depend_on_seed_and_path_only() -> None:
 def test_with_b_zero_the_model_is_the_base_model_bit_for_bit() -> None:
     """In evaluation and in training (dropout on): the adapters add exact zeros, and no dropout
     mask of the base model moves (each adapter's dropout has its own key)."""
-    config = dataclasses.replace(_config(), hidden_dropout_prob=0.2, lora_dropout=0.3)
+    config = _config(dropout=0.3, hidden_dropout_prob=0.2)
     params = init_params(config, jax.random.key(0))
-    plain = dataclasses.replace(config, lora_rank=0, lora_alpha=0.0, lora_targets=())
+    plain = dataclasses.replace(config, lora=None)
     base = roles.unflatten_paths(_base_only(params))
     ids, mask, types = _batch()
     for train in (False, True):
@@ -110,11 +113,11 @@ def test_with_b_zero_the_model_is_the_base_model_bit_for_bit() -> None:
 
 def test_the_lora_forward_equals_the_merged_forward() -> None:
     for dtype in ("float32", "bfloat16"):
-        config = _config(rank=2, targets="query|value|intermediate", dtype=dtype)
+        config = _config(rank=2, targets="query|value|intermediate", compute=Compute(dtype))
         params = _with_random_b(init_params(config, jax.random.key(0)))
         merged, plain = lora.merge(params, config)
         assert not any(lora.is_adapter(p) for p in roles.flatten_paths(merged))
-        assert plain.lora_targets == () and plain.lora_rank == 0
+        assert plain.lora is None
         ids, mask, types = _batch()
         got = make_apply(config)(params, ids, mask, types, train=False)
         want = make_apply(plain)(merged, ids, mask, types, train=False)
@@ -128,7 +131,7 @@ def test_the_lora_forward_equals_the_merged_forward() -> None:
 
 def test_merge_is_w_plus_alpha_over_r_times_a_b() -> None:
     config = _config(rank=2, targets=r"layer\.0\.attention\.self\.query")
-    config = dataclasses.replace(config, lora_alpha=3.0)
+    config = dataclasses.replace(config, lora=dataclasses.replace(config.lora, alpha=3.0))
     params = _with_random_b(init_params(config, jax.random.key(0)))
     flat = roles.flatten_paths(params)
     merged = roles.flatten_paths(lora.merge(params, config)[0])
@@ -180,7 +183,7 @@ def test_the_mlm_head_is_refused() -> None:
 def test_fields_round_trip_through_json() -> None:
     config = _config(rank=4, targets="value")
     saved = json.loads(json.dumps(lora.fields(config)))
-    plain = dataclasses.replace(config, lora_rank=0, lora_alpha=0.0, lora_targets=())
+    plain = dataclasses.replace(config, lora=None)
     assert lora.from_fields(plain, saved) == config
     assert lora.fields(plain) is None and lora.from_fields(plain, None) == plain
     assert "lora_rank" not in config.to_hf_dict()  # HF's config never sees the adapters
@@ -254,7 +257,7 @@ def test_a_base_without_a_pooler_gets_ours_saved_whole(tmp_path: Path) -> None:
     assert "base_model.model.bert.pooler.dense.weight" in names
     assert "base_model.model.classifier.weight" in names
     with pytest.raises(UserError, match="has none"):
-        plain = dataclasses.replace(config, lora_rank=0, lora_alpha=0.0, lora_targets=())
+        plain = dataclasses.replace(config, lora=None)
         peft_export.save_peft(params, plain, tmp_path / "b", base_model=None)
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "keep.txt").write_text("mine")

@@ -45,12 +45,12 @@ from fedjax_split.fed import client, server_optimizers
 from fedjax_split.fed.client_program import client_round
 from fedjax_split.fed.roles import merge_params, split_params
 from fedjax_split.models import flops
-from fedjax_split.models.bert import (
+from fedjax_split.models.bert import init_params, make_apply
+from fedjax_split.models.bert_config import (
     ATTENTION_IMPLEMENTATIONS,
     BertConfig,
+    Compute,
     check_attention,
-    init_params,
-    make_apply,
 )
 from fedjax_split.runtime import allocator, tune_malloc, use_cpu_devices
 from fedjax_split.sim import rounds
@@ -113,7 +113,7 @@ def model_config(
     }  # fmt: skip
     if name not in shapes:
         raise UserError(f"unknown --model {name!r}; use minilm-l6 or one of {sorted(shapes)}")
-    config = BertConfig(num_labels=num_labels, dtype=dtype, attention=attention, **shapes[name])
+    config = BertConfig(num_labels=num_labels, compute=Compute(dtype, attention), **shapes[name])
     return config, init_params(config, jax.random.key(0))
 
 

@@ -1,10 +1,8 @@
 """Hugging Face BERT checkpoints in and out of our parameter tree.
 
-Import: a local directory (config.json plus model.safetensors, sharded safetensors with an index,
-or pytorch_model.bin read by a restricted unpickler that never executes pickled code), a hub id
-(`huggingface_hub.snapshot_download`, when the hub is reachable), or the offline alias `minilm-l6`
-(`assets.fetch`). Tensor names may carry the `bert.` prefix of `BertFor*` models or not
-(`BertModel`).
+Import: a model directory (config.json plus weights, read by `weight_files`) found by `hf_hub`
+from a local path, a hub id or an offline alias. Tensor names may carry the `bert.` prefix of
+`BertFor*` models or not (`BertModel`).
 Missing encoder tensors are an error; the pooler and classifier (or the MLM head,
 `cls.predictions.*`) are freshly initialised from the seed when absent (or when the checkpoint's
 head has another label count). The task's head alone is what a run on a pretrained body expects,
@@ -21,15 +19,12 @@ transformers loads it in PyTorch and `load_pretrained` reads it back bit-identic
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
-import pickle
 import re
 import shutil
 import warnings
-import zipfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,13 +35,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from fedjax_split import assets
 from fedjax_split.atomic import replace_dir
 from fedjax_split.errors import Note, UserError
 from fedjax_split.models import lora as lora_adapters
-from fedjax_split.models.bert import BertConfig, Params, make_apply
+from fedjax_split.models.bert import Params, make_apply
+from fedjax_split.models.bert_config import BertConfig, Compute
+from fedjax_split.models.hf_hub import resolve_model
+from fedjax_split.models.weight_files import read_weights
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 TOKENIZER_FILES = (
     "vocab.txt",
     "tokenizer.json",
@@ -58,9 +54,6 @@ TOKENIZER_FILES = (
 _IGNORED = re.compile(r"^(bert\.)?embeddings\.position_ids$")
 # The MLM decoder's weight and bias are tied to the word embeddings and to cls.predictions.bias.
 _TIED = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-# a model in the hub's cache: .../models--ORG--NAME/snapshots/REVISION (huggingface_hub's layout)
-_HUB_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+)/snapshots/[^/]+/?$")
 
 
 class Pretrained:
@@ -188,204 +181,6 @@ def _fresh(config: BertConfig, path: str, seed: int) -> jax.Array:
     return config.initializer_range * jax.random.normal(key, shape, jnp.float32)
 
 
-# ----------------------------------------------------------------------------- reading weights
-
-
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    try:
-        return load_file(str(path))
-    except Exception as e:  # the library raises several types for truncated/garbled files
-        raise UserError(
-            f"cannot read {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-            "the file is corrupt or truncated: download or export it again"
-        ) from None
-
-
-_TORCH_DTYPES = {
-    "DoubleStorage": np.float64, "FloatStorage": np.float32, "HalfStorage": np.float16,
-    "BFloat16Storage": ml_dtypes.bfloat16, "LongStorage": np.int64, "IntStorage": np.int32,
-    "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8,
-    "BoolStorage": np.bool_,
-}  # fmt: skip
-
-
-class _StorageType:
-    def __init__(self, dtype: Any) -> None:
-        self.dtype = np.dtype(dtype)
-
-
-def _rebuild_tensor(storage, offset, size, stride, *_args) -> np.ndarray:
-    item = storage.dtype.itemsize
-    if not size:
-        return storage[offset : offset + 1].reshape(()).copy()
-    return np.lib.stride_tricks.as_strided(
-        storage[offset:], shape=tuple(size), strides=tuple(s * item for s in stride)
-    ).copy()
-
-
-def _rebuild_parameter(data, *_args) -> np.ndarray:
-    return data
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """Unpickles a torch state dict allowing only tensors, storages and OrderedDict: a checkpoint
-    cannot run code here (unlike `torch.load(weights_only=False)`)."""
-
-    def __init__(self, file, load_storage: Callable[[str, np.dtype, int], np.ndarray]) -> None:
-        super().__init__(file)
-        self._load_storage = load_storage
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("collections", "OrderedDict"):
-            return collections.OrderedDict
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_tensor
-        if (module, name) == ("torch._utils", "_rebuild_parameter"):
-            return _rebuild_parameter
-        if module == "torch" and name in _TORCH_DTYPES:
-            return _StorageType(_TORCH_DTYPES[name])
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-
-    def persistent_load(self, pid: Any) -> np.ndarray:
-        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
-            raise pickle.UnpicklingError(f"unsupported persistent id {pid!r}")
-        _, storage_type, key, _location, numel = pid[:5]
-        if not isinstance(storage_type, _StorageType):
-            raise pickle.UnpicklingError(f"unsupported storage type {storage_type!r}")
-        return self._load_storage(str(key), storage_type.dtype, int(numel))
-
-
-def _read_torch_bin(path: Path) -> dict[str, np.ndarray]:
-    """Reads a torch.save zip checkpoint (torch >= 1.6) of tensors without importing torch."""
-    bad = (
-        f"cannot read {path} safely; convert it to model.safetensors (e.g. with transformers' "
-        "save_pretrained(safe_serialization=True))"
-    )
-    try:
-        with zipfile.ZipFile(path) as zf:
-            pkl = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
-            if len(pkl) != 1:
-                raise UserError(f"{bad}: no data.pkl in the archive")
-            prefix = pkl[0][: -len("data.pkl")]
-            order = (
-                zf.read(prefix + "byteorder").decode()
-                if prefix + "byteorder" in zf.namelist()
-                else "little"
-            )
-            if order != "little":
-                raise UserError(f"{bad}: big-endian checkpoints are not supported")
-            cache: dict[str, np.ndarray] = {}
-
-            def load_storage(key: str, dtype: np.dtype, numel: int) -> np.ndarray:
-                if key not in cache:
-                    raw = zf.read(f"{prefix}data/{key}")
-                    cache[key] = np.frombuffer(raw, dtype=dtype, count=numel)
-                return cache[key]
-
-            with zf.open(pkl[0]) as f:
-                obj = _SafeUnpickler(f, load_storage).load()
-    except zipfile.BadZipFile:
-        raise UserError(f"{bad}: not a zip checkpoint (legacy torch format or corrupt)") from None
-    except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError) as e:
-        raise UserError(f"{bad}: {e}") from None
-    if not isinstance(obj, dict) or not all(isinstance(v, np.ndarray) for v in obj.values()):
-        raise UserError(f"{bad}: it does not hold a plain state dict of tensors")
-    return dict(obj)
-
-
-def read_weights(model_dir: Path) -> dict[str, np.ndarray]:
-    """All tensors of a checkpoint directory as numpy arrays, names as stored."""
-    st, index, pt = (model_dir / f for f in WEIGHT_FILES)
-    if st.is_file():
-        return _read_safetensors(st)
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError):
-            raise UserError(
-                f"{index} is not a valid safetensors index; download it again"
-            ) from None
-        out: dict[str, np.ndarray] = {}
-        for s in shards:
-            out.update(_read_safetensors(model_dir / s))
-        return out
-    if pt.is_file():
-        return _read_torch_bin(pt)
-    raise UserError(
-        f"no weights in {model_dir} (looked for {', '.join(WEIGHT_FILES)}); point to a directory "
-        "with model.safetensors or pytorch_model.bin"
-    )
-
-
-# ----------------------------------------------------------------------------- resolving names
-
-
-def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
-    """Model directory for an offline alias (`minilm-l6`), a local directory, or a hub id."""
-    name = str(name_or_path)
-    model_aliases = sorted(k for k, a in assets.ASSETS.items() if a.root)
-    if name in model_aliases:
-        return assets.fetch(name)
-    path = Path(name).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise UserError(f"{path} is a file; pass the checkpoint directory that contains it")
-        return path
-    if not _HUB_ID.match(name) or name.startswith((".", "/", "~")):
-        raise UserError(
-            f"model {name!r} not found: not a local directory, an offline alias {model_aliases} "
-            "or a hub id; check the path"
-        )
-    return _snapshot(name, model_aliases)
-
-
-def _snapshot(repo_id: str, aliases: list[str]) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
-
-        d = Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.txt", "*.safetensors"]))
-        if not any((d / f).is_file() for f in WEIGHT_FILES[:2]):
-            d = Path(
-                snapshot_download(repo_id, allow_patterns=["*.json", "*.txt", "pytorch_model.bin"])
-            )
-    except Exception as e:  # hub errors come in many types (HTTP, offline, not found, timeouts)
-        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise UserError(
-            f"could not get {repo_id!r} from the Hugging Face hub ({why}); check the id and "
-            "network,"
-            f" or pass a local checkpoint directory or an offline alias {aliases}"
-        ) from None
-    return d
-
-
-def hub_id(model: str | None, model_dir: str | os.PathLike[str] | None) -> str | None:
-    """The Hugging Face hub id of the model a run started from, or None (a model of its own):
-    what a PEFT adapter names as its base so that it loads elsewhere. From `model` as the run was
-    given it (config.json's `model`): an offline alias of a hub model (`minilm-l6`), or a hub id
-    that the hub resolved (it named no local directory: `model_dir`, where the run loaded it, is
-    elsewhere). Else from `model_dir`: a snapshot in the hub's cache (`models--ORG--NAME/...`),
-    or a known offline copy (a model asset's weights, by size and sha256)."""
-    if model:
-        if model in assets.ASSETS and assets.ASSETS[model].hub_id:
-            return assets.ASSETS[model].hub_id
-        local = model_dir is not None and Path(model).expanduser() == Path(model_dir)
-        if _HUB_ID.match(model) and not local and model not in assets.ASSETS:
-            return model
-    if model_dir is None:
-        return None
-    if m := _HUB_SNAPSHOT.search(Path(model_dir).as_posix()):
-        return m.group(1).replace("--", "/")  # the hub allows no "--" within an id's parts
-    weights = Path(model_dir) / "model.safetensors"
-    for asset in assets.ASSETS.values():
-        pinned = asset.files.get(f"{asset.root}/model.safetensors")
-        if asset.hub_id and pinned and weights.is_file() and weights.stat().st_size == pinned[1]:
-            if assets.sha256_file(weights) == pinned[0]:
-                return asset.hub_id
-    return None
-
-
 # ----------------------------------------------------------------------------- load / save
 
 
@@ -413,32 +208,18 @@ def params_from_tensors(
     params: Params = {}
     missing: list[str] = []
     fresh: dict[str, str] = {}  # HF name -> why ("" when absent, else its other shape)
-    used = set()
     for path, (name, transpose) in hf_names(config).items():
         raw = by_name.get(name)
-        want = _shape_of(config, path)
-        if raw is None:
-            if _is_head(path):
-                fresh[name] = ""
-            else:
-                missing.append(name)
-            _set(params, path, _fresh(config, path, seed))
+        arr = None if raw is None else (tensors[raw].T if transpose else tensors[raw])
+        why = _why_fresh(config, path, raw, arr, source)
+        if why is None:
+            _set(params, path, _as_param(raw, arr, source))
             continue
-        used.add(name)
-        arr = tensors[raw]
-        arr = arr.T if transpose else arr
-        if arr.shape != want:
-            if path.startswith("classifier/"):
-                fresh[name] = f" (shape {arr.shape} != {want})"
-                _set(params, path, _fresh(config, path, seed))
-                continue
-            raise UserError(
-                f"tensor {raw} in {source} has shape {arr.shape}, config.json implies {want}; "
-                "the weights do not match config.json"
-            )
-        if not np.issubdtype(arr.dtype, np.floating) and arr.dtype != ml_dtypes.bfloat16:
-            raise UserError(f"tensor {raw} in {source} has dtype {arr.dtype}; expected floats")
-        _set(params, path, jnp.asarray(np.ascontiguousarray(arr, dtype=np.float32)))
+        if why or _is_head(path):
+            fresh[name] = why
+        else:
+            missing.append(name)
+        _set(params, path, _fresh(config, path, seed))
     if missing:
         shown = ", ".join(missing[:5]) + (
             f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -447,9 +228,42 @@ def params_from_tensors(
             f"{source} lacks {len(missing)} encoder tensors ({shown}); "
             "use a complete BERT checkpoint"
         )
-    # token and MLM heads have no pooler (transformers drops it too), the MLM decoder is tied;
-    # other leftovers are worth a warning
-    leftover = set(by_name) - used
+    _warn_unexpected(config, by_name, source)
+    if fresh:
+        _report_fresh(config, fresh, seed, source)
+    return params
+
+
+def _why_fresh(
+    config: BertConfig, path: str, raw: str | None, arr: np.ndarray | None, source: str
+) -> str | None:
+    """Why the tensor at `path` is drawn from the seed: "" when the checkpoint lacks it, its
+    other shape when it is a classifier of another label count; None when it is used. Any other
+    tensor of another shape is a UserError."""
+    if raw is None:
+        return ""
+    want = _shape_of(config, path)
+    if arr.shape == want:
+        return None
+    if path.startswith("classifier/"):
+        return f" (shape {arr.shape} != {want})"
+    raise UserError(
+        f"tensor {raw} in {source} has shape {arr.shape}, config.json implies {want}; "
+        "the weights do not match config.json"
+    )
+
+
+def _as_param(raw: str, arr: np.ndarray, source: str) -> jax.Array:
+    """A checkpoint's float tensor as an fp32 parameter (a UserError for any other dtype)."""
+    if not np.issubdtype(arr.dtype, np.floating) and arr.dtype != ml_dtypes.bfloat16:
+        raise UserError(f"tensor {raw} in {source} has dtype {arr.dtype}; expected floats")
+    return jnp.asarray(np.ascontiguousarray(arr, dtype=np.float32))
+
+
+def _warn_unexpected(config: BertConfig, by_name: dict[str, str], source: str) -> None:
+    """Warns of the checkpoint's tensors that the model does not use. Token and MLM heads have no
+    pooler (transformers drops it too) and the MLM decoder is tied: those are expected."""
+    leftover = set(by_name) - {name for name, _ in hf_names(config).values()}
     if config.head in ("token", "mlm"):
         leftover = {n for n in leftover if not n.startswith("pooler.")}
     if config.head == "mlm":
@@ -458,11 +272,8 @@ def params_from_tensors(
     if unexpected:
         warnings.warn(
             f"{source}: ignoring {len(unexpected)} unexpected tensors: {', '.join(unexpected)}",
-            stacklevel=3,
+            stacklevel=4,
         )
-    if fresh:
-        _report_fresh(config, fresh, seed, source)
-    return params
 
 
 def task_head(config: BertConfig) -> set[str]:
@@ -523,8 +334,7 @@ def load_pretrained(
         model_dir,
         num_labels=num_labels,
         problem_type=problem_type,
-        dtype=dtype,
-        attention=attention,
+        compute=Compute(dtype, attention),
         head=head,
         label_names=tuple(label_names) or None,
     )
@@ -533,7 +343,7 @@ def load_pretrained(
         config, tensors = truncate(config, tensors, num_layers)
     config = lora_adapters.configure(config, lora)
     params = params_from_tensors(tensors, config, seed=seed, source=str(model_dir))
-    if config.lora_targets:
+    if config.lora is not None:
         params = lora_adapters.with_adapters(params, config, seed)
     return Pretrained(make_apply(config), params, config, model_dir)
 
@@ -544,7 +354,7 @@ def rebuild_params(model_dir: Path, config: BertConfig, seed: int) -> Params:
     seed: what an export reads instead of a copy of weights that never changed."""
     _, tensors = truncate(config, read_weights(model_dir), config.num_hidden_layers)
     params = params_from_tensors(tensors, config, seed=seed, source=str(model_dir))
-    if config.lora_targets:
+    if config.lora is not None:
         params = lora_adapters.with_adapters(params, config, seed)
     return params
 

@@ -26,7 +26,8 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from fedjax_split.errors import UserError
-from fedjax_split.models.bert import LORA_SUFFIX, BertConfig, lora_a_init
+from fedjax_split.models.bert_config import LORA_SUFFIX, BertConfig, LoraAdapters
+from fedjax_split.models.layers import lora_a_init
 
 DEFAULT_TARGETS = "query|value"  # PEFT's default for BERT: the attention's query and value
 PEFT_PREFIX = "base_model.model."  # the key prefix of a PeftModel's saved tensors
@@ -102,21 +103,19 @@ def configure(config: BertConfig, settings: LoraSettings | None) -> BertConfig:
             "look like 'bert.encoder.layer.0.attention.self.query', '...attention.output.dense', "
             "'...intermediate.dense', '...output.dense'"
         )
-    return dataclasses.replace(
-        config, lora_rank=settings.rank, lora_alpha=alpha, lora_dropout=float(settings.dropout),
-        lora_targets=chosen,
-    )  # fmt: skip
+    adapters = LoraAdapters(settings.rank, alpha, float(settings.dropout), chosen)
+    return dataclasses.replace(config, lora=adapters)
 
 
 def fields(config: BertConfig) -> dict[str, Any] | None:
     """The adapters' part of a config as JSON (a checkpoint's record), None without LoRA."""
-    if not config.lora_targets:
+    if config.lora is None:
         return None
     return {
-        "lora_rank": config.lora_rank,
-        "lora_alpha": config.lora_alpha,
-        "lora_dropout": config.lora_dropout,
-        "lora_targets": list(config.lora_targets),
+        "lora_rank": config.lora.rank,
+        "lora_alpha": config.lora.alpha,
+        "lora_dropout": config.lora.dropout,
+        "lora_targets": list(config.lora.targets),
     }
 
 
@@ -129,10 +128,9 @@ def from_fields(config: BertConfig, saved: Mapping[str, Any] | None) -> BertConf
         unknown = set(targets) - set(candidates(config))
         if unknown or not all(isinstance(t, str) for t in targets):
             raise ValueError(f"unknown layers {sorted(map(str, unknown))[:3]}")
-        return dataclasses.replace(
-            config, lora_rank=int(saved["lora_rank"]), lora_alpha=float(saved["lora_alpha"]),
-            lora_dropout=float(saved["lora_dropout"]), lora_targets=targets,
-        )  # fmt: skip
+        adapters = LoraAdapters(int(saved["lora_rank"]), float(saved["lora_alpha"]),
+                                float(saved["lora_dropout"]), targets)  # fmt: skip
+        return dataclasses.replace(config, lora=adapters if targets else None)
     except (KeyError, TypeError, ValueError) as err:
         raise UserError(
             f"the checkpoint's LoRA record is unreadable ({err}); export a run that "
@@ -170,15 +168,15 @@ def _shapes(config: BertConfig, target: str) -> tuple[int, int]:
 
 
 def init_adapters(config: BertConfig, seed: int) -> dict[str, Any]:
-    """Fresh adapters for `config.lora_targets`: A as PEFT draws it, B zero. A's key depends only
+    """Fresh adapters for `config.lora.targets`: A as PEFT draws it, B zero. A's key depends only
     on (seed, path), as a fresh head's does (`hf_checkpoint`), so any process derives the same."""
     flat = {}
-    for target in config.lora_targets:
+    for target in config.lora.targets:
         fan_in, fan_out = _shapes(config, target)
         path = f"{target}{LORA_SUFFIX}"
         key = jax.random.fold_in(jax.random.key(seed), zlib.crc32(path.encode()))
-        flat[f"{path}/a"] = lora_a_init(key, (fan_in, config.lora_rank), jnp.float32)
-        flat[f"{path}/b"] = jnp.zeros((config.lora_rank, fan_out), jnp.float32)
+        flat[f"{path}/a"] = lora_a_init(key, (fan_in, config.lora.rank), jnp.float32)
+        flat[f"{path}/b"] = jnp.zeros((config.lora.rank, fan_out), jnp.float32)
     return _tree(flat)
 
 
@@ -191,14 +189,14 @@ def with_adapters(params: Mapping[str, Any], config: BertConfig, seed: int) -> d
 
 
 def _scale(config: BertConfig) -> float:
-    return config.lora_alpha / config.lora_rank
+    return config.lora.alpha / config.lora.rank
 
 
 def merge(params: Mapping[str, Any], config: BertConfig) -> tuple[dict[str, Any], BertConfig]:
     """(the tree with each adapter folded into its layer, W + (alpha / r) A B, in fp32, and no
     adapter left; the config without LoRA): the model as one plain BERT, for export."""
     flat = flat_params(params)
-    for target in config.lora_targets:
+    for target in config.lora.targets if config.lora else ():
         a = np.asarray(flat.pop(f"{target}{LORA_SUFFIX}/a"), np.float32)
         b = np.asarray(flat.pop(f"{target}{LORA_SUFFIX}/b"), np.float32)
         kernel = np.asarray(flat[f"{target}/kernel"], np.float32)
@@ -206,6 +204,4 @@ def merge(params: Mapping[str, Any], config: BertConfig) -> tuple[dict[str, Any]
     left = [p for p in flat if is_adapter(p)]
     if left:
         raise ValueError(f"adapters without a target in the config: {left[:3]}")
-    plain = dataclasses.replace(config, lora_rank=0, lora_alpha=0.0, lora_dropout=0.0,
-                                lora_targets=())  # fmt: skip
-    return _tree(flat), plain
+    return _tree(flat), dataclasses.replace(config, lora=None)

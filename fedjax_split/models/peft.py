@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from fedjax_split.atomic import replace_dir
 from fedjax_split.errors import UserError
 from fedjax_split.models import hf_checkpoint, lora
-from fedjax_split.models.bert import BertConfig
+from fedjax_split.models.bert_config import BertConfig
 
 
 def peft_config(
@@ -29,10 +29,10 @@ def peft_config(
         "peft_type": "LORA",
         "task_type": lora.TASK_TYPES[config.head],
         "base_model_name_or_path": base_model,
-        "r": config.lora_rank,
-        "lora_alpha": config.lora_alpha,
-        "lora_dropout": config.lora_dropout,
-        "target_modules": [names[t] for t in config.lora_targets],
+        "r": config.lora.rank,
+        "lora_alpha": config.lora.alpha,
+        "lora_dropout": config.lora.dropout,
+        "target_modules": [names[t] for t in config.lora.targets],
         "modules_to_save": modules_to_save,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -50,7 +50,7 @@ def peft_tensors(
     flat = lora.flat_params(params)
     names = lora.candidates(config)
     out = {}
-    for target in config.lora_targets:
+    for target in config.lora.targets:
         for ours, theirs in (("a", "lora_A"), ("b", "lora_B")):
             arr = np.asarray(jax.device_get(flat[f"{target}{lora.LORA_SUFFIX}/{ours}"]), np.float32)
             out[f"{lora.PEFT_PREFIX}{names[target]}.{theirs}.weight"] = np.ascontiguousarray(arr.T)
@@ -79,7 +79,7 @@ def save_peft(
     model's fresh pooler would not equal). With `tokenizer_dir`, the base's tokenizer files go
     beside the adapter (`AutoTokenizer.from_pretrained(out_dir)` loads them). Written into a
     temporary sibling and renamed into place, like `hf_checkpoint.save_pretrained`."""
-    if not config.lora_targets:
+    if config.lora is None:
         raise UserError("--peft exports LoRA adapters; this run has none (train with --lora-rank)")
     modules = ["classifier"] + ([] if base_has_pooler or config.head != "sequence" else ["pooler"])
     tensors = peft_tensors(params, config, modules)

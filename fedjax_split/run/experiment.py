@@ -27,7 +27,7 @@ from fedjax_split.errors import UserError
 from fedjax_split.fed import aggregation, roles, wire
 from fedjax_split.fed.secret import CHECKPOINT_KEY, ServerSecret
 from fedjax_split.fed.strategy import RoundPlan
-from fedjax_split.models.bert import check_attention
+from fedjax_split.models.bert_config import check_attention
 from fedjax_split.run import costs as costs_mod
 from fedjax_split.run import driver, pieces, plots, safeguards
 from fedjax_split.run.config import (

@@ -63,9 +63,10 @@ def describe(
         )
     if lora is not None:
         names = candidates(lora)
-        where = dict.fromkeys(names[t].split(".", 4)[-1] for t in lora.lora_targets)
+        adapters = lora.lora
+        where = dict.fromkeys(names[t].split(".", 4)[-1] for t in adapters.targets)
         line += (
-            f"; LoRA r = {lora.lora_rank}, alpha = {lora.lora_alpha:g} on {', '.join(where)} "
+            f"; LoRA r = {adapters.rank}, alpha = {adapters.alpha:g} on {', '.join(where)} "
             "(base weights frozen)"
         )
     if c > 0 and quantize in _WIRE:

@@ -295,7 +295,7 @@ def model_parts(config: ExperimentConfig, pre: Any, critical_layer: int) -> Any:
     names."""
     num_layers = pre.config.num_hidden_layers
     split = roles.critical_layer_rule(critical_layer, num_layers)
-    if pre.config.lora_targets:
+    if pre.config.lora is not None:
         split = roles.train_only(split, lora.trainable)
     cycle = cycle_factor(config, num_layers)
     if cycle is not None:
@@ -410,7 +410,7 @@ def method_line(config: ExperimentConfig, model: Model) -> str:
     return describe(
         fed.algorithm, model.critical_layer, model.config.num_hidden_layers,
         quantize=fed.quantize, num_frozen=model.num_frozen, freeze=config.model.freeze,
-        mu=config.prox_mu, lora=model.config if model.config.lora_targets else None,
+        mu=config.prox_mu, lora=model.config if model.config.lora is not None else None,
         cycle=model.cycle_factor,
     ) + client_words(c.client_optimizer, c.lr, c.lr_schedule, c.warmup_ratio,
                      c.client_clip_norm)  # fmt: skip

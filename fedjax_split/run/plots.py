@@ -83,7 +83,7 @@ def label_of(config: Any, model: Any) -> str:
         model.critical_layer,
         model.config.num_hidden_layers,
         cycle=model.cycle_factor,
-        lora_rank=model.config.lora_rank if model.config.lora_targets else None,
+        lora_rank=model.config.lora.rank if model.config.lora is not None else None,
     )
 
 
