@@ -296,9 +296,9 @@ def client_batches(
     or a sequence such as [seed, round]) and `client_id` fix every random choice, so the result
     depends on nothing but this client's examples and the run-wide `how`. E epochs of
     ceil(n / B) steps; each epoch shuffles the examples afresh (`how.bucketing`: sorted in
-    windows, see the module docstring). Pass `flat_tokens.pack(tokenized)` to avoid re-flattening the ragged
-    tokens every round, and `how.row_width` / `how.part_tokens` (`resolved` on the whole pool)
-    when `tokenized` is not the pool every client shares.
+    windows, see the module docstring). Pass `flat_tokens.pack(tokenized)` to avoid re-flattening
+    the ragged tokens every round, and `how.row_width` / `how.part_tokens` (`resolved` on the
+    whole pool) when `tokenized` is not the pool every client shares.
     """
     if epochs < 1:
         raise ValueError("epochs must be >= 1")
