@@ -34,7 +34,7 @@ _EXPORTS = {
     "Batching": "fedjax_split.data.batching",
     "client_batches": "fedjax_split.data.batching",
     "client_eval_batches": "fedjax_split.data.batching",
-    "stack_clients": "fedjax_split.data.batching",
+    "stack_clients": "fedjax_split.data.stacking",
     # the federated core
     "GLOBAL": "fedjax_split.fed.roles",
     "LOCAL": "fedjax_split.fed.roles",

@@ -18,8 +18,8 @@ from fedjax_split.data.batching import (
     make_client_batches,
     padding_waste,
     resolved,
-    stack_clients,
 )
+from fedjax_split.data.stacking import stack_clients
 from fedjax_split.tasks.objectives import IGNORE, REGRESSION, TOKEN_CLASSIFICATION
 
 

@@ -333,7 +333,7 @@ def test_masked_parts_leave_a_multi_part_step_bitwise_unchanged() -> None:
     stacking with a client of more parts appends, change no bit (dropout on, AdamW, FedProx): they
     neither add gradients, count a part (which would move the dropout keys) nor end a step,
     even when a masked copy carries last_part."""
-    from fedjax_split.data.batching import stack_clients
+    from fedjax_split.data.stacking import stack_clients
 
     apply, params = tiny_model(dropout=0.1)
     whole, cut = _cut_and_whole(batch=4, n=10, seed=9)

@@ -5,17 +5,17 @@ import json
 import numpy as np
 import pytest
 
+from fedjax_split.data.label_skew import fill_counts
+from fedjax_split.data.paper_tables import paper_shares
 from fedjax_split.data.partition import (
-    _fill_counts,
     load_partition,
-    paper_shares,
     partition_clients,
     partition_report,
     save_partition,
 )
 from fedjax_split.errors import UserError
 
-# The paper's tables, typed in again here (share of class 1 first, see partition.py's note).
+# The paper's tables, typed in again here (share of class 1 first, see paper_tables.py's note).
 TABLE_I_FIRST = {"mrpc": [85, 75, 25], "cola": [90.5, 83, 40], "qqp": [70, 37, 13],
                  "sst2": [80, 50, 20], "rte": [80, 50, 20]}  # fmt: skip
 TABLE_II_FIRST = {"qqp": [90, 80, 70, 60, 50, 40, 30, 20, 10, 2]}
@@ -145,10 +145,10 @@ def test_dynamic_reassignment_by_hand():
 
 
 def test_fill_counts_spreads_the_shortfall_in_proportion_to_what_remains():
-    np.testing.assert_array_equal(_fill_counts(np.array([10, 10, 10]), np.array([4, 30, 10])),
+    np.testing.assert_array_equal(fill_counts(np.array([10, 10, 10]), np.array([4, 30, 10])),
                                   [4, 16, 10])  # fmt: skip
     # shortfall 6 over spare (20, 10) -> 4 and 2
-    np.testing.assert_array_equal(_fill_counts(np.array([10, 10, 10]), np.array([4, 30, 20])),
+    np.testing.assert_array_equal(fill_counts(np.array([10, 10, 10]), np.array([4, 30, 20])),
                                   [4, 14, 12])  # fmt: skip
 
 

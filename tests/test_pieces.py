@@ -21,7 +21,7 @@ def test_subsample_indices_are_seeded_sorted_and_distinct() -> None:
 
 
 def test_subsample_keeps_every_per_example_field_aligned() -> None:
-    from fedjax_split.data.sources import Examples
+    from fedjax_split.data.examples import Examples
 
     n = 10
     ex = Examples(
@@ -240,7 +240,7 @@ def test_load_sites_of_a_token_task_in_the_configs_vocabulary(tmp_path) -> None:
 
 
 def test_concat_examples_joins_every_per_row_field_in_order() -> None:
-    from fedjax_split.data.sources import Examples
+    from fedjax_split.data.examples import Examples
 
     one = Examples(["x", "y"], ["p", "q"], np.array([0, 2]), np.array(["m", "m"]),
                    np.array(["train", "validation"]))  # fmt: skip

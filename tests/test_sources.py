@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fedjax_split.data import sources
+from fedjax_split.data import examples, sources
 from fedjax_split.data.sources import load_examples, tokenize_examples
 from fedjax_split.errors import UserError
 
@@ -314,7 +314,7 @@ def test_tokenize_cache_with_the_real_tokenizer(tmp_path, monkeypatch):
     from fedjax_split.data import tokenization
 
     ex = load_examples("trec")
-    small = sources.Examples(ex.texts_a[:50], None, ex.labels[:50])
+    small = examples.Examples(ex.texts_a[:50], None, ex.labels[:50])
     tok = tokenization.load_tokenizer("minilm-l6")
     first = tokenize_examples(small, tok, "trec", max_length=32, cache_dir=tmp_path)
 

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_split.data import batching
+from fedjax_split.data import batching, stacking
 from fedjax_split.data.batch import apply_batch
 from fedjax_split.errors import UserError, report
 from fedjax_split.fed import client, server_optimizers
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> dict:
                                 client_id=i)  # fmt: skip
         for i, ix in enumerate(clients_ix)
     ]
-    segments = batching.stack_clients(parts)  # what the vmapped round computes
+    segments = stacking.stack_clients(parts)  # what the vmapped round computes
     skipped = args.chunk_size == 1  # clients one at a time: each computes only its own steps
     computed = [p for ps in parts for p in ps] if skipped else segments
     waste = batching.padding_waste(computed, skip_masked_steps=skipped)

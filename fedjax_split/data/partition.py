@@ -7,20 +7,18 @@ Schemes (`partition_clients(scheme=...)`):
 - "paper": FedSplitBERT's Table I (K=3) / Table II (K=10) label shares per client; a linear ramp
   of shares for other K or tasks without a row; regression (STS-B): sort by score, K contiguous
   parts. With `fill="exact"` (the default) every client gets exactly its row's shares, within one
-  example: all clients get the largest common size n at which every row is feasible,
-  n = min over classes c of N_c / sum_k s_kc, and the surplus examples are dropped (reported). The
-  paper's "about |D|/K each" cannot hold the table's shares on skewed pools: filled in order
-  (`fill="sequential"`), SST-2 at K=10 leaves client 10 all positive where the table asks 2%.
+  example, and the surplus examples are dropped (reported); `fill="sequential"` fills |D|/K each
+  in order (`data.paper_tables`).
 - "dirichlet": client j's class shares q_j ~ Dir(alpha * p), p the pool's class prior; with `beta`
   also quantity skew (the combined scheme).
 - "quantity": client sizes z ~ Dir(beta * 1), |D_j| = z_j |D|; labels drawn IID (with `alpha`
   too: the combined scheme, same as "dirichlet" with `beta`).
 - "iid": equal sizes, uniform random.
-Label-driven schemes sample without replacement. Dirichlet skew (and `fill="sequential"`) fill
-clients in order 0..K-1; when a class runs out, the vacancy is filled from the other classes in
-proportion to what remains ("dynamic reassigning", FedNLP), so no example and no client is
-dropped, and a shortfall lands on the later clients. Each client's share is then split at random
-into train / test (test_fraction).
+Label-driven schemes sample without replacement; Dirichlet skew and the sequential fill fill
+clients in order, re-spreading a class that runs out (`data.label_skew`). Each client's share is
+then split at random into train / test (test_fraction). Sites with their own data draw nothing
+(`site_split`, `sites_partition`). A partition is saved as JSON (`save_partition`) and read back
+(`load_partition`).
 """
 
 from __future__ import annotations
@@ -34,43 +32,14 @@ from pathlib import Path
 import numpy as np
 
 from fedjax_split import atomic
+from fedjax_split.data.label_skew import dirichlet, label_skew, round_to_total
+from fedjax_split.data.paper_tables import exact_counts, exact_skew, paper_shares
 from fedjax_split.errors import UserError
 from fedjax_split.tasks.registry import Task, get_task
 
 SCHEMES = ("paper", "dirichlet", "quantity", "iid")
 FILLS = ("exact", "sequential")  # the paper scheme's: exact shares, or |D|/K each filled in order
 _FORMAT = "fedjax_split.data.partition/v1"
-
-# Label shares per client, columns in label-id order. The paper prints binary shares as "a/b"
-# without naming the classes; we read `a` as the share of class 1 (acceptable, equivalent,
-# duplicate, positive, not_entailment ...). Under that reading the table's mean share matches each
-# pool's class balance (CoLA 71% vs 70% acceptable, QQP 40% vs 37% duplicate, MRPC 62% vs 68%
-# equivalent); the other reading would ask CoLA's clients for 71% unacceptable sentences from a
-# pool holding 30%. MNLI's three shares are in label order (entailment, neutral, contradiction).
-# MRPC K=3 client 1 is printed 95/15 (read 85/15, see MISSION.md); MRPC K=10 client 10 is printed
-# 51/48 (rows are renormalised to sum to 1).
-
-
-def _binary(first_shares: Sequence[float]) -> np.ndarray:
-    a = np.asarray(first_shares, dtype=np.float64)
-    return np.stack([1.0 - a, a], axis=1)
-
-
-_TABLE_I = {
-    "mrpc": _binary([0.85, 0.75, 0.25]),
-    "cola": _binary([0.905, 0.83, 0.40]),
-    "qqp": _binary([0.70, 0.37, 0.13]),
-    "mnli": np.array([[0.86, 0.05, 0.09], [0.05, 0.90, 0.05], [0.05, 0.05, 0.90]]),
-    "other": _binary([0.80, 0.50, 0.20]),
-}
-_TABLE_II_MRPC = np.array(
-    [[92, 8], [86, 14], [71, 29], [66, 34], [50, 50], [44, 56], [35, 65], [28, 72], [12, 88],
-     [51, 48]], dtype=np.float64,
-)[:, ::-1]  # fmt: skip
-_TABLE_II = {
-    "mrpc": _TABLE_II_MRPC / _TABLE_II_MRPC.sum(axis=1, keepdims=True),
-    "other": _binary([0.90, 0.80, 0.70, 0.60, 0.50, 0.40, 0.30, 0.20, 0.10, 0.02]),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,114 +78,6 @@ class Partition:
     @property
     def test_sizes(self) -> np.ndarray:
         return np.array([c.test.size for c in self.clients], dtype=np.int64)
-
-
-def paper_shares(num_clients: int, num_classes: int, task: str | Task | None = None) -> np.ndarray:
-    """Label shares [K, C] of the paper's scheme: Table I/II rows, else a linear ramp.
-
-    The ramp gives client k (position u = k/(K-1)) the share (1 + a (2 v_c - 1)) / C for class c
-    at position v_c = c/(C-1), with a = 0.6 (1 - 2u): for two classes that is 80/20 down to 20/80
-    (class 1 first), exactly Table I's "other" row at K=3.
-    """
-    name = get_task(task).name if task is not None else None
-    table = {3: _TABLE_I, 10: _TABLE_II}.get(num_clients)
-    if table is not None:
-        row = table.get(name) if name in table else (table["other"] if num_classes == 2 else None)
-        if row is not None and row.shape[1] == num_classes:
-            return row.copy()
-    if num_clients == 1 or num_classes == 1:
-        return np.full((num_clients, num_classes), 1.0 / num_classes)
-    u = np.arange(num_clients) / (num_clients - 1)
-    v = np.arange(num_classes) / (num_classes - 1)
-    a = 0.6 * (1.0 - 2.0 * u)
-    return (1.0 + a[:, None] * (2.0 * v[None, :] - 1.0)) / num_classes
-
-
-def _round_to_total(weights: np.ndarray, total: int) -> np.ndarray:
-    """Non-negative integers proportional to `weights` summing to `total` (largest remainder)."""
-    weights = np.asarray(weights, dtype=np.float64)
-    if total == 0:
-        return np.zeros(weights.shape, dtype=np.int64)
-    raw = weights / weights.sum() * total
-    counts = np.floor(raw).astype(np.int64)
-    short = total - int(counts.sum())
-    if short > 0:
-        order = np.argsort(-(raw - counts), kind="stable")
-        counts[order[:short]] += 1
-    return counts
-
-
-def _fill_counts(want: np.ndarray, remaining: np.ndarray) -> np.ndarray:
-    """Per-class counts for one client: `want` capped by `remaining`, the shortfall re-spread.
-
-    The shortfall goes to the classes that still have examples, in proportion to what they have
-    left after this client's own take (FedNLP's dynamic reassigning).
-    """
-    take = np.minimum(want, remaining)
-    deficit = int(want.sum() - take.sum())
-    while deficit > 0:
-        spare = remaining - take
-        extra = np.minimum(_round_to_total(spare, deficit), spare)
-        take += extra
-        deficit -= int(extra.sum())
-    return take
-
-
-def _label_skew(
-    class_ids: np.ndarray, shares: np.ndarray, sizes: np.ndarray, rng: np.random.Generator
-) -> list[np.ndarray]:
-    """Assign examples to clients with class shares `shares` [K, C] and sizes `sizes` [K]."""
-    num_classes = shares.shape[1]
-    pools = [rng.permutation(np.flatnonzero(class_ids == c)) for c in range(num_classes)]
-    used = np.zeros(num_classes, dtype=np.int64)
-    remaining = np.array([p.size for p in pools], dtype=np.int64)
-    out = []
-    for k, size in enumerate(sizes):
-        counts = _fill_counts(_round_to_total(shares[k], int(size)), remaining)
-        parts = [pools[c][used[c] : used[c] + counts[c]] for c in range(num_classes)]
-        used += counts
-        remaining -= counts
-        out.append(np.concatenate(parts))
-    return out
-
-
-def exact_counts(shares: np.ndarray, class_sizes: np.ndarray) -> np.ndarray:
-    """Per-client class counts [K, C] holding `shares` [K, C] exactly (each client's counts are
-    its shares of one common size n, rounded to whole examples) at the largest feasible n: the
-    class with the least to spare, N_c / sum_k s_kc, sets it."""
-    shares = np.asarray(shares, np.float64) / np.sum(shares, axis=1, keepdims=True)
-    need = shares.sum(axis=0)
-    with np.errstate(divide="ignore"):
-        ratio = np.where(need > 0, class_sizes / np.where(need > 0, need, 1.0), np.inf)
-    n = int(np.floor(ratio.min() + 1e-6))  # 960 / 0.96 is 999.99... in floating point
-    while n > 0:  # rounding each row to n may overdraw a class by a few: step n down until not
-        counts = np.stack([_round_to_total(row, n) for row in shares])
-        if np.all(counts.sum(axis=0) <= class_sizes):
-            return counts
-        n -= 1
-    return np.zeros(shares.shape, np.int64)
-
-
-def _exact_skew(
-    class_ids: np.ndarray, counts: np.ndarray, rng: np.random.Generator
-) -> list[np.ndarray]:
-    """Client k takes counts[k, c] examples of class c, drawn without replacement."""
-    pools = [rng.permutation(np.flatnonzero(class_ids == c)) for c in range(counts.shape[1])]
-    starts = np.concatenate([np.zeros((1, counts.shape[1]), np.int64), np.cumsum(counts, 0)])
-    return [
-        np.concatenate([pools[c][starts[k, c] : starts[k + 1, c]] for c in range(counts.shape[1])])
-        for k in range(counts.shape[0])
-    ]
-
-
-def _dirichlet(rng: np.random.Generator, concentration: np.ndarray, draws: int) -> np.ndarray:
-    """Dirichlet draws that stay finite for tiny concentrations (all-zero gamma draws)."""
-    q = rng.dirichlet(np.maximum(concentration, 1e-300), size=draws)
-    bad = ~np.all(np.isfinite(q), axis=1) | (q.sum(axis=1) <= 0)
-    for j in np.flatnonzero(bad):  # the limit alpha -> 0 of Dir(alpha p): one class, chosen by p
-        q[j] = 0.0
-        q[j, rng.choice(concentration.size, p=concentration / concentration.sum())] = 1.0
-    return q
 
 
 def _validate_labels(labels: np.ndarray, regression: bool) -> np.ndarray:
@@ -295,7 +156,7 @@ def _members(
     examples left out) under the scheme; draws from `rng` in a fixed order."""
     n = labels.size
     if beta is not None and scheme in ("dirichlet", "quantity"):
-        sizes = _round_to_total(_dirichlet(rng, np.full(k, float(beta)), 1)[0], n)
+        sizes = round_to_total(dirichlet(rng, np.full(k, float(beta)), 1)[0], n)
     else:
         sizes = np.array([a.size for a in np.array_split(np.arange(n), k)], dtype=np.int64)
     if scheme == "paper" and regression:
@@ -310,11 +171,11 @@ def _members(
         shares = paper_shares(k, num_classes, task_obj)
     else:
         prior = np.bincount(class_ids, minlength=num_classes) / n
-        shares = _dirichlet(rng, float(alpha) * prior, k)
+        shares = dirichlet(rng, float(alpha) * prior, k)
     if scheme == "paper" and fill == "exact":
         counts = exact_counts(shares, np.bincount(class_ids, minlength=num_classes))
-        return _exact_skew(class_ids, counts, rng), shares, n - int(counts.sum())
-    return _label_skew(class_ids, shares, sizes, rng), shares, 0
+        return exact_skew(class_ids, counts, rng), shares, n - int(counts.sum())
+    return label_skew(class_ids, shares, sizes, rng), shares, 0
 
 
 def _train_test(

@@ -103,12 +103,9 @@ def _find(tokens: Sequence[str], needle: Sequence[str], fold: bool) -> list[int]
     return [i for i in range(len(tokens) - n + 1) if list(tokens[i : i + n]) == list(needle)]
 
 
-def derive_bio(
-    rows: Iterable[dict[str, str]], top_k: int = 8
-) -> tuple[list[Sentence], NeroStats]:
-    """BIO-tagged sentences from NERO's mention rows (see the module docstring), in the order
-    the sentences first appear, and what the derivation lost."""
-    rows = list(rows)
+def _kept_classes(rows: list[dict[str, str]], top_k: int) -> tuple[dict[str, str], tuple[str, ...]]:
+    """(each class name's canonical spelling by its lower case, the `top_k` most frequent classes
+    over all mentions): case variants merged, the most frequent spelling naming the class."""
     spelling: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for r in rows:
         cls = r["semantic_class_entity1"].strip()
@@ -116,9 +113,15 @@ def derive_bio(
             spelling[cls.lower()][cls] += 1
     canonical = {key: c.most_common(1)[0][0] for key, c in spelling.items()}
     totals = collections.Counter({canonical[k]: sum(c.values()) for k, c in spelling.items()})
-    kept = tuple(sorted(name for name, _ in totals.most_common(top_k)))
+    return canonical, tuple(sorted(name for name, _ in totals.most_common(top_k)))
 
-    by_sentence: dict[str, list[tuple[str, str | None]]] = {}
+
+def _mentions_by_sentence(
+    rows: list[dict[str, str]], canonical: dict[str, str], kept: tuple[str, ...]
+) -> tuple[dict[str, list[tuple[str, str]]], int]:
+    """(each sentence's (entity string, class) mentions of a kept class, in the order the
+    sentences first appear; the rows of another class or without an entity)."""
+    by_sentence: dict[str, list[tuple[str, str]]] = {}
     other = 0
     for r in rows:
         text, entity = r["sentenceText"].strip(), r["entity1"].strip()
@@ -130,41 +133,59 @@ def derive_bio(
             other += 1
             continue
         mentions.append((entity, cls))
+    return by_sentence, other
 
+
+def _tag_sentence(
+    tokens: list[str], mentions: list[tuple[str, str]]
+) -> tuple[list[str], collections.Counter]:
+    """BIO tags of one sentence from its mentions (steps 4 and 5 of the module docstring), and
+    the counts of strings not found, occurrences overlapping and entities tagged."""
+    votes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for entity, cls in mentions:
+        votes[entity][cls] += 1
+    tags = ["O"] * len(tokens)
+    counts: collections.Counter = collections.Counter()
+    for entity in sorted(votes, key=lambda e: (-len(e.split()), e)):
+        top = max(votes[entity].values())
+        cls = min(c for c, v in votes[entity].items() if v == top)
+        needle = entity.split()
+        starts = _find(tokens, needle, fold=False) or _find(tokens, needle, fold=True)
+        if not starts:
+            counts["not_found"] += 1
+            continue
+        for s in starts:
+            if any(t != "O" for t in tags[s : s + len(needle)]):
+                counts["overlapping"] += 1
+                continue
+            tags[s] = f"B-{cls}"
+            for j in range(s + 1, s + len(needle)):
+                tags[j] = f"I-{cls}"
+            counts["entities"] += 1
+    return tags, counts
+
+
+def derive_bio(rows: Iterable[dict[str, str]], top_k: int = 8) -> tuple[list[Sentence], NeroStats]:
+    """BIO-tagged sentences from NERO's mention rows (see the module docstring), in the order
+    the sentences first appear, and what the derivation lost."""
+    rows = list(rows)
+    canonical, kept = _kept_classes(rows, top_k)
+    by_sentence, other = _mentions_by_sentence(rows, canonical, kept)
     sentences: list[Sentence] = []
-    not_found = overlapping = entities = 0
+    lost: collections.Counter = collections.Counter()
     for text, mentions in by_sentence.items():
         tokens = text.split()
-        votes: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-        for entity, cls in mentions:
-            votes[entity][cls] += 1
-        tags = ["O"] * len(tokens)
-        strings = sorted(votes, key=lambda e: (-len(e.split()), e))
-        for entity in strings:
-            top = max(votes[entity].values())
-            cls = min(c for c, v in votes[entity].items() if v == top)
-            needle = entity.split()
-            starts = _find(tokens, needle, fold=False) or _find(tokens, needle, fold=True)
-            if not starts:
-                not_found += 1
-                continue
-            for s in starts:
-                if any(t != "O" for t in tags[s : s + len(needle)]):
-                    overlapping += 1
-                    continue
-                tags[s] = f"B-{cls}"
-                for j in range(s + 1, s + len(needle)):
-                    tags[j] = f"I-{cls}"
-                entities += 1
+        tags, counts = _tag_sentence(tokens, mentions)
+        lost.update(counts)
         sentences.append((tokens, tags))
     stats = NeroStats(
         rows=len(rows),
         sentences=len(sentences),
         classes_kept=kept,
         mentions_other_class=other,
-        strings_not_found=not_found,
-        occurrences_overlapping=overlapping,
-        entities=entities,
+        strings_not_found=lost["not_found"],
+        occurrences_overlapping=lost["overlapping"],
+        entities=lost["entities"],
     )
     return sentences, stats
 
