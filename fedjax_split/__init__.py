@@ -54,7 +54,7 @@ _EXPORTS = {
     "server_update": "fedjax_split.fed.server",
     "server_optimizers": "fedjax_split.fed.server_optimizers",
     # simulation and runs
-    "RoundSpec": "fedjax_split.sim.rounds",
+    "RoundSpec": "fedjax_split.sim.round_spec",
     "run_round": "fedjax_split.sim.rounds",
     "client_round": "fedjax_split.fed.client_program",
     "client_key": "fedjax_split.fed.client_program",

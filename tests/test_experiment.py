@@ -532,7 +532,7 @@ def test_minilm_freeze_embeddings_at_c6_sends_all_but_the_embeddings() -> None:
     from fedjax_split.fed.roles import critical_layer_rule, freeze_rule, partition
     from fedjax_split.models.bert import BertConfig, init_params
     from fedjax_split.models.hf_checkpoint import hf_names
-    from fedjax_split.sim.rounds import RoundSpec, client_bytes
+    from fedjax_split.sim.round_spec import RoundSpec, client_bytes
     from fedjax_split.tasks.objectives import CLASSIFICATION
 
     config = BertConfig(
@@ -827,7 +827,7 @@ def test_a_fedavg_rounds_flops_are_three_forward_passes_of_its_real_steps(
     clients' real steps (`segment_train_flops`, the benchmarks' count), rebuilt from the config."""
     from fedjax_split.models.flops import segment_train_flops
     from fedjax_split.run import pieces
-    from fedjax_split.sim.rounds import real_counts
+    from fedjax_split.sim.round_progress import real_counts
 
     setup = experiment.build(experiment.resolve_config(overrides=_config(
         files, "straight", rounds=4, local_epochs=2, critical_layer=1, seed=0)))  # fmt: skip

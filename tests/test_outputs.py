@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedjax_split.run import outputs
-from fedjax_split.sim.rounds import RoundProgress
+from fedjax_split.sim.round_progress import RoundProgress
 
 
 def test_write_json_is_strict_json_and_leaves_no_temp(tmp_path: Path) -> None:

@@ -371,6 +371,7 @@ def test_clients_dealt_to_devices_train_what_one_device_trains(monkeypatch, wire
     import dataclasses
 
     from fedjax_split.sim import rounds
+    from fedjax_split.sim.one_at_a_time_round import OneAtATimeFns
 
     devices = tuple(jax.devices()[:2])
     assert len(devices) == 2  # conftest forces 2 CPU devices
@@ -385,7 +386,7 @@ def test_clients_dealt_to_devices_train_what_one_device_trains(monkeypatch, wire
     seen: list = []  # the device of each segment program's client state, in enqueue order
     real = rounds.one_at_a_time_functions
 
-    def recording(spec: RoundSpec) -> rounds.OneAtATimeFns:
+    def recording(spec: RoundSpec) -> OneAtATimeFns:
         fns = real(spec)
 
         def segment_one(state, global_wire, part, key, frozen):
@@ -520,7 +521,7 @@ def test_progress_counts_grow_and_leave_the_round_bit_identical(spec: RoundSpec)
     """With a progress hook the round waits for each program a device's worth behind the latest
     and reports what finished: counts only grow, never pass the round's real steps and examples,
     and the round's outputs are bit-identical to the round without a hook."""
-    from fedjax_split.sim.rounds import RoundProgress, real_counts
+    from fedjax_split.sim.round_progress import RoundProgress, real_counts
 
     # STEPS' shapes (the module's other rounds compiled them), more of them
     segs = per_client(make_segments(np.random.default_rng(1), [3, 1, 2], 3, num_segments=4))

@@ -1,6 +1,6 @@
-"""Secure aggregation's stages (deploy/secagg.py), run in one process: the sum and only the sum,
-dropped nodes, the threshold, refused messages, fresh keys. Expected sums are plain Python integer
-arithmetic modulo 2^64 on the inputs."""
+"""Secure aggregation's stages (deploy/secagg_node.py, secagg_server.py), run in one process:
+the sum and only the sum, dropped nodes, the threshold, refused messages, fresh keys. Expected
+sums are plain Python integer arithmetic modulo 2^64 on the inputs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from fedjax_split.deploy import secagg
+from fedjax_split.deploy import secagg, secagg_crypto, secagg_node, secagg_server
 from fedjax_split.deploy.secagg import Params, Refused, RoundLost, UnsafeRequest
 from fedjax_split.fed.fixed_point import FixedPoint, quantise
 
@@ -36,42 +36,44 @@ def _expected(inputs: dict[int, np.ndarray], nodes: list[int]) -> list[int]:
     return [sum(int(inputs[v][j]) for v in nodes) % MOD for j in range(length)]
 
 
-def _setup_and_share(params: Params) -> tuple[dict, secagg.ServerRound, dict]:
+def _setup_and_share(params: Params) -> tuple[dict, secagg_server.ServerRound, dict]:
     states, adverts = {}, []
     for v in params.nodes:
-        states[v], advert = secagg.node_setup(params, v)
+        states[v], advert = secagg_node.node_setup(params, v)
         adverts.append(advert)
-    rnd, broadcast = secagg.server_keys(params, adverts)
+    rnd, broadcast = secagg_server.server_keys(params, adverts)
     messages = []
     for v in params.nodes:
-        states[v], msg = secagg.node_share_keys(states[v], broadcast)
+        states[v], msg = secagg_node.node_share_keys(states[v], broadcast)
         messages.append(msg)
-    rnd, inboxes = secagg.server_route(rnd, messages)
+    rnd, inboxes = secagg_server.server_route(rnd, messages)
     return states, rnd, inboxes
 
 
-def _mask(states: dict, rnd: secagg.ServerRound, inboxes: dict, inputs: dict, send: list[int]):
+def _mask(
+    states: dict, rnd: secagg_server.ServerRound, inboxes: dict, inputs: dict, send: list[int]
+):
     uploads = {}
     for v in send:
-        states[v], uploads[v] = secagg.node_masked_input(states[v], inboxes[v], inputs[v])
-        rnd = secagg.server_add_masked(rnd, uploads[v])
+        states[v], uploads[v] = secagg_node.node_masked_input(states[v], inboxes[v], inputs[v])
+        rnd = secagg_server.server_add_masked(rnd, uploads[v])
     return rnd, uploads
 
 
-def _unmask(states: dict, rnd: secagg.ServerRound) -> tuple[dict, list]:
-    request = secagg.unmask_request(rnd)
+def _unmask(states: dict, rnd: secagg_server.ServerRound) -> tuple[dict, list]:
+    request = secagg_server.unmask_request(rnd)
     responses = []
     for v in request["survivors"]:
-        states[v], response = secagg.node_unmask(states[v], request)
+        states[v], response = secagg_node.node_unmask(states[v], request)
         responses.append(response)
     return request, responses
 
 
-def _round(nodes: list[int], t: int, inputs: dict, send: list[int]) -> secagg.Aggregate:
+def _round(nodes: list[int], t: int, inputs: dict, send: list[int]) -> secagg_server.Aggregate:
     states, rnd, inboxes = _setup_and_share(Params(1, tuple(nodes), t, len(inputs[nodes[0]])))
     rnd, _ = _mask(states, rnd, inboxes, inputs, send)
     _, responses = _unmask(states, rnd)
-    return secagg.server_unmask(rnd, responses)
+    return secagg_server.server_unmask(rnd, responses)
 
 
 @pytest.mark.parametrize("n", [3, 5])
@@ -97,13 +99,13 @@ def test_below_the_threshold_the_round_fails_with_one_line() -> None:
     states, rnd, inboxes = _setup_and_share(Params(4, tuple(nodes), 3, 10))
     rnd, _ = _mask(states, rnd, inboxes, inputs, [1, 4])
     with pytest.raises(RoundLost, match="round 4 cannot be recovered: 2 of 5") as info:
-        secagg.unmask_request(rnd)
+        secagg_server.unmask_request(rnd)
     assert "\n" not in str(info.value)
     # also at the first stage: two advertisements for a threshold of 3
     params = Params(5, tuple(nodes), 3, 10)
-    adverts = [secagg.node_setup(params, v)[1] for v in (1, 2)]
+    adverts = [secagg_node.node_setup(params, v)[1] for v in (1, 2)]
     with pytest.raises(RoundLost, match="advertised keys"):
-        secagg.server_keys(params, adverts)
+        secagg_server.server_keys(params, adverts)
 
 
 def test_the_server_holds_only_the_sum() -> None:
@@ -126,7 +128,7 @@ def test_the_server_holds_only_the_sum() -> None:
     assert np.all(np.abs(bits.mean(axis=0) - 0.5) < 6 * 0.5 / np.sqrt(length))  # each bit fair
     assert abs(bits.mean() - 0.5) < 6 * 0.5 / np.sqrt(bits.size)
     streams: list[bytes] = []
-    real = secagg._stream
+    real = secagg_crypto.stream
 
     def spy(key: bytes, label: bytes, rnd_: int, n: int) -> np.ndarray:
         streams.append(key)
@@ -134,12 +136,12 @@ def test_the_server_holds_only_the_sum() -> None:
 
     request, responses = _unmask(states, rnd)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(secagg, "_stream", spy)
-        agg = secagg.server_unmask(rnd, responses)
+        patch.setattr(secagg_crypto, "stream", spy)
+        agg = secagg_server.server_unmask(rnd, responses)
     assert [int(v) for v in agg.total] == _expected(inputs, [10, 20, 40])
     survivors = request["survivors"]
     pair = {
-        (u, v): secagg._pair_key(states[u].mask_key, states[v].table[v].mask_key)
+        (u, v): secagg_crypto.pair_key(states[u].mask_key, states[v].table[v].mask_key)
         for u in nodes
         for v in nodes
         if u < v
@@ -155,14 +157,15 @@ def test_a_malformed_masked_vector_is_refused_and_the_round_goes_on() -> None:
     inputs = _inputs(nodes, 12)
     states, rnd, inboxes = _setup_and_share(Params(1, tuple(nodes), 3, 12))
     rnd, _ = _mask(states, rnd, inboxes, inputs, [1, 2, 4])
-    _, good = secagg.node_masked_input(states[3], inboxes[3], inputs[3])
+    _, good = secagg_node.node_masked_input(states[3], inboxes[3], inputs[3])
     for bad in (good["masked"].astype(np.int64), good["masked"][:-1], good["masked"].tobytes()):
-        rnd = secagg.server_add_masked(rnd, {"node": 3, "masked": bad})
-    rnd = secagg.server_add_masked(rnd, {"node": 99, "masked": good["masked"]})
-    rnd = secagg.server_add_masked(rnd, good)  # a second try after a refusal: refused as well
+        rnd = secagg_server.server_add_masked(rnd, {"node": 3, "masked": bad})
+    rnd = secagg_server.server_add_masked(rnd, {"node": 99, "masked": good["masked"]})
+    # a second try after a refusal: refused as well
+    rnd = secagg_server.server_add_masked(rnd, good)
     assert set(rnd.refused) == {3, 99} and "node 3 refused: a masked vector" in rnd.refused[3]
     _, responses = _unmask(states, rnd)
-    agg = secagg.server_unmask(rnd, responses)
+    agg = secagg_server.server_unmask(rnd, responses)
     assert [int(v) for v in agg.total] == _expected(inputs, [1, 2, 4])
     assert agg.dropped == (3, 5)
 
@@ -179,7 +182,7 @@ def test_bad_shares_are_refused_and_recorded() -> None:
         "ciphertexts": [bytes(token), *inboxes[2]["ciphertexts"][1:]],
     }
     with pytest.raises(Refused, match="node 1 refused: a share that does not decrypt"):
-        secagg.node_masked_input(states[2], tampered, inputs[2])
+        secagg_node.node_masked_input(states[2], tampered, inputs[2])
     rnd, _ = _mask(states, rnd, inboxes, inputs, nodes)
     _, responses = _unmask(states, rnd)
     # node 1's share of node 2's seed well formed but wrong (and first in line to be used),
@@ -188,7 +191,7 @@ def test_bad_shares_are_refused_and_recorded() -> None:
     wrong[10] ^= 0xFF
     responses[0]["seed_shares"][1] = bytes(wrong)
     responses[1]["seed_shares"][0] = responses[1]["seed_shares"][0][:-1]
-    agg = secagg.server_unmask(rnd, responses)
+    agg = secagg_server.server_unmask(rnd, responses)
     assert [int(v) for v in agg.total] == _expected(inputs, nodes)
     assert sorted(agg.refused) == [1, 2]
     assert "does not rebuild it" in agg.refused[1] and "not 52 bytes" in agg.refused[2]
@@ -197,7 +200,7 @@ def test_bad_shares_are_refused_and_recorded() -> None:
     wrong[30] ^= 0xFF
     responses[2]["seed_shares"][1] = bytes(wrong)
     with pytest.raises(RoundLost, match="no 3 of the 4 shares of node 2's secret rebuild it"):
-        secagg.server_unmask(rnd, responses)
+        secagg_server.server_unmask(rnd, responses)
 
 
 def test_a_node_never_reveals_both_shares_of_one_peer_nor_answers_twice() -> None:
@@ -206,19 +209,19 @@ def test_a_node_never_reveals_both_shares_of_one_peer_nor_answers_twice() -> Non
     states, rnd, inboxes = _setup_and_share(Params(1, tuple(nodes), 2, 6))
     rnd, _ = _mask(states, rnd, inboxes, inputs, [1, 2])
     with pytest.raises(UnsafeRequest, match="both shares of node 3"):
-        secagg.node_unmask(states[1], {"survivors": [1, 2, 3], "dropped": [3]})
+        secagg_node.node_unmask(states[1], {"survivors": [1, 2, 3], "dropped": [3]})
     with pytest.raises(UnsafeRequest, match="not the nodes that shared keys"):
-        secagg.node_unmask(states[1], {"survivors": [1, 2], "dropped": []})
-    request = secagg.unmask_request(rnd)
-    states[1], _ = secagg.node_unmask(states[1], request)
+        secagg_node.node_unmask(states[1], {"survivors": [1, 2], "dropped": []})
+    request = secagg_server.unmask_request(rnd)
+    states[1], _ = secagg_node.node_unmask(states[1], request)
     with pytest.raises(UnsafeRequest, match="revealed already"):
-        secagg.node_unmask(states[1], {"survivors": [1, 2, 3], "dropped": []})
+        secagg_node.node_unmask(states[1], {"survivors": [1, 2, 3], "dropped": []})
 
 
 def test_every_round_draws_fresh_keys_and_seeds() -> None:
     params = Params(1, (1, 2, 3), 2, 8)
-    first, advert1 = secagg.node_setup(params, 1)
-    second, advert2 = secagg.node_setup(params, 1)
+    first, advert1 = secagg_node.node_setup(params, 1)
+    second, advert2 = secagg_node.node_setup(params, 1)
     for name in ("enc_key", "mask_key", "seed_digest"):
         assert advert1[name] != advert2[name]
     assert first.seed != second.seed
@@ -240,21 +243,22 @@ def test_a_node_refused_at_a_stage_is_out_of_the_round() -> None:
     inputs = _inputs(list(params.nodes), 8)
     states, adverts = {}, []
     for v in params.nodes:
-        states[v], advert = secagg.node_setup(params, v)
+        states[v], advert = secagg_node.node_setup(params, v)
         adverts.append(advert)
     bad = {**adverts[1], "mask_key": b"-----BEGIN PUBLIC KEY-----\nno\n-----END PUBLIC KEY-----\n"}
     again = {**adverts[0], "seed_digest": bytes(32)}  # node 1 advertises twice
-    rnd, broadcast = secagg.server_keys(params, [bad, adverts[1], adverts[0], again, *adverts[2:]])
+    sent = [bad, adverts[1], adverts[0], again, *adverts[2:]]
+    rnd, broadcast = secagg_server.server_keys(params, sent)
     assert "not a P-384 public key" in rnd.refused[2] and "second message" in rnd.refused[1]
     assert broadcast["nodes"] == [3, 4, 5]
     shares = []
     for v in (3, 4, 5):
-        states[v], msg = secagg.node_share_keys(states[v], broadcast)
+        states[v], msg = secagg_node.node_share_keys(states[v], broadcast)
         shares.append(msg)
     with pytest.raises(UnsafeRequest, match="keys wrongly"):  # node 1 is not in the table
-        secagg.node_share_keys(states[1], broadcast)
-    rnd, inboxes = secagg.server_route(rnd, shares)
+        secagg_node.node_share_keys(states[1], broadcast)
+    rnd, inboxes = secagg_server.server_route(rnd, shares)
     rnd, _ = _mask(states, rnd, inboxes, inputs, [3, 4, 5])
     _, responses = _unmask(states, rnd)
-    agg = secagg.server_unmask(rnd, responses)
+    agg = secagg_server.server_unmask(rnd, responses)
     assert [int(v) for v in agg.total] == _expected(inputs, [3, 4, 5])

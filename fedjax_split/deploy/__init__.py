@@ -11,7 +11,9 @@
 - `logs`: one clean line per event, in the apps' processes and the launcher's log files.
 - `launch`: a SuperLink and SuperNodes as processes on loopback (`python -m fedjax_split.flower`).
 - `certs`: the CA, the SuperLink's TLS certificate and SuperNode keys of a secured federation.
-- `secagg`: secure aggregation's stages as pure functions (not wired into the apps yet).
+- `secagg`: secure aggregation's protocol (SecAgg+), its stages pure functions: a node's
+  (`secagg_node`), the server's (`secagg_server`), their primitives (`secagg_crypto`); the apps
+  run them through `secure_node` and `secure_round`.
 
 docs/deployment.md has the architecture and the commands for real machines.
 """

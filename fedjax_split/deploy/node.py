@@ -41,7 +41,7 @@ from fedjax_split.run import costs, pieces
 from fedjax_split.run.config import ExperimentConfig
 from fedjax_split.sim import evaluation
 from fedjax_split.sim.client_store import ClientStore, load_tree, save_tree, tree_digest
-from fedjax_split.sim.rounds import RoundSpec
+from fedjax_split.sim.round_spec import RoundSpec
 from fedjax_split.tasks import registry as tasks
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from fedjax_split.deploy import protocol, secagg
+from fedjax_split.deploy import protocol, secagg, secagg_node
 from fedjax_split.deploy.node import NodeSetup
 from fedjax_split.fed.client_program import download
 from fedjax_split.fed.fixed_point import FixedPoint
@@ -37,7 +37,7 @@ _KEEP_ROUNDS = 2  # a node's round states kept (a run's latest rounds)
 
 @dataclasses.dataclass
 class _Round:
-    state: secagg.NodeState
+    state: secagg_node.NodeState
     vector: np.ndarray | None  # dropped once masked
 
 
@@ -79,9 +79,10 @@ def start(
 
 
 def begin(run_id: str, params: secagg.Params, client: int, vector: np.ndarray) -> dict[str, Any]:
-    """Client `client`'s round with its fixed-point `vector`: fresh keys (`secagg.node_setup`),
-    kept in memory with the vector until the round's shares are revealed; the advertisement."""
-    state, advert = secagg.node_setup(params, client)
+    """Client `client`'s round with its fixed-point `vector`: fresh keys
+    (`secagg_node.node_setup`), kept in memory with the vector until the round's shares are
+    revealed; the advertisement."""
+    state, advert = secagg_node.node_setup(params, client)
     _keep((run_id, params.round, client), _Round(state, vector))
     return advert
 
@@ -114,14 +115,14 @@ def stage(kind: str, cfg: Any, payload: dict[str, Any]) -> dict[str, Any]:
     (the masked vector under "masked")."""
     key, rnd = _round(cfg)
     if kind == protocol.SECAGG_SHARE:
-        rnd.state, out = secagg.node_share_keys(rnd.state, payload)
+        rnd.state, out = secagg_node.node_share_keys(rnd.state, payload)
     elif kind == protocol.SECAGG_MASK:
         if rnd.vector is None:
             raise secagg.UnsafeRequest("this round's masked vector was sent already")
-        rnd.state, out = secagg.node_masked_input(rnd.state, payload, rnd.vector)
+        rnd.state, out = secagg_node.node_masked_input(rnd.state, payload, rnd.vector)
         rnd.vector = None
     elif kind == protocol.SECAGG_UNMASK:
-        rnd.state, out = secagg.node_unmask(rnd.state, payload)
+        rnd.state, out = secagg_node.node_unmask(rnd.state, payload)
         del _ROUNDS[key]  # a round's shares are revealed once
     else:
         raise ValueError(f"unknown secure-aggregation stage {kind!r}")

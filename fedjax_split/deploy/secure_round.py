@@ -2,11 +2,12 @@
 
 1. TRAIN, with the round's SecAgg+ settings (`deploy.secure_node.settings`): each sampled client
    trains, keeps its fixed-point vector and replies with its figures and its advertisement.
-2. SHARE: the key table (`secagg.server_keys`) to the clients that advertised; each replies with
-   its encrypted Shamir shares for the others.
-3. MASK: each client that shared gets the ciphertexts addressed to it (`secagg.server_route`)
-   and replies with its masked vector; the server adds each to one running sum.
-4. UNMASK: the survivors reveal the shares that remove the masks (`secagg.server_unmask`).
+2. SHARE: the key table (`secagg_server.server_keys`) to the clients that advertised; each
+   replies with its encrypted Shamir shares for the others.
+3. MASK: each client that shared gets the ciphertexts addressed to it
+   (`secagg_server.server_route`) and replies with its masked vector; the server adds each to one
+   running sum.
+4. UNMASK: the survivors reveal the shares that remove the masks (`secagg_server.server_unmask`).
 The server then holds the sum of the survivors' vectors modulo 2^64, never one client's vector,
 masked or not, beyond adding it. A client that fails or is refused at any stage counts as
 dropped (listed in `clients_failed` or `clients_rejected`); the survivors' figures (losses,
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from fedjax_split.deploy import codec, protocol, secagg
+from fedjax_split.deploy import codec, protocol, secagg, secagg_server
 from fedjax_split.fed.fixed_point import FixedPoint
 from fedjax_split.fed.strategy import RoundPlan
 
@@ -128,15 +129,15 @@ def secure_sum(
     message}, timeout)` is the exchange (`deploy.server.Exchange.send`); `nodes`: each client's
     SuperNode; `cfg`: the run id and round every message names."""
     stages = _Stages(send, nodes, cfg, timeout)
-    rnd, broadcast = secagg.server_keys(params, adverts)
+    rnd, broadcast = secagg_server.server_keys(params, adverts)
     shares = stages.exchange(protocol.SECAGG_SHARE, dict.fromkeys(rnd.table, broadcast))
-    rnd, inboxes = secagg.server_route(rnd, shares)
+    rnd, inboxes = secagg_server.server_route(rnd, shares)
     for masked in stages.exchange(protocol.SECAGG_MASK, inboxes):
-        rnd = secagg.server_add_masked(rnd, masked)
-    request = secagg.unmask_request(rnd)
+        rnd = secagg_server.server_add_masked(rnd, masked)
+    request = secagg_server.unmask_request(rnd)
     responses = stages.exchange(protocol.SECAGG_UNMASK, dict.fromkeys(request["survivors"],
                                                                       request))  # fmt: skip
-    agg = secagg.server_unmask(rnd, responses)
+    agg = secagg_server.server_unmask(rnd, responses)
     refused = {**{int(v): why for v, why in agg.refused.items()}, **stages.refused}
     masked = 8 * params.length * len(agg.survivors)
     keys = stages.bytes_up + sum(map(payload_size, adverts))

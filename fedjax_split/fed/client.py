@@ -314,11 +314,13 @@ def make_client_fns(spec: ClientSpec) -> ClientFns:
         seg = seg.replace(last_part=ends_step(seg))
         return jax.lax.scan(step, state, seg)[0]
 
-    def finish(state: ClientState) -> tuple[Any, Any, ClientMetrics]:
-        new_global, new_local = state.params
-        return new_global, new_local, ClientMetrics(state.loss_sum, state.num_examples, state.steps)
+    return ClientFns(init, train_segment, _finish)
 
-    return ClientFns(init, train_segment, finish)
+
+def _finish(state: ClientState) -> tuple[Any, Any, ClientMetrics]:
+    """A client's round's end: its new global and local parts and its figures."""
+    new_global, new_local = state.params
+    return new_global, new_local, ClientMetrics(state.loss_sum, state.num_examples, state.steps)
 
 
 def make_client_update(

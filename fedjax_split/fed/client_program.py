@@ -41,7 +41,7 @@ from fedjax_split.fed.wire import cast_from_wire, wire_dtype
 
 
 class ProgramSpec(Protocol):
-    """What the client program reads of a round's description (`sim.rounds.RoundSpec` is one):
+    """What the client program reads of a round's description (`sim.round_spec.RoundSpec` is one):
     the client update, the wire dtype and the global paths trained this round (None: all)."""
 
     @property

@@ -37,7 +37,7 @@ from fedjax_split.fed.wire import wire_dtype
 
 
 class ServerSpec(Protocol):
-    """What the server's step reads of a round's spec (`sim.rounds.RoundSpec` has it all);
+    """What the server's step reads of a round's spec (`sim.round_spec.RoundSpec` has it all);
     hashable, so each distinct spec compiles once."""
 
     server_optimizer: optax.GradientTransformation

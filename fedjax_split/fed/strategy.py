@@ -81,7 +81,7 @@ class RoundPlan:
 
     round: int
     clients: np.ndarray  # sorted ids of the sampled clients
-    spec: Any  # the round's spec (`sim.rounds.RoundSpec`, a `fed.server_step.ServerSpec`)
+    spec: Any  # the round's spec (`sim.round_spec.RoundSpec`, a `fed.server_step.ServerSpec`)
     clip: float | None  # client-level DP: the clip norm the clients clip their updates to
     noise_key: jax.Array  # the server's DP noise key of the round (a fixed unused key without)
 

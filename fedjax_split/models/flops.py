@@ -195,9 +195,10 @@ def segment_flops(
 ) -> int:
     """Matmul FLOPs of the real steps of a training segment (a `data.batch.Batch`, [S, ...] for
     one client or [K, S, ...]): `train_flops` per step, its shape read from the batch (packed or
-    padded), times the steps that run for real. A real step, as `sim.rounds.real_counts` counts
-    them, is one whose step_mask is true (None: every step) and that holds an example: the
-    padding steps a stacked round computes are not model work."""
+    padded), times the steps that run for real. A real step, as
+    `sim.round_progress.real_counts` counts them, is one whose step_mask is true (None: every
+    step) and that holds an example: the padding steps a stacked round computes are not model
+    work."""
     ids = segment.input_ids
     if segment.packed:
         lead = ids.shape[:-1]

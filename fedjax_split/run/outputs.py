@@ -306,8 +306,8 @@ class Progress:
         return self.round_hook()
 
     def round_hook(self) -> Callable[[Any], None] | None:
-        """The callback for a round's progress (`sim.rounds.RoundProgress`); None when disabled,
-        so that the round waits for nothing."""
+        """The callback for a round's progress (`sim.round_progress.RoundProgress`); None when
+        disabled, so that the round waits for nothing."""
         return self.inside if self.enabled else None
 
     def inside(self, progress: Any) -> None:

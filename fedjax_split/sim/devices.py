@@ -1,4 +1,4 @@
-"""The devices a round deals clients trained one at a time to (`rounds.RoundSpec.devices`).
+"""The devices a round deals clients trained one at a time to (`sim.round_spec.RoundSpec.devices`).
 
 How many CPU devices JAX shows is a process setting (`fedjax_split.runtime.use_cpu_devices`,
 `--cpu-devices`): each device runs its own stream of client steps, and each program compiles

@@ -42,7 +42,8 @@ from fedjax_split.fed.server import ServerState, server_update
 from fedjax_split.fed.wire import cast_to_wire, tree_bytes
 from fedjax_split.models.bert import BertConfig, make_apply
 from fedjax_split.models.flops import mlm_train_flops
-from fedjax_split.sim.rounds import ProgressHook, RoundProgress, RoundSpec, real_counts
+from fedjax_split.sim.round_progress import ProgressHook, RoundProgress, real_counts
+from fedjax_split.sim.round_spec import RoundSpec
 from fedjax_split.tasks.objectives import IGNORE, MASKED_LM
 
 
@@ -62,9 +63,10 @@ class ClientReport(NamedTuple):
 
 class Trainer:
     """What a round's clients run, per model depth (clients may run models of another depth than
-    the server's: FedBFPT's small ones) and trained set: a `sim.rounds.RoundSpec` whose global part
-    is the client's whole model, of which `trained` is trained and sent, so that a client runs
-    `fed.client_program.client_round`, the programs every federated client of this library runs."""
+    the server's: FedBFPT's small ones) and trained set: a `sim.round_spec.RoundSpec` whose global
+    part is the client's whole model, of which `trained` is trained and sent, so that a client
+    runs `fed.client_program.client_round`, the programs every federated client of this library
+    runs."""
 
     def __init__(
         self,
@@ -213,8 +215,8 @@ def run_round(
 ) -> RoundOutcome:
     """Trains every client of `plan` in turn, averages their uploads with `weights` and steps
     the server with the trainer's server optimizer (only the plan's trained paths move).
-    `on_progress` hears each client's end (`sim.rounds.RoundProgress`; clients are waited for
-    anyway, to time them)."""
+    `on_progress` hears each client's end (`sim.round_progress.RoundProgress`; clients are waited
+    for anyway, to time them)."""
     uploads, reports = [], []
     # (real steps, sequences) done after each client, for the hook only
     counts = None if on_progress is None else np.cumsum(
