@@ -321,7 +321,9 @@ def test_tokenize_cache_with_the_real_tokenizer(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("tokenised again although cached")
 
-    monkeypatch.setattr(tokenization, "tokenize", fail)
+    monkeypatch.setattr(sources, "tokenize", fail)  # where tokenize_examples looks it up
+    with pytest.raises(AssertionError, match="tokenised again"):  # the patch bites on a miss
+        tokenize_examples(small, tok, "trec", max_length=32, cache_dir=tmp_path / "empty")
     second = tokenize_examples(small, tok, "trec", max_length=32, cache_dir=tmp_path)
     assert [x.tolist() for x in first.input_ids] == [x.tolist() for x in second.input_ids]
     assert (

@@ -58,7 +58,7 @@ class PackedBatch(Batch):
 
     input_ids / token_type_ids / position_ids / token_slots [N]; attention_mask (each slot's batch
     slot + 1, 0 = empty) and row_tokens (each slot's stream position) [R, W]; cls_index [B] each
-    example's first stream position (`models.bert.Layout`). A token task's labels follow the
+    example's first stream position (`models.attention.Layout`). A token task's labels follow the
     stream ([N]).
     """
 

@@ -4,7 +4,7 @@ Packing (`Batching(packing=True)`, the default) lays a step's examples end to en
 stream input_ids / token_type_ids / position_ids [1, N] that every token-wise layer computes, so
 padding costs nothing whatever the batch's mix of lengths. Attention runs on R rows of W slots
 ([1, R, W]: attention_mask = batch slot + 1 or 0, row_tokens = stream position), filled first-fit
-decreasing; token_slots [1, N] and cls_index [1, B] map back (`models.bert.Layout`). A token
+decreasing; token_slots [1, N] and cls_index [1, B] map back (`models.attention.Layout`). A token
 task's labels follow the stream ([1, N]).
 
 A step's examples go into one or more *parts* of the run's one shape, N stream tokens, R =
@@ -13,7 +13,7 @@ tokens do not fit one part continues in the next (first fit, longest first), and
 program accumulates the parts' gradients and updates once at the step's last part. Evaluation
 parts take the examples in order, as many as fit (`eval_part_members`).
 
-Dropout (`models.bert.dropout`) draws each element's mask from its flat index, so growing a
+Dropout (`models.dropout.dropout`) draws each element's mask from its flat index, so growing a
 leading axis (a packed stream's tokens, attention rows) when clients are stacked leaves every
 real token's masks as they were: a packed client trains bit for bit the same model alone or
 stacked.

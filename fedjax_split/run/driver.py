@@ -141,29 +141,16 @@ def drive(
     latest checkpoints stay on disk (the run's `checkpointed` hears which). `on_round_end(round,
     record)` is called after each round's record and checkpoint are on disk (a KeyboardInterrupt
     raised there stops the run as Ctrl-C does)."""
-    run_dir = run.run_dir
     writes = getattr(run, "writes", True)
-    checkpointer = RunCheckpointer(checkpoint_dir(run_dir), max_to_keep=keep_checkpoints)
+    checkpointer = RunCheckpointer(checkpoint_dir(run.run_dir), max_to_keep=keep_checkpoints)
     stats = Stats()
     compiled = compilation.watch()
     first = compiled.mark()
     try:
         start_round, history = _restore(run, checkpointer, resume)
         # From here on we write.
-        publish = getattr(run, "publish", None)  # optional: see Run
-        private = (None if publish is None
-                   else run_dir / outputs.PRIVATE_DIR / outputs.PRIVATE_RECORDS)  # fmt: skip
-        if writes:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            outputs.write_json(run_dir / "config.json", config)
-            # on resume: to the checkpoint
-            outputs.write_jsonl(run_dir / "metrics.jsonl",
-                                history if publish is None else [publish(h) for h in history])
-            if private is not None:
-                outputs.private_dir(run_dir)  # readable by the server's owner alone
-                outputs.write_jsonl(private, history)
-            if start_round < run.rounds:
-                (run_dir / "summary.json").unlink(missing_ok=True)  # stale until this run ends
+        log = _RecordLog(run, writes)
+        log.open(config, history, start_round)
         budget = config.get("dp_max_epsilon")  # DP's, if any: the round lines say what is left
         bar = outputs.Progress(run.rounds, start_round, enabled=progress and writes,
                                epsilon_budget=budget)  # fmt: skip
@@ -179,11 +166,7 @@ def drive(
                 record = run.step(r, history)
                 record.update(compile_fields(compiled.since(mark)))
                 history.append(record)
-                if writes:
-                    outputs.append_jsonl(run_dir / "metrics.jsonl",
-                                         record if publish is None else publish(record))
-                    if private is not None:
-                        outputs.append_jsonl(private, record)
+                log.append(record)
                 if writes and due(r, checkpoint_every, run.rounds):
                     t0 = time.perf_counter()
                     checkpointer.save(r, run.arrays(), {**run.meta(), "history": history},
@@ -200,8 +183,46 @@ def drive(
     summary = {**run.summary(history, stats),
                "compilation": compilation.report(compiled.since(first))}  # fmt: skip
     if writes:
-        outputs.write_summary(run_dir / "summary.json", summary)
+        outputs.write_summary(run.run_dir / "summary.json", summary)
     return summary
+
+
+class _RecordLog:
+    """A run's record files: metrics.jsonl (each record as the run publishes it: see Run) and,
+    when the run publishes less than it records, the whole records in the owner-only private
+    file. Nothing is written by a run that does not write (a process other than the first)."""
+
+    def __init__(self, run: Run, writes: bool) -> None:
+        self.run_dir, self.rounds, self.writes = run.run_dir, run.rounds, writes
+        self.publish = getattr(run, "publish", None)  # optional: see Run
+        private = run.run_dir / outputs.PRIVATE_DIR / outputs.PRIVATE_RECORDS
+        self.private = None if self.publish is None else private
+
+    def _public(self, record: dict[str, Any]) -> dict[str, Any]:
+        return record if self.publish is None else self.publish(record)
+
+    def open(self, config: dict[str, Any], history: list[dict[str, Any]], start_round: int
+             ) -> None:  # fmt: skip
+        """config.json, and the record files rewritten to the history restored (on resume: to
+        the checkpoint's); a summary.json left by an earlier end goes, stale until this run
+        ends."""
+        if not self.writes:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        outputs.write_json(self.run_dir / "config.json", config)
+        outputs.write_jsonl(self.run_dir / "metrics.jsonl", [self._public(h) for h in history])
+        if self.private is not None:
+            outputs.private_dir(self.run_dir)  # readable by the server's owner alone
+            outputs.write_jsonl(self.private, history)
+        if start_round < self.rounds:
+            (self.run_dir / "summary.json").unlink(missing_ok=True)  # stale until this run ends
+
+    def append(self, record: dict[str, Any]) -> None:
+        if not self.writes:
+            return
+        outputs.append_jsonl(self.run_dir / "metrics.jsonl", self._public(record))
+        if self.private is not None:
+            outputs.append_jsonl(self.private, record)
 
 
 def compile_fields(events: Sequence[compilation.Compiled]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from fedjax_split.data import batching, partition, sources, tokenization
 from fedjax_split.errors import UserError
 from fedjax_split.fed import algorithms, client, layerwise, roles
 from fedjax_split.models import hf_checkpoint, lora
+from fedjax_split.models.bert_config import BertConfig
 from fedjax_split.run import costs, plots, safeguards
 from fedjax_split.run.config import (
     ExperimentConfig,
@@ -35,6 +36,7 @@ from fedjax_split.run.config import (
 from fedjax_split.run.method import client_words, describe
 from fedjax_split.run.settings import as_given, drop
 from fedjax_split.sim import devices, rounds
+from fedjax_split.sim.round_spec import RoundSpec
 from fedjax_split.tasks import bio
 from fedjax_split.tasks import registry as tasks
 
@@ -48,12 +50,12 @@ class Model:
     on every node. `global0`, `local0`, `frozen`: the pretrained parameters by role (the head
     seeded by the run's seed)."""
 
-    task: Any
+    task: tasks.Task
     critical_layer: int
-    config: Any  # models.bert.BertConfig
+    config: BertConfig
     model_dir: Path | None
     apply: Callable[..., Any]
-    round_spec: Any  # sim.rounds.RoundSpec
+    round_spec: RoundSpec
     global0: Any
     local0: Any
     frozen: Any
@@ -156,7 +158,7 @@ def check(config: ExperimentConfig) -> int:
     return validate_critical_layer(config, model_config.num_hidden_layers)
 
 
-def entity_types(config: ExperimentConfig, task: Any) -> tuple[str, ...] | None:
+def entity_types(config: ExperimentConfig, task: tasks.Task) -> tuple[str, ...] | None:
     """A token task's entity types, its tag vocabulary "O" and B-/I- of each: the task's own
     (the offline corpora), else --entity-types, else None: a pool's own tags decide. Sites
     (--site-data) never decide it, so that every site's head and the server's agree without
@@ -183,14 +185,14 @@ def entity_types(config: ExperimentConfig, task: Any) -> tuple[str, ...] | None:
     return given
 
 
-def tag_names(config: ExperimentConfig, task: Any) -> tuple[str, ...]:
+def tag_names(config: ExperimentConfig, task: tasks.Task) -> tuple[str, ...]:
     """The run's tag vocabulary as the config gives it (`entity_types`); () where the pool's
     own tags decide it, or for a task without tags."""
     types = entity_types(config, task)
     return () if types is None else tuple(bio.tag_vocabulary(types))
 
 
-def load_pool(config: ExperimentConfig, task: Any) -> Any:
+def load_pool(config: ExperimentConfig, task: tasks.Task) -> Any:
     """The task's example pool as every client sees it: loaded, then subsampled (--max-examples).
     A token task's tag vocabulary (`tag_names`) is the run's (`entity_types`), else the whole
     pool's, taken before subsampling."""
@@ -217,7 +219,7 @@ def concat_examples(parts: Sequence[Any]) -> Any:
     return first._replace(**changes)
 
 
-def load_site(config: ExperimentConfig, task: Any, client_id: int, site_dir: Any) -> Any:
+def load_site(config: ExperimentConfig, task: tasks.Task, client_id: int, site_dir: Any) -> Any:
     """Client `client_id`'s examples: its site's own files alone (`sources.load_site`), in the
     task's label vocabulary; a bad file is one line naming the site and the file."""
     try:
@@ -239,7 +241,7 @@ def site_split(config: ExperimentConfig, examples: Any, client_id: int, site_dir
     return split
 
 
-def load_sites(config: ExperimentConfig, task: Any) -> tuple[Any, Any]:
+def load_sites(config: ExperimentConfig, task: tasks.Task) -> tuple[Any, Any]:
     """--site-data in one process (the simulation): (every site's examples in client order,
     the `partition.sites_partition` whose client k holds exactly site k's rows)."""
     dirs = site_dirs(config)
@@ -254,7 +256,7 @@ def load_sites(config: ExperimentConfig, task: Any) -> tuple[Any, Any]:
     return concat_examples(sites), part
 
 
-def load_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = ()) -> Any:
+def load_model(config: ExperimentConfig, task: tasks.Task, tag_names: Sequence[str] = ()) -> Any:
     """The pretrained model with the task's head (seeded by the run's seed); a token task's head
     has one output per tag of the pool. The head's outputs carry the task's label names (a token
     task's: its tags), so that an exported model's id2label reads "rotten"/"fresh", not LABEL_0."""
@@ -308,7 +310,7 @@ def model_parts(config: ExperimentConfig, pre: Any, critical_layer: int) -> Any:
     return roles.partition(pre.params, rule)
 
 
-def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: Any) -> Any:
+def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: tasks.Task) -> Any:
     """The round's static description: client update (objective, client optimiser, FedProx mu),
     server optimiser, wire dtype, clients at once, devices."""
     client_cfg, fed, runtime = config.client, config.federation, config.runtime
@@ -333,7 +335,7 @@ def make_round_spec(config: ExperimentConfig, apply: Callable[..., Any], task: A
     )
 
 
-def build_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = ()) -> Model:
+def build_model(config: ExperimentConfig, task: tasks.Task, tag_names: Sequence[str] = ()) -> Model:
     """The model, its roles and its round spec (`tag_names`: a token task's tag vocabulary)."""
     pre = load_model(config, task, tag_names)
     c = validate_critical_layer(config, pre.config.num_hidden_layers)
@@ -353,7 +355,7 @@ def build_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = 
     )
 
 
-def make_partition(config: ExperimentConfig, task: Any, labels: np.ndarray) -> Any:
+def make_partition(config: ExperimentConfig, task: tasks.Task, labels: np.ndarray) -> Any:
     """The clients' train/test split of the pool; a client without training examples is a
     UserError."""
     data, fed = config.data, config.federation
@@ -427,7 +429,9 @@ def check_partition(meta: dict[str, Any], part: Any, what: str) -> None:
         )
 
 
-def load_tokenized(config: ExperimentConfig, task: Any, examples: Any, model_dir: Any) -> Any:
+def load_tokenized(
+    config: ExperimentConfig, task: tasks.Task, examples: Any, model_dir: Any
+) -> Any:
     """The pool tokenised with the model's tokenizer and flattened once (`batching.pack`)."""
     tokenizer = tokenization.load_tokenizer(config.model.name if model_dir is None else model_dir)
     rows = sources.tokenize_examples(examples, tokenizer, task, config.data.max_length)
@@ -450,7 +454,7 @@ def eval_batch_size(config: ExperimentConfig) -> int:
 
 
 def batching_of(
-    config: ExperimentConfig, task: Any, width: int | None, *, evaluation: bool = False
+    config: ExperimentConfig, task: tasks.Task, width: int | None, *, evaluation: bool = False
 ) -> Any:
     """The run's `batching.Batching` (every client's, every round's), from the config alone;
     `evaluation`: with the evaluation batch size (`eval_batch_size`). A packed part's tokens come
@@ -476,7 +480,8 @@ def make_pool(config: ExperimentConfig, examples: Any, tokenized: Any) -> Pool:
 
 
 def client_steps(
-    config: ExperimentConfig, task: Any, pool: Pool, indices: np.ndarray, client_id: int, r: int
+    config: ExperimentConfig, task: tasks.Task, pool: Pool, indices: np.ndarray, client_id: int,
+    r: int,
 ) -> list[Any]:
     """Round r's training steps of one client: a pure function of the config, r, the client's
     id and its own examples (`indices` into the pool: what a federated client builds alone)."""
@@ -492,7 +497,7 @@ def client_steps(
 
 
 def client_eval_steps(
-    config: ExperimentConfig, task: Any, pool: Pool, indices: np.ndarray
+    config: ExperimentConfig, task: tasks.Task, pool: Pool, indices: np.ndarray
 ) -> list[Any]:
     """One client's test batches (its own examples, once each, in order, the run's one
     evaluation shape)."""
@@ -507,7 +512,7 @@ def positions(parts: Sequence[Any]) -> np.ndarray:
     return np.asarray(batching.positions(parts, skip_masked_steps=True), np.int64)
 
 
-def score(task: Any, examples: Any, res: Any) -> dict[str, float]:
+def score(task: tasks.Task, examples: Any, res: Any) -> dict[str, float]:
     """The task's metrics of one set of predictions (MNLI's groups by each row's pool index, a
     token task's entities by the pool's tag names)."""
     groups = getattr(examples, "groups", None)

@@ -158,7 +158,7 @@ def draw(
 
 
 def majority_score(
-    task: Any, labels: np.ndarray, clients: Sequence[Any], metric: str
+    task: tasks.Task, labels: np.ndarray, clients: Sequence[Any], metric: str
 ) -> float | None:
     """What the label priors alone score, no model: each client predicts its majority training
     label for its whole test split; `metric`'s mean over the clients with test examples (the

@@ -33,7 +33,7 @@ class Classification:
     """One class per example, from the pooled [CLS] representation."""
 
     name: str = "classification"
-    head: str = "sequence"  # models.bert.BertConfig.head
+    head: str = "sequence"  # models.bert_config.BertConfig.head
     label_dtype: type = np.int32
     per_token: bool = False
 
