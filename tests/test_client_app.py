@@ -39,7 +39,7 @@ def in_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
 def fed(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     """A resolved 3-client config (critical layer 1 of 2, fp16 wire) and the global part the
     server sends in round 1, as it sends it."""
-    from fedjax_split.run import pieces
+    from fedjax_split.run import client_data, pieces
     from fedjax_split.run.config import resolve_config
     from fedjax_split.tasks import registry as tasks
 
@@ -53,8 +53,8 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     task = tasks.get_task("sst2")
     model = pieces.build_model(config, task)
     wire = model.round_spec.wire_dtype
-    pool = pieces.load_pool(config, task)
-    partition = pieces.make_partition(config, task, np.asarray(pool.labels))
+    pool = client_data.load_pool(config, task)
+    partition = client_data.make_partition(config, task, np.asarray(pool.labels))
     return SimpleNamespace(config=config, wire=wire, sent=codec.encode(model.global0, wire),
                            local0=model.local0, partition=partition, pool_size=len(pool.labels))
 

@@ -826,7 +826,7 @@ def test_a_fedavg_rounds_flops_are_three_forward_passes_of_its_real_steps(
     backward pass costs two forward passes: the record's FLOPs are 3x the forward matmuls of the
     clients' real steps (`segment_train_flops`, the benchmarks' count), rebuilt from the config."""
     from fedjax_split.models.flops import segment_train_flops
-    from fedjax_split.run import pieces
+    from fedjax_split.run import client_data
     from fedjax_split.sim.round_progress import real_counts
 
     setup = experiment.build(experiment.resolve_config(overrides=_config(
@@ -834,7 +834,7 @@ def test_a_fedavg_rounds_flops_are_three_forward_passes_of_its_real_steps(
     for r in _records(straight):
         want = 0
         for c in r["clients_sampled"]:
-            for seg in pieces.client_steps(setup.config, setup.model.task, setup.pool,
+            for seg in client_data.client_steps(setup.config, setup.model.task, setup.pool,
                                            setup.partition.clients[c].train, c, r["round"]):
                 steps = real_counts(seg)[0]
                 want += segment_train_flops(setup.model.config, seg) // seg.step_mask.size * steps

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_split.run.pieces import subsample_indices
+from fedjax_split.run.client_data import subsample_indices
 
 _SPEC = importlib.util.spec_from_file_location(
     "fedbt_study", Path(__file__).resolve().parents[1] / "tools" / "fedbt_study.py"

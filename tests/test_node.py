@@ -145,7 +145,7 @@ def test_a_site_node_reading_only_its_dir_builds_the_simulations_batches_for_it(
 
     from fedjax_split.deploy import node
     from fedjax_split.deploy.protocol import experiment_values
-    from fedjax_split.run import experiment, pieces
+    from fedjax_split.run import client_data, experiment
     from fedjax_split.run.config import NODE_SITES, resolve_config
 
     monkeypatch.setenv("FEDJAX_SPLIT_CACHE", str(tmp_path / "cache"))
@@ -167,7 +167,7 @@ def test_a_site_node_reading_only_its_dir_builds_the_simulations_batches_for_it(
         np.testing.assert_allclose(n.shares, counts / counts.sum(), atol=1e-6)
         assert n.partition_meta["scheme"] == "sites" and "num_examples" not in n.partition_meta
         for r in (1, 2):
-            got = pieces.client_steps(config, n.task, n.pool, n.split.train, k, r)
+            got = client_data.client_steps(config, n.task, n.pool, n.split.train, k, r)
             want = experiment.round_batches(setup, r)[k]
             assert len(got) == len(want) > 0
             for a, b in zip(got, want, strict=True):
@@ -175,7 +175,7 @@ def test_a_site_node_reading_only_its_dir_builds_the_simulations_batches_for_it(
                 np.testing.assert_array_equal(np.asarray(a.example_index)[real] + offset,
                                               np.asarray(b.example_index)[real])  # fmt: skip
                 jax.tree.map(np.testing.assert_array_equal, _without_index(a), _without_index(b))
-        evals = pieces.client_eval_steps(config, n.task, n.pool, n.split.test)
+        evals = client_data.client_eval_steps(config, n.task, n.pool, n.split.test)
         assert len(evals) == len(setup.eval_batches[k])
         for a, b in zip(evals, setup.eval_batches[k], strict=True):
             jax.tree.map(np.testing.assert_array_equal, _without_index(a), _without_index(b))
@@ -193,7 +193,7 @@ def test_a_ner_site_node_builds_the_simulations_batches_in_the_configs_vocabular
 
     from fedjax_split.deploy import node
     from fedjax_split.deploy.protocol import experiment_values
-    from fedjax_split.run import experiment, pieces
+    from fedjax_split.run import client_data, experiment
     from fedjax_split.run.config import resolve_config
 
     monkeypatch.setenv("FEDJAX_SPLIT_CACHE", str(tmp_path / "cache"))
@@ -219,12 +219,12 @@ def test_a_ner_site_node_builds_the_simulations_batches_in_the_configs_vocabular
         np.testing.assert_array_equal(n.split.test + offset, sim.test)
         counts = np.bincount(labels[sim.all], minlength=3)  # neg, pos, (none)
         np.testing.assert_allclose(n.shares, counts / counts.sum(), atol=1e-6)
-        got = pieces.client_steps(config, n.task, n.pool, n.split.train, k, 1)
+        got = client_data.client_steps(config, n.task, n.pool, n.split.train, k, 1)
         want = experiment.round_batches(setup, 1)[k]
         assert len(got) == len(want) > 0
         for a, b in zip(got, want, strict=True):
             jax.tree.map(np.testing.assert_array_equal, _without_index(a), _without_index(b))
-        evals = pieces.client_eval_steps(config, n.task, n.pool, n.split.test)
+        evals = client_data.client_eval_steps(config, n.task, n.pool, n.split.test)
         assert len(evals) == len(setup.eval_batches[k]) > 0
         for a, b in zip(evals, setup.eval_batches[k], strict=True):
             jax.tree.map(np.testing.assert_array_equal, _without_index(a), _without_index(b))

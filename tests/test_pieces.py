@@ -8,16 +8,16 @@ import pytest
 
 from fedjax_split.errors import UserError
 from fedjax_split.fed.strategy import train_record
-from fedjax_split.run import pieces
+from fedjax_split.run import client_data, client_scores, pieces, round_records
 
 
 def test_subsample_indices_are_seeded_sorted_and_distinct() -> None:
-    a = pieces.subsample_indices(100, 10, seed=3)
+    a = client_data.subsample_indices(100, 10, seed=3)
     assert a is not None and a.size == 10 and np.all(np.diff(a) > 0) and a.max() < 100
-    np.testing.assert_array_equal(a, pieces.subsample_indices(100, 10, seed=3))
-    assert not np.array_equal(a, pieces.subsample_indices(100, 10, seed=4))
-    assert pieces.subsample_indices(100, None, seed=0) is None
-    assert pieces.subsample_indices(100, 100, seed=0) is None
+    np.testing.assert_array_equal(a, client_data.subsample_indices(100, 10, seed=3))
+    assert not np.array_equal(a, client_data.subsample_indices(100, 10, seed=4))
+    assert client_data.subsample_indices(100, None, seed=0) is None
+    assert client_data.subsample_indices(100, 100, seed=0) is None
 
 
 def test_subsample_keeps_every_per_example_field_aligned() -> None:
@@ -31,7 +31,7 @@ def test_subsample_keeps_every_per_example_field_aligned() -> None:
         groups=np.array([f"g{i}" for i in range(n)]),
         splits=np.array([f"s{i}" for i in range(n)]),
     )
-    sub = pieces.subset_examples(ex, np.array([1, 4, 7]))
+    sub = client_data.subset_examples(ex, np.array([1, 4, 7]))
     assert sub.texts_a == ["a1", "a4", "a7"] and sub.texts_b == ["b1", "b4", "b7"]
     assert sub.labels.tolist() == [1, 1, 1] and sub.groups.tolist() == ["g1", "g4", "g7"]
     assert sub.splits.tolist() == ["s1", "s4", "s7"] and len(sub) == 3
@@ -43,13 +43,13 @@ def test_mean_over_clients_skips_undefined_metrics() -> None:
         {"client": 1, "pearson": float("nan"), "spearman": 0.75},  # constant test split
         {"client": 3, "pearson": 0.9, "spearman": None},
     ]
-    assert pieces.mean_over_clients(per_client) == {
+    assert client_scores.mean_over_clients(per_client) == {
         "pearson": pytest.approx(0.7),
         "spearman": pytest.approx(0.5),
     }
-    nan = pieces.mean_over_clients([{"client": 0, "pearson": float("nan")}])["pearson"]
+    nan = client_scores.mean_over_clients([{"client": 0, "pearson": float("nan")}])["pearson"]
     assert np.isnan(nan)
-    assert pieces.mean_over_clients([]) == {}
+    assert client_scores.mean_over_clients([]) == {}
 
 
 def test_round_chunk_size_defaults_by_backend() -> None:
@@ -67,15 +67,15 @@ def test_round_chunk_size_defaults_by_backend() -> None:
 
 def test_personalised_record_means_over_all_and_over_the_trained() -> None:
     per_client = [{"client": 0, "accuracy": 0.5}, {"client": 2, "accuracy": 1.0}]
-    record = pieces.personalised_record(per_client, trained={2, 7})
+    record = client_scores.personalised_record(per_client, trained={2, 7})
     # two clients: the 10th percentile is a tenth of the way from the lower to the higher
     assert record == {"accuracy": 0.75, "clients": per_client, "trained_mean": {"accuracy": 1.0},
                       "worst_client": {"accuracy": 0.5},
                       "p10_client": {"accuracy": pytest.approx(0.55)}}  # fmt: skip
-    assert "trained_mean" not in pieces.personalised_record(per_client, None)
+    assert "trained_mean" not in client_scores.personalised_record(per_client, None)
     assert "global_clients" not in record and "personalization_gain" not in record
     # no client with test examples: no spread to give
-    assert pieces.personalised_record([], None) == {"clients": []}
+    assert client_scores.personalised_record([], None) == {"clients": []}
 
 
 def test_the_worst_client_and_the_10th_percentile_by_hand() -> None:
@@ -89,16 +89,16 @@ def test_the_worst_client_and_the_10th_percentile_by_hand() -> None:
         {"client": 4, "accuracy": 0.4},
         {"client": 5, "accuracy": 0.8, "f1": 0.5},
     ]
-    spread = pieces.spread_over_clients(per_client)
+    spread = client_scores.spread_over_clients(per_client)
     # accuracy sorted 0.2, 0.4, 0.6, 0.8, 0.9: position 0.4, between 0.2 and 0.4
     assert spread["worst_client"]["accuracy"] == 0.2
     assert spread["p10_client"]["accuracy"] == pytest.approx(0.2 + 0.4 * (0.4 - 0.2))
     # f1 sorted 0.3, 0.5, 0.7: position 0.2, between 0.3 and 0.5
     assert spread["worst_client"]["f1"] == 0.3
     assert spread["p10_client"]["f1"] == pytest.approx(0.3 + 0.2 * (0.5 - 0.3))
-    one = pieces.spread_over_clients([{"client": 3, "accuracy": 0.7}])
+    one = client_scores.spread_over_clients([{"client": 3, "accuracy": 0.7}])
     assert one == {"worst_client": {"accuracy": 0.7}, "p10_client": {"accuracy": 0.7}}
-    undefined = pieces.spread_over_clients([{"client": 0, "pearson": nan}])
+    undefined = client_scores.spread_over_clients([{"client": 0, "pearson": nan}])
     assert np.isnan(undefined["worst_client"]["pearson"])
 
 
@@ -110,18 +110,18 @@ def test_the_personalisation_gain_is_the_mean_of_each_clients_own_difference() -
     row = lambda c, a, f: {"client": c, "accuracy": a, "f1": f}  # noqa: E731
     personal = [row(0, 0.8, 0.9), row(1, 0.6, 0.4), row(2, 0.7, nan), row(3, 1.0, 1.0)]
     theirs = [row(0, 0.5, 0.2), row(1, 0.7, nan), row(2, 0.4, 0.1)]
-    gain = pieces.personalization_gain(personal, theirs)
+    gain = client_scores.personalization_gain(personal, theirs)
     assert gain["accuracy"] == pytest.approx(((0.8 - 0.5) + (0.6 - 0.7) + (0.7 - 0.4)) / 3)
     assert gain["f1"] == pytest.approx(0.9 - 0.2)
-    record = pieces.personalised_record(personal, None, theirs)
+    record = client_scores.personalised_record(personal, None, theirs)
     assert record["global_clients"] == theirs and record["personalization_gain"] == gain
 
 
 def test_newest_rounds_are_each_clients_last_sampled_round() -> None:
     history = [{"round": 1, "clients_sampled": [0, 1]}, {"round": 2, "clients_sampled": []},
                {"round": 3, "clients_sampled": [1, 2]}]  # fmt: skip
-    assert pieces.newest_rounds(history) == {0: 1, 1: 3, 2: 3}
-    assert pieces.newest_rounds([]) == {}
+    assert round_records.newest_rounds(history) == {0: 1, 1: 3, 2: 3}
+    assert round_records.newest_rounds([]) == {}
 
 
 def test_trained_clients_leave_out_failed_clients_and_add_the_current_round() -> None:
@@ -129,16 +129,16 @@ def test_trained_clients_leave_out_failed_clients_and_add_the_current_round() ->
         {"clients_sampled": [0, 1]},
         {"clients_sampled": [1, 2], "clients_failed": [2]},  # a deployed round: 2 failed
     ]
-    assert pieces.trained_clients(history) == {0, 1}
-    assert pieces.trained_clients(history, [np.int32(4)]) == {0, 1, 4}
-    assert pieces.trained_clients([]) == set()
+    assert round_records.trained_clients(history) == {0, 1}
+    assert round_records.trained_clients(history, [np.int32(4)]) == {0, 1, 4}
+    assert round_records.trained_clients([]) == set()
 
 
 def test_round_costs_accumulate_bytes_and_split_seconds() -> None:
-    first = pieces.round_costs([], 10, 30, t0=1.0, t_train=3.0, t_eval=3.5)
+    first = round_records.round_costs([], 10, 30, t0=1.0, t_train=3.0, t_eval=3.5)
     assert first["cum_bytes"] == 40 and first["seconds"] == 2.5
     assert first["train_seconds"] == 2.0 and first["eval_seconds"] == 0.5
-    second = pieces.round_costs([first], 1, 2, t0=0.0, t_train=1.0, t_eval=1.0)
+    second = round_records.round_costs([first], 1, 2, t0=0.0, t_train=1.0, t_eval=1.0)
     assert (second["cum_bytes_up"], second["cum_bytes_down"], second["cum_bytes"]) == (11, 32, 43)
     assert second["bytes_up"] == 1 and second["eval_seconds"] == 0.0
 
@@ -166,7 +166,7 @@ def test_load_sites_gives_client_k_exactly_site_ks_rows(tmp_path) -> None:
     a = _site(tmp_path / "a", [("a0", 1), ("a1", 1), ("a2", 0)], dev=[("ad", 1)])
     b = _site(tmp_path / "b", [(f"b{i}", i % 2) for i in range(10)])  # no dev: 80/20
     config = resolve_config(overrides={"site_data": f"{a},{b}", "seed": 3})
-    examples, part = pieces.load_sites(config, get_task("sst2"))
+    examples, part = client_data.load_sites(config, get_task("sst2"))
     assert part.scheme == "sites" and part.num_examples == len(examples) == 14
     texts = np.asarray(examples.texts_a)
     assert texts[part.clients[0].train].tolist() == ["a0", "a1", "a2"]
@@ -185,7 +185,7 @@ def test_a_bad_site_is_one_line_naming_the_site_and_its_file(tmp_path) -> None:
     b = _site(tmp_path / "b", [("b0", 1), ("b1", "maybe")])
     config = resolve_config(overrides={"site_data": f"{a},{b}"})
     with pytest.raises(UserError) as err:
-        pieces.load_sites(config, get_task("sst2"))
+        client_data.load_sites(config, get_task("sst2"))
     assert str(err.value).startswith(f"site 1 ({b}): task sst2: 1 invalid rows, e.g. ")
     assert "train.tsv:3 (label 'maybe')" in str(err.value)
     # a train file without examples, beside a dev file: nothing to train on
@@ -193,10 +193,10 @@ def test_a_bad_site_is_one_line_naming_the_site_and_its_file(tmp_path) -> None:
     (c / "train.tsv").write_text("sentence\tlabel\n")
     config = resolve_config(overrides={"site_data": f"{a},{c}"})
     with pytest.raises(UserError, match=r"site 1 \(.*c\) has no training examples"):
-        pieces.load_sites(config, get_task("sst2"))
+        client_data.load_sites(config, get_task("sst2"))
     real = resolve_config(overrides={"site_data": NODE_SITES})
     with pytest.raises(UserError, match="the simulation reads every site itself"):
-        pieces.load_sites(real, get_task("sst2"))
+        client_data.load_sites(real, get_task("sst2"))
 
 
 def test_a_token_tasks_vocabulary_comes_from_the_task_or_the_config_never_the_sites() -> None:
@@ -204,15 +204,15 @@ def test_a_token_tasks_vocabulary_comes_from_the_task_or_the_config_never_the_si
     from fedjax_split.tasks.registry import get_task
 
     def types(task: str, **values: object) -> object:
-        return pieces.entity_types(resolve_config(overrides=values), get_task(task))
+        return client_data.entity_types(resolve_config(overrides=values), get_task(task))
 
     assert types("ner") is None  # a pool's own tags
     assert types("ner", entity_types="PER,LOC") == ("LOC", "PER")
-    assert pieces.tag_names(resolve_config(overrides={"entity_types": "PER"}),
+    assert client_data.tag_names(resolve_config(overrides={"entity_types": "PER"}),
                             get_task("ner")) == ("O", "B-PER", "I-PER")  # fmt: skip
     wnut16 = get_task("wnut16").entity_types
     assert types("wnut16") == types("wnut16", site_data=NODE_SITES) == wnut16
-    assert types("sst2") is None and pieces.tag_names(resolve_config(), get_task("sst2")) == ()
+    assert types("sst2") is None and client_data.tag_names(resolve_config(), get_task("sst2")) == ()
     with pytest.raises(UserError, match="^task ner with --site-data needs .*pass --entity-types"):
         types("ner", site_data=NODE_SITES)
     with pytest.raises(UserError, match="task wnut16 has its own types company,facility"):
@@ -230,12 +230,12 @@ def test_load_sites_of_a_token_task_in_the_configs_vocabulary(tmp_path) -> None:
     a = write_tiny_conll(tmp_path / "a", n_train=5, n_test=2, seed=1)
     b = write_tiny_conll(tmp_path / "b", n_train=4, n_test=0, seed=2)
     config = resolve_config(overrides={"site_data": f"{a},{b}", "entity_types": "pos,neg,misc"})
-    examples, part = pieces.load_sites(config, get_task("ner"))
+    examples, part = client_data.load_sites(config, get_task("ner"))
     assert examples.tag_names == ("O", "B-misc", "I-misc", "B-neg", "I-neg", "B-pos", "I-pos")
     assert [(len(c.train), len(c.test)) for c in part.clients] == [(5, 2), (3, 1)]
     (b / "train.txt").write_text("w O\n\nv B-loc\n")
     with pytest.raises(UserError) as err:
-        pieces.load_sites(config, get_task("ner"))
+        client_data.load_sites(config, get_task("ner"))
     assert str(err.value).startswith(f"site 1 ({b}): {b / 'train.txt'}:3: tag 'B-loc' is not")
 
 
@@ -245,7 +245,7 @@ def test_concat_examples_joins_every_per_row_field_in_order() -> None:
     one = Examples(["x", "y"], ["p", "q"], np.array([0, 2]), np.array(["m", "m"]),
                    np.array(["train", "validation"]))  # fmt: skip
     two = Examples(["z"], ["r"], np.array([1]), np.array(["mm"]), np.array(["train"]))
-    both = pieces.concat_examples([one, two])
+    both = client_data.concat_examples([one, two])
     assert both.texts_a == ["x", "y", "z"] and both.texts_b == ["p", "q", "r"]
     assert both.labels.tolist() == [0, 2, 1] and both.groups.tolist() == ["m", "m", "mm"]
     assert both.splits.tolist() == ["train", "validation", "train"]
@@ -264,18 +264,21 @@ def test_sites_rows_are_as_wide_as_max_length_allows_whatever_their_data() -> No
     long = Tokenized([np.ones(13, np.int32)], [np.zeros(13, np.int32)], np.array([13]))
     sites = ExperimentConfig.of(packing=True, site_data="a,b", max_length=100, batch_size=16,
                                 bucketing=False)  # fmt: skip
-    assert pieces.row_width(sites, short) == 104  # 100 rounded up to a multiple of 8
-    assert pieces.row_width(replaced(sites, max_length=16), short) == 64
+    assert client_data.row_width(sites, short) == 104  # 100 rounded up to a multiple of 8
+    assert client_data.row_width(replaced(sites, max_length=16), short) == 64
     pool = replaced(sites, site_data=None)
-    assert pieces.row_width(pool, short) == 64  # the pool's longest example, at least 64
+    assert client_data.row_width(pool, short) == 64  # the pool's longest example, at least 64
     padded_sites = replaced(sites, packing=False)
-    assert pieces.row_width(padded_sites, short) == 104  # padded T: the same bound
+    assert client_data.row_width(padded_sites, short) == 104  # padded T: the same bound
     padded_pool = replaced(pool, packing=False)
-    assert pieces.row_width(padded_pool, short) == 8 and pieces.row_width(padded_pool, long) == 16
+    assert client_data.row_width(padded_pool, short) == 8
+    assert client_data.row_width(padded_pool, long) == 16
     # N of a site's parts: B half-full rows of W (whole rows), from the config alone
     task = get_task("sst2")
-    how = pieces.batching_of(sites, task, 104)
+    how = client_data.batching_of(sites, task, 104)
     assert (how.batch_size, how.row_width, how.part_tokens) == (16, 104, 8 * 104)
-    assert pieces.batching_of(sites, task, 104, evaluation=True).part_tokens == 16 * 104  # B 32
-    assert pieces.batching_of(pool, task, 64).part_tokens is None  # from the pool when batching
-    assert pieces.batching_of(padded_sites, task, 104).part_tokens is None
+    evaluation = client_data.batching_of(sites, task, 104, evaluation=True)
+    assert evaluation.part_tokens == 16 * 104  # B 32
+    # from the pool when batching
+    assert client_data.batching_of(pool, task, 64).part_tokens is None
+    assert client_data.batching_of(padded_sites, task, 104).part_tokens is None

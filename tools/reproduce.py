@@ -239,7 +239,7 @@ def pool_labels(task: str, data_dir: str | None, max_examples: int | None, seed:
     import numpy as np
 
     from fedjax_split.data.sources import load_examples
-    from fedjax_split.run.pieces import subsample_indices
+    from fedjax_split.run.client_data import subsample_indices
     from fedjax_split.tasks.registry import get_task
 
     labels = np.asarray(load_examples(get_task(task), data_dir=data_dir).labels)

@@ -37,7 +37,7 @@ from fedjax_split.errors import UserError
 from fedjax_split.fed import roles, wire
 from fedjax_split.fed.client_program import client_functions, client_key, client_round
 from fedjax_split.fed.roles import flatten_paths
-from fedjax_split.run import costs, pieces
+from fedjax_split.run import client_data, client_scores, costs, pieces
 from fedjax_split.run.config import ExperimentConfig
 from fedjax_split.sim import evaluation
 from fedjax_split.sim.client_store import ClientStore, load_tree, save_tree, tree_digest
@@ -53,7 +53,7 @@ class NodeSetup:
     config: ExperimentConfig
     task: tasks.Task
     client_id: int
-    pool: pieces.Pool  # the whole pool (its steps use its own rows only)
+    pool: client_data.Pool  # the whole pool (its steps use its own rows only)
     split: partition.ClientSplit  # this client's train / test pool indices
     shares: list[float] | None  # its realised label shares (partition.json), None without target
     partition_meta: dict[str, Any]  # the partition's settings (what partition.json records)
@@ -169,7 +169,7 @@ def prepare_many(
         shares = _pool_shares(config, task, client_ids)
     examples = next(iter(shares.values()))[0]
     model = pieces.build_model(config, task, getattr(examples, "tag_names", ()))
-    pool = pieces.make_pool(
+    pool = client_data.make_pool(
         config, examples, _tokenized(config, task, examples, model.model_dir, cache)
     )
     common = dict(
@@ -193,9 +193,9 @@ def _pool_shares(
 ) -> dict[int, Share]:
     """Each client's share of the pool every node loads and partitions alike: (the pool, its
     split of it, its realised label shares, the partition's settings)."""
-    examples = pieces.load_pool(config, task)
+    examples = client_data.load_pool(config, task)
     labels = np.asarray(examples.labels)
-    part = pieces.make_partition(config, task, labels)
+    part = client_data.make_partition(config, task, labels)
     meta = _meta(part, "clients")
     out = {}
     for cid in client_ids:
@@ -217,8 +217,8 @@ def _site_share(
             f"this run's sites read their own data: give SuperNode {client_id} its directory "
             f"in its node config (--node-config 'partition-id={client_id} data-dir=DIR')"
         )
-    examples = pieces.load_site(config, task, client_id, site_dir)
-    split = pieces.site_split(config, examples, client_id, site_dir)
+    examples = client_data.load_site(config, task, client_id, site_dir)
+    split = client_data.site_split(config, examples, client_id, site_dir)
     labels = np.asarray(examples.labels)
     # a token task's shares are of each sentence's dominant entity type, as the simulation's
     names = sources.label_names_or_none(task, examples) or ()
@@ -259,7 +259,7 @@ def train(
 
     if clip is not None and not (math.isfinite(clip) and clip > 0):
         raise ValueError(f"the server asked for a DP clip norm of {clip}; refusing to train")
-    steps = pieces.client_steps(
+    steps = client_data.client_steps(
         node.config, node.task, node.pool, node.split.train, node.client_id, round_index
     )
     key = client_key(jax.random.key(node.config.seed), state_round, node.client_id)
@@ -279,13 +279,13 @@ def evaluate(node: NodeSetup, global_wire: Any, local: Any) -> dict[str, Any]:
     test split, scored as the simulation scores each client ({} without test examples)."""
     import jax.numpy as jnp
 
-    batches = pieces.client_eval_steps(node.config, node.task, node.pool, node.split.test)
+    batches = client_data.client_eval_steps(node.config, node.task, node.pool, node.split.test)
     received = wire.cast_from_wire(global_wire, jnp.float32)
     params = roles.merge_params(received, node.frozen, local)
     res = evaluation.evaluate_client(node.apply, params, batches, node.task.objective)
     if len(res.labels) == 0:
         return {}
-    return pieces.score(node.task, node.pool.examples, res)
+    return client_scores.score(node.task, node.pool.examples, res)
 
 
 def store(state_dir: str | Path, run_id: str, node: NodeSetup) -> ClientStore:

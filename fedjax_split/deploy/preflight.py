@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fedjax_split.deploy.pretrain_node import check_deployable
 from fedjax_split.errors import UserError
-from fedjax_split.run import driver, pieces, pretraining, safeguards
+from fedjax_split.run import client_data, driver, pieces, pretraining, safeguards
 from fedjax_split.run.config import ExperimentConfig, site_dirs, trajectory_mismatch
 from fedjax_split.run.pretrain_config import PretrainConfig
 from fedjax_split.run.pretraining import site_documents
@@ -51,4 +51,4 @@ def check_sites(config: ExperimentConfig | PretrainConfig) -> None:
         return
     task = get_task(config.data.task)
     for k, d in enumerate(site_dirs(config)):
-        pieces.site_split(config, pieces.load_site(config, task, k, d), k, d)
+        client_data.site_split(config, client_data.load_site(config, task, k, d), k, d)

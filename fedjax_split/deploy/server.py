@@ -61,7 +61,16 @@ from fedjax_split.fed.secret import CHECKPOINT_KEY, ServerSecret
 from fedjax_split.fed.server import init_server_state
 from fedjax_split.fed.strategy import RoundPlan, Strategy
 from fedjax_split.fed.wire import cast_from_wire, param_count
-from fedjax_split.run import costs, driver, pieces, plots, safeguards
+from fedjax_split.run import (
+    client_data,
+    client_scores,
+    costs,
+    driver,
+    pieces,
+    plots,
+    round_records,
+    safeguards,
+)
 from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 from fedjax_split.run.config import ExperimentConfig, saved_dict, trajectory_mismatch
 from fedjax_split.tasks import registry as tasks
@@ -317,7 +326,7 @@ def partition_from_nodes(config: ExperimentConfig, found: Mapping[int, tuple[int
 def _tag_names(
     found: Mapping[int, tuple[int, Any]], configured: tuple[str, ...] = ()
 ) -> tuple[str, ...]:
-    """A token task's tag vocabulary: the run config's (`configured`, pieces.tag_names), which
+    """A token task's tag vocabulary: the run config's (`configured`, client_data.tag_names), which
     every node must report too; without one (a pool's own tags), the one the nodes agree on."""
     for node_id, cfg in found.values():
         tags = cfg.get(protocol.TAG_NAMES, [])
@@ -340,7 +349,7 @@ def partition_names(config: ExperimentConfig, task: Any) -> tuple[str, ...] | No
     entity types from the config (each sentence's dominant type, then "(none)", as the pool's
     `partition_names`); None where no one knows them here (a pool's own types)."""
     if task.objective.per_token:
-        types = pieces.entity_types(config, task)
+        types = client_data.entity_types(config, task)
         return None if types is None else (*types, NO_ENTITY)
     return task.label_names or None
 
@@ -383,7 +392,7 @@ def _shares(node_id: int, cfg: Any, cid: int) -> list[float] | None:
 def build_server(config: ExperimentConfig, found: Mapping[int, tuple[int, Any]]) -> ServerRun:
     """Model, roles and server state, as `run.pieces` makes them for every node, without data."""
     task = tasks.get_task(config.data.task)
-    tag_names = _tag_names(found, pieces.tag_names(config, task))
+    tag_names = _tag_names(found, client_data.tag_names(config, task))
     model = pieces.build_model(config, task, tag_names)
     spec = model.round_spec
     nodes = {cid: node_id for cid, (node_id, _) in found.items()}
@@ -621,14 +630,14 @@ def run_round(
     eval_bytes, next_ahead = 0, None
     if driver.due(r, run.config.outputs.eval_every, run.rounds):
         done = [c for c in plan.clients if int(c) not in failed]
-        trained = pieces.trained_clients(history, done)
+        trained = round_records.trained_clients(history, done)
         evaluated, eval_failed, eval_bytes, next_ahead = evaluate(
             run, exchange, r, options, failed, trained, keep_from
         )
         record.update(evaluated)
     t_end = time.perf_counter() - (0.0 if next_ahead is None else next_ahead.seconds)
     times, num = (t0, t_train, max(t_end, t_train)), len(plan.clients)
-    record.update(pieces.cost_record(
+    record.update(round_records.cost_record(
         history, taken.bytes_up, codec.nbytes(sent) * num, times, taken.costs, bool(expect),
         run.bert_fl_bytes, num,
     ))  # fmt: skip
@@ -726,8 +735,8 @@ def _check_replies(
 
 
 def metric_names(task: Any, tag_names: Sequence[str] = ()) -> frozenset[str]:
-    """Every metric name the task's scoring (`run.pieces.score`) can give a client: the task's
-    metrics, MNLI's per group, a token task's `f1_<type>` of each entity type of its tags."""
+    """Every metric name the task's scoring (`run.client_scores.score`) can give a client: the
+    task's metrics, MNLI's per group, a token task's `f1_<type>` of each entity type of its tags."""
     names = set(task.metrics)
     names.update(f"{m}_{g}" for m in task.metrics for g in task.groups)
     if task.objective.per_token:
@@ -840,7 +849,7 @@ def _evaluated(
     for cid, why in sorted(failed.items()):
         if cid not in skip:
             _warn(f"round {r}: client {cid} failed to evaluate ({why})")
-    return pieces.personalised_record(per_client, trained, theirs if both else None), failed
+    return client_scores.personalised_record(per_client, trained, theirs if both else None), failed
 
 
 def oldest_checkpoint(run_dir: Any, start_round: int) -> int:
@@ -896,7 +905,7 @@ class FlowerServer:
                 "--resume: this run was not written by the Flower server (its clients' local "
                 "parts are in its client store); continue it with `python -m fedjax_split.train`"
             )
-        pieces.check_partition(meta, self.run.partition, "the nodes' data")
+        client_data.check_partition(meta, self.run.partition, "the nodes' data")
         self.run.server_state = arrays["server_state"]
         if self.run.secret is not None:
             self.run.secret = ServerSecret.from_array(arrays[CHECKPOINT_KEY])

@@ -20,15 +20,13 @@ journal's Table 3 gives its computation and communication as shares of BERT-FL's
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from fedjax_split.fed.roles import flatten_paths, layer_index, merge_params
 from fedjax_split.fed.wire import cast_to_wire, tree_bytes, wire_dtype
 from fedjax_split.models.bert import BertConfig
 from fedjax_split.models.flops import segment_flops
-
-if TYPE_CHECKING:  # run.pieces imports this module
-    from fedjax_split.run.pieces import Model
+from fedjax_split.run.pieces import Model
 
 
 class Trained(NamedTuple):

@@ -28,8 +28,16 @@ from fedjax_split.fed import aggregation, roles, wire
 from fedjax_split.fed.secret import CHECKPOINT_KEY, ServerSecret
 from fedjax_split.fed.strategy import RoundPlan
 from fedjax_split.models.bert_config import check_attention
+from fedjax_split.run import (
+    client_data,
+    client_scores,
+    driver,
+    pieces,
+    plots,
+    round_records,
+    safeguards,
+)
 from fedjax_split.run import costs as costs_mod
-from fedjax_split.run import driver, pieces, plots, safeguards
 from fedjax_split.run.config import (
     ExperimentConfig,
     resolve_config,
@@ -51,7 +59,7 @@ class Setup:
 
     config: ExperimentConfig
     model: pieces.Model
-    pool: pieces.Pool
+    pool: client_data.Pool
     partition: Any
     eval_batches: list[list[Any]]  # each client's test batches
 
@@ -62,16 +70,17 @@ def build(config: ExperimentConfig) -> Setup:
     # the data first: a token task's tag vocabulary (from the whole pool) sizes the model's head;
     # sites with their own data are their clients' data as they are (no pool to partition)
     if config.data.site_data is not None:
-        examples, part = pieces.load_sites(config, task)
+        examples, part = client_data.load_sites(config, task)
     else:
-        examples, part = pieces.load_pool(config, task), None
+        examples, part = client_data.load_pool(config, task), None
     model = pieces.build_model(config, task, getattr(examples, "tag_names", ()))
-    pool = pieces.make_pool(
-        config, examples, pieces.load_tokenized(config, task, examples, model.model_dir)
+    pool = client_data.make_pool(
+        config, examples, client_data.load_tokenized(config, task, examples, model.model_dir)
     )
     if part is None:
-        part = pieces.make_partition(config, task, pool.labels)
-    eval_batches = [pieces.client_eval_steps(config, task, pool, cs.test) for cs in part.clients]
+        part = client_data.make_partition(config, task, pool.labels)
+    eval_batches = [client_data.client_eval_steps(config, task, pool, cs.test)
+                    for cs in part.clients]  # fmt: skip
     return Setup(config, model, pool, part, eval_batches)
 
 
@@ -85,7 +94,7 @@ def round_batches(
     sampled = safeguards.sample(config, r, secret)
     mine = own_positions(setup, len(sampled))
     return [
-        pieces.client_steps(config, setup.model.task, setup.pool,
+        client_data.client_steps(config, setup.model.task, setup.pool,
                             setup.partition.clients[i].train, int(i), r) if k in mine else None
         for k, i in enumerate(sampled)
     ]  # fmt: skip
@@ -117,7 +126,7 @@ def evaluate(
     *, last: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Personalised evaluation: each client's merged model on its own test split, a group of
-    clients at a time (`evaluation.evaluate_personalised`; `pieces.personalised_record`'s
+    clients at a time (`evaluation.evaluate_personalised`; `client_scores.personalised_record`'s
     figures); when nothing is local, also `pooled`: the one global model on the union of the
     clients' test data (FedNLP's figure; with a local part there is no single global model).
     `last` (the run's last evaluation), with a local part: also the global model on each client's
@@ -140,13 +149,13 @@ def evaluate(
     if processes.count() > 1:
         results = _gather_predictions(results) if pooled else []
     theirs = global_figures(setup, global_params, ids) if last and not pooled else None
-    record = pieces.personalised_record(per_client, trained, theirs)
+    record = client_scores.personalised_record(per_client, trained, theirs)
     if pooled and results:
         pooled_rows = evaluation.ClientPredictions(
             *(evaluation.concat_rows([getattr(r, f) for _, r in results])
               for f in ("predictions", "labels", "example_index"))
         )  # fmt: skip
-        record["pooled"] = pieces.score(model.task, setup.pool.examples, pooled_rows)
+        record["pooled"] = client_scores.score(model.task, setup.pool.examples, pooled_rows)
     return record
 
 
@@ -166,7 +175,7 @@ def global_figures(setup: Setup, global_params: Any, ids: Sequence[int]) -> list
 
 def _scored(setup: Setup, results: Sequence[tuple[int, Any]]) -> list[dict[str, Any]]:
     """Each client's metrics of its predictions, gathered from every process in client order."""
-    per_client = [{"client": i, **pieces.score(setup.model.task, setup.pool.examples, res)}
+    per_client = [{"client": i, **client_scores.score(setup.model.task, setup.pool.examples, res)}
                   for i, res in results]  # fmt: skip
     if processes.count() > 1:
         per_client = sorted((r for part in processes.gather_json(per_client) for r in part),
@@ -260,7 +269,7 @@ class Simulation:
                 f"--resume: this run was written by the {meta['deploy']} server (its clients' "
                 "local parts are on its nodes); continue it with `python -m fedjax_split.flower`"
             )
-        pieces.check_partition(meta, self.setup.partition, "the data")
+        client_data.check_partition(meta, self.setup.partition, "the data")
         if not (self.run_dir / CLIENTS_DIR / "initial.npz").is_file():
             raise UserError(
                 f"{str(self.run_dir)!r} has no client store ({CLIENTS_DIR}/) to resume from; "
@@ -270,7 +279,8 @@ class Simulation:
         if self.secret is not None:
             self.secret = ServerSecret.from_array(arrays[CHECKPOINT_KEY])
         self.frozen = arrays.get("frozen", self.frozen)
-        self.newest = pieces.newest_rounds(meta["history"])  # each client's part in the store
+        # each client's part in the store
+        self.newest = round_records.newest_rounds(meta["history"])
 
     def start(self, start_round: int, note: Callable[[str], None]) -> None:
         setup, config, model = self.setup, self.setup.config, self.setup.model
@@ -317,7 +327,7 @@ class Simulation:
         weights = np.asarray([len(setup.partition.clients[i].train) for i in sampled], np.float32)
         own, new_local, result = self._run(plan, segments, weights)
         costs = round_costs(setup, self.paths, spec, segments, sampled)  # gathered, if need be
-        self.positions += pieces.positions([s for seg in segments if seg is not None
+        self.positions += client_data.positions([s for seg in segments if seg is not None
                                             for s in seg])  # fmt: skip
         losses = np.asarray(result.train_loss, np.float64)  # waits for the round's last program
         self._store(r, sampled, own, new_local)
@@ -325,10 +335,10 @@ class Simulation:
         record = self.strategy.record(plan, losses, weights, sampled, result.accepted,
                                       result.update_norms)  # fmt: skip
         if driver.due(r, setup.config.outputs.eval_every, self.rounds):
-            trained = pieces.trained_clients(history, sampled.tolist())
+            trained = round_records.trained_clients(history, sampled.tolist())
             record.update(evaluate(setup, self.server_state, self.frozen, self.store, trained,
                                    last=r == self.rounds))  # fmt: skip
-        record.update(pieces.cost_record(
+        record.update(round_records.cost_record(
             history, int(result.bytes_up), int(result.bytes_down), (t0, t_train,
             time.perf_counter()), costs, costs_mod.counted(self.paths, spec.trained),
             self.bert_fl_bytes, len(sampled),

@@ -90,9 +90,9 @@ def queue(seeds: Sequence[int] = SEEDS) -> list[tuple[str, list[str], str]]:
 
 
 def warmup_rows(n: int, examples: int, seeds: Sequence[int]) -> list[int]:
-    """The pool rows in none of the seeds' subsamples (pieces.subsample_indices): text that no
+    """The pool rows in none of the seeds' subsamples (client_data.subsample_indices): text that no
     run of the study trains or tests on."""
-    from fedjax_split.run.pieces import subsample_indices
+    from fedjax_split.run.client_data import subsample_indices
 
     used: set[int] = set()
     for seed in seeds:
