@@ -144,7 +144,7 @@ def test_truncated_trains_and_exports_its_first_k_layers(base: dict) -> None:
 def test_centralised_is_one_client_with_all_the_text_and_sends_nothing(base: dict) -> None:
     """Checked on the run's setup and first plan (training it costs a compilation; its round
     is the same code as the truncated baseline's)."""
-    from fedjax_split.run import pretraining
+    from fedjax_split.run import pretrain_setup, pretraining
     from fedjax_split.run.pretrain_config import resolve
 
     settings = {
@@ -152,9 +152,9 @@ def test_centralised_is_one_client_with_all_the_text_and_sends_nothing(base: dic
         "clients": 2, "max_length": 24, "heldout_fraction": 0.1,
     }  # fmt: skip
     with pytest.warns(Note, match="^a new masked-LM head, initialised from seed 0$"):
-        central = pretraining.build(resolve(overrides={**settings, "method": "centralised"}))
+        central = pretrain_setup.build(resolve(overrides={**settings, "method": "centralised"}))
     with pytest.warns(Note, match="^a new masked-LM head, initialised from seed 0$"):
-        fed = pretraining.build(resolve(overrides={**settings, "method": "bert-fl"}))
+        fed = pretrain_setup.build(resolve(overrides={**settings, "method": "bert-fl"}))
     assert central.clients == [0] and fed.clients == [0, 1]
     assert central.split.to_dict() == fed.split.to_dict()  # the same documents, held out too
     # one stream of all the clients' documents: the same tokens, a piece fewer at most
@@ -172,7 +172,7 @@ def test_freeze_leaves_parameters_out_of_every_plan(base: dict) -> None:
     """--freeze over Hugging Face names: 'embeddings\\.|encoder\\.' trains the MLM head alone
     (the study's warm-up); a pattern that leaves nothing to train is a one-line error."""
     from fedjax_split.errors import UserError
-    from fedjax_split.run import pretraining
+    from fedjax_split.run import pretrain_setup, pretraining
     from fedjax_split.run.pretrain_config import resolve
 
     settings = {
@@ -180,7 +180,7 @@ def test_freeze_leaves_parameters_out_of_every_plan(base: dict) -> None:
         "clients": 2, "max_length": 24, "method": "centralised",
     }  # fmt: skip
     with pytest.warns(Note, match="^a new masked-LM head, initialised from seed 0$"):
-        setup = pretraining.build(
+        setup = pretrain_setup.build(
             resolve(overrides={**settings, "freeze": r"embeddings\.|encoder\."})
         )
     assert pretraining.plan(setup, 1).trained == {
@@ -188,14 +188,14 @@ def test_freeze_leaves_parameters_out_of_every_plan(base: dict) -> None:
         "mlm/transform/LayerNorm/bias", "mlm/bias",
     }  # fmt: skip
     with pytest.warns(UserWarning), pytest.raises(UserError, match="leaves nothing to train"):
-        pretraining.build(resolve(overrides={**settings, "freeze": "."}))
+        pretrain_setup.build(resolve(overrides={**settings, "freeze": "."}))
 
 
 # --- sites with their own text (--site-data) ---
 
 
 def _site_setup(base: dict, dirs: list[Path], **extra: object) -> object:
-    from fedjax_split.run import pretraining
+    from fedjax_split.run import pretrain_setup
     from fedjax_split.run.pretrain_config import resolve
 
     settings = {
@@ -203,7 +203,7 @@ def _site_setup(base: dict, dirs: list[Path], **extra: object) -> object:
         "batch_size": 8, "heldout_fraction": 0.1, "method": "bert-fl", **extra,
     }  # fmt: skip
     with pytest.warns(Note, match="^a new masked-LM head, initialised from seed 0$"):
-        return pretraining.build(resolve(overrides=settings))
+        return pretrain_setup.build(resolve(overrides=settings))
 
 
 def _documents(site: Path) -> list[str]:

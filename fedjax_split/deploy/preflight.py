@@ -1,6 +1,6 @@
 """What `python -m fedjax_split.flower` checks before it starts any process: the run's settings
 as the simulation checks them (`run.pieces.check`, `run.safeguards.check_deployable`; for
-further pre-training `run.pretraining.check` and `deploy.pretrain_node.check_deployable`), its
+further pre-training `run.pretrain_setup.check` and `deploy.pretrain_node.check_deployable`), its
 run directory (`run.driver.check_run_dir`), and with --site-data every site's files read as its
 SuperNode will read them. A problem is one line before anything is written. These checks import
 the job's modules (JAX); the command imports this module only after parsing its flags."""
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from fedjax_split.deploy.pretrain_node import check_deployable
 from fedjax_split.errors import UserError
-from fedjax_split.run import client_data, driver, pieces, pretraining, safeguards
+from fedjax_split.run import client_data, driver, pieces, pretrain_setup, pretraining, safeguards
 from fedjax_split.run.config import ExperimentConfig, site_dirs, trajectory_mismatch
 from fedjax_split.run.pretrain_config import PretrainConfig
-from fedjax_split.run.pretraining import site_documents
+from fedjax_split.run.pretrain_text import site_documents
 from fedjax_split.tasks.registry import get_task
 
 
@@ -27,7 +27,7 @@ def check_experiment(config: ExperimentConfig) -> None:
 
 def check_pretraining(config: PretrainConfig) -> None:
     """A further pre-training run's settings, run directory and sites."""
-    pretraining.check(config)
+    pretrain_setup.check(config)
     check_deployable(config)
     driver.check_run_dir(config.run_dir, config.outputs.resume,  # before anything is written
                          lambda saved: pretraining.mismatch(saved, config),

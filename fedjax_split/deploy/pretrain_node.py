@@ -4,8 +4,8 @@ federation: its own text, its MLM batches, and the simulation's client program.
 Nothing here imports Flower: the ClientApp's pretrain handlers (`handlers.py`) turn messages
 into these calls. A node loads and tokenises text itself; the server never sees any. A node
 derives its text as the simulation derives its client's (`node_text`): either the corpus under
-its --data-dir split by `run.pretraining.load_split`, its own documents kept, or with
---site-data its site's own *.txt alone (its node config's data-dir, `run.pretraining.site_text`),
+its --data-dir split by `run.pretrain_text.load_split`, its own documents kept, or with
+--site-data its site's own *.txt alone (its node config's data-dir, `run.pretrain_text.site_text`),
 so that it computes bit for bit what the simulation computes for its client: the same masked
 batches (seeded by the seed, the round and its id), the same dropout key,
 `sim.pretrain_rounds.client_update` on the model the round's plan gives it.
@@ -31,7 +31,7 @@ from fedjax_split.data.text.masking import MaskedBatch, MaskingSpec
 from fedjax_split.data.text.text_corpora import Sequences
 from fedjax_split.errors import UserError
 from fedjax_split.fed.roles import flatten_paths, layer_index
-from fedjax_split.run import pretraining
+from fedjax_split.run import pretrain_setup, pretrain_text, pretraining
 from fedjax_split.run.pretrain_config import PretrainConfig
 from fedjax_split.sim.pretrain_rounds import Trainer, client_key, client_update, eval_sums
 
@@ -85,12 +85,12 @@ def node_text(
                 f"this run's sites read their own text: give SuperNode {client_id} its directory "
                 f"in its node config (--node-config 'partition-id={client_id} data-dir=DIR')"
             )
-        return pretraining.site_text(config, tokenizer, spec, client_id, site_dir)
-    units, split = pretraining.load_split(config, tokenizer)
-    seqs = pretraining.text_sequences(config, tokenizer, units, split.clients[client_id])
-    pretraining.check_has_text(client_id, seqs)
-    held = pretraining.text_sequences(config, tokenizer, units, split.heldout)
-    heldout = pretraining.heldout_batches(config, held, spec, int(tokenizer.pad_token_id))
+        return pretrain_text.site_text(config, tokenizer, spec, client_id, site_dir)
+    units, split = pretrain_text.load_split(config, tokenizer)
+    seqs = pretrain_text.text_sequences(config, tokenizer, units, split.clients[client_id])
+    pretrain_text.check_has_text(client_id, seqs)
+    held = pretrain_text.text_sequences(config, tokenizer, units, split.heldout)
+    heldout = pretrain_text.heldout_batches(config, held, spec, int(tokenizer.pad_token_id))
     return split.to_dict(), seqs, heldout
 
 
@@ -105,15 +105,15 @@ def prepare(
             f"partition-id {client_id} is outside 0..{config.federation.clients - 1} (--clients "
             f"{config.federation.clients}); give each SuperNode one of those"
         )
-    pretraining.check(config)
-    pre = pretraining.load_model(config)
+    pretrain_setup.check(config)
+    pre = pretrain_setup.load_model(config)
     tokenizer = tokenization.load_tokenizer(pre.model_dir)
-    spec = pretraining.masking_spec(config, tokenizer, pre.config)
+    spec = pretrain_setup.masking_spec(config, tokenizer, pre.config)
     split, seqs, heldout = node_text(config, client_id, tokenizer, spec, site_dir)
     return PretrainNode(
         config=config, client_id=client_id, sequences=seqs, heldout=heldout, split=split,
         masking=spec, pad_id=int(tokenizer.pad_token_id),
-        trainer=pretraining.make_trainer(config, pre.config),
+        trainer=pretrain_setup.make_trainer(config, pre.config),
         shapes={p: tuple(np.shape(x)) for p, x in flatten_paths(pre.params).items()},
     )  # fmt: skip
 

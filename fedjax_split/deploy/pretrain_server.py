@@ -48,7 +48,7 @@ from fedjax_split.deploy.server import (
 from fedjax_split.errors import UserError
 from fedjax_split.fed import layerwise
 from fedjax_split.fed.roles import flatten_paths, select
-from fedjax_split.run import driver, pretraining
+from fedjax_split.run import driver, pretrain_setup, pretraining
 from fedjax_split.run.pretrain_config import PretrainConfig
 from fedjax_split.sim.pretrain_rounds import ClientReport, aggregate, mlm_metrics
 
@@ -110,13 +110,13 @@ def join_counts(
 
 def setup_from_nodes(
     config: PretrainConfig, found: Mapping[int, tuple[int, Any]]
-) -> tuple[pretraining.Setup, list[HeldoutShare]]:
+) -> tuple[pretrain_setup.Setup, list[HeldoutShare]]:
     """(the run's text-free Setup, each client's `HeldoutShare`) from the nodes' query replies:
     the split they derive (all the same; sites: each its own counts), each client's sequences."""
     split, shares, sizes = join_counts(config, found)
-    pre = pretraining.load_model(config)
+    pre = pretrain_setup.load_model(config)
     clients = list(range(config.federation.clients))
-    return pretraining.model_setup(config, pre, split, clients, sizes), shares
+    return pretrain_setup.model_setup(config, pre, split, clients, sizes), shares
 
 
 def _split_from_nodes(found: Mapping[int, tuple[int, Any]]) -> tuple[Any, int]:
@@ -189,7 +189,7 @@ def _train_message(
 
 
 def take_upload(
-    setup: pretraining.Setup, reply: Any, client: int, layers: Sequence[int],
+    setup: pretrain_setup.Setup, reply: Any, client: int, layers: Sequence[int],
     trained: frozenset[str],
 ) -> tuple[Any, Any, int]:  # fmt: skip
     """(upload in fp32, its `ClientReport`, BERT-FL's FLOPs) of a train reply, or ValueError:
@@ -239,7 +239,7 @@ class FlowerPretraining(pretraining.Pretraining):
 
     def __init__(
         self,
-        setup: pretraining.Setup,
+        setup: pretrain_setup.Setup,
         started: float,
         grid: Any,
         nodes: dict[int, int],
@@ -271,8 +271,8 @@ class FlowerPretraining(pretraining.Pretraining):
         """The model the run produces scored by the nodes on the held-out batches (client c
         scores its `HeldoutShare`), their figures added up in the run's batch order; None if a
         share is missing (`eval_failed` says why)."""
-        params, _ = pretraining.final_params(self.setup)
-        depth = pretraining.model_depth(self.setup)
+        params, _ = pretrain_setup.final_params(self.setup)
+        depth = pretrain_setup.model_depth(self.setup)
         sent = codec.to_record(codec.encode(params, "float32"))
         msgs = {}
         for c, node_id in sorted(self.nodes.items()):
@@ -372,7 +372,7 @@ def run_pretrain_server(
     split.json, metrics.jsonl, summary.json, checkpoints/, model/). Raises
     `deploy.server.Stopped` after the checkpoint of `options.stop_after_round`."""
     started = time.perf_counter()
-    pretraining.check(config)
+    pretrain_setup.check(config)
     check_deployable(config)
     driver.check_run_dir(config.run_dir, config.outputs.resume,
                          lambda saved: pretraining.mismatch(saved, config),

@@ -29,271 +29,33 @@ The same counts for BERT-FL on the same text and rounds (`bert_fl_*`) give each 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
 from fedjax_split import runtime
-from fedjax_split.data import tokenization
-from fedjax_split.data.text import corpus_split, masking, mlm_batching, text_corpora
+from fedjax_split.data.text import mlm_batching
 from fedjax_split.errors import UserError
-from fedjax_split.fed import algorithms, client, layerwise, roles
+from fedjax_split.fed import layerwise
 from fedjax_split.fed.roles import select
-from fedjax_split.fed.server import init_server_state
-from fedjax_split.fed.wire import cast_from_wire, param_count, tree_bytes
-from fedjax_split.models import hf_checkpoint
+from fedjax_split.fed.wire import param_count, tree_bytes
 from fedjax_split.models.flops import mlm_train_flops
 from fedjax_split.models.hf_checkpoint import save_pretrained
 from fedjax_split.run import driver, outputs
-from fedjax_split.run.config import site_dirs
 from fedjax_split.run.pretrain_config import (
     SCHEMA,
     PretrainConfig,
-    check_depth,
     resolve,
-    validate,
 )
-from fedjax_split.sim.pretrain_rounds import Trainer, run_round, unigram_level
+from fedjax_split.run.pretrain_setup import Setup, build, check, final_params, model_depth
 from fedjax_split.sim.pretrain_rounds import evaluate as eval_mlm
+from fedjax_split.sim.pretrain_rounds import run_round, unigram_level
 
 STEPS_PER_SEGMENT = 8  # optimiser steps per compiled scan call (a client's last call is padded)
-HELDOUT = 0x7FFF_FFFF  # the "client" part of the held-out masks' seed: no client has this id
 RoundHook = Callable[[int, dict[str, Any]], None]
-
-
-@dataclasses.dataclass
-class Setup:
-    """What a run needs in memory, built before anything is written."""
-
-    config: PretrainConfig
-    model_config: Any  # the global model's BertConfig (head "mlm")
-    model_dir: Path
-    small_layers: int
-    truncated_layers: int
-    split: Any  # data.text.corpus_split.CorpusSplit, or SitesSplit (--site-data)
-    clients: list[int]  # who trains: 0..K-1, or [0] holding all the text (centralised)
-    sequences: list[Any]  # per training client: data.text.text_corpora.Sequences
-    sizes: list[int]  # per training client: its sequences (the weights; Flower: as nodes report)
-    heldout: list[Any]  # masked held-out batches
-    masking: Any
-    pad_id: int
-    trainer: Any
-    server_optimizer: Any
-    server_state: Any
-    schedule: list[int]  # FedBFPT's trained layer per round (index 0 = round 1)
-    frozen: frozenset[str]  # --freeze: never trained nor sent
-
-
-def check(config: PretrainConfig) -> tuple[int, int]:
-    """Cheap checks against the model's depth (reads only its config.json): (L_s, k)."""
-    validate(config)
-    model_config = hf_checkpoint.load_config(hf_checkpoint.resolve_model(config.model.name))
-    return check_depth(config, model_config.num_hidden_layers)
-
-
-def load_split(config: PretrainConfig, tokenizer: Any) -> tuple[Any, Any]:
-    """(the corpus' token units, its split): the corpus tokenised, its documents over the
-    clients, the held-out documents on none."""
-    corpus = text_corpora.load_corpus(config.data.corpus, data_dir=config.data.data_dir)
-    units = text_corpora.tokenize_corpus(corpus, tokenizer, config.data.text_mode)
-    split = corpus_split.split_corpus(
-        corpus.sources,
-        scheme=config.data.split,
-        num_clients=config.federation.clients,
-        seed=config.seed,
-        heldout_fraction=config.data.heldout_fraction,
-        sigma=config.data.sigma,
-        max_documents=config.data.max_documents,
-    )
-    return units, split
-
-
-def text_sequences(config: PretrainConfig, tokenizer: Any, units: Any, docs: Any) -> Any:
-    """The sequences of documents `docs` (a client's, or the held-out ones)."""
-    return text_corpora.sequences(
-        units, docs, mode=config.data.text_mode, max_length=config.data.max_length,
-        cls_id=tokenizer.cls_token_id, sep_id=tokenizer.sep_token_id,
-        pad_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-
-
-def check_has_text(client: int, seqs: Any, site: bool = False) -> None:
-    if seqs.input_ids.shape[0] == 0:
-        raise UserError(
-            f"site {client} has no text to train on; give it more *.txt text" if site else
-            f"client {client} has no text; use more documents or fewer --clients"
-        )  # fmt: skip
-
-
-def heldout_batches(
-    config: PretrainConfig, seqs: Any, spec: Any, pad_id: int, site: int | None = None
-) -> list[Any]:
-    """The masked held-out batches (their masks seeded by the seed alone, or for a site's own
-    held-out text by the seed and its client id)."""
-    seed = [config.seed, 0, HELDOUT] + ([] if site is None else [int(site)])
-    return mlm_batching.eval_batches(
-        seqs, batch_size=min(config.client.batch_size, 64), masking=spec, seed=seed, pad_id=pad_id
-    )
-
-
-def site_documents(config: PretrainConfig, client: int, site_dir: Any) -> tuple[Any, Any, Any]:
-    """(site `client`'s corpus, its training documents, its held-out documents): the *.txt
-    under `site_dir` read as --corpus local reads --data-dir, a problem named by the site. No
-    tokenizer: the Flower launcher checks every site with it before it starts a process."""
-    try:
-        corpus = text_corpora.load_corpus("local", data_dir=site_dir)
-        train, held = corpus_split.site_heldout(
-            len(corpus), client=client, seed=config.seed,
-            heldout_fraction=config.data.heldout_fraction,
-        )
-    except UserError as err:
-        raise UserError(f"site {client} ({site_dir}): {err}") from None
-    return corpus, train, held
-
-
-def site_text(
-    config: PretrainConfig, tokenizer: Any, spec: Any, client: int, site_dir: Any
-) -> tuple[dict[str, int], Any, list[Any]]:
-    """Site `client`'s part of the run, computed where its text lives (its SuperNode, or the
-    simulation for every site in turn), from its own files alone: (its counts for split.json,
-    its training sequences, its held-out masked batches)."""
-    corpus, train, held = site_documents(config, client, site_dir)
-    units = text_corpora.tokenize_corpus(corpus, tokenizer, config.data.text_mode)
-    seqs = text_sequences(config, tokenizer, units, train)
-    check_has_text(client, seqs, site=True)
-    held_seqs = text_sequences(config, tokenizer, units, held)
-    heldout = heldout_batches(config, held_seqs, spec, int(tokenizer.pad_token_id), site=client)
-    return corpus_split.site_counts(train, held), seqs, heldout
-
-
-def _sites_text(config: PretrainConfig, tokenizer: Any, spec: Any) -> tuple[Any, ...]:
-    """--site-data in one process: `_client_text`'s tuple from every site's `site_text` in
-    client order; the held-out batches are the sites' own, site 0's first (the order in which
-    Flower's server adds up the sites' figures); centralised training holds every site's
-    training sequences on one client."""
-    dirs = site_dirs(config)
-    if not dirs:
-        raise UserError(f"--site-data {config.data.site_data}: the simulation reads every site "
-                        "itself; pass the sites' directories DIR0,DIR1,...")  # fmt: skip
-    parts = [site_text(config, tokenizer, spec, k, d) for k, d in enumerate(dirs)]
-    split = corpus_split.SitesSplit(tuple(p[0] for p in parts), config.seed)
-    seqs = [p[1] for p in parts]
-    heldout = [batch for p in parts for batch in p[2]]
-    if config.federation.method == "centralised":
-        joined = text_corpora.Sequences(np.concatenate([s.input_ids for s in seqs]),
-                                        np.concatenate([s.lengths for s in seqs]))  # fmt: skip
-        return split, [0], [joined], heldout
-    return split, list(range(len(dirs))), seqs, heldout
-
-
-def _client_text(config: PretrainConfig, tokenizer: Any, spec: Any) -> tuple[Any, ...]:
-    """(the split, the training clients, their sequences, the held-out masked batches): the
-    corpus tokenised and cut into sequences, documents over the clients (all of it on one client
-    for centralised training), the held-out documents on none; with --site-data, each site's own
-    (`_sites_text`)."""
-    if config.data.site_data is not None:
-        return _sites_text(config, tokenizer, spec)
-    units, split = load_split(config, tokenizer)
-    make = lambda docs: text_sequences(config, tokenizer, units, docs)  # noqa: E731
-    if config.federation.method == "centralised":
-        clients, seqs = [0], [make(np.concatenate(split.clients))]
-    else:
-        clients, seqs = list(range(config.federation.clients)), [make(d) for d in split.clients]
-    for c, s in zip(clients, seqs, strict=True):
-        check_has_text(c, s)
-    heldout = heldout_batches(config, make(split.heldout), spec, tokenizer.pad_token_id)
-    return split, clients, seqs, heldout
-
-
-def load_model(config: PretrainConfig) -> Any:
-    """The start model with its MLM head (`hf_checkpoint.Pretrained`)."""
-    return hf_checkpoint.load_pretrained(
-        config.model.name, num_labels=2, seed=config.seed, dtype=config.runtime.dtype, head="mlm"
-    )
-
-
-def masking_spec(config: PretrainConfig, tokenizer: Any, model_config: Any) -> Any:
-    """The MLM masking of `tokenizer`; UserError when its vocabulary outgrows the model's."""
-    spec = masking.spec_from_tokenizer(tokenizer, config.data.mlm_probability)
-    if spec.vocab_size > model_config.vocab_size:
-        raise UserError(
-            f"the tokenizer has {spec.vocab_size} tokens, the model's vocabulary "
-            f"{model_config.vocab_size}; use the model's own tokenizer"
-        )
-    return spec
-
-
-def make_trainer(config: PretrainConfig, model_config: Any) -> Any:
-    """What the clients run (`sim.pretrain_rounds.Trainer`), with FedAvg at the server."""
-    optimizer = client.default_client_optimizer(config.client.lr, config.client.weight_decay)
-    return Trainer(model_config, optimizer, algorithms.server_optimizer("fedavg"))
-
-
-def build(config: PretrainConfig) -> Setup:
-    """Load the text and the model, split, tokenise, initialise. Writes nothing but caches."""
-    pre = load_model(config)
-    tokenizer = tokenization.load_tokenizer(pre.model_dir)
-    spec = masking_spec(config, tokenizer, pre.config)
-    split, clients, seqs, heldout = _client_text(config, tokenizer, spec)
-    sizes = [int(s.input_ids.shape[0]) for s in seqs]
-    return dataclasses.replace(
-        model_setup(config, pre, split, clients, sizes),
-        sequences=seqs, heldout=heldout, masking=spec, pad_id=int(tokenizer.pad_token_id),
-    )  # fmt: skip
-
-
-def model_setup(
-    config: PretrainConfig, pre: Any, split: Any, clients: list[int], sizes: list[int]
-) -> Setup:
-    """The run's Setup without text (Flower's server holds none): the model, the server state,
-    the schedule, --freeze; `split` and `sizes` (each client's sequences) as given."""
-    model_cfg, fed = config.model, config.federation
-    small, k = check(config)
-    # --freeze chooses parameters by their Hugging Face names, as fine-tuning's does
-    frozen = (
-        roles.paths_where(
-            pre.params, roles.name_filter(model_cfg.freeze, hf_checkpoint.tensor_names(pre.config))
-        )
-        if model_cfg.freeze
-        else frozenset()
-    )
-    if fed.method != "none":  # round 1 trains layer 0 (FedBFPT) or everything
-        first = [0] if fed.method == "fedbfpt" else None
-        if not layerwise.trained_paths(pre.params, first) - frozen:
-            raise UserError(f"--freeze {model_cfg.freeze!r} leaves nothing to train; loosen it")
-    trainer = make_trainer(config, pre.config)
-    schedule = (
-        layerwise.schedule_layers(fed.schedule, fed.rounds, fed.schedule_period)
-        if fed.method == "fedbfpt"
-        else []
-    )
-    return Setup(
-        config=config, model_config=pre.config, model_dir=Path(pre.model_dir),
-        small_layers=small, truncated_layers=k, split=split, clients=clients, sequences=[],
-        sizes=list(sizes), heldout=[], masking=None, pad_id=0, trainer=trainer,
-        server_optimizer=trainer.server_optimizer,
-        server_state=init_server_state(pre.params, trainer.server_optimizer, "float32"),
-        schedule=schedule, frozen=frozen,
-    )  # fmt: skip
-
-
-def model_depth(setup: Setup) -> int:
-    """Layers of the model the run produces: k for the truncated baseline, else L."""
-    if setup.config.federation.method == "truncated":
-        return setup.truncated_layers
-    return setup.model_config.num_hidden_layers
-
-
-def final_params(setup: Setup) -> tuple[Any, Any]:
-    """(params, BertConfig) of the model the run produces, from the server's state."""
-    params = cast_from_wire(setup.server_state.global_params)
-    depth = model_depth(setup)
-    return layerwise.assemble(params, range(depth)), setup.trainer.depth_config(depth)
 
 
 def evaluate(setup: Setup) -> dict[str, float]:
