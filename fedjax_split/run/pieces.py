@@ -2,7 +2,7 @@
 partition, the round's spec, each client's steps, scoring and costs.
 
 Every execution path builds from these: the simulation (`run.experiment`), the Flower server
-(`deploy.server`: the model, no data) and each Flower node (`deploy.node`: the model and its own
+(`deploy.joining`: the model, no data) and each Flower node (`deploy.node`: the model and its own
 share), so that all of them derive the same pieces from the same config and seed. Nothing here
 writes to the run directory. Randomness comes from the seed only (`default_rng([seed, 0,
 purpose])` for the subsample), so a resumed run derives the same pieces again.
