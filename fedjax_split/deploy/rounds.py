@@ -42,48 +42,87 @@ def run_round(
     (`fed.strategy`: the clients, the spec, the clip, the server's step, the record); this moves
     the arrays."""
     t0 = time.perf_counter()
-    if ahead is not None and ahead.plan.round == r:
-        plan, sent, replies, failed = ahead.plan, ahead.sent, ahead.replies, ahead.failed
-        secure = ahead.secure
-        t0 -= ahead.seconds
-    else:
-        plan = run.strategy.plan(r, run.server_state, run.secret)  # DP, M < K: maybe nobody
-        sent = codec.encode(run.server_state.global_params, run.model.round_spec.wire_dtype)
-        msgs = _train_messages(run, plan, sent, keep_from)
-        secure = _secure_settings(run, plan, msgs)
-        replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
+    training = _training(run, exchange, r, options, keep_from, ahead)
+    t0 -= training.seconds
+    plan, failed = training.plan, training.failed
     rejected: dict[int, str] = {}
     expect = expected_costs(run, plan.spec)
-    outcome = (replies, failed, rejected)
-    if secure is None:
-        taken, valid, agg_norms = _plain_step(run, plan, outcome, expect)
-    else:  # the server sees the sum alone
-        taken, valid, agg_norms = _secure_step(run, exchange, plan, secure, outcome, expect)
+    taken, valid, agg_norms = _step(run, exchange, training, rejected, expect)
     weights = np.asarray(taken.weights, np.float32)
     jax.block_until_ready(run.server_state)
     t_train = time.perf_counter()
     record = run.strategy.record(plan, np.asarray(taken.losses, np.float64), weights,
                                  *taken.answered(rejected, valid, agg_norms))  # fmt: skip
-    eval_failed: dict[int, str] = {}
-    eval_bytes, next_ahead = 0, None
-    if driver.due(r, run.config.outputs.eval_every, run.rounds):
-        done = [c for c in plan.clients if int(c) not in failed]
-        trained = pieces.trained_clients(history, done)
-        evaluated, eval_failed, eval_bytes, next_ahead = evaluate(
-            run, exchange, r, options, failed, trained, keep_from
-        )
-        record.update(evaluated)
+    evaluated, eval_failed, eval_bytes, next_ahead = _evaluation(
+        run, exchange, r, options, training, history, keep_from
+    )
+    record.update(evaluated)
     t_end = time.perf_counter() - (0.0 if next_ahead is None else next_ahead.seconds)
-    times, num = (t0, t_train, max(t_end, t_train)), len(plan.clients)
-    record.update(pieces.cost_record(
-        history, taken.bytes_up, codec.nbytes(sent) * num, times, taken.costs, bool(expect),
-        run.bert_fl_bytes, num,
-    ))  # fmt: skip
+    times = (t0, t_train, max(t_end, t_train))
+    record.update(_cost_record(run, history, training, taken, times, expect))
     record.update(clients_failed=sorted(failed), eval_failed=sorted(eval_failed),
                   eval_bytes_down=eval_bytes)  # fmt: skip
     if taken.secagg_bytes is not None:
         record["secagg_bytes_up"] = taken.secagg_bytes
     return record, next_ahead
+
+
+def _training(
+    run: ServerRun, exchange: Exchange, r: int, options: DeployOptions, keep_from: int,
+    ahead: Ahead | None,
+) -> Ahead:  # fmt: skip
+    """Round r's training exchange: `ahead` where round r-1's evaluation carried it, else the
+    strategy's plan sent now to the sampled clients (no seconds of its own: the round's clock
+    runs already)."""
+    if ahead is not None and ahead.plan.round == r:
+        return ahead
+    plan = run.strategy.plan(r, run.server_state, run.secret)  # DP, M < K: maybe nobody
+    sent = codec.encode(run.server_state.global_params, run.model.round_spec.wire_dtype)
+    msgs = _train_messages(run, plan, sent, keep_from)
+    secure = _secure_settings(run, plan, msgs)
+    replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
+    return Ahead(plan, sent, replies, failed, 0.0, secure)
+
+
+def _step(
+    run: ServerRun, exchange: Exchange, training: Ahead, rejected: dict[int, str],
+    expect: tuple[str, ...],
+) -> Stepped:  # fmt: skip
+    """The round's server step after its TRAIN replies (`rejected` filled in here, and in a
+    secure round the exchange's failures too): the plain one, or secure aggregation's."""
+    outcome = (training.replies, training.failed, rejected)
+    if training.secure is None:
+        return _plain_step(run, training.plan, outcome, expect)
+    # the server sees the sum alone
+    return _secure_step(run, exchange, training.plan, training.secure, outcome, expect)
+
+
+def _evaluation(
+    run: ServerRun, exchange: Exchange, r: int, options: DeployOptions, training: Ahead,
+    history: list[dict[str, Any]], keep_from: int,
+) -> tuple[dict[str, Any], dict[int, str], int, Ahead | None]:  # fmt: skip
+    """Round r's evaluation where it is due (`deploy.evaluation.evaluate`: its record, the
+    clients that failed it, its own bytes, round r+1's training where it went in the same
+    exchange), else nothing. The clients that failed round r's training are skipped."""
+    if not driver.due(r, run.config.outputs.eval_every, run.rounds):
+        return {}, {}, 0, None
+    done = [c for c in training.plan.clients if int(c) not in training.failed]
+    trained = pieces.trained_clients(history, done)
+    return evaluate(run, exchange, r, options, training.failed, trained, keep_from)
+
+
+def _cost_record(
+    run: ServerRun, history: list[dict[str, Any]], training: Ahead, taken: Taken,
+    times: tuple[float, float, float], expect: tuple[str, ...],
+) -> dict[str, Any]:  # fmt: skip
+    """The round's bytes, seconds and FLOPs as the simulation records them
+    (`pieces.cost_record`): up, the taken uploads'; down, the global part to each sampled
+    client; `times`, the round's start and the ends of its training and evaluation."""
+    num = len(training.plan.clients)
+    return pieces.cost_record(
+        history, taken.bytes_up, codec.nbytes(training.sent) * num, times, taken.costs,
+        bool(expect), run.bert_fl_bytes, num,
+    )  # fmt: skip
 
 
 Stepped = tuple[Taken, Any, Any]  # the uploads taken; accepted and update norms, each [taken]

@@ -56,11 +56,12 @@ def _train_messages(
 
 @dataclasses.dataclass
 class Ahead:
-    """Round r's training, sent in round r-1's evaluation exchange
-    (`deploy.evaluation.evaluate`): its plan, the global part sent, the replies and failures, and
-    the exchange's seconds, which count as round r's training (not as round r-1's evaluation).
-    Held in memory only: a run stopped or killed before round r starts trains round r again on
-    resume, as if it had never been sent."""
+    """Round r's training exchange: its plan, the global part sent, the replies and failures,
+    the exchange's seconds and a secure round's settings. Sent in round r-1's evaluation
+    exchange (`deploy.evaluation.evaluate`), its seconds count as round r's training (not as
+    round r-1's evaluation); a round's own exchange (`deploy.rounds.run_round`) has none of its
+    own. Held in memory only: a run stopped or killed before round r starts trains round r again
+    on resume, as if it had never been sent."""
 
     plan: RoundPlan
     sent: Mapping[str, np.ndarray]
