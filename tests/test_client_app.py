@@ -78,7 +78,8 @@ def _message(kind: str, content: dict) -> Message:
 
 def _round_message(fed: SimpleNamespace, kind: str, *, client: int = CLIENT, round_: int = 1,
                    arrays: dict | None = None, **extra: object) -> Message:  # fmt: skip
-    """A train or evaluate message as deploy.server builds it."""
+    """A train or evaluate message as the Flower server builds it (deploy.train_messages,
+    deploy.evaluation)."""
     cfg = {protocol.ROUND: round_, protocol.WIRE: fed.wire, protocol.RUN: RUN,
            protocol.CLIENT: client}  # fmt: skip
     if kind == protocol.TRAIN:

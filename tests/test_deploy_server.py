@@ -1,7 +1,8 @@
-"""deploy.server (the Flower server; tests/test_server.py is fed/server.py's): what it takes from
-the nodes' replies. A reply whose upload is malformed (paths, shapes, dtypes), holds a NaN or an
-infinity, or whose figures are not finite or not the node's own example count, is left out of the
-round and recorded as rejected; the others are taken, example-weighted, in client order. The
+"""The Flower server (deploy.server and the modules of its round: deploy.joining, train_replies,
+evaluation; tests/test_server.py is fed/server.py's): what it takes from the nodes' replies. A
+reply whose upload is malformed (paths, shapes, dtypes), holds a NaN or an infinity, or whose
+figures are not finite or not the node's own example count, is left out of the round and
+recorded as rejected; the others are taken, example-weighted, in client order. The
 whole server over real Flower processes is tests/test_flower.py's."""
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ import pytest
 from flwr.app import MetricRecord, RecordDict
 
 from fedjax_split.data.partition import ClientSplit
-from fedjax_split.deploy import codec, protocol, server
+from fedjax_split.deploy import (
+    codec,
+    evaluation,
+    joining,
+    messaging,
+    protocol,
+    server,
+    train_messages,
+)
+from fedjax_split.deploy.train_replies import _take_uploads
 from fedjax_split.errors import UserError
 from fedjax_split.fed import privacy
 from fedjax_split.fed.aggregation import Aggregator
@@ -81,7 +91,7 @@ def test_bad_uploads_are_rejected_and_the_rest_is_taken_in_order(wire: str) -> N
     }))  # fmt: skip
     rejected: dict[int, str] = {}
     run = _run(wire)
-    taken = server._take_uploads(run, run.model.round_spec, replies, rejected)
+    taken = _take_uploads(run, run.model.round_spec, replies, rejected)
     assert sorted(rejected) == [1, 2, 3, 5, 6, 8, 9]
     assert "non-finite" in rejected[1] and "non-finite" in rejected[2] and "shape" in rejected[3]
     assert "example count" in rejected[5] and "loss sum" in rejected[6]
@@ -107,7 +117,7 @@ def test_with_dp_a_reply_must_report_a_finite_update_norm() -> None:
     }
     rejected: dict[int, str] = {}
     run = _run("float32", dp=True)
-    taken = server._take_uploads(run, run.model.round_spec, replies, rejected)
+    taken = _take_uploads(run, run.model.round_spec, replies, rejected)
     assert sorted(rejected) == [1, 2] and "update norm" in rejected[1]
     assert taken.clients == [0, 4] and taken.norms == [3.5, 0.25]
 
@@ -128,7 +138,7 @@ def test_sites_partition_is_rebuilt_from_the_counts_and_own_indices_the_nodes_re
         0: (10, {protocol.SPLIT_TRAIN: [1, 3, 4], protocol.SPLIT_TEST: [0],
                  protocol.POOL_SIZE: 5, protocol.PARTITION: meta}),
     }  # fmt: skip
-    part = server.partition_from_nodes(ExperimentConfig.of(clients=2), found)
+    part = joining.partition_from_nodes(ExperimentConfig.of(clients=2), found)
     assert [(c.train.tolist(), c.test.tolist()) for c in part.clients] == [
         ([1, 3, 4], [0]), ([5, 7], [6])]  # fmt: skip
     assert (part.scheme, part.num_examples, part.seed, part.task) == (SITES, 8, 4, "sst2")
@@ -139,12 +149,12 @@ def test_the_tag_names_are_the_configs_and_every_node_must_report_them() -> None
     against it, and only without one (a pool's own tags) do they decide it."""
     tags = ["O", "B-x", "I-x"]
     found = {0: (10, {protocol.TAG_NAMES: tags}), 1: (11, {protocol.TAG_NAMES: tags})}
-    assert server._tag_names(found, tuple(tags)) == tuple(tags) == server._tag_names(found)
+    assert joining._tag_names(found, tuple(tags)) == tuple(tags) == joining._tag_names(found)
     with pytest.raises(UserError, match="report the tags O,B-x,I-x, the run's are O,B-y,I-y"):
-        server._tag_names(found, ("O", "B-y", "I-y"))
+        joining._tag_names(found, ("O", "B-y", "I-y"))
     found[1] = (11, {protocol.TAG_NAMES: ["O", "B-y", "I-y"]})
     with pytest.raises(UserError, match="different tag vocabularies"):
-        server._tag_names(found, tuple(tags))
+        joining._tag_names(found, tuple(tags))
 
 
 def test_partition_names_of_a_token_task_come_from_the_config() -> None:
@@ -152,10 +162,10 @@ def test_partition_names_of_a_token_task_come_from_the_config() -> None:
     from fedjax_split.tasks.registry import get_task
 
     config = resolve_config(overrides={"task": "ner", "entity_types": "pos,neg"})
-    assert server.partition_names(config, get_task("ner")) == ("neg", "pos", "(none)")
-    assert server.partition_names(resolve_config(), get_task("ner")) is None
-    assert server.partition_names(resolve_config(), get_task("sst2")) == ("negative", "positive")
-    assert server.partition_names(resolve_config(), get_task("stsb")) is None
+    assert joining.partition_names(config, get_task("ner")) == ("neg", "pos", "(none)")
+    assert joining.partition_names(resolve_config(), get_task("ner")) is None
+    assert joining.partition_names(resolve_config(), get_task("sst2")) == ("negative", "positive")
+    assert joining.partition_names(resolve_config(), get_task("stsb")) is None
 
 
 class _Grid:
@@ -200,19 +210,19 @@ def test_connect_maps_each_client_to_the_node_that_holds_it(monkeypatch) -> None
     from fedjax_split.errors import UserError
 
     # a Flower Message needs a run's task identity: the query is only addressed here
-    monkeypatch.setattr(server, "_message", lambda content, node, kind: SimpleNamespace(
+    monkeypatch.setattr(joining, "_message", lambda content, node, kind: SimpleNamespace(
         metadata=SimpleNamespace(dst_node_id=node, message_type=kind)))  # fmt: skip
 
     config = ExperimentConfig.of(clients=3)
-    options = server.DeployOptions(connect_timeout=5, poll_interval=0.01)
+    options = messaging.DeployOptions(connect_timeout=5, poll_interval=0.01)
     grid = _Grid({11: _query_reply(0, 1), 12: _query_reply(2, single=True)})
-    found = server.connect(grid, config, options)
+    found = joining.connect(grid, config, options)
     assert {c: node for c, (node, _) in found.items()} == {0: 11, 1: 11, 2: 12}
     assert found[1][1][protocol.POOL_SIZE] == 101 and found[2][1][protocol.CLIENT] == 2
     with pytest.raises(UserError, match="two SuperNodes say partition-id 1"):
-        server.connect(_Grid({11: _query_reply(0, 1), 12: _query_reply(1, 2)}), config, options)
+        joining.connect(_Grid({11: _query_reply(0, 1), 12: _query_reply(1, 2)}), config, options)
     with pytest.raises(UserError, match="SuperNode 11 answered the query for client 1 without"):
-        server.connect(_Grid({11: _query_reply(0, 1, 2, drop=1)}), config, options)
+        joining.connect(_Grid({11: _query_reply(0, 1, 2, drop=1)}), config, options)
 
 
 def _eval_reply(
@@ -254,7 +264,7 @@ def test_evaluate_leaves_out_a_reply_that_is_not_the_clients_own_metrics(monkeyp
     undefined on a split) and {} (no test examples) are taken as before."""
     from fedjax_split.tasks.registry import get_task
 
-    monkeypatch.setattr(server, "_message", lambda content, node, kind: content)
+    monkeypatch.setattr(evaluation, "_message", lambda content, node, kind: content)
     nan = float("nan")
     replies = {
         0: _eval_reply(0, json.dumps({"accuracy": 0.75})),
@@ -278,8 +288,9 @@ def test_evaluate_leaves_out_a_reply_that_is_not_the_clients_own_metrics(monkeyp
     run.model.task, run.tag_names, run.run_id = get_task("qnli"), (), "ab" * 8
     run.config, run.nodes = ExperimentConfig.of(clients=len(replies)), {c: c for c in replies}
     run.rounds, run.model.num_local = 1, 0  # the last evaluation, but nothing local
-    record, failed, _, ahead = server.evaluate(run, _Exchange(replies), 1, server.DeployOptions(),
-                                               {}, set(range(16)))  # fmt: skip
+    record, failed, _, ahead = evaluation.evaluate(run, _Exchange(replies), 1,
+                                                   messaging.DeployOptions(), {},
+                                                   set(range(16)))  # fmt: skip
     assert ahead is None  # the last round: nothing to carry
     assert sorted(failed) == list(range(3, 16))
     assert all(why.startswith("bad evaluation: ") for why in failed.values())
@@ -298,7 +309,7 @@ def test_a_split_runs_last_evaluation_asks_every_client_for_the_global_models_fi
     record has them per client and the gain, each client's own difference averaged."""
     from fedjax_split.tasks.registry import get_task
 
-    monkeypatch.setattr(server, "_message", lambda content, node, kind: content)
+    monkeypatch.setattr(evaluation, "_message", lambda content, node, kind: content)
     acc = lambda a: json.dumps({"accuracy": a})  # noqa: E731
     replies = {
         0: _eval_reply(0, acc(0.9), initial=acc(0.5)),
@@ -312,11 +323,12 @@ def test_a_split_runs_last_evaluation_asks_every_client_for_the_global_models_fi
     run.config, run.nodes = ExperimentConfig.of(clients=len(replies)), {c: c for c in replies}
     run.rounds, run.model.num_local = 4, 10
     exchange = _Exchange(replies)
-    alone = server.DeployOptions(carry_evaluation=False)  # (carried: the next test)
-    early, _, _, _ = server.evaluate(run, exchange, 2, alone, {}, set())
+    alone = messaging.DeployOptions(carry_evaluation=False)  # (carried: the next test)
+    early, _, _, _ = evaluation.evaluate(run, exchange, 2, alone, {}, set())
     assert not any(protocol.GLOBAL_EVAL in m[protocol.CONFIG] for m in exchange.sent.values())
     assert "personalization_gain" not in early
-    record, failed, _, _ = server.evaluate(run, exchange, 4, server.DeployOptions(), {}, set())
+    options = messaging.DeployOptions()
+    record, failed, _, _ = evaluation.evaluate(run, exchange, 4, options, {}, set())
     assert all(m[protocol.CONFIG][protocol.GLOBAL_EVAL] is True for m in exchange.sent.values())
     assert sorted(failed) == [3, 4] and protocol.GLOBAL_EVAL_JSON in failed[3]
     assert record["clients"] == [{"client": 0, "accuracy": 0.9}, {"client": 1, "accuracy": 0.6}]
@@ -339,7 +351,13 @@ def test_before_the_last_round_the_evaluation_rides_in_the_next_rounds_train_mes
     from fedjax_split.fed.strategy import RoundPlan
     from fedjax_split.tasks.registry import get_task
 
-    monkeypatch.setattr(server, "_message", lambda content, node, kind: {**content, "kind": kind})
+    def message(content: dict, node: int, kind: str) -> dict:
+        return {**content, "kind": kind}
+
+    # the evaluate messages are built in deploy.evaluation, the train messages in
+    # deploy.train_messages: each looks `_message` up in its own module
+    monkeypatch.setattr(evaluation, "_message", message)
+    monkeypatch.setattr(train_messages, "_message", message)
     acc = lambda a: json.dumps({"accuracy": a})  # noqa: E731
     replies = {c: _eval_reply(c, acc(0.5 + c / 10)) for c in range(4)}
     run = _run("float32")
@@ -351,8 +369,8 @@ def test_before_the_last_round_the_evaluation_rides_in_the_next_rounds_train_mes
         r, np.asarray([0, 2, 3]), spec, None, None))  # fmt: skip
     exchange = _Exchange(replies, failing={2: "no reply within 9 s"})
     skip = {3: "no reply within 9 s"}
-    record, failed, eval_bytes, ahead = server.evaluate(
-        run, exchange, 2, server.DeployOptions(), skip, {0, 1, 2}, keep_from=1
+    record, failed, eval_bytes, ahead = evaluation.evaluate(
+        run, exchange, 2, messaging.DeployOptions(), skip, {0, 1, 2}, keep_from=1
     )
     sent = {c: (m["kind"], dict(m[protocol.CONFIG])) for c, m in exchange.sent.items()}
     kinds = {c: kind for c, (kind, _) in sent.items()}
@@ -373,8 +391,8 @@ def test_before_the_last_round_the_evaluation_rides_in_the_next_rounds_train_mes
     assert ahead.replies[0] is replies[0] and ahead.failed == {2: "no reply within 9 s"}
     assert ahead.sent.keys() == global_part.keys()
 
-    alone = server.DeployOptions(carry_evaluation=False)
-    _, failed, eval_bytes, ahead = server.evaluate(run, exchange, 2, alone, skip, {0, 1, 2})
+    alone = messaging.DeployOptions(carry_evaluation=False)
+    _, failed, eval_bytes, ahead = evaluation.evaluate(run, exchange, 2, alone, skip, {0, 1, 2})
     kinds = {c: m["kind"] for c, m in exchange.sent.items()}
     assert kinds == dict.fromkeys([0, 1, 2], protocol.EVALUATE)
     assert ahead is None and eval_bytes == 3 * codec.nbytes(global_part)
@@ -383,9 +401,9 @@ def test_before_the_last_round_the_evaluation_rides_in_the_next_rounds_train_mes
 def test_the_metric_names_are_the_tasks_with_groups_and_entity_types() -> None:
     from fedjax_split.tasks.registry import get_task
 
-    assert server.metric_names(get_task("mnli")) == {"accuracy", "accuracy_matched",
+    assert evaluation.metric_names(get_task("mnli")) == {"accuracy", "accuracy_matched",
                                                      "accuracy_mismatched"}  # fmt: skip
-    names = server.metric_names(get_task("ner"), ("O", "B-PER", "I-PER", "B-LOC", "I-LOC"))
+    names = evaluation.metric_names(get_task("ner"), ("O", "B-PER", "I-PER", "B-LOC", "I-LOC"))
     assert names == {"precision", "recall", "f1", "f1_PER", "f1_LOC"}
 
 
@@ -445,19 +463,19 @@ def test_a_malformed_query_reply_is_one_line_naming_the_supernode(case: str) -> 
     changes, needle = BAD_QUERIES[case]
     found = _pool_found(**changes)
     with pytest.raises(UserError, match=needle):
-        server.partition_from_nodes(ExperimentConfig.of(clients=2), found)
+        joining.partition_from_nodes(ExperimentConfig.of(clients=2), found)
 
 
 def test_a_good_pool_query_is_the_partition_and_bad_shares_are_one_line() -> None:
     found = _pool_found()
-    part = server.partition_from_nodes(ExperimentConfig.of(clients=2), found)
+    part = joining.partition_from_nodes(ExperimentConfig.of(clients=2), found)
     assert [(c.train.tolist(), c.test.tolist()) for c in part.clients] == [
         ([0, 1, 2, 3], [4]), ([5, 6, 7, 8], [9])]  # fmt: skip
     assert (part.scheme, part.num_examples, part.seed) == ("iid", 10, 4)
-    assert server._shares(*found[0], 0) == [0.5, 0.5] and server._shares(*found[1], 1) is None
+    assert joining._shares(*found[0], 0) == [0.5, 0.5] and joining._shares(*found[1], 1) is None
     for bad in ("[0.5,", '{"a": 1}', '["x"]', "[NaN]", "[2.0]"):
         with pytest.raises(UserError, match="SuperNode 11 .*client 1's label shares"):
-            server._shares(11, {protocol.SHARES: bad}, 1)
+            joining._shares(11, {protocol.SHARES: bad}, 1)
 
 
 def test_a_site_reports_indices_within_its_own_rows() -> None:
@@ -467,25 +485,25 @@ def test_a_site_reports_indices_within_its_own_rows() -> None:
                        "target_shares": None, "dropped": 0})  # fmt: skip
     site = {protocol.SPLIT_TRAIN: [0, 1], protocol.SPLIT_TEST: [2], protocol.PARTITION: meta}
     found = {0: (10, {**site, protocol.POOL_SIZE: 3}), 1: (11, {**site, protocol.POOL_SIZE: 5})}
-    assert server.partition_from_nodes(ExperimentConfig.of(clients=2), found).num_examples == 8
+    assert joining.partition_from_nodes(ExperimentConfig.of(clients=2), found).num_examples == 8
     for size, needle in ((2, "outside 0..1"), (-1, "pool size -1"), (2.5, "pool size 2.5")):
         found[1] = (11, {**site, protocol.POOL_SIZE: size})
         with pytest.raises(UserError, match=f"SuperNode 11 .*{needle}"):
-            server.partition_from_nodes(ExperimentConfig.of(clients=2), found)
+            joining.partition_from_nodes(ExperimentConfig.of(clients=2), found)
 
 
 def test_a_query_reply_without_a_client_id_is_one_line(monkeypatch) -> None:
     from flwr.app import ConfigRecord
 
-    monkeypatch.setattr(server, "_message", lambda content, node, kind: SimpleNamespace(
+    monkeypatch.setattr(joining, "_message", lambda content, node, kind: SimpleNamespace(
         metadata=SimpleNamespace(dst_node_id=node, message_type=kind)))  # fmt: skip
-    options = server.DeployOptions(connect_timeout=5, poll_interval=0.01)
+    options = messaging.DeployOptions(connect_timeout=5, poll_interval=0.01)
     for content, needle in ((RecordDict({}), "no config record"),
                             (RecordDict({protocol.CONFIG: ConfigRecord({})}), "no client id"),
                             (RecordDict({protocol.CONFIG: ConfigRecord({protocol.CLIENTS: "x"})}),
                              "client ids")):  # fmt: skip
         with pytest.raises(UserError, match=f"SuperNode 12 answered the query with {needle}"):
-            server.connect(_Grid({12: content}), ExperimentConfig.of(clients=1), options)
+            joining.connect(_Grid({12: content}), ExperimentConfig.of(clients=1), options)
 
 
 def test_the_nodes_keep_the_local_parts_of_the_oldest_kept_checkpoint(
@@ -508,7 +526,7 @@ def test_the_nodes_keep_the_local_parts_of_the_oldest_kept_checkpoint(
     task = SimpleNamespace(primary_metric="f1")
     run = SimpleNamespace(config=ExperimentConfig.of(output_dir=str(tmp_path)), rounds=9,
                           model=SimpleNamespace(task=task))  # fmt: skip
-    flower = server.FlowerServer(run, None, server.DeployOptions())
+    flower = server.FlowerServer(run, None, messaging.DeployOptions())
     flower.step(1, [])
     flower.checkpointed(2, [2])
     flower.step(3, [])
@@ -538,6 +556,6 @@ def test_a_train_reply_must_carry_its_flops_as_a_whole_number() -> None:
     }
     rejected: dict[int, str] = {}
     run = _run("float32")
-    taken = server._take_uploads(run, run.model.round_spec, replies, rejected, ("flops",))
+    taken = _take_uploads(run, run.model.round_spec, replies, rejected, ("flops",))
     assert sorted(rejected) == [1, 2, 4] and all("flops" in why for why in rejected.values())
     assert taken.clients == [0] and taken.costs == [{"flops": big}]

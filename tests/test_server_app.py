@@ -18,7 +18,7 @@ import pytest
 from flwr.app import Context, Message, Metadata, RecordDict
 from run_fixtures import private_cache, write_tiny_model, write_tiny_sst2  # noqa: F401 (autouse)
 
-from fedjax_split.deploy import protocol, server, server_app
+from fedjax_split.deploy import messaging, protocol, server, server_app
 from fedjax_split.run import outputs
 
 
@@ -105,11 +105,11 @@ def test_an_empty_status_file_writes_nothing(
 def test_the_run_configs_options_reach_the_server_and_a_stop_is_reported(
     files: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen: list[server.DeployOptions] = []
+    seen: list[messaging.DeployOptions] = []
 
-    def stops(grid: Any, config: Any, options: server.DeployOptions) -> dict:
+    def stops(grid: Any, config: Any, options: messaging.DeployOptions) -> dict:
         seen.append(options)
-        raise server.Stopped(2)
+        raise messaging.Stopped(2)
 
     monkeypatch.setattr(server, "run_server", stops)
     status = tmp_path / "status.json"
@@ -126,7 +126,7 @@ def test_the_run_configs_options_reach_the_server_and_a_stop_is_reported(
     # absent keys: the defaults; stop-after-round 0: never
     server_app.main(NoGrid(), _context({protocol.EXPERIMENT: experiment,
                                         protocol.STOP_AFTER_ROUND: 0}))  # fmt: skip
-    defaults = server.DeployOptions()
+    defaults = messaging.DeployOptions()
     assert (seen[1].round_timeout, seen[1].connect_timeout, seen[1].stop_after_round) == (
         defaults.round_timeout, defaults.connect_timeout, None)  # fmt: skip
 

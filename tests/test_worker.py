@@ -24,7 +24,7 @@ import test_client_app
 from run_fixtures import private_cache  # noqa: F401 (autouse)
 from test_client_app import _context, _message, _round_message
 
-from fedjax_split.deploy import client_app, codec, protocol, worker
+from fedjax_split.deploy import client_app, codec, frames, protocol, worker
 from fedjax_split.errors import UserError
 
 fed = test_client_app.fed  # the module's fixture: a tiny 3-client config and round 1's message
@@ -116,13 +116,13 @@ def test_a_handlers_error_comes_back_as_its_class_and_bad_frames_are_refused(
     for parts in ([b"bogus", b"x", b"y"], [b"query", b"not a protobuf", b"\xff"], [b"query"]):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(str(path))
-            worker._send_parts(conn, parts)
-            status, text = worker._recv_parts(conn)
+            frames._send_parts(conn, parts)
+            status, text = frames._recv_parts(conn)
         assert status == b"error" and text, parts
     from flwr.common import serde
 
     ctx = serde.context_to_proto(_context(fed, warm)).SerializeToString()
-    skeleton, raw_index, *arrays = worker.message_parts(_round_message(fed, protocol.TRAIN))
+    skeleton, raw_index, *arrays = frames.message_parts(_round_message(fed, protocol.TRAIN))
     assert arrays  # the global part's arrays travel beside the protobuf
     index = json.loads(raw_index)
     for bad, needle in (
@@ -151,8 +151,8 @@ def _refusal(path: Path, parts: list[bytes]) -> str:
     """The worker's error text for the request frame `parts` (it must refuse it)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.connect(str(path))
-        worker._send_parts(conn, parts)
-        status, text = worker._recv_parts(conn)
+        frames._send_parts(conn, parts)
+        status, text = frames._recv_parts(conn)
     assert status == b"error", parts[:2]
     return text.decode()
 

@@ -11,7 +11,7 @@ figures are the same (every metrics.jsonl value but the times), and writes OUT/o
 OUT/overhead.md: per round, train and eval seconds both ways and the difference; the steady
 overhead is the median difference over the rounds after the first (which compiles or loads its
 programs: reported apart). A Flower round's seconds hold the one exchange that carried its
-training (and, where due, the previous round's evaluation: `deploy.server.evaluate`); its last
+training (and, where due, the previous round's evaluation: `deploy.evaluation.evaluate`); its last
 round's evaluation goes alone. `--no-warm-worker` runs the federation with each message in its
 own ClientApp process (Flower's default), for the comparison. Run it on a quiet machine: the
 load average (1, 5, 15 minutes) at the start of each run and at the end is written beside the

@@ -32,19 +32,17 @@ import numpy as np
 
 from fedjax_split.data.text.corpus_split import CorpusSplit, SitesSplit
 from fedjax_split.deploy import codec, protocol
-from fedjax_split.deploy.pretrain_node import check_deployable
-from fedjax_split.deploy.server import (
+from fedjax_split.deploy.joining import connect
+from fedjax_split.deploy.messaging import (
     DeployOptions,
     Exchange,
     Stopped,
     _config_record,
-    _decode_upload,
     _message,
-    _number,
     _warn,
-    connect,
-    whole_count,
 )
+from fedjax_split.deploy.pretrain_node import check_deployable
+from fedjax_split.deploy.train_replies import _decode_upload, _number, whole_count
 from fedjax_split.errors import UserError
 from fedjax_split.fed import layerwise
 from fedjax_split.fed.roles import flatten_paths, select
@@ -370,7 +368,7 @@ def run_pretrain_server(
     """The whole further pre-training run (or with config.outputs.resume, its continuation) over
     `grid`; the summary. Writes what `python -m fedjax_split.pretrain` writes (config.json,
     split.json, metrics.jsonl, summary.json, checkpoints/, model/). Raises
-    `deploy.server.Stopped` after the checkpoint of `options.stop_after_round`."""
+    `deploy.messaging.Stopped` after the checkpoint of `options.stop_after_round`."""
     started = time.perf_counter()
     pretrain_setup.check(config)
     check_deployable(config)

@@ -126,7 +126,7 @@ def secure_sum(
     params: secagg.Params, adverts: list[dict[str, Any]], timeout: float,
 ) -> SecureResult:  # fmt: skip
     """Stages 2 to 4 after the TRAIN replies' `adverts`: the survivors' sum. `send({client:
-    message}, timeout)` is the exchange (`deploy.server.Exchange.send`); `nodes`: each client's
+    message}, timeout)` is the exchange (`deploy.messaging.Exchange.send`); `nodes`: each client's
     SuperNode; `cfg`: the run id and round every message names."""
     stages = _Stages(send, nodes, cfg, timeout)
     rnd, broadcast = secagg_server.server_keys(params, adverts)

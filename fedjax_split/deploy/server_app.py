@@ -39,10 +39,10 @@ def _run(grid: Grid, rc: Any) -> dict[str, Any]:
     pre-training (run config kind "pretrain"): `deploy.pretrain_server`, its sites' paths (were
     the run config to hold them) replaced by `node-config` as fine-tuning's are, so that the
     server never looks at a site's directory."""
-    from fedjax_split.deploy import pretrain_server, server
+    from fedjax_split.deploy import messaging, pretrain_server, server
 
     stop = int(rc.get(protocol.STOP_AFTER_ROUND, 0))
-    defaults = server.DeployOptions
+    defaults = messaging.DeployOptions
     options = defaults(
         round_timeout=float(rc.get(protocol.ROUND_TIMEOUT, defaults.round_timeout)),
         connect_timeout=float(rc.get(protocol.CONNECT_TIMEOUT, defaults.connect_timeout)),
@@ -55,7 +55,7 @@ def _run(grid: Grid, rc: Any) -> dict[str, Any]:
         else:
             config = resolve_config(overrides=protocol.experiment_values(rc))
             summary = server.run_server(grid, config, options)
-    except server.Stopped as stopped:
+    except messaging.Stopped as stopped:
         return {"status": "stopped", "round": stopped.round}
     return {"status": "done", "summary": summary}
 

@@ -4,10 +4,11 @@ messages, so that a message costs its work and not a process start.
 Flower starts a fresh ClientApp process for every message (`flwr-clientapp`). Without a worker
 each message pays for importing JAX, building the node's client (data share, model, frozen
 weights) and loading its compiled programs: seconds, where a small model's round is 0.1 s of work.
-With it, the ClientApp process imports only Flower and this module and hands the message and its
-context over a Unix socket to the node's worker (Flower's protobuf serde for all but the
-arrays, whose bytes go as Flower holds them: `message_parts`), which runs the very handler the
-ClientApp would run (`handlers.HANDLERS`) and sends the reply back the same way. Nothing in
+With it, the ClientApp process imports only Flower and this module (with `deploy.frames`) and
+hands the message and its context over a Unix socket to the node's worker (Flower's protobuf
+serde for all but the arrays, whose bytes go as Flower holds them: `deploy.frames`), which runs
+the very handler the ClientApp would run (`handlers.HANDLERS`) and sends the reply back the same
+way. Nothing in
 Flower is patched: the ClientApp is still the process Flower started, and it returns the reply
 Flower expects.
 
@@ -19,7 +20,8 @@ Flower expects.
 - It ends when the SuperNode that started it ends (it watches that process), after
   `IDLE_SECONDS` without a message, or when `stop` asks (the local launcher does at its end).
 - The socket lives in a directory of this user's only (mode 0700): only this user's processes
-  reach it. Frames are lengths and bytes, decoded by protobuf and JSON: no pickle.
+  reach it. Frames are lengths and bytes, decoded by protobuf and JSON (`deploy.frames`): no
+  pickle.
 - An exception in a handler comes back as its class and message and is raised again in the
   ClientApp process (a UserError stays a UserError), so Flower reports it to the server as
   without a worker.
@@ -32,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import os
 import socket
 import struct
@@ -47,11 +48,11 @@ from typing import Any
 from fedjax_split import runtime
 from fedjax_split.assets import cache_dir
 from fedjax_split.deploy import protocol
+from fedjax_split.deploy.frames import _recv_parts, _send_parts, message_from_parts, message_parts
 from fedjax_split.errors import UserError
 
 IDLE_SECONDS = 1800.0  # a worker with no message for this long ends
 START_SECONDS = 120.0  # how long a ClientApp waits for a worker it started to listen
-MAX_PARTS = 1 << 16  # a frame's parts: a message's protobuf, its arrays' index, one per array
 REQUEST_SECONDS = 300.0  # how long the worker waits for a request's bytes, or to send a reply
 ENV = "FEDJAX_SPLIT_WARM_WORKER"  # "0": no worker (each handler in its ClientApp process)
 NODE_CONFIG_KEY = "warm-worker"
@@ -83,93 +84,6 @@ def _code_version() -> str:
     stamps = sorted((str(f.relative_to(root)), st.st_mtime_ns, st.st_size)
                     for f in root.rglob("*.py") for st in (f.stat(),))  # fmt: skip
     return hashlib.sha256(repr(stamps).encode()).hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------
-# frames: [u32 count] then, per part, [u64 length][bytes]
-
-
-def _send_parts(conn: socket.socket, parts: Sequence[bytes]) -> None:
-    conn.sendall(struct.pack("<I", len(parts)))
-    for part in parts:
-        conn.sendall(struct.pack("<Q", len(part)))
-        conn.sendall(part)
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = conn.recv(min(n - got, 1 << 20))
-        if not chunk:
-            raise ConnectionError("the worker connection closed mid-message")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _recv_parts(conn: socket.socket, max_parts: int = MAX_PARTS) -> list[bytes]:
-    (count,) = struct.unpack("<I", _recv_exact(conn, 4))
-    if count > max_parts:
-        raise ConnectionError(f"a frame of {count} parts; expected at most {max_parts}")
-    return [_recv_exact(conn, struct.unpack("<Q", _recv_exact(conn, 8))[0]) for _ in range(count)]
-
-
-def message_parts(msg: Any) -> list[bytes]:
-    """`msg` as frame parts: its protobuf with every ArrayRecord emptied, a JSON index of the
-    arrays (record, key, dtype, shape, stype), then each array's bytes as Flower holds them.
-    Protobuf would copy a 69 MB global part three times on the way (0.6 s on a 2-core machine,
-    each way); these go to the socket as they are."""
-    from flwr.common import ArrayRecord, RecordDict, serde
-    from flwr.proto.message_pb2 import Message as ProtoMessage
-
-    index: list[list[Any]] = []
-    data: list[bytes] = []
-    content = RecordDict()
-    if msg.has_content():
-        for name, record in msg.content.items():
-            if isinstance(record, ArrayRecord):
-                for key, array in record.items():
-                    index.append([name, key, array.dtype, list(array.shape), array.stype])
-                    data.append(array.data)
-                record = ArrayRecord()
-            content[name] = record
-    proto = ProtoMessage(
-        metadata=serde.metadata_to_proto(msg.metadata),
-        content=serde.recorddict_to_proto(content) if msg.has_content() else None,
-        error=serde.error_to_proto(msg.error) if msg.has_error() else None,
-    )
-    return [proto.SerializeToString(), json.dumps(index).encode(), *data]
-
-
-def _index_entry(entry: Any) -> bool:
-    """Whether `entry` is [record, key, dtype, shape (ints), stype]."""
-    if not (isinstance(entry, list) and len(entry) == 5 and isinstance(entry[3], list)):
-        return False
-    names = (entry[0], entry[1], entry[2], entry[4])
-    return all(isinstance(x, str) for x in names) and all(type(d) is int for d in entry[3])
-
-
-def message_from_parts(parts: Sequence[bytes]) -> Any:
-    """The Message `message_parts` wrote; a malformed index or a count that does not match is a
-    ValueError."""
-    from flwr.common import Array, ArrayRecord, serde
-    from flwr.proto.message_pb2 import Message as ProtoMessage
-
-    if len(parts) < 2:
-        raise ValueError("a message frame without its arrays' index")
-    msg = serde.message_from_proto(ProtoMessage.FromString(parts[0]))
-    index = json.loads(parts[1])
-    if not isinstance(index, list) or len(index) != len(parts) - 2:
-        raise ValueError("a message frame whose arrays do not match its index")
-    for entry, data in zip(index, parts[2:], strict=True):
-        if not _index_entry(entry):
-            raise ValueError("a malformed entry in a message frame's arrays' index")
-        name, key, dtype, shape, stype = entry
-        record = msg.content.get(name) if msg.has_content() else None
-        if not isinstance(record, ArrayRecord):
-            raise ValueError(f"a message frame's array for {name!r}, which is no ArrayRecord")
-        record[key] = Array(dtype=dtype, shape=tuple(shape), stype=stype, data=data)
-    return msg
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Pure functions of the server state, the uploads and the round's spec, shared by every
 transport: the simulation's one-at-a-time round (`sim.rounds`) and the Flower server
-(`deploy.server`) call the same programs, so that both compute the same aggregate bit for bit
+(`deploy.rounds`) call the same programs, so that both compute the same aggregate bit for bit
 (the stacked simulation round fuses the same `fed.aggregation.aggregate` into its own program).
 `fed.strategy.Strategy.aggregate` is the entry point a transport calls.
 """
@@ -64,7 +64,7 @@ def aggregate_uploads(
 ) -> Aggregated:
     """The server's aggregation of K separate uploads (fp32 wire images, in client order), with
     the round's secret noise key (`fed.secret.ServerSecret.noise_key`): the one-at-a-time round's
-    and the Flower server's (`deploy.server`), so that both compute the same aggregate. `norms`:
+    and the Flower server's (`deploy.rounds`), so that both compute the same aggregate. `norms`:
     the clients' update norms before DP's clipping, as they report them."""
     received = download(state.global_params, spec.trained)[0]
     return aggregate_each(spec.aggregator, uploads, received, num_examples, state.aggregator,

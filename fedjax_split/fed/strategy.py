@@ -2,7 +2,7 @@
 
 A `Strategy` is built once per run (`run.safeguards.strategy` builds it from the config). Each
 round a transport (the simulation, `run.experiment.Simulation.step`; the Flower server,
-`deploy.server.run_round`) calls:
+`deploy.rounds.run_round`) calls:
 1. `plan(r, server_state, secret)`: the round's `RoundPlan`: the clients sampled, the round's
    spec (what is trained and sent and in which dtype: FedSplitBERT's split and FedBT's layer
    schedule are `round_spec_for`'s; further pre-training, FedBFPT, has its own plan still:

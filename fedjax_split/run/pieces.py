@@ -3,7 +3,7 @@ split at the critical layer, FedBT's cycle, what is frozen), the round's spec, t
 the checkpoint's metadata and the run's summary.
 
 Every execution path builds the model from these: the simulation (`run.experiment`), the Flower
-server (`deploy.server`) and each Flower node (`deploy.node`), so that all of them derive the same
+server (`deploy.joining`) and each Flower node (`deploy.node`), so that all of them derive the same
 model from the same config and seed; their data come from `run.client_data`. Nothing here writes
 to the run directory.
 """
