@@ -25,8 +25,8 @@ from fedjax_split.run import client_scores
 
 
 def metric_names(task: Any, tag_names: Sequence[str] = ()) -> frozenset[str]:
-    """Every metric name the task's scoring (`run.pieces.score`) can give a client: the task's
-    metrics, MNLI's per group, a token task's `f1_<type>` of each entity type of its tags."""
+    """Every metric name the task's scoring (`run.client_scores.score`) can give a client: the
+    task's metrics, MNLI's per group, a token task's `f1_<type>` of each entity type of its tags."""
     names = set(task.metrics)
     names.update(f"{m}_{g}" for m in task.metrics for g in task.groups)
     if task.objective.per_token:
