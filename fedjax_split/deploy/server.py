@@ -63,7 +63,8 @@ from fedjax_split.fed.strategy import RoundPlan, Strategy
 from fedjax_split.fed.wire import cast_from_wire, param_count
 from fedjax_split.run import costs, driver, pieces, plots, safeguards
 from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
-from fedjax_split.run.config import ExperimentConfig, saved_dict, trajectory_mismatch
+from fedjax_split.run.config import ExperimentConfig
+from fedjax_split.run.saved_config import saved_dict, trajectory_mismatch
 from fedjax_split.tasks import registry as tasks
 
 

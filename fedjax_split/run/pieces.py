@@ -23,17 +23,12 @@ from fedjax_split.errors import UserError
 from fedjax_split.fed import algorithms, client, layerwise, roles
 from fedjax_split.models import hf_checkpoint, lora
 from fedjax_split.run import costs, plots, safeguards
-from fedjax_split.run.config import (
-    ExperimentConfig,
-    check_chunk_size,
-    entity_type_list,
-    lora_settings,
-    site_dirs,
-    validate,
-    validate_critical_layer,
-)
+from fedjax_split.run.config import ExperimentConfig, validate
+from fedjax_split.run.cross_checks import validate_critical_layer
 from fedjax_split.run.method import client_words, describe
+from fedjax_split.run.runtime_sections import check_chunk_size
 from fedjax_split.run.settings import as_given, drop
+from fedjax_split.run.sites import site_dirs
 from fedjax_split.sim import devices, rounds
 from fedjax_split.tasks import bio
 from fedjax_split.tasks import registry as tasks
@@ -151,7 +146,7 @@ def check(config: ExperimentConfig) -> int:
     if config.model.model_layers is not None:  # a truncated model: its depth is what the rest sees
         model_config = hf_checkpoint.truncate(model_config, {}, config.model.model_layers)[0]
     head = dataclasses.replace(model_config, head=task.objective.head)
-    lora.configure(head, lora_settings(config))  # e.g. a --lora-targets that chooses no layer
+    lora.configure(head, config.model.lora_settings())  # e.g. --lora-targets choosing no layer
     cycle_factor(config, model_config.num_hidden_layers)
     return validate_critical_layer(config, model_config.num_hidden_layers)
 
@@ -161,7 +156,7 @@ def entity_types(config: ExperimentConfig, task: Any) -> tuple[str, ...] | None:
     (the offline corpora), else --entity-types, else None: a pool's own tags decide. Sites
     (--site-data) never decide it, so that every site's head and the server's agree without
     any of them seeing another site's tags; None for other tasks."""
-    given = entity_type_list(config)
+    given = config.data.entity_type_list()
     if not task.objective.per_token:
         if given is not None:
             raise UserError(f"{as_given(config, 'entity_types')} with task {task.name}: only a "
@@ -268,7 +263,7 @@ def load_model(config: ExperimentConfig, task: Any, tag_names: Sequence[str] = (
         attention=config.runtime.attention,
         head=task.objective.head,
         label_names=tag_names or task.label_names,
-        lora=lora_settings(config),
+        lora=config.model.lora_settings(),
         num_layers=config.model.model_layers,
     )
 

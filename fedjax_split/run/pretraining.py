@@ -50,7 +50,6 @@ from fedjax_split.models import hf_checkpoint
 from fedjax_split.models.flops import mlm_train_flops
 from fedjax_split.models.hf_checkpoint import save_pretrained
 from fedjax_split.run import driver, outputs
-from fedjax_split.run.config import site_dirs
 from fedjax_split.run.pretrain_config import (
     SCHEMA,
     PretrainConfig,
@@ -58,6 +57,7 @@ from fedjax_split.run.pretrain_config import (
     resolve,
     validate,
 )
+from fedjax_split.run.sites import site_dirs
 from fedjax_split.sim.pretrain_rounds import Trainer, run_round, unigram_level
 from fedjax_split.sim.pretrain_rounds import evaluate as eval_mlm
 
