@@ -33,15 +33,10 @@ from fedjax_split.deploy.launch import Federation, link_identical_files, write_a
 from fedjax_split.errors import UserError, report
 from fedjax_split.pretrain import DESCRIPTION, done_line
 from fedjax_split.run import outputs
-from fedjax_split.run.config import (
-    NODE_SITES,
-    ExperimentConfig,
-    load_config_file,
-    resolve_config,
-    site_dirs,
-)
+from fedjax_split.run.config import ExperimentConfig, resolve_config
 from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, resolve
-from fedjax_split.run.settings import DEPLOYMENT, Parser, replaced
+from fedjax_split.run.settings import DEPLOYMENT, Parser, load_config_file, replaced
+from fedjax_split.run.sites import NODE_SITES, site_dirs
 
 Config = ExperimentConfig | PretrainConfig  # what a run of either command is
 DEPLOY_FLAGS = ("supernodes", "round_timeout", "connect_timeout", "run_timeout", "write_app")

@@ -15,9 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fedjax_split.cli import run_command, run_main
-from fedjax_split.run.config import load_config_file
 from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, resolve
-from fedjax_split.run.settings import Parser
+from fedjax_split.run.settings import Parser, load_config_file
 
 DESCRIPTION = (
     "Federated further pre-training (masked LM) of a BERT encoder on text that stays on the "

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from fedjax_split.cli import run_command, run_main
 from fedjax_split.run import outputs
-from fedjax_split.run.config import SCHEMA, ExperimentConfig, load_config_file, resolve_config
-from fedjax_split.run.settings import Parser
+from fedjax_split.run.config import SCHEMA, ExperimentConfig, resolve_config
+from fedjax_split.run.settings import Parser, load_config_file
 
 DESCRIPTION = (
     "Federated fine-tuning of a BERT encoder on non-IID clients: FedSplitBERT (split at "

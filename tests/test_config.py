@@ -14,15 +14,10 @@ import pytest
 
 from fedjax_split import train
 from fedjax_split.errors import UserError
-from fedjax_split.run.config import (
-    ExperimentConfig,
-    entity_type_list,
-    load_config_file,
-    resolve_config,
-    saved_dict,
-    trajectory_mismatch,
-    validate_critical_layer,
-)
+from fedjax_split.run.config import ExperimentConfig, resolve_config
+from fedjax_split.run.cross_checks import validate_critical_layer
+from fedjax_split.run.saved_config import saved_dict, trajectory_mismatch
+from fedjax_split.run.settings import load_config_file
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -102,9 +97,9 @@ def test_bad_values_are_one_line_user_errors(values: dict, needle: str) -> None:
 
 
 def test_entity_types_are_read_sorted_and_none_when_unset() -> None:
-    assert entity_type_list(resolve_config(overrides={"entity_types": " PER, LOC,ORG"})) == (
-        "LOC", "ORG", "PER")  # fmt: skip
-    assert entity_type_list(ExperimentConfig()) is None
+    given = resolve_config(overrides={"entity_types": " PER, LOC,ORG"})
+    assert given.data.entity_type_list() == ("LOC", "ORG", "PER")
+    assert ExperimentConfig().data.entity_type_list() is None
 
 
 def test_bad_config_files(tmp_path: Path) -> None:
@@ -249,24 +244,24 @@ def test_every_command_in_a_config_docstring_parses(monkeypatch: pytest.MonkeyPa
 
 
 def test_choices_mirror_the_models_own() -> None:
-    """config.py keeps its own copies so that parsing flags imports no jax; they must agree."""
+    """The sections keep their own copies so that parsing flags imports no jax; they must agree."""
     from fedjax_split.models import bert_config as model
-    from fedjax_split.run import config
+    from fedjax_split.run import data_section, runtime_sections, training_sections
 
-    assert config.DTYPES == model.COMPUTE_DTYPES
-    assert config.ATTENTIONS == model.ATTENTION_IMPLEMENTATIONS
+    assert runtime_sections.DTYPES == model.COMPUTE_DTYPES
+    assert runtime_sections.ATTENTIONS == model.ATTENTION_IMPLEMENTATIONS
     from fedjax_split.data import partition
 
-    assert config.PARTITIONS == partition.SCHEMES
-    assert config.PAPER_FILLS == partition.FILLS
+    assert data_section.PARTITIONS == partition.SCHEMES
+    assert data_section.PAPER_FILLS == partition.FILLS
     from fedjax_split.fed import client
 
-    assert config.CLIENT_OPTIMIZERS == client.CLIENT_OPTIMIZERS
-    assert config.LR_SCHEDULES == client.LR_SCHEDULES
+    assert training_sections.CLIENT_OPTIMIZERS == client.CLIENT_OPTIMIZERS
+    assert training_sections.LR_SCHEDULES == client.LR_SCHEDULES
 
 
 def test_site_data_makes_the_sites_the_clients_and_refuses_pool_settings(tmp_path: Path) -> None:
-    from fedjax_split.run.config import NODE_SITES, site_dirs
+    from fedjax_split.run.sites import NODE_SITES, site_dirs
 
     dirs = [tmp_path / f"s{k}" for k in range(4)]
     for d in dirs:

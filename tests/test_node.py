@@ -146,7 +146,8 @@ def test_a_site_node_reading_only_its_dir_builds_the_simulations_batches_for_it(
     from fedjax_split.deploy import node
     from fedjax_split.deploy.protocol import experiment_values
     from fedjax_split.run import client_data, experiment
-    from fedjax_split.run.config import NODE_SITES, resolve_config
+    from fedjax_split.run.config import resolve_config
+    from fedjax_split.run.sites import NODE_SITES
 
     monkeypatch.setenv("FEDJAX_SPLIT_CACHE", str(tmp_path / "cache"))
     dirs = sites["dirs"]
@@ -233,7 +234,7 @@ def test_a_ner_site_node_builds_the_simulations_batches_in_the_configs_vocabular
 
 def test_a_site_node_without_its_data_dir_is_one_line(sites: dict) -> None:
     from fedjax_split.deploy import node
-    from fedjax_split.run.config import NODE_SITES
+    from fedjax_split.run.sites import NODE_SITES
 
     with pytest.raises(UserError, match="data-dir=DIR") as err:
         node.prepare(_site_config(sites, NODE_SITES), 1, None)

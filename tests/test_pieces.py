@@ -178,7 +178,8 @@ def test_load_sites_gives_client_k_exactly_site_ks_rows(tmp_path) -> None:
 
 
 def test_a_bad_site_is_one_line_naming_the_site_and_its_file(tmp_path) -> None:
-    from fedjax_split.run.config import NODE_SITES, resolve_config
+    from fedjax_split.run.config import resolve_config
+    from fedjax_split.run.sites import NODE_SITES
     from fedjax_split.tasks.registry import get_task
 
     a = _site(tmp_path / "a", [("a0", 1)])
@@ -200,7 +201,8 @@ def test_a_bad_site_is_one_line_naming_the_site_and_its_file(tmp_path) -> None:
 
 
 def test_a_token_tasks_vocabulary_comes_from_the_task_or_the_config_never_the_sites() -> None:
-    from fedjax_split.run.config import NODE_SITES, resolve_config
+    from fedjax_split.run.config import resolve_config
+    from fedjax_split.run.sites import NODE_SITES
     from fedjax_split.tasks.registry import get_task
 
     def types(task: str, **values: object) -> object:

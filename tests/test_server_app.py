@@ -224,8 +224,8 @@ def test_a_pretrain_run_config_with_the_sites_paths_never_makes_the_server_look_
     the sites' paths left in a run config are none of the server's business (here they do not
     exist on the server's machine, which is no error)."""
     from fedjax_split.deploy import pretrain_server
-    from fedjax_split.run.config import NODE_SITES
     from fedjax_split.run.pretrain_config import resolve
+    from fedjax_split.run.sites import NODE_SITES
 
     seen: list[Any] = []
     monkeypatch.setattr(pretrain_server, "run_pretrain_server",

@@ -276,7 +276,7 @@ BAD = [
     ({"config": f"{ROOT}/configs/table3.py:nope"}, "unknown Table III task 'nope'"),
     ({"config": f"{ROOT}/configs/table3.py"}, "takes an argument (task)"),
     ({"config": f"{ROOT}/configs/table6_communication.py:mrpc"}, "takes no argument"),
-    # the server's safeguards: settings that go together (run.config.validate_aggregation)
+    # the server's safeguards: settings that go together (PrivacySettings.check, run.cross_checks)
     ({"dp_clip": 1.0}, "--dp-clip 1 needs --dp-noise-multiplier"),
     ({"dp_max_epsilon": 3.0}, "--dp-max-epsilon 3 needs --dp-noise-multiplier"),
     ({"dp_noise_multiplier": 1.0}, "--dp-noise-multiplier needs --dp-clip"),

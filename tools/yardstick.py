@@ -155,7 +155,8 @@ def run(argv: list[str] | None = None) -> dict[str, Any]:
     from benchmark import measure_peak
 
     from fedjax_split import runtime
-    from fedjax_split.run.config import load_config_file, resolve_config
+    from fedjax_split.run.config import resolve_config
+    from fedjax_split.run.settings import load_config_file
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/offline_rotten_tomatoes.py")

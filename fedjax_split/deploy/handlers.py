@@ -28,8 +28,9 @@ from fedjax_split.deploy.node import NodeSetup, local_part, node_clients
 from fedjax_split.errors import UserError
 from fedjax_split.fed.roles import select, unflatten_paths
 from fedjax_split.fed.wire import wire_dtype
-from fedjax_split.run.config import NODE_SITES, resolve_config
+from fedjax_split.run.config import resolve_config
 from fedjax_split.run.pretrain_config import resolve
+from fedjax_split.run.sites import NODE_SITES
 from fedjax_split.sim.client_store import ClientStore
 
 _PREPARED: dict[str, Any] = {}  # a warm worker's clients, by what they were built from

@@ -10,9 +10,11 @@ from __future__ import annotations
 from fedjax_split.deploy.pretrain_node import check_deployable
 from fedjax_split.errors import UserError
 from fedjax_split.run import client_data, driver, pieces, pretrain_setup, pretraining, safeguards
-from fedjax_split.run.config import ExperimentConfig, site_dirs, trajectory_mismatch
+from fedjax_split.run.config import ExperimentConfig
 from fedjax_split.run.pretrain_config import PretrainConfig
 from fedjax_split.run.pretrain_text import site_documents
+from fedjax_split.run.saved_config import trajectory_mismatch
+from fedjax_split.run.sites import site_dirs
 from fedjax_split.tasks.registry import get_task
 
 

@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fedjax_split.run.config import NODE_SITES
+from fedjax_split.run.sites import NODE_SITES
 
 QUERY, TRAIN, EVALUATE = "query", "train", "evaluate"
 

@@ -57,7 +57,8 @@ from fedjax_split.errors import UserError
 from fedjax_split.fed.secret import CHECKPOINT_KEY, ServerSecret
 from fedjax_split.run import client_data, costs, driver, pieces, plots, safeguards
 from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
-from fedjax_split.run.config import ExperimentConfig, saved_dict, trajectory_mismatch
+from fedjax_split.run.config import ExperimentConfig
+from fedjax_split.run.saved_config import saved_dict, trajectory_mismatch
 
 
 def oldest_checkpoint(run_dir: Any, start_round: int) -> int:

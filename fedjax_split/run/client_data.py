@@ -17,8 +17,9 @@ import numpy as np
 
 from fedjax_split.data import batching, partition, sources, tokenization
 from fedjax_split.errors import UserError
-from fedjax_split.run.config import ExperimentConfig, entity_type_list, site_dirs
+from fedjax_split.run.config import ExperimentConfig
 from fedjax_split.run.settings import as_given, drop
+from fedjax_split.run.sites import site_dirs
 from fedjax_split.tasks import bio
 from fedjax_split.tasks import registry as tasks
 
@@ -72,7 +73,7 @@ def entity_types(config: ExperimentConfig, task: tasks.Task) -> tuple[str, ...] 
     (the offline corpora), else --entity-types, else None: a pool's own tags decide. Sites
     (--site-data) never decide it, so that every site's head and the server's agree without
     any of them seeing another site's tags; None for other tasks."""
-    given = entity_type_list(config)
+    given = config.data.entity_type_list()
     if not task.objective.per_token:
         if given is not None:
             raise UserError(f"{as_given(config, 'entity_types')} with task {task.name}: only a "

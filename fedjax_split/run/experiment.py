@@ -38,12 +38,8 @@ from fedjax_split.run import (
     safeguards,
 )
 from fedjax_split.run import costs as costs_mod
-from fedjax_split.run.config import (
-    ExperimentConfig,
-    resolve_config,
-    saved_dict,
-    trajectory_mismatch,
-)
+from fedjax_split.run.config import ExperimentConfig, resolve_config
+from fedjax_split.run.saved_config import saved_dict, trajectory_mismatch
 from fedjax_split.sim import evaluation, processes, rounds
 from fedjax_split.sim.client_store import ClientStore
 from fedjax_split.tasks import registry as tasks

@@ -24,14 +24,10 @@ from fedjax_split.models import hf_checkpoint, lora
 from fedjax_split.models.bert_config import BertConfig
 from fedjax_split.run import plots, safeguards
 from fedjax_split.run.client_data import entity_types, partition_lists
-from fedjax_split.run.config import (
-    ExperimentConfig,
-    check_chunk_size,
-    lora_settings,
-    validate,
-    validate_critical_layer,
-)
+from fedjax_split.run.config import ExperimentConfig, validate
+from fedjax_split.run.cross_checks import validate_critical_layer
 from fedjax_split.run.method import client_words, describe
+from fedjax_split.run.runtime_sections import check_chunk_size
 from fedjax_split.sim import devices, rounds
 from fedjax_split.sim.round_spec import RoundSpec
 from fedjax_split.tasks import registry as tasks
@@ -106,7 +102,7 @@ def check(config: ExperimentConfig) -> int:
     if config.model.model_layers is not None:  # a truncated model: its depth is what the rest sees
         model_config = hf_checkpoint.truncate(model_config, {}, config.model.model_layers)[0]
     head = dataclasses.replace(model_config, head=task.objective.head)
-    lora.configure(head, lora_settings(config))  # e.g. a --lora-targets that chooses no layer
+    lora.configure(head, config.model.lora_settings())  # e.g. --lora-targets choosing no layer
     cycle_factor(config, model_config.num_hidden_layers)
     return validate_critical_layer(config, model_config.num_hidden_layers)
 
@@ -125,7 +121,7 @@ def load_model(config: ExperimentConfig, task: tasks.Task, tag_names: Sequence[s
         attention=config.runtime.attention,
         head=task.objective.head,
         label_names=tag_names or task.label_names,
-        lora=lora_settings(config),
+        lora=config.model.lora_settings(),
         num_layers=config.model.model_layers,
     )
 

@@ -10,8 +10,6 @@ with weight decay 0.01, batch 256, length 128, 15% masking, small models of L/2 
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,6 @@ from fedjax_split.data.text.corpus_split import SCHEMES
 from fedjax_split.data.text.text_corpora import CORPORA, MODES, check_corpus_name
 from fedjax_split.errors import UserError
 from fedjax_split.fed.layerwise import LAYER_DRAWS, SCHEDULES, check_small_model, schedule_layers
-from fedjax_split.run.config import NODE_SITES, check_site_dirs, refuse_with_sites
 from fedjax_split.run.settings import (
     FEDERATION,
     MODEL,
@@ -30,12 +27,18 @@ from fedjax_split.run.settings import (
     Section,
     Settings,
     as_given,
-    flag_name,
-    origin,
     section,
-    value_of,
 )
 from fedjax_split.run.settings import setting as _setting
+from fedjax_split.run.sites import NODE_SITES, check_site_dirs, refuse_with_sites
+from fedjax_split.run.value_checks import (
+    at_least_one,
+    check_data_dir,
+    check_regex,
+    non_negative,
+    positive_number,
+    require,
+)
 
 # fedbfpt: one layer + the MLM head a round on small models (PL-SDL); bert-fl: FedAvg of the whole
 # model; centralised: one client holding all the clients' text; truncated: the first k layers,
@@ -43,6 +46,8 @@ from fedjax_split.run.settings import setting as _setting
 METHODS = ("fedbfpt", "bert-fl", "centralised", "truncated", "none")
 AGGREGATIONS = ("weighted", "unweighted")
 DTYPES = ("float32", "bfloat16")
+# settings that split one corpus: with --site-data there is none to split
+_CORPUS_ONLY = ("split", "sigma", "max_documents", "data_dir")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +119,30 @@ class PretrainData(Section):
         0.15, "Share of tokens predicted per sequence.", group=TASK, metavar="P"
     )
 
+    def check(self, config: Any) -> None:
+        """The corpus's name, the lengths, counts and fractions, --data-dir; with --site-data,
+        local text and none of the settings that split one corpus (they would be silently
+        ignored); without, --corpus local needs --data-dir. The sites against the clients:
+        `validate`."""
+        check_corpus_name(self.corpus)
+        require(config, "max_length", self.max_length >= 8, "at least 8")
+        at_least_one(config, "max_documents")
+        require(config, "mlm_probability", 0 < self.mlm_probability < 1, "in (0, 1)")
+        require(config, "heldout_fraction", 0 < self.heldout_fraction < 1, "in (0, 1)")
+        non_negative(config, "sigma")
+        check_data_dir(config)
+        if self.site_data is not None:
+            if self.corpus != "local":
+                raise UserError(
+                    f"{as_given(config, 'corpus')} with --site-data: each site's text is its "
+                    "*.txt files; pass --corpus local, or drop --site-data"
+                )
+            refuse_with_sites(config, _CORPUS_ONLY, "text is its own site's files, not split "
+                              "from one corpus", "split one corpus")  # fmt: skip
+        elif self.corpus == "local" and self.data_dir is None:
+            raise UserError("--corpus local needs --data-dir DIR holding *.txt files (or "
+                            "--site-data)")  # fmt: skip
+
 
 @dataclasses.dataclass(frozen=True)
 class PretrainModel(Section):
@@ -145,6 +174,11 @@ class PretrainModel(Section):
         group=MODEL,
     )
 
+    def check(self, config: Any) -> None:
+        """The depths of at least 1 (at most the model's: `check_depth`), --freeze's regex."""
+        at_least_one(config, "small_layers", "truncated_layers")
+        check_regex(config, "freeze")
+
 
 @dataclasses.dataclass(frozen=True)
 class PretrainClient(Section):
@@ -158,6 +192,12 @@ class PretrainClient(Section):
     weight_decay: float = _setting(
         0.01, "AdamW weight decay (not on biases and LayerNorm).", group=MODEL, metavar="DECAY"
     )
+
+    def check(self, config: Any) -> None:
+        """Counts of at least 1, a positive learning rate, a weight decay >= 0."""
+        at_least_one(config, "local_epochs", "batch_size")
+        positive_number(config, "lr")
+        non_negative(config, "weight_decay")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +245,11 @@ class PretrainFederation(Section):
         group=MODEL,
     )
 
+    def check(self, config: Any) -> None:
+        """The clients, rounds and the schedule's period: at least 1 (the schedule against the
+        small model's depth: `check_depth`)."""
+        at_least_one(config, "clients", "rounds", "schedule_period")
+
 
 @dataclasses.dataclass(frozen=True)
 class PretrainRuntime(Section):
@@ -243,6 +288,11 @@ class PretrainOutputs(Section):
         group=OUTPUTS,
         metavar="N",
     )
+
+    def check(self, config: Any) -> None:
+        """An evaluation every N >= 1 rounds, a checkpoint every N >= 0."""
+        at_least_one(config, "eval_every")
+        non_negative(config, "checkpoint_every")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,68 +352,15 @@ def resolve(
     return SCHEMA.resolve(file_values, overrides, validate)
 
 
-# settings that split one corpus: with --site-data there is none to split
-_CORPUS_ONLY = ("split", "sigma", "max_documents", "data_dir")
-
-
-def validate_sites(config: PretrainConfig) -> None:
-    """--site-data: local text, one existing directory per client (`run.config.check_site_dirs`),
-    and none of the settings that split one corpus (they would be silently ignored)."""
-    if config.data.site_data is None:
-        return
-    if config.data.corpus != "local":
-        raise UserError(
-            f"{as_given(config, 'corpus')} with --site-data: each site's text is its *.txt "
-            "files; pass --corpus local, or drop --site-data"
-        )
-    refuse_with_sites(config, _CORPUS_ONLY, FIELDS, "text is its own site's files, not split "
-                      "from one corpus", "split one corpus")  # fmt: skip
-    check_site_dirs(config)
-
-
-def _got(config: PretrainConfig, name: str) -> str:
-    """A setting's value in an error, with where it came from: "0 (from configs/x.py)"."""
-    return f"{value_of(config, name)}{origin(config, name)}"
-
-
 def validate(config: PretrainConfig) -> None:
-    """Checks that need neither data nor model (`check_depth` needs the model's depth)."""
-    data_cfg, client_cfg, model_cfg = config.data, config.client, config.model
+    """Checks that need neither data nor model (`check_depth` needs the model's depth): the
+    choices, each section's own values (its `check`), then the one rule between sections:
+    --site-data names one existing directory per client (`run.sites.check_site_dirs`)."""
     SCHEMA.check_choices(config)
-    check_corpus_name(data_cfg.corpus)
-    for name in ("clients", "rounds", "local_epochs", "batch_size", "eval_every",
-                 "schedule_period"):  # fmt: skip
-        if value_of(config, name) < 1:
-            raise UserError(f"{flag_name(name)} must be at least 1, got {_got(config, name)}")
-    if data_cfg.max_length < 8:
-        raise UserError(f"--max-length must be at least 8, got {_got(config, 'max_length')}")
-    for name in ("max_documents", "small_layers", "truncated_layers"):
-        value = value_of(config, name)
-        if value is not None and value < 1:
-            raise UserError(f"{flag_name(name)} must be at least 1, got {_got(config, name)}")
-    bounds = {
-        "checkpoint_every": (">= 0", config.outputs.checkpoint_every >= 0),
-        "lr": ("a positive number", math.isfinite(client_cfg.lr) and client_cfg.lr > 0),
-        "weight_decay": (">= 0", math.isfinite(client_cfg.weight_decay)
-                         and client_cfg.weight_decay >= 0),  # fmt: skip
-        "mlm_probability": ("in (0, 1)", 0 < data_cfg.mlm_probability < 1),
-        "heldout_fraction": ("in (0, 1)", 0 < data_cfg.heldout_fraction < 1),
-        "sigma": (">= 0", math.isfinite(data_cfg.sigma) and data_cfg.sigma >= 0),
-    }
-    for name, (bound, ok) in bounds.items():
-        if not ok:
-            raise UserError(f"{flag_name(name)} must be {bound}, got {_got(config, name)}")
-    if data_cfg.data_dir is not None and not Path(data_cfg.data_dir).is_dir():
-        raise UserError(f"data dir {data_cfg.data_dir!r}{origin(config, 'data_dir')} does not "
-                        "exist; pass an existing --data-dir")  # fmt: skip
-    if model_cfg.freeze is not None:
-        try:
-            re.compile(model_cfg.freeze)
-        except re.error as e:
-            raise UserError(f"{as_given(config, 'freeze')} is not a valid regex ({e})") from None
-    validate_sites(config)
-    if data_cfg.corpus == "local" and data_cfg.data_dir is None and data_cfg.site_data is None:
-        raise UserError("--corpus local needs --data-dir DIR holding *.txt files (or --site-data)")
+    for part in (config.data, config.model, config.client, config.federation, config.runtime,
+                 config.outputs):  # fmt: skip
+        part.check(config)
+    check_site_dirs(config)
 
 
 def check_depth(config: PretrainConfig, num_layers: int) -> tuple[int, int]:

@@ -10,10 +10,10 @@ import numpy as np
 
 from fedjax_split.data.text import corpus_split, mlm_batching, text_corpora
 from fedjax_split.errors import UserError
-from fedjax_split.run.config import site_dirs
 from fedjax_split.run.pretrain_config import (
     PretrainConfig,
 )
+from fedjax_split.run.sites import site_dirs
 
 HELDOUT = 0x7FFF_FFFF  # the "client" part of the held-out masks' seed: no client has this id
 def load_split(config: PretrainConfig, tokenizer: Any) -> tuple[Any, Any]:

@@ -23,7 +23,7 @@ from fedjax_split.fed.server_step import ServerSpec
 from fedjax_split.fed.strategy import Sampling, Strategy
 from fedjax_split.run import outputs
 
-if TYPE_CHECKING:  # run.config validates through this module's aggregator(): no cycle at run time
+if TYPE_CHECKING:  # run.cross_checks validates through aggregator(): no cycle at run time
     from fedjax_split.run.config import ExperimentConfig
 
 ATTACK_PURPOSE = 2  # np.random.default_rng([seed, ATTACK_PURPOSE]) draws the attackers

@@ -79,6 +79,11 @@ class Section:
     which the code that needs them takes alone. Its settings keep flat names: a flag, a config
     file's key and config.json say `--lr`, not the section."""
 
+    def check(self, config: Any) -> None:
+        """A one-line UserError for a value of this section's own that no run can take (beyond
+        its choices); `config`, the whole config, only says where values came from. Rules
+        between sections are the config's own."""
+
 
 def section(cls: type[Section]) -> Any:
     """A config's field holding section `cls` (its defaults unless given)."""
