@@ -4,16 +4,27 @@ error, 130 interrupted)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import argparse
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fedjax_split.errors import UserError, report
+from fedjax_split.run.settings import load_config_file
 
 # a command's entry point and its warnings' format live with the process settings (`runtime`), so
 # that the lower layers' own entry points (assets, the Flower apps) use them without importing up
 from fedjax_split.runtime import one_line_warning, one_line_warnings, run_command
 
 __all__ = ["one_line_warning", "one_line_warnings", "run_command", "run_main"]
+
+
+def parse_flags(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the --config file's values, the flags given): what a command's `resolve` lays over the
+    defaults, the flags last."""
+    given = vars(parser.parse_args(argv))
+    return (load_config_file(given["config"]) if "config" in given else {}), given
 
 
 def run_main(

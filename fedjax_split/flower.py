@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fedjax_split import train
-from fedjax_split.cli import run_command
+from fedjax_split.cli import parse_flags, run_command
 from fedjax_split.deploy import protocol
 from fedjax_split.deploy.launch import Federation, link_identical_files, write_app
 from fedjax_split.errors import UserError, report
@@ -35,7 +35,7 @@ from fedjax_split.pretrain import DESCRIPTION, done_line
 from fedjax_split.run import outputs
 from fedjax_split.run.config import ExperimentConfig, resolve_config
 from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, resolve
-from fedjax_split.run.settings import DEPLOYMENT, Parser, load_config_file, replaced
+from fedjax_split.run.settings import DEPLOYMENT, Parser, replaced
 from fedjax_split.run.sites import NODE_SITES, site_dirs
 
 Config = ExperimentConfig | PretrainConfig  # what a run of either command is
@@ -90,9 +90,8 @@ def add_deploy_flags(p: Parser) -> Parser:
 
 def parse(argv: Sequence[str] | None) -> tuple[ExperimentConfig, dict[str, Any]]:
     """(ExperimentConfig, the federation's flags) from the command line."""
-    given = vars(build_parser().parse_args(argv))
+    file_values, given = parse_flags(build_parser(), argv)
     deploy = {k: given.pop(k) for k in DEPLOY_FLAGS if k in given}
-    file_values = load_config_file(given["config"]) if "config" in given else {}
     return resolve_config(file_values, given), deploy
 
 
@@ -293,9 +292,8 @@ def parse_pretrain(argv: Sequence[str]) -> tuple[PretrainConfig, dict[str, Any]]
         "SuperLink and one SuperNode per client on 127.0.0.1, each node reading its own text. "
         "Writes the run directory `pretrain` writes. " + DESCRIPTION,
     )
-    given = vars(add_deploy_flags(parser).parse_args(argv))
+    file_values, given = parse_flags(add_deploy_flags(parser), argv)
     deploy = {k: given.pop(k) for k in DEPLOY_FLAGS if k in given}
-    file_values = load_config_file(given["config"]) if "config" in given else {}
     return resolve(file_values, given), deploy
 
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fedjax_split.cli import run_command, run_main
+from fedjax_split.cli import parse_flags, run_command, run_main
 from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, resolve
-from fedjax_split.run.settings import Parser, load_config_file
+from fedjax_split.run.settings import Parser
 
 DESCRIPTION = (
     "Federated further pre-training (masked LM) of a BERT encoder on text that stays on the "
@@ -35,9 +35,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> PretrainConfig:
     """Parse flags and resolve them against defaults and the --config file, then validate
     (`resolve`: with --site-data the corpus is local and the sites are the clients unless
     given)."""
-    given = vars(build_parser().parse_args(argv))
-    file_values = load_config_file(given["config"]) if "config" in given else {}
-    return resolve(file_values, given)
+    return resolve(*parse_flags(build_parser(), argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

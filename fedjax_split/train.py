@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fedjax_split.cli import run_command, run_main
+from fedjax_split.cli import parse_flags, run_command, run_main
 from fedjax_split.run import outputs
 from fedjax_split.run.config import SCHEMA, ExperimentConfig, resolve_config
-from fedjax_split.run.settings import Parser, load_config_file
+from fedjax_split.run.settings import Parser
 
 DESCRIPTION = (
     "Federated fine-tuning of a BERT encoder on non-IID clients: FedSplitBERT (split at "
@@ -30,9 +30,7 @@ def build_parser() -> Parser:
 def config_from_args(argv: Sequence[str] | None = None) -> ExperimentConfig:
     """Parse flags and resolve them against defaults and the --config file, then validate
     (`resolve_config`: --site-data's sites are the clients unless --clients is given)."""
-    given = vars(build_parser().parse_args(argv))
-    file_values = load_config_file(given["config"]) if "config" in given else {}
-    return resolve_config(file_values, given)
+    return resolve_config(*parse_flags(build_parser(), argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
