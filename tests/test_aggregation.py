@@ -3,6 +3,7 @@ whole aggregation step around it (validation, robust rules, norm bound, client-l
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,9 +63,8 @@ def test_weighted_mean_each_equals_stacked_bit_for_bit() -> None:
     each = weighted_mean_each(
         [{"a": tree["a"][i], "b": {"c": tree["b"]["c"][i]}} for i in range(4)], n
     )
-    for x, y in zip(jax.tree.leaves(stacked), jax.tree.leaves(each), strict=True):
-        assert y.dtype == jnp.float32
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert all(y.dtype == jnp.float32 for y in jax.tree.leaves(each))
+    chex.assert_trees_all_equal(stacked, each, strict=True)  # bit for bit, dtypes too
     want = (3 * tree["a"][0].astype(np.float64) + 11 * tree["a"][2] + 5 * tree["a"][3]) / 19
     np.testing.assert_allclose(np.asarray(each["a"]), want, rtol=1e-6, atol=1e-7)
 
@@ -90,12 +90,10 @@ def _both(aggregator: Aggregator, stacked: dict, received: dict, weights: np.nda
     args = (received, weights, state, key, reported, factors)
     a = AGGREGATE(aggregator, stacked, *args)
     b = _each(aggregator, stacked, *args)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        if aggregator.plain and factors is None:
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=3e-7, atol=3e-7)
-        else:
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    if aggregator.plain and factors is None:  # strict: dtypes and shapes equal too
+        chex.assert_trees_all_close(a, b, rtol=3e-7, atol=3e-7, strict=True)
+    else:
+        chex.assert_trees_all_equal(a, b, strict=True)
     return a
 
 
@@ -187,8 +185,7 @@ def test_dp_without_noise_or_clipping_is_the_uniform_mean() -> None:
     out = _both(Aggregator(dp=dp), UPS, REC, w, state, KEY)
     _close(out.mean, REC["a"] + DA.sum(0) / 4, REC["b"] + DB.sum(0) / 4)
     uniform = weighted_mean(UPS, np.ones(4))
-    for x, y in zip(jax.tree.leaves(out.mean), jax.tree.leaves(uniform), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(out.mean, uniform, rtol=1e-6, atol=1e-6)
     weighted = weighted_mean(UPS, w)
     assert np.abs(np.asarray(out.mean["a"]) - np.asarray(weighted["a"])).max() > 0.5
     assert float(out.state["clip"]) == 1e6  # a fixed clip norm

@@ -6,6 +6,7 @@ import math
 from collections import Counter
 from types import SimpleNamespace
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -115,8 +116,7 @@ def test_a_clients_steps_depend_on_its_own_examples_seed_and_id_only():
                 attention_mask=mine.attention_mask[..., :r, :],
                 row_tokens=mine.row_tokens[..., :r, :],
             )  # fmt: skip
-            for a, b in zip(jax.tree.leaves(step), jax.tree.leaves(cut), strict=True):
-                np.testing.assert_array_equal(a, b)
+            chex.assert_trees_all_equal(step, cut)
             # what was grown is padding only
             assert not mine.attention_mask[..., r:, :].any()
             assert not mine.input_ids[..., n:].any()
@@ -402,9 +402,7 @@ def test_eval_batches_ignore_the_training_only_settings():
         other = client_eval_batches(tok, clients[0], labels, Batching(
             4, packing=packing, bucketing=True, window=2, shuffle=False))  # fmt: skip
         assert len(base) == len(other)
-        for a, b in zip(base, other, strict=True):
-            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-                np.testing.assert_array_equal(x, y)
+        chex.assert_trees_all_equal(base, other)
 
 
 @pytest.mark.parametrize("batch_size", [8, 32, 64])

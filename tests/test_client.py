@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,12 +29,6 @@ from fedjax_split.fed.roles import merge_params, split_params
 from fedjax_split.tasks.objectives import CLASSIFICATION, REGRESSION
 
 
-def _assert_trees_equal(a, b) -> None:
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-
-
 @pytest.mark.parametrize("num_labels", [3, 1])
 def test_two_sgd_steps_match_reference_gradient(num_labels: int) -> None:
     apply, params = tiny_model(num_labels)
@@ -54,9 +49,7 @@ def test_two_sgd_steps_match_reference_gradient(num_labels: int) -> None:
         )
         losses.append(float(loss) * batch.example_mask.sum())
         p = jax.tree.map(lambda w, d: w - lr * d, p, grads)
-    got = merge_params(new_g, new_l)
-    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(p), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(merge_params(new_g, new_l), p, rtol=1e-5, atol=1e-6)
     assert int(metrics.num_steps) == 2
     assert float(metrics.num_examples) == 4 + 3  # the last batch has one padding row
     np.testing.assert_allclose(float(metrics.loss_sum), sum(losses), rtol=1e-5)
@@ -90,7 +83,7 @@ def test_padded_steps_leave_client_bitwise_unchanged() -> None:
 
     key = jax.random.key(3)
     update, g, loc, a, b = _train_both(apply, params, alone, padded, key)
-    _assert_trees_equal(a, b)
+    chex.assert_trees_all_equal(a, b, strict=True)  # bitwise: values, dtypes and shapes
     assert int(b[2].num_steps) == 6
     # and the padding really was there to be ignored: without masks the result differs
     unmasked = [s.replace(step_mask=np.ones_like(s.step_mask)) for s in padded[:1]]
@@ -136,7 +129,7 @@ def test_fedprox_in_client_update_acts_on_global_part_only() -> None:
         np.testing.assert_allclose(np.asarray(x) - np.asarray(y), want, rtol=1e-3, atol=1e-7)
     leaves = zip(jax.tree.leaves(g1), jax.tree.leaves(g), strict=True)
     assert max(float(jnp.abs(a - b).max()) for a, b in leaves) > 0  # w1 != w0: prox acts
-    _assert_trees_equal(l2x, l2p)
+    chex.assert_trees_all_equal(l2x, l2p)
 
 
 def test_dropout_keys_differ_per_step_and_follow_fold_in() -> None:
@@ -233,8 +226,7 @@ def test_packed_segments_train_like_padded_ones() -> None:
     assert float(a[2].loss_sum) == pytest.approx(float(b[2].loss_sum), rel=1e-5)
     assert int(a[2].num_steps) == int(b[2].num_steps) == len(padded)
     assert float(a[2].num_examples) == float(b[2].num_examples) == 44
-    for x, y in zip(jax.tree.leaves(a[:2]), jax.tree.leaves(b[:2]), strict=True):
-        np.testing.assert_allclose(x, y, atol=2e-5)
+    chex.assert_trees_all_close(a[:2], b[:2], rtol=1e-7, atol=2e-5)  # numpy's default rtol
     # the updates really moved the weights (so agreeing is not trivial)
     assert np.abs(a[0]["embeddings"]["word_embeddings"]["embedding"] - g["embeddings"][
         "word_embeddings"]["embedding"]).max() > 1e-3  # fmt: skip
@@ -275,8 +267,7 @@ def test_a_step_cut_into_parts_trains_like_the_step_in_one_part() -> None:
     key = jax.random.key(2)
     a = update(g, loc, [_one_segment(whole)], key)
     b = update(g, loc, [_one_segment(cut)], key)
-    for x, y in zip(jax.tree.leaves(a[:2]), jax.tree.leaves(b[:2]), strict=True):
-        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(b[:2], a[:2], rtol=1e-5, atol=1e-6)
     assert int(a[2].num_steps) == int(b[2].num_steps) == len(whole) == 6
     assert float(a[2].num_examples) == float(b[2].num_examples) == 48
     assert float(b[2].loss_sum) == pytest.approx(float(a[2].loss_sum), rel=1e-6)
@@ -323,8 +314,7 @@ def test_a_steps_parts_take_their_dropout_keys_by_fold_in() -> None:
             units += float(part.example_mask.sum())
         p = jax.tree.map(lambda w, d, u=units: w - lr * d / u, p, total)
         k += 1
-    for x, y in zip(jax.tree.leaves(merge_params(new_g, new_l)), jax.tree.leaves(p), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(merge_params(new_g, new_l), p, rtol=1e-5, atol=1e-6)
     assert int(metrics.num_steps) == k
 
 
@@ -352,7 +342,7 @@ def test_masked_parts_leave_a_multi_part_step_bitwise_unchanged() -> None:
 
     key = jax.random.key(4)
     update, g, loc, a, b = _train_both(apply, params, alone, padded, key)
-    _assert_trees_equal(a, b)
+    chex.assert_trees_all_equal(a, b, strict=True)  # bitwise: values, dtypes and shapes
     assert int(b[2].num_steps) == len(whole) == int(real_steps(padded, np))
     # and the masked parts really were there to be ignored: without their masks it differs
     c = update(g, loc, [s.replace(step_mask=np.ones_like(s.step_mask)) for s in padded], key)
@@ -414,8 +404,7 @@ def test_sgd_with_clipping_and_the_linear_schedule_matches_a_hand_loop() -> None
             p = jax.tree.map(lambda w, d, f=factor, c=scale: w - lr * f * c * d, p, grads)
             k += 1
     assert clipped == total  # the clip is active on every step, so the test sees it
-    for x, y in zip(jax.tree.leaves(merge_params(new_g, new_l)), jax.tree.leaves(p), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(merge_params(new_g, new_l), p, rtol=1e-5, atol=1e-6)
     assert int(metrics.num_steps) == total
 
 

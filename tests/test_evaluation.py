@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -212,15 +213,6 @@ def _test_splits(rng, sizes, *, packing, objective, batch_size=8):
             for a, b in zip(bounds[:-1], bounds[1:], strict=True)]  # fmt: skip
 
 
-def _assert_same(got, want) -> None:
-    """Every field bit for bit, dtypes and shapes included."""
-    for field, a, b in zip(ClientPredictions._fields, got, want, strict=True):
-        assert (a is None) == (b is None), field
-        if a is not None:
-            assert a.dtype == b.dtype and a.shape == b.shape, field
-            np.testing.assert_array_equal(a, b, err_msg=field)
-
-
 def _spy_bins(monkeypatch):
     """How many clients' units each dispatched bin holds."""
     from fedjax_split.sim import evaluation
@@ -281,8 +273,8 @@ def test_batched_evaluation_is_one_client_at_a_time_bit_for_bit(
     for group in (3, 5, 16):
         got = evaluate_personalised(apply, g, load, batches, ids, objective, group=group)
         assert len(got) == len(ids)
-        for a, b in zip(got, want, strict=True):
-            _assert_same(a, b)
+        # every field bit for bit, dtypes and shapes included (None only where want has None)
+        chex.assert_trees_all_equal(got, want, strict=True)
     assert len(want[1].labels) == 0 and max(held) > 1  # client 2 has no test examples
     assert len(np.unique(np.concatenate([w.predictions.ravel() for w in want]))) > 1
     # guard: client 4's own model and the shared one disagree on client 4's rows, so scoring a

@@ -12,6 +12,7 @@ import shutil
 import warnings
 import zipfile
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -300,7 +301,7 @@ def test_tf_era_gamma_beta_names_and_position_ids_buffer(torch_classifier, tmp_p
         warnings.simplefilter("error")
         got = load_pretrained(tmp_path, num_labels=2).params
     ref = load_pretrained(path, num_labels=2).params
-    jax.tree_util.tree_map(np.testing.assert_array_equal, got, ref)
+    chex.assert_trees_all_equal(got, ref)
 
 
 def test_half_precision_checkpoint_is_upcast(torch_classifier, tmp_path):
@@ -333,7 +334,7 @@ def test_torch_bin_is_read_without_torch_and_equals_safetensors(torch_classifier
     torch.save(sd, tmp_path / "pytorch_model.bin")
     got = load_pretrained(tmp_path, num_labels=2).params
     ref = load_pretrained(path, num_labels=2).params
-    jax.tree_util.tree_map(np.testing.assert_array_equal, got, ref)
+    chex.assert_trees_all_equal(got, ref)
 
 
 def test_torch_bin_reader_handles_views_and_dtypes(tmp_path):
@@ -652,8 +653,7 @@ def test_mlm_loss_and_logits_equal_transformers_both_ways(torch_mlm, tmp_path):
     again = _torch_out(back.eval(), masked, mask, types).logits.numpy()
     np.testing.assert_allclose(again, ref.logits.numpy(), atol=2e-5)
     reloaded = load_pretrained(out, num_labels=2, head="mlm")
-    for a, b in zip(jax.tree.leaves(reloaded.params), jax.tree.leaves(params), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(reloaded.params, params)
 
 
 def test_mlm_head_is_fresh_and_reported_when_the_checkpoint_has_none(torch_encoder, torch_mlm):

@@ -11,7 +11,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-import jax
+import chex
 import numpy as np
 import pytest
 from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
@@ -125,8 +125,7 @@ def test_none_exports_the_starting_model(base: dict) -> None:
     exported = load_pretrained(out / "model", num_labels=2, head="mlm")
     with pytest.warns(UserWarning):
         start = load_pretrained(base["model"], num_labels=2, head="mlm", seed=0)
-    for a, b in zip(jax.tree.leaves(exported.params), jax.tree.leaves(start.params), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(exported.params, start.params)
 
 
 def test_truncated_trains_and_exports_its_first_k_layers(base: dict) -> None:
@@ -258,9 +257,7 @@ def test_each_site_holds_out_its_own_documents(base: dict) -> None:
     n0 = len(one.heldout)
     assert 0 < n0 < len(a.heldout) and 0 < n0 < len(b.heldout)
     assert a.heldout[n0].input_ids.tolist() != b.heldout[n0].input_ids.tolist()  # site 1's
-    for x, y in zip(a.heldout[:n0] + b.heldout[:n0], one.heldout * 2, strict=True):
-        for u, v in zip(jax.tree.leaves(x), jax.tree.leaves(y), strict=True):
-            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    chex.assert_trees_all_equal(a.heldout[:n0] + b.heldout[:n0], one.heldout * 2)
     np.testing.assert_array_equal(a.sequences[0].input_ids, b.sequences[0].input_ids)
     draws = [site_heldout(60, client=k, seed=0, heldout_fraction=0.1)[1] for k in (0, 1)]
     assert draws[0].tolist() != draws[1].tolist()

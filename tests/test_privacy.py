@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -56,10 +57,9 @@ def test_clip_upload_bounds_the_norm_of_a_random_update() -> None:
         assert after <= bound * (1 + 1e-6)
         assert after == pytest.approx(bound, rel=1e-5)  # scaled down to it, not below
         # the direction is kept: the clipped update is the update times bound / norm
-        for c, u, r in zip(jax.tree.leaves(clipped), jax.tree.leaves(upload),
-                           jax.tree.leaves(received), strict=True):  # fmt: skip
-            want = r + (u.astype(np.float64) - r) * bound / before
-            np.testing.assert_allclose(np.asarray(c), want, rtol=1e-6, atol=1e-6)
+        want = jax.tree.map(lambda u, r, b=bound: r + (u.astype(np.float64) - r) * b / before,
+                            upload, received)  # fmt: skip
+        chex.assert_trees_all_close(clipped, want, rtol=1e-6, atol=1e-6)
 
 
 def test_an_update_within_the_bound_is_sent_bit_for_bit() -> None:
