@@ -122,8 +122,8 @@ def test_keep_checkpoints_1_leaves_the_latest_checkpoint_and_the_versions_it_nee
         return [json.loads(x)["accuracy"] for x in (d / "metrics.jsonl").read_text().splitlines()]
 
     assert accuracies(run) == accuracies(straight)
-    resumed, want = (export.personalised_params(d, 0)[0] for d in (run, straight))
-    chex.assert_trees_all_equal(resumed, want, strict=True)  # values, dtypes and shapes
+    kept, want = (export.personalised_params(d, 0)[0] for d in (run, straight))
+    chex.assert_trees_all_equal(kept, want, strict=True)  # values, dtypes and shapes
 
 
 def test_progress_inside_rounds_and_the_time_left_change_no_result(
