@@ -7,6 +7,7 @@ import dataclasses
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -110,15 +111,14 @@ def test_one_at_a_time_round_is_client_round_per_client_bit_for_bit(
             spec, state.global_params, own, STEPS[i], key, frozen
         )
         row = jax.tree.map(lambda x, i=i: x[i], (got_local, result.metrics))
-        for x, y in zip(jax.tree.leaves((new_local, metrics)), jax.tree.leaves(row), strict=True):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        chex.assert_trees_all_equal((new_local, metrics), row, strict=True)  # dtypes too
         finished.append((up, new_local, metrics))
     # ... and the round's server step is the aggregation of exactly those uploads
     combine = one_at_a_time_functions(spec).combine
     uploads = tuple(up for up, _, _ in finished)
     combined = combine(state, uploads, WEIGHTS, SEED_KEY)[0]
-    for x, y in zip(jax.tree.leaves(combined), jax.tree.leaves(got_state), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(combined, got_state, strict=True)
+    chex.assert_trees_all_equal_dtypes(combined, got_state)  # strict compares bfloat16 as fp32
     before, after = flatten_paths(state.master), flatten_paths(got_state.master)
     assert any(not np.array_equal(before[p], after[p]) for p in before)  # the round did train
     if wire != "float32":
@@ -127,9 +127,7 @@ def test_one_at_a_time_round_is_client_round_per_client_bit_for_bit(
     vmapped = dataclasses.replace(spec, chunk_size=None)
     other = run_round(vmapped, state, stacked, WEIGHTS, STEPS, SEED_KEY, client_ids=IDS,
                       frozen=frozen)  # fmt: skip
-    for x, y in zip(jax.tree.leaves(other[:2]), jax.tree.leaves((got_state, got_local)),
-                    strict=True):  # fmt: skip
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(other[:2], (got_state, got_local), rtol=1e-5, atol=1e-6)
 
 
 def test_masked_steps_leave_the_client_state_bitwise_unchanged() -> None:
@@ -140,7 +138,7 @@ def test_masked_steps_leave_the_client_state_bitwise_unchanged() -> None:
     client_state = program.start_one(state.global_params, own, key)
     client_state = program.segment_one(client_state, state.global_params,
                                        STEPS[0][0].for_training(), key, frozen)  # fmt: skip
-    before = [np.asarray(x).copy() for x in jax.tree.leaves(client_state)]
+    before = jax.tree.map(lambda x: np.asarray(x).copy(), client_state)
     steps_before = int(client_state.steps)
     seg = STEPS[0][1].for_training()
     masked = seg.replace(step_mask=np.zeros_like(seg.step_mask))  # padded steps
@@ -148,8 +146,7 @@ def test_masked_steps_leave_the_client_state_bitwise_unchanged() -> None:
     for padding in (masked, empty):
         client_state = program.segment_one(client_state, state.global_params, padding, key,
                                            frozen)  # fmt: skip
-        for x, y in zip(jax.tree.leaves(client_state), before, strict=True):
-            np.testing.assert_array_equal(np.asarray(x), y)
+        chex.assert_trees_all_equal(client_state, before, strict=True)  # bitwise, dtypes too
     # the same segment unmasked does train
     client_state = program.segment_one(client_state, state.global_params, seg, key, frozen)
     assert int(client_state.steps) > steps_before

@@ -10,6 +10,7 @@ import json
 import re
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -121,9 +122,8 @@ def test_keep_checkpoints_1_leaves_the_latest_checkpoint_and_the_versions_it_nee
         return [json.loads(x)["accuracy"] for x in (d / "metrics.jsonl").read_text().splitlines()]
 
     assert accuracies(run) == accuracies(straight)
-    leaves = jax.tree.leaves(export.personalised_params(run, 0)[0])
-    want = jax.tree.leaves(export.personalised_params(straight, 0)[0])
-    assert all(np.array_equal(a, b) for a, b in zip(leaves, want, strict=True))
+    kept, want = (export.personalised_params(d, 0)[0] for d in (run, straight))
+    chex.assert_trees_all_equal(kept, want, strict=True)  # values, dtypes and shapes
 
 
 def test_progress_inside_rounds_and_the_time_left_change_no_result(
@@ -248,12 +248,9 @@ def test_the_client_store_trains_what_clients_held_in_memory_train(files: dict[s
     store = ClientStore(cfg.run_dir / experiment.CLIENTS_DIR)
     for k in range(cfg.federation.clients):
         held = jax.tree.map(lambda x, k=k: np.asarray(x[k]), stacked)
-        for a, b in zip(jax.tree.leaves(store.load(k)), jax.tree.leaves(held), strict=True):
-            np.testing.assert_array_equal(a, b)
+        chex.assert_trees_all_equal(store.load(k), held, strict=True)  # bit for bit, dtypes too
     saved, _ = RunCheckpointer(checkpoint_dir(cfg.run_dir)).restore_untyped()
-    for a, b in zip(jax.tree.leaves(saved["server_state"]["master"]),
-                    jax.tree.leaves(state.master), strict=True):  # fmt: skip
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(saved["server_state"]["master"], state.master, strict=True)
 
 
 def test_personalised_metrics_match_transformers(
@@ -734,8 +731,7 @@ def test_a_lora_runs_checkpoints_hold_the_frozen_base_once_and_resume_and_export
             for x in _records(copy)] == timeless  # fmt: skip
     want = export.personalised_params(run, 1)[0]
     got = export.personalised_params(copy, 1)[0]
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-        assert np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(a, b)
+    chex.assert_trees_all_equal(want, got, strict=True)  # values, dtypes and shapes
 
     changed = load_tree(per_run)
     changed["embeddings"]["LayerNorm"]["scale"] = changed["embeddings"]["LayerNorm"]["scale"] + 1

@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -98,8 +99,7 @@ def test_export_writes_a_loadable_personalised_model(files: dict[str, Path], run
     out = export.export_client(run, 1, files["base"] / "export1")
     params, config, _ = export.personalised_params(run, 1)
     loaded = load_pretrained(out, num_labels=2)
-    for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    chex.assert_trees_all_equal(loaded.params, params)
     # clients differ in their local part (layer_1, pooler, head), share the global part
     p0, _, _ = export.personalised_params(run, 0)
     assert not np.array_equal(p0["classifier"]["kernel"], params["classifier"]["kernel"])
@@ -114,9 +114,7 @@ def test_export_writes_a_loadable_personalised_model(files: dict[str, Path], run
 def test_an_earlier_round_exports_that_rounds_model(files: dict[str, Path], run: Path) -> None:
     for round_ in (1, 2):
         params, _, _ = export.personalised_params(run, 1, round_)
-        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(_own_model(run, 1, round_)),
-                        strict=True):  # fmt: skip
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        chex.assert_trees_all_equal(params, _own_model(run, 1, round_))
     first, latest = (jax.tree.leaves(export.personalised_params(run, 1, r)[0]) for r in (1, None))
     assert any(not np.array_equal(a, b) for a, b in zip(first, latest, strict=True))
     out = files["base"] / "round1"

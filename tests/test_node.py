@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import chex
 import numpy as np
 import pytest
 
@@ -140,7 +141,6 @@ def test_a_site_node_reading_only_its_dir_builds_the_simulations_batches_for_it(
     """--site-data: node k, given only site k's directory, derives the split, the label shares
     and every training and test batch the simulation (all sites in one process) derives for
     client k; only the rows' indices differ, by the sites before it (the server's offset)."""
-    import jax
     from run_fixtures import tsv_rows
 
     from fedjax_split.deploy import node
@@ -175,11 +175,11 @@ def test_a_site_node_reading_only_its_dir_builds_the_simulations_batches_for_it(
                 real = np.asarray(a.example_index) >= 0
                 np.testing.assert_array_equal(np.asarray(a.example_index)[real] + offset,
                                               np.asarray(b.example_index)[real])  # fmt: skip
-                jax.tree.map(np.testing.assert_array_equal, _without_index(a), _without_index(b))
+                chex.assert_trees_all_equal(_without_index(a), _without_index(b))
         evals = client_data.client_eval_steps(config, n.task, n.pool, n.split.test)
         assert len(evals) == len(setup.eval_batches[k])
         for a, b in zip(evals, setup.eval_batches[k], strict=True):
-            jax.tree.map(np.testing.assert_array_equal, _without_index(a), _without_index(b))
+            chex.assert_trees_all_equal(_without_index(a), _without_index(b))
         offset += n.pool_size
 
 
@@ -189,7 +189,6 @@ def test_a_ner_site_node_builds_the_simulations_batches_in_the_configs_vocabular
     """NER sites (CoNLL, --entity-types): node k, given only site k's directory, has the run's
     tag vocabulary (a head as wide as the simulation's), its dominant-type shares, and every
     training and test batch the simulation derives for client k."""
-    import jax
     from run_fixtures import NER_TYPES, conll_sentences, write_tiny_ner_sites
 
     from fedjax_split.deploy import node
@@ -224,11 +223,11 @@ def test_a_ner_site_node_builds_the_simulations_batches_in_the_configs_vocabular
         want = experiment.round_batches(setup, 1)[k]
         assert len(got) == len(want) > 0
         for a, b in zip(got, want, strict=True):
-            jax.tree.map(np.testing.assert_array_equal, _without_index(a), _without_index(b))
+            chex.assert_trees_all_equal(_without_index(a), _without_index(b))
         evals = client_data.client_eval_steps(config, n.task, n.pool, n.split.test)
         assert len(evals) == len(setup.eval_batches[k]) > 0
         for a, b in zip(evals, setup.eval_batches[k], strict=True):
-            jax.tree.map(np.testing.assert_array_equal, _without_index(a), _without_index(b))
+            chex.assert_trees_all_equal(_without_index(a), _without_index(b))
         offset += n.pool_size
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -95,8 +96,7 @@ def _assert_same_run(one: Path, two: Path) -> None:
     kept = [RunCheckpointer(checkpoint_dir(run)).all_rounds() for run in (one, two)]
     assert kept[0] == kept[1] and kept[0]
     (a, _), (b, _) = (RunCheckpointer(checkpoint_dir(run)).restore_untyped() for run in (one, two))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(a, b, strict=True)  # the same run: dtypes too
 
 
 def test_two_processes_of_two_devices_equal_one_process_with_two(files: dict[str, Path]) -> None:

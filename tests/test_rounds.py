@@ -7,6 +7,7 @@ import dataclasses
 import math
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -185,8 +186,7 @@ def test_sharded_and_chunked_round_equals_plain_round() -> None:
     spec = RoundSpec(CLIENT, FEDAVG, "float32", chunk_size=1, mesh=mesh, donate=False)
     a = _run(SPEC_FEDAVG, 1)
     b = _run(spec, 1)  # K = 3 is padded to 4 over 2 devices, 1 client at a time on each
-    for x, y in zip(jax.tree.leaves(a[:2]), jax.tree.leaves(b[:2]), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(a[:2], b[:2], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(np.asarray(a[2].train_loss), np.asarray(b[2].train_loss), rtol=1e-6)
     assert b[2].bytes_up == a[2].bytes_up
     # and the client axis really is split over the devices (a manual computation over 'clients')
@@ -202,21 +202,18 @@ def test_chunk_size_does_not_change_the_round() -> None:
     spec = RoundSpec(CLIENT, FEDAVG, "float32", chunk_size=2, donate=False)  # 3 = 2 + remainder 1
     a = _run(SPEC_FEDAVG, 1)
     b = _run(spec, 1)
-    for x, y in zip(jax.tree.leaves(a[:2]), jax.tree.leaves(b[:2]), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(a[:2], b[:2], rtol=1e-6, atol=1e-7)
 
 
 def test_determinism_same_seed_bitwise_and_donation_safe() -> None:
     a = _run(SPEC_FEDAVG, 1)
     b = _run(SPEC_FEDAVG, 1)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(a, b, strict=True)  # bitwise: values, dtypes and shapes
     # Donating the server state and local parts changes nothing but memory, and never deletes
     # the caller's parameters (the server state owns copies).
     b = _run(RoundSpec(CLIENT, FEDAVG, "float32", donate=True), 1)
     assert not any(x.is_deleted() for x in jax.tree.leaves(PARAMS))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(a, b, strict=True)
 
 
 def test_keys_differ_across_clients() -> None:
@@ -332,8 +329,7 @@ def test_packed_round_vmapped_chunked_and_one_at_a_time_agree() -> None:
     spec = RoundSpec(CLIENT, FEDAVG, "float32", chunk_size=1, mesh=mesh, donate=False)
     state, local = _setup(1)
     b = run_round(spec, state, local, WEIGHTS, segs, SEED_KEY)
-    for x, y in zip(jax.tree.leaves(a[:2]), jax.tree.leaves(b[:2]), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(a[:2], b[:2], rtol=1e-6, atol=1e-7)
     g0, _ = split_params(PARAMS, critical_layer=1)
     ref = _reference(g0, segments=segs)
     for path, value in flatten_paths(a[0].global_params).items():
@@ -358,8 +354,7 @@ def test_host_loop_round_equals_vmapped_round(packed: bool, c: int) -> None:
     a = run_round(SPEC_FEDAVG, state, local, WEIGHTS, segs, SEED_KEY, client_ids=ids)
     state, local = _setup(c)
     b = run_round(spec, state, local, WEIGHTS, segs, SEED_KEY, client_ids=ids)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-7)
     assert [int(s) for s in b[2].metrics.num_steps] == [int(s) for s in a[2].metrics.num_steps]
 
 
@@ -407,9 +402,10 @@ def test_clients_dealt_to_devices_train_what_one_device_trains(monkeypatch, wire
             for j in range(max(len(segs[i]) for i in range(first, min(first + 2, K))))
             for i in range(first, min(first + 2, K)) if j < len(segs[i])]  # fmt: skip
     assert seen == want and set(want) == set(devices)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert not isinstance(y, jax.Array) or list(y.devices()) == [devices[0]]
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert all(not isinstance(y, jax.Array) or list(y.devices()) == [devices[0]]
+               for y in jax.tree.leaves(b))  # fmt: skip
+    chex.assert_trees_all_equal(a, b, strict=True)  # bit-identical, dtypes too (16-bit wire)
+    chex.assert_trees_all_equal_dtypes(a[:2], b[:2])  # strict compares bfloat16 as fp32
 
 
 def _frozen_reference(trained_global: dict, frozen: dict, client_ids=(0, 1, 2)) -> list[dict]:
@@ -532,8 +528,7 @@ def test_progress_counts_grow_and_leave_the_round_bit_identical(spec: RoundSpec)
     state, local = _setup(1)
     b = run_round(spec, state, local, WEIGHTS, segs, SEED_KEY, client_ids=ids,
                   on_progress=seen.append)  # fmt: skip
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(a, b, strict=True)  # bit-identical, dtypes too
 
     steps = sum(real_counts(s)[0] for c in segs for s in c)
     examples = sum(real_counts(s)[1] for c in segs for s in c)
@@ -592,8 +587,7 @@ def test_a_dp_round_stacked_equals_clients_one_at_a_time(quantile: float | None)
     z = 0.5 if quantile is None else 0.2  # adaptive: z < 2 sigma_b = 0.3
     a = _dp_run(_dp_spec(None, z=z, quantile=quantile))
     b = _dp_run(_dp_spec(1, z=z, quantile=quantile))
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
+    chex.assert_trees_all_close(a, b, rtol=1e-6, atol=1e-7)
     state, _, result = a
     assert int(state.round) == 1 and bool(np.all(result.accepted))
     np.testing.assert_allclose(np.asarray(result.update_norms), [0.1327, 0.0689, 0.0753],
@@ -637,13 +631,11 @@ def test_a_dp_rounds_noise_is_z_clip_over_m_and_its_seeds() -> None:
     # the same keys: bit for bit the same round; another noise key, the same run key: the
     # clients train alike (their local parts are the same) and only the noise differs
     again = _dp_run(_dp_spec(1, z=0.5))
-    for x, y in zip(jax.tree.leaves((noisy, new_local)), jax.tree.leaves(again[:2]), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal((noisy, new_local), again[:2], strict=True)
     other, other_local, _ = _dp_run(_dp_spec(1, z=0.5), noise_key=ServerSecret.fresh().noise_key(0))
     bias = "embeddings/LayerNorm/bias"
     assert not np.any(flatten_paths(other.master)[bias] == flatten_paths(noisy.master)[bias])
-    for x, y in zip(jax.tree.leaves(other_local), jax.tree.leaves(new_local), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(other_local, new_local)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 1], ids=["stacked", "one-at-a-time"])
@@ -679,8 +671,7 @@ def test_a_dp_round_that_sampled_nobody_moves_the_global_part_by_noise_alone(qua
     # without DP an empty round leaves the global part exactly where it was
     plain = init_server_state(g0, FEDAVG, "float32")
     state, _, _ = run_round(SPEC_FEDAVG, plain, local, np.zeros(0), [], SEED_KEY)
-    for x, y in zip(jax.tree.leaves(state.master), jax.tree.leaves(plain.master), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(state.master, plain.master)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 1], ids=["stacked", "one-at-a-time"])
@@ -698,8 +689,7 @@ def test_update_factors_flip_an_attackers_update(chunk_size: int | None) -> None
                                    rtol=2e-5, atol=2e-6, err_msg=path)  # fmt: skip
     # only the upload is tampered with: the attacker's own local part trained as usual
     honest = _run(spec, 1)
-    for x, y in zip(jax.tree.leaves(new_local), jax.tree.leaves(honest[1]), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    chex.assert_trees_all_equal(new_local, honest[1])
     assert bool(np.all(result.accepted))
 
 
