@@ -196,3 +196,47 @@ def test_the_queue_refreshes_the_report_after_each_run_it_ran(
     assert ran == ["bertfl_s0", "fedbt_s0", "central_s0", "text", "warmup_head", "warmup",
                    "mlm_bertfl_s0", "mlm_fedbt_s0"]  # fmt: skip
     assert reports == [1, 3, 5, 6, 7, 8]  # after each run but the one done before
+
+
+def test_the_ledger_keeps_each_finished_runs_figures_when_its_directory_is_gone(
+    runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger = tmp_path / "data" / "plateau.jsonl"
+    kept = plateau.Runs(runs, ledger=ledger)
+    before = "\n".join(plateau.section())
+    names = sorted(p.name for p in runs.iterdir() if p.is_dir())
+    for name in [*names, names[0]]:  # recording a run twice leaves one line
+        kept.record(name)
+    kept.record("central_s4")  # not run: nothing recorded
+    lines = [json.loads(x) for x in ledger.read_text().splitlines()]
+    assert sorted(x["name"] for x in lines) == names
+    (runs / "unfinished").mkdir()  # a run under way is not taken from the ledger
+    assert kept.load("unfinished") is None and kept.load("central_s4") is None
+    for name in names:
+        for f in (runs / name).iterdir():
+            f.unlink()
+        (runs / name).rmdir()
+        (runs / f"{name}.log").unlink()
+    monkeypatch.setattr(plateau, "RUNS", kept)
+    assert "\n".join(plateau.section()) == before
+    assert kept.run("bertfl_s0", ["--never-run"]) == "bertfl_s0: in the ledger, done before"
+    assert not (runs / "bertfl_s0").exists()
+
+
+def test_a_ledger_line_keeps_the_costs_and_pooled_scores_not_the_client_lists(
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / "runs" / "r"
+    d.mkdir(parents=True)
+    record = {"round": 3, "flops": 7, "cum_flops": 21, "cum_bytes": 5, "seconds": 1.5,
+              "pooled": {"f1": 0.25}, "clients": [{"client": 0, "f1": 0.2}], "f1": 0.2}  # fmt: skip
+    (d / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    (d / "summary.json").write_text(json.dumps({"seconds": 60.0}))
+    (d / "config.json").write_text("{}")
+    (tmp_path / "runs" / "r.log").write_text("commit abc1234\ncmd\ncommit def5678\ncmd\n")
+    runs = plateau.Runs(tmp_path / "runs", ledger=tmp_path / "ledger.jsonl")
+    runs.record("r")
+    (line,) = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert line == {"name": "r", "commits": ["abc1234", "def5678"], "summary": {"seconds": 60.0},
+                    "records": [{"round": 3, "flops": 7, "cum_flops": 21, "cum_bytes": 5,
+                                 "pooled": {"f1": 0.25}}]}  # fmt: skip

@@ -33,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run from anywhere: s
 
 from study_runs import ROOT, Runs, evaluated, pyplot, save_figure  # noqa: E402
 
-RUNS = Runs(ROOT / "runs" / "fedbt_study" / "plateau")
+# each finished run's figures also in git (study_runs' ledger): runs/ is lost with a machine
+LEDGER = ROOT / "docs" / "data" / "fedbt_plateau.jsonl"
+RUNS = Runs(ROOT / "runs" / "fedbt_study" / "plateau", ledger=LEDGER)
 FIGURE = ROOT / "docs" / "figures" / "fedbt_study_nero_plateau.png"
 TITLE = "NERO at plateau: BERT-FL 36 rounds, FedBT 48, K=3, Dirichlet 1.0"
 METRIC = "f1"
@@ -370,7 +372,9 @@ def section() -> list[str] | None:
             f"(of {len(SEEDS)}): {counts}. Mean run seconds (2-core CPU, shared): {secs}.", "",
             "`python -m fedjax_split.train " + _shell(BASE) + "` with each arm's flags "
             "and rounds (tools/lib/fedbt_plateau.py's ARMS) and `--seed`; "
-            "`python tools/fedbt_study.py --plateau` runs the queue.", "",
+            "`python tools/fedbt_study.py --plateau` runs the queue. Each finished run's "
+            f"figures are also in {LEDGER.relative_to(ROOT)} (what this page reads when a run's "
+            "directory is gone).", "",
             "The figure by round, mean ± sample sd over the finished seeds:", "",
             *round_table(runs), "", *figure,
             f"BERT-FL's plateau: the first evaluated round after which its mean F1 never gains "

@@ -5,10 +5,16 @@ Runs are `python -m fedjax_split.train ARGS --output-dir=DIR/<name>`, their outp
 DIR/<name>.log after a line "commit <hash>": a finished run (summary.json) is not run again (its
 checkpoints are deleted once it finishes: the reports read its figures), an interrupted one
 continues with --resume.
+
+A study that runs for days keeps a ledger in git (`Runs(..., ledger=docs/data/<study>.jsonl)`):
+each finished run's figures (summary, commits, and per round its costs and its pooled scores,
+without the per-client lists), one line a run. A report reads the ledger for a run whose
+directory is gone: runs/ is never committed, and a new machine had lost ten finished runs.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -30,17 +36,26 @@ def commit() -> str:
                           text=True).stdout.strip()  # fmt: skip
 
 
-class Runs:
-    """The runs of one study, in `directory`."""
+# what a ledger keeps of each round's record: its costs and the global model's pooled scores
+LEDGER_KEYS = ("round", "flops", "cum_flops", "cum_bytes", "pooled")
 
-    def __init__(self, directory: Path) -> None:
+
+class Runs:
+    """The runs of one study, in `directory`; with `ledger`, each finished run's figures also
+    there (a JSONL file in git), read back when its directory is gone."""
+
+    def __init__(self, directory: Path, ledger: Path | None = None) -> None:
         self.directory = Path(directory)
+        self.ledger = None if ledger is None else Path(ledger)
 
     def run(self, name: str, args: Sequence[str], module: str = "fedjax_split.train") -> str:
         """`python -m module ARGS` into DIR/<name> (fedjax_split.pretrain writes the same files)."""
         out = self.directory / name
         if (out / "summary.json").is_file():
+            self.record(name)  # a run finished before the study kept a ledger
             return f"{name}: done before"
+        if not out.exists() and self._entry(name) is not None:
+            return f"{name}: in the ledger, done before"
         cmd = [sys.executable, "-m", module, *args, f"--output-dir={out}"]
         if out.exists():
             cmd.append("--resume")
@@ -54,14 +69,16 @@ class Runs:
             rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
         if rc == 0 and (out / "summary.json").is_file():
             drop_checkpoints(out)
+            self.record(name)
         status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {log})"
         return f"{name}: {status} in {time.time() - t0:.0f}s"
 
     def load(self, name: str) -> dict[str, Any] | None:
-        """A finished run's summary, records, config and commits; None if it has not finished."""
+        """A finished run's summary, records, config and commits (from the ledger, records slim
+        and config empty, when its directory is gone); None if it has not finished."""
         d = self.directory / name
         if not (d / "summary.json").is_file():
-            return None
+            return None if d.exists() else self._entry(name)
         log = self.directory / f"{name}.log"
         lines = log.read_text().splitlines() if log.is_file() else []
         return {
@@ -70,6 +87,27 @@ class Runs:
             "config": read_json(d / "config.json"),
             "commits": [x.split()[1] for x in lines if x.startswith("commit ")],
         }
+
+    def record(self, name: str) -> None:
+        """The finished run `name`'s line in the ledger (replacing an older line of that name)."""
+        run = self.load(name) if self.ledger is not None else None
+        if run is None:
+            return
+        entry = {"name": name, "commits": run["commits"], "summary": run["summary"],
+                 "records": [{k: r[k] for k in LEDGER_KEYS if k in r} for r in run["records"]]}
+        lines = [x for x in self._lines() if x["name"] != name]
+        self.ledger.parent.mkdir(parents=True, exist_ok=True)
+        text = "".join(json.dumps(x, sort_keys=True) + "\n" for x in [*lines, entry])
+        self.ledger.write_text(text)
+
+    def _lines(self) -> list[dict[str, Any]]:
+        if self.ledger is None or not self.ledger.is_file():
+            return []
+        return [json.loads(x) for x in self.ledger.read_text().splitlines() if x.strip()]
+
+    def _entry(self, name: str) -> dict[str, Any] | None:
+        entry = next((x for x in self._lines() if x["name"] == name), None)
+        return None if entry is None else {**entry, "config": {}}
 
     def commits(self, names: Sequence[str]) -> list[str]:
         """The commits the finished runs among `names` ran at (a resumed run lists each)."""
