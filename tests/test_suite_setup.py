@@ -1,0 +1,49 @@
+"""The suite's own set-up holds: --dist loadgroup keeps every test of one xdist_group on one
+worker (pyproject.toml: the federation tests, a few GB each, never two at once). pytest 9.2's
+structured node ids silently broke it (pytest-xdist issue 1386): the groups ran on both workers
+and the suite took twice as long."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+GROUPED = """
+import os
+import pytest
+
+pytestmark = pytest.mark.xdist_group("federation")
+
+
+@pytest.mark.parametrize("i", range(4))
+def test_grouped(i):
+    print("worker", os.environ["PYTEST_XDIST_WORKER"])
+"""
+
+UNGROUPED = """
+import pytest
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_free(i):
+    pass
+"""
+
+
+def test_loadgroup_keeps_a_group_on_one_worker(tmp_path: Path) -> None:
+    (tmp_path / "test_a.py").write_text(GROUPED)
+    (tmp_path / "test_b.py").write_text(GROUPED.replace("test_grouped", "test_grouped_too"))
+    (tmp_path / "test_c.py").write_text(UNGROUPED)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-v", "-p",
+         "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path), str(tmp_path)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    grouped = re.findall(r"\[(gw\d)\] .*PASSED .*test_grouped", res.stdout)
+    assert len(grouped) == 8 and len(set(grouped)) == 1, res.stdout
+    assert len(re.findall(r"PASSED .*test_free", res.stdout)) == 6
