@@ -67,6 +67,10 @@ def test_the_report_rewrites_the_sections_whose_runs_are_here_and_keeps_the_othe
     monkeypatch.setattr(study, "DOC", doc)
     monkeypatch.setattr(study, "DISCUSSION", discussion)
     monkeypatch.setattr(study, "FIGURE_DIR", tmp_path / "figures")
+    # the plateau study's runs and ledger are not this test's: none here (its ledger in docs/
+    # would otherwise write its figure into the checkout)
+    monkeypatch.setattr(study.fedbt_plateau, "RUNS", study.Runs(tmp_path / "no_plateau_runs"))
+    monkeypatch.setattr(study.fedbt_plateau, "FIGURE", tmp_path / "figures" / "plateau.png")
     rt, news = (f"## {study.DATASETS[d][0]}" for d in ("rt", "news"))
     kept = [news, "", "Runs at commit(s) 0ld0ne.", "", "| an earlier table |", ""]
     doc.write_text("\n".join(["# old", "", rt, "", "| a stale rt table |", "", *kept,
@@ -75,6 +79,7 @@ def test_the_report_rewrites_the_sections_whose_runs_are_here_and_keeps_the_othe
     study.report()
     text = doc.read_text()
     assert "a stale rt table" not in text and "Runs at commit(s) abc1234." in text
+    assert study.fedbt_plateau.TITLE not in text  # no plateau runs here, none earlier
     assert "| 0.790 ± 0.010 (n=3) |" in text  # rt's table from the runs here
     assert "\n".join(kept) in text  # 20 Newsgroups, whose runs are not here, kept as it was
     assert text.index(rt) < text.index(news) < text.index("by hand")
