@@ -310,15 +310,15 @@ def test_the_counter_sees_imports_inside_functions_only() -> None:
 
 
 def test_the_commands_parse_without_jax() -> None:
-    """Each command's module imports no framework, and pretrain's and export's --help import none
-    either (train's lists the task registry's tasks, which imports JAX): a command imports its
+    """Each command's module imports no framework, nor does its --help (train's lists the task
+    registry's tasks, whose objectives are JAX code loaded on first use): a command imports its
     job's modules once, after parsing its flags."""
     code = (
         "import contextlib, io, sys\n"
         "from fedjax_split import cli, export, flower, pretrain, train\n"
         "heavy = ('jax', 'flax', 'transformers', 'torch', 'orbax', 'flwr')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
-        "for main in (pretrain.main, export.main):\n"
+        "for main in (train.main, pretrain.main, export.main, flower.main):\n"
         "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
         "        main(['--help'])\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"

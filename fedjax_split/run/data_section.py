@@ -25,8 +25,8 @@ _POOL_ONLY = ("partition", "paper_fill", "alpha", "beta", "max_examples", "data_
 
 
 def _task_help() -> str:
-    """--task's help, listing every registered task by kind. The registry imports jax, so it is
-    imported when the flags are built, after the entry point has tuned the process."""
+    """--task's help, listing every registered task by kind (the registry loads no JAX: a task's
+    objective is imported on first use)."""
     from fedjax_split.tasks.registry import TASKS
 
     kinds: dict[str, list[str]] = {}

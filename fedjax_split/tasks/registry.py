@@ -7,18 +7,16 @@ the parquet layout and (after mapping in `sources`) GLUE's original TSV files.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fedjax_split.errors import UserError
 from fedjax_split.tasks import bio
 from fedjax_split.tasks import metrics as _metrics
-from fedjax_split.tasks.objectives import (
-    CLASSIFICATION,
-    REGRESSION,
-    TOKEN_CLASSIFICATION,
-    Classification,
-)
+
+if TYPE_CHECKING:
+    from fedjax_split.tasks.objectives import Classification
 
 NEWSGROUPS = (
     "alt.atheism",
@@ -67,7 +65,7 @@ class Task:
     text_fields: tuple[str, ...]
     label_field: str
     num_labels: int
-    objective: Classification  # what the model is trained on and predicts (tasks.objectives)
+    objective_name: str  # what the model is trained on and predicts: a tasks.objectives name
     label_names: tuple[str, ...]
     metrics: tuple[str, ...]
     primary_metric: str
@@ -77,8 +75,16 @@ class Task:
     entity_types: tuple[str, ...] = ()  # a token task's fixed entity types, sorted; () if none
 
     @property
+    def objective(self) -> Classification:
+        """The objective itself (`tasks.objectives`), imported on first use: the objectives are
+        JAX code, and listing the tasks (`train --help`) should not load JAX."""
+        from fedjax_split.tasks.objectives import OBJECTIVES
+
+        return OBJECTIVES[self.objective_name]
+
+    @property
     def is_regression(self) -> bool:
-        return self.objective is REGRESSION
+        return self.objective_name == "regression"
 
     @property
     def is_pair(self) -> bool:
@@ -92,7 +98,7 @@ def _glue(name, fields, labels, metrics, primary, groups=()) -> Task:
         text_fields=fields,
         label_field="label",
         num_labels=1 if regression else len(labels),
-        objective=REGRESSION if regression else CLASSIFICATION,
+        objective_name="regression" if regression else "classification",
         label_names=labels,
         metrics=metrics,
         primary_metric=primary,
@@ -106,7 +112,7 @@ def _offline(name, asset, labels) -> Task:
         text_fields=("text",),
         label_field="label",
         num_labels=len(labels),
-        objective=CLASSIFICATION,
+        objective_name="classification",
         label_names=labels,
         metrics=("accuracy",),
         primary_metric="accuracy",
@@ -121,7 +127,7 @@ def _ner(name: str, asset: str | None, types: tuple[str, ...] = ()) -> Task:
         text_fields=("tokens",),
         label_field="tags",
         num_labels=0,
-        objective=TOKEN_CLASSIFICATION,
+        objective_name="token_classification",
         label_names=(),
         metrics=("precision", "recall", "f1"),
         primary_metric="f1",
