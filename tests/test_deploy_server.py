@@ -26,7 +26,7 @@ from fedjax_split.deploy import (
     server,
     train_messages,
 )
-from fedjax_split.deploy.train_replies import _take_uploads
+from fedjax_split.deploy.train_replies import take_uploads
 from fedjax_split.errors import UserError
 from fedjax_split.fed import privacy
 from fedjax_split.fed.aggregation import Aggregator
@@ -91,7 +91,7 @@ def test_bad_uploads_are_rejected_and_the_rest_is_taken_in_order(wire: str) -> N
     }))  # fmt: skip
     rejected: dict[int, str] = {}
     run = _run(wire)
-    taken = _take_uploads(run, run.model.round_spec, replies, rejected)
+    taken = take_uploads(run, run.model.round_spec, replies, rejected)
     assert sorted(rejected) == [1, 2, 3, 5, 6, 8, 9]
     assert "non-finite" in rejected[1] and "non-finite" in rejected[2] and "shape" in rejected[3]
     assert "example count" in rejected[5] and "loss sum" in rejected[6]
@@ -117,7 +117,7 @@ def test_with_dp_a_reply_must_report_a_finite_update_norm() -> None:
     }
     rejected: dict[int, str] = {}
     run = _run("float32", dp=True)
-    taken = _take_uploads(run, run.model.round_spec, replies, rejected)
+    taken = take_uploads(run, run.model.round_spec, replies, rejected)
     assert sorted(rejected) == [1, 2] and "update norm" in rejected[1]
     assert taken.clients == [0, 4] and taken.norms == [3.5, 0.25]
 
@@ -210,7 +210,7 @@ def test_connect_maps_each_client_to_the_node_that_holds_it(monkeypatch) -> None
     from fedjax_split.errors import UserError
 
     # a Flower Message needs a run's task identity: the query is only addressed here
-    monkeypatch.setattr(joining, "_message", lambda content, node, kind: SimpleNamespace(
+    monkeypatch.setattr(joining, "new_message", lambda content, node, kind: SimpleNamespace(
         metadata=SimpleNamespace(dst_node_id=node, message_type=kind)))  # fmt: skip
 
     config = ExperimentConfig.of(clients=3)
@@ -264,7 +264,7 @@ def test_evaluate_leaves_out_a_reply_that_is_not_the_clients_own_metrics(monkeyp
     undefined on a split) and {} (no test examples) are taken as before."""
     from fedjax_split.tasks.registry import get_task
 
-    monkeypatch.setattr(evaluation, "_message", lambda content, node, kind: content)
+    monkeypatch.setattr(evaluation, "new_message", lambda content, node, kind: content)
     nan = float("nan")
     replies = {
         0: _eval_reply(0, json.dumps({"accuracy": 0.75})),
@@ -309,7 +309,7 @@ def test_a_split_runs_last_evaluation_asks_every_client_for_the_global_models_fi
     record has them per client and the gain, each client's own difference averaged."""
     from fedjax_split.tasks.registry import get_task
 
-    monkeypatch.setattr(evaluation, "_message", lambda content, node, kind: content)
+    monkeypatch.setattr(evaluation, "new_message", lambda content, node, kind: content)
     acc = lambda a: json.dumps({"accuracy": a})  # noqa: E731
     replies = {
         0: _eval_reply(0, acc(0.9), initial=acc(0.5)),
@@ -355,9 +355,9 @@ def test_before_the_last_round_the_evaluation_rides_in_the_next_rounds_train_mes
         return {**content, "kind": kind}
 
     # the evaluate messages are built in deploy.evaluation, the train messages in
-    # deploy.train_messages: each looks `_message` up in its own module
-    monkeypatch.setattr(evaluation, "_message", message)
-    monkeypatch.setattr(train_messages, "_message", message)
+    # deploy.train_messages: each looks `new_message` up in its own module
+    monkeypatch.setattr(evaluation, "new_message", message)
+    monkeypatch.setattr(train_messages, "new_message", message)
     acc = lambda a: json.dumps({"accuracy": a})  # noqa: E731
     replies = {c: _eval_reply(c, acc(0.5 + c / 10)) for c in range(4)}
     run = _run("float32")
@@ -495,7 +495,7 @@ def test_a_site_reports_indices_within_its_own_rows() -> None:
 def test_a_query_reply_without_a_client_id_is_one_line(monkeypatch) -> None:
     from flwr.app import ConfigRecord
 
-    monkeypatch.setattr(joining, "_message", lambda content, node, kind: SimpleNamespace(
+    monkeypatch.setattr(joining, "new_message", lambda content, node, kind: SimpleNamespace(
         metadata=SimpleNamespace(dst_node_id=node, message_type=kind)))  # fmt: skip
     options = messaging.DeployOptions(connect_timeout=5, poll_interval=0.01)
     for content, needle in ((RecordDict({}), "no config record"),
@@ -556,6 +556,6 @@ def test_a_train_reply_must_carry_its_flops_as_a_whole_number() -> None:
     }
     rejected: dict[int, str] = {}
     run = _run("float32")
-    taken = _take_uploads(run, run.model.round_spec, replies, rejected, ("flops",))
+    taken = take_uploads(run, run.model.round_spec, replies, rejected, ("flops",))
     assert sorted(rejected) == [1, 2, 4] and all("flops" in why for why in rejected.values())
     assert taken.clients == [0] and taken.costs == [{"flops": big}]

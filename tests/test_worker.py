@@ -116,8 +116,8 @@ def test_a_handlers_error_comes_back_as_its_class_and_bad_frames_are_refused(
     for parts in ([b"bogus", b"x", b"y"], [b"query", b"not a protobuf", b"\xff"], [b"query"]):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(str(path))
-            frames._send_parts(conn, parts)
-            status, text = frames._recv_parts(conn)
+            frames.send_parts(conn, parts)
+            status, text = frames.recv_parts(conn)
         assert status == b"error" and text, parts
     from flwr.common import serde
 
@@ -151,8 +151,8 @@ def _refusal(path: Path, parts: list[bytes]) -> str:
     """The worker's error text for the request frame `parts` (it must refuse it)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.connect(str(path))
-        frames._send_parts(conn, parts)
-        status, text = frames._recv_parts(conn)
+        frames.send_parts(conn, parts)
+        status, text = frames.recv_parts(conn)
     assert status == b"error", parts[:2]
     return text.decode()
 

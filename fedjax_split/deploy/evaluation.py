@@ -19,8 +19,14 @@ import numpy as np
 
 from fedjax_split.deploy import codec, protocol
 from fedjax_split.deploy.joining import ServerRun
-from fedjax_split.deploy.messaging import DeployOptions, Exchange, _config_record, _message, _warn
-from fedjax_split.deploy.train_messages import Ahead, _secure_settings, _train_messages
+from fedjax_split.deploy.messaging import (
+    DeployOptions,
+    Exchange,
+    config_record,
+    new_message,
+    warn_line,
+)
+from fedjax_split.deploy.train_messages import Ahead, build_train_messages, secure_settings
 from fedjax_split.run import client_scores
 
 
@@ -95,14 +101,14 @@ def evaluate(
     fold = r < run.rounds and options.carry_evaluation  # (then never `both`: not the last)
     plan = run.strategy.plan(r + 1, state, run.secret) if fold else None
     carry = {cid: {protocol.EVAL_ROUND: r} for cid in due}
-    train = {} if plan is None else _train_messages(run, plan, sent, keep_from, carry)
-    secure = None if plan is None else _secure_settings(run, plan, train)
+    train = {} if plan is None else build_train_messages(run, plan, sent, keep_from, carry)
+    secure = None if plan is None else secure_settings(run, plan, train)
     msgs = {**train}
     for cid in (c for c in due if c not in train):
-        content = {protocol.CONFIG: _config_record({**cfg, protocol.CLIENT: cid})}
+        content = {protocol.CONFIG: config_record({**cfg, protocol.CLIENT: cid})}
         if sent:
             content[protocol.GLOBAL] = codec.to_record(sent)
-        msgs[cid] = _message(content, run.nodes[cid], protocol.EVALUATE)
+        msgs[cid] = new_message(content, run.nodes[cid], protocol.EVALUATE)
     t0 = time.perf_counter()
     replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
     carried = None if plan is None else Ahead(
@@ -138,5 +144,5 @@ def _evaluated(
             theirs.append({"client": cid, **initial[0]})
     for cid, why in sorted(failed.items()):
         if cid not in skip:
-            _warn(f"round {r}: client {cid} failed to evaluate ({why})")
+            warn_line(f"round {r}: client {cid} failed to evaluate ({why})")
     return client_scores.personalised_record(per_client, trained, theirs if both else None), failed

@@ -17,7 +17,7 @@ from typing import Any
 MAX_PARTS = 1 << 16  # a frame's parts: a message's protobuf, its arrays' index, one per array
 
 
-def _send_parts(conn: socket.socket, parts: Sequence[bytes]) -> None:
+def send_parts(conn: socket.socket, parts: Sequence[bytes]) -> None:
     conn.sendall(struct.pack("<I", len(parts)))
     for part in parts:
         conn.sendall(struct.pack("<Q", len(part)))
@@ -35,7 +35,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _recv_parts(conn: socket.socket, max_parts: int = MAX_PARTS) -> list[bytes]:
+def recv_parts(conn: socket.socket, max_parts: int = MAX_PARTS) -> list[bytes]:
     (count,) = struct.unpack("<I", _recv_exact(conn, 4))
     if count > max_parts:
         raise ConnectionError(f"a frame of {count} parts; expected at most {max_parts}")

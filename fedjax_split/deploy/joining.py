@@ -23,7 +23,7 @@ import numpy as np
 from fedjax_split.data.partition import SITES, ClientSplit, Partition, sites_partition
 from fedjax_split.data.tokens.tagged import NO_ENTITY
 from fedjax_split.deploy import protocol
-from fedjax_split.deploy.messaging import DeployOptions, Exchange, _message
+from fedjax_split.deploy.messaging import DeployOptions, Exchange, new_message
 from fedjax_split.errors import UserError
 from fedjax_split.fed.aggregation import init_state
 from fedjax_split.fed.secret import ServerSecret
@@ -51,7 +51,7 @@ def connect(
         nodes = [n for n in grid.get_node_ids() if n not in asked]
         if nodes:
             asked.update(nodes)
-            msgs = {n: _message({}, n, query) for n in nodes}
+            msgs = {n: new_message({}, n, query) for n in nodes}
             replies, failures = exchange.send(msgs, max(1.0, deadline - time.monotonic()))
             last_failures.update(failures)
             broken = {n: why for n, why in failures.items() if why.startswith("error")}

@@ -78,17 +78,17 @@ class Exchange:
         return replies, failed
 
 
-def _config_record(values: Mapping[str, Any]) -> Any:
+def config_record(values: Mapping[str, Any]) -> Any:
     from flwr.app import ConfigRecord
 
     return ConfigRecord(dict(values))
 
 
-def _message(content: Mapping[str, Any], node_id: int, kind: str) -> Any:
+def new_message(content: Mapping[str, Any], node_id: int, kind: str) -> Any:
     from flwr.app import Message, RecordDict
 
     return Message(RecordDict(dict(content)), dst_node_id=node_id, message_type=kind)
 
 
-def _warn(line: str) -> None:
+def warn_line(line: str) -> None:
     print(f"warning: {line}", file=sys.stderr, flush=True)

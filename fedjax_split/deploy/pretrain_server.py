@@ -37,12 +37,12 @@ from fedjax_split.deploy.messaging import (
     DeployOptions,
     Exchange,
     Stopped,
-    _config_record,
-    _message,
-    _warn,
+    config_record,
+    new_message,
+    warn_line,
 )
 from fedjax_split.deploy.pretrain_node import check_deployable
-from fedjax_split.deploy.train_replies import _decode_upload, _number, whole_count
+from fedjax_split.deploy.train_replies import decode_upload, reply_number, whole_count
 from fedjax_split.errors import UserError
 from fedjax_split.fed import layerwise
 from fedjax_split.fed.roles import flatten_paths, select
@@ -182,8 +182,8 @@ def _train_message(
     sent = codec.encode(layerwise.to_global(model, layers), "float32")
     cfg = {protocol.ROUND: r, protocol.CLIENT: client, protocol.LAYERS: [int(g) for g in layers],
            protocol.TRAINED: sorted(trained)}  # fmt: skip
-    content = {protocol.CONFIG: _config_record(cfg), protocol.GLOBAL: codec.to_record(sent)}
-    return _message(content, node_id, TRAIN)
+    content = {protocol.CONFIG: config_record(cfg), protocol.GLOBAL: codec.to_record(sent)}
+    return new_message(content, node_id, TRAIN)
 
 
 def take_upload(
@@ -195,7 +195,7 @@ def take_upload(
     the sequence count the node's own (as it said when it joined)."""
     part = select(setup.server_state.global_params, trained)[0]
     expected = {p: np.shape(x) for p, x in flatten_paths(part).items()}
-    upload, nbytes = _decode_upload(reply, expected, "float32", codec.sent_dtypes(part))
+    upload, nbytes = decode_upload(reply, expected, "float32", codec.sent_dtypes(part))
     if protocol.METRICS not in reply.content.metric_records:
         raise ValueError("no training metrics")
     m = reply.content[protocol.METRICS]
@@ -206,9 +206,9 @@ def take_upload(
                          f"{setup.sizes[client]} when it joined")  # fmt: skip
     report = ClientReport(
         client=client, layers=tuple(int(g) for g in layers),
-        loss=_number(m, protocol.TRAIN_LOSS, "training loss"), tokens=whole[protocol.TOKENS],
-        steps=whole[protocol.STEPS], seconds=_number(m, protocol.SECONDS, "seconds"),
-        cpu_seconds=_number(m, protocol.CPU_SECONDS, "CPU seconds"),
+        loss=reply_number(m, protocol.TRAIN_LOSS, "training loss"), tokens=whole[protocol.TOKENS],
+        steps=whole[protocol.STEPS], seconds=reply_number(m, protocol.SECONDS, "seconds"),
+        cpu_seconds=reply_number(m, protocol.CPU_SECONDS, "CPU seconds"),
         flops=whole[protocol.FLOPS], bytes_up=nbytes,
     )  # fmt: skip
     return upload, report, whole[protocol.BERT_FL_FLOPS]
@@ -277,7 +277,7 @@ class FlowerPretraining(pretraining.Pretraining):
             share = self.heldout[c]
             cfg = {protocol.CLIENT: c, protocol.DEPTH: depth, protocol.PART: share.part,
                    protocol.PARTS: share.parts}  # fmt: skip
-            msgs[c] = _message({protocol.CONFIG: _config_record(cfg), protocol.GLOBAL: sent},
+            msgs[c] = new_message({protocol.CONFIG: config_record(cfg), protocol.GLOBAL: sent},
                                node_id, EVALUATE)  # fmt: skip
         replies, failed = self.exchange.send(msgs, self.options.round_timeout)
         self.eval_bytes = codec.nbytes(codec.from_record(sent)) * len(msgs)
@@ -292,7 +292,7 @@ class FlowerPretraining(pretraining.Pretraining):
             rows.update({share.offset + i: row for i, row in got.items()})
         self.eval_failed = failed
         for c, why in sorted(failed.items()):
-            _warn(f"client {c} failed to evaluate ({why})")
+            warn_line(f"client {c} failed to evaluate ({why})")
         if failed:
             return None
         total = max((s.offset + s.count for s in self.heldout), default=0)
@@ -323,9 +323,9 @@ def _send_round(run: FlowerPretraining, r: int, the_plan: Any) -> tuple[dict, di
         except ValueError as err:
             rejected[c] = f"bad upload: {err}"
     for c, why in sorted(failed.items()):
-        _warn(f"round {r}: client {c} failed ({why})")
+        warn_line(f"round {r}: client {c} failed ({why})")
     for c, why in sorted(rejected.items()):
-        _warn(f"round {r}: client {c}'s upload rejected ({why})")
+        warn_line(f"round {r}: client {c}'s upload rejected ({why})")
     return taken, failed, rejected
 
 

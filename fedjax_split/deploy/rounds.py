@@ -18,13 +18,13 @@ from fedjax_split.deploy import codec, protocol, secagg, secure_round
 from fedjax_split.deploy.evaluation import evaluate
 from fedjax_split.deploy.joining import ServerRun
 from fedjax_split.deploy.messaging import DeployOptions, Exchange
-from fedjax_split.deploy.train_messages import Ahead, _secure_settings, _train_messages
+from fedjax_split.deploy.train_messages import Ahead, build_train_messages, secure_settings
 from fedjax_split.deploy.train_replies import (
     Taken,
-    _check_replies,
-    _take_uploads,
+    check_replies,
     expected_costs,
     reply_figures,
+    take_uploads,
 )
 from fedjax_split.fed.fixed_point import FixedPoint
 from fedjax_split.fed.strategy import RoundPlan
@@ -78,8 +78,8 @@ def _training(
         return ahead
     plan = run.strategy.plan(r, run.server_state, run.secret)  # DP, M < K: maybe nobody
     sent = codec.encode(run.server_state.global_params, run.model.round_spec.wire_dtype)
-    msgs = _train_messages(run, plan, sent, keep_from)
-    secure = _secure_settings(run, plan, msgs)
+    msgs = build_train_messages(run, plan, sent, keep_from)
+    secure = secure_settings(run, plan, msgs)
     replies, failed = exchange.send(msgs, options.round_timeout) if msgs else ({}, {})
     return Ahead(plan, sent, replies, failed, 0.0, secure)
 
@@ -135,8 +135,8 @@ def _plain_step(
     """A round after its TRAIN replies (`outcome`: replies, failed, rejected; the last filled in
     here): the valid uploads taken, then the strategy's server step over them."""
     replies, failed, rejected = outcome
-    taken = _take_uploads(run, plan.spec, replies, rejected, expect)
-    _check_replies(plan.round, plan.clients, replies, failed, rejected)
+    taken = take_uploads(run, plan.spec, replies, rejected, expect)
+    check_replies(plan.round, plan.clients, replies, failed, rejected)
     weights = np.asarray(taken.weights, np.float32)
     norms = None if taken.norms is None else np.asarray(taken.norms, np.float32)
     run.server_state, valid, agg_norms = run.strategy.aggregate(
@@ -173,7 +173,7 @@ def _secure_step(
     for cid, (examples, loss, spent) in figures.items():
         if cid in result.survivors:
             taken.add(cid, examples, loss, spent, 0)
-    _check_replies(plan.round, plan.clients, replies, failed, rejected)
+    check_replies(plan.round, plan.clients, replies, failed, rejected)
     run.server_state = run.strategy.aggregate_sum(plan, run.server_state, result.total, fixed)
     num = len(taken.clients)
     return taken, np.ones(num, bool), np.zeros(num, np.float32)

@@ -1,6 +1,6 @@
 """What the server sends for a round's training: each sampled client's TRAIN message
-(`_train_messages`: the global part as sent and the round's config), in a secure round its
-SecAgg+ settings (`_secure_settings`), and a round's training exchange held in memory (`Ahead`).
+(`build_train_messages`: the global part as sent and the round's config), in a secure round its
+SecAgg+ settings (`secure_settings`), and a round's training exchange held in memory (`Ahead`).
 
 Both the round (`deploy.rounds`) and the evaluation before it, which carries the next round's
 training in the same exchange (`deploy.evaluation.evaluate`), build their TRAIN messages here.
@@ -16,14 +16,14 @@ import numpy as np
 
 from fedjax_split.deploy import codec, protocol, secagg, secure_node, secure_round
 from fedjax_split.deploy.joining import ServerRun
-from fedjax_split.deploy.messaging import _config_record, _message
+from fedjax_split.deploy.messaging import config_record, new_message
 from fedjax_split.fed.fixed_point import FixedPoint
 from fedjax_split.fed.roles import select
 from fedjax_split.fed.strategy import RoundPlan
 from fedjax_split.fed.wire import param_count
 
 
-def _train_messages(
+def build_train_messages(
     run: ServerRun, plan: RoundPlan, sent: Mapping[str, np.ndarray], keep_from: int,
     carry: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> dict[int, Any]:  # fmt: skip
@@ -47,10 +47,10 @@ def _train_messages(
     msgs = {}
     for cid in plan.clients.tolist():
         extra = (carry or {}).get(cid, {})
-        content = {protocol.CONFIG: _config_record({**cfg, **extra, protocol.CLIENT: cid})}
+        content = {protocol.CONFIG: config_record({**cfg, **extra, protocol.CLIENT: cid})}
         if sent:
             content[protocol.GLOBAL] = codec.to_record(sent)
-        msgs[cid] = _message(content, run.nodes[cid], protocol.TRAIN)
+        msgs[cid] = new_message(content, run.nodes[cid], protocol.TRAIN)
     return msgs
 
 
@@ -71,7 +71,7 @@ class Ahead:
     secure: tuple[secagg.Params, FixedPoint] | None = None  # a secure round's settings, sent
 
 
-def _secure_settings(
+def secure_settings(
     run: ServerRun, plan: RoundPlan, msgs: Mapping[int, Any]
 ) -> tuple[secagg.Params, FixedPoint] | None:
     """A secure round's SecAgg+ settings and quantisation, added to each TRAIN message (None,
@@ -82,5 +82,5 @@ def _secure_settings(
     entries = param_count(select(run.server_state.global_params, plan.spec.trained)[0])
     params, fixed = secure_round.round_settings(plan, run.strategy.fixed_point, sizes, entries)
     for msg in msgs.values():
-        msg.content[protocol.SECAGG] = _config_record(secure_node.settings(params, fixed))
+        msg.content[protocol.SECAGG] = config_record(secure_node.settings(params, fixed))
     return params, fixed

@@ -1,12 +1,12 @@
 """What the server takes from a round's TRAIN replies: a trust boundary.
 
 An upload must decode to the trained global part's paths, shapes and wire dtypes with finite
-values (`_take_uploads`); a reply's figures must be finite, its example count the one its node
+values (`take_uploads`); a reply's figures must be finite, its example count the one its node
 reported when it joined, its FLOP counts whole numbers (`reply_figures`), and with DP its update
 norm finite. A reply that fails is rejected with why and the round goes on without it: one NaN
 would spread through every client's model, one inflated example count would outweigh every
 other client. A round in which clients were sampled and none replied stops the run
-(`_check_replies`). Further pre-training's server (`deploy.pretrain_server`) checks its replies
+(`check_replies`). Further pre-training's server (`deploy.pretrain_server`) checks its replies
 with the same pieces.
 """
 
@@ -20,14 +20,14 @@ import numpy as np
 
 from fedjax_split.deploy import codec, protocol
 from fedjax_split.deploy.joining import ServerRun
-from fedjax_split.deploy.messaging import _warn
+from fedjax_split.deploy.messaging import warn_line
 from fedjax_split.errors import UserError
 from fedjax_split.fed.roles import flatten_paths, select
 from fedjax_split.fed.wire import cast_from_wire
 from fedjax_split.run import costs
 
 
-def _decode_upload(
+def decode_upload(
     reply: Any, expected: Mapping[str, Any], wire: str, dtypes: Mapping[str, np.dtype]
 ) -> Any:
 
@@ -87,7 +87,7 @@ def whole_count(metrics: Any, key: str) -> int:
     return int(value)
 
 
-def _number(metrics: Any, key: str, what: str, integral: bool = False) -> float:
+def reply_number(metrics: Any, key: str, what: str, integral: bool = False) -> float:
     """A reply's metric, checked: present, finite, >= 0 (and a whole number where it counts)."""
     if key not in metrics:
         raise ValueError(f"no {what} ({key!r})")
@@ -106,7 +106,7 @@ def expected_costs(run: ServerRun, spec: Any) -> tuple[str, ...]:
     return ("flops", "bert_fl_flops") if run.model.cycle_factor is not None else ("flops",)
 
 
-def _take_uploads(
+def take_uploads(
     run: ServerRun, spec: Any, replies: Mapping[int, Any], rejected: dict[int, str],
     expect: tuple[str, ...] = (),
 ) -> Taken:  # fmt: skip
@@ -124,9 +124,9 @@ def _take_uploads(
     for cid in sorted(replies):
         reply = replies[cid]
         try:
-            upload, nbytes = _decode_upload(reply, expected, spec.wire_dtype, dtypes)
+            upload, nbytes = decode_upload(reply, expected, spec.wire_dtype, dtypes)
             examples, loss, spent = reply_figures(run, cid, reply, expect)
-            norm = _number(reply.content[protocol.METRICS], protocol.UPDATE_NORM,
+            norm = reply_number(reply.content[protocol.METRICS], protocol.UPDATE_NORM,
                            "update norm") if dp else None  # fmt: skip
         except ValueError as err:
             rejected[cid] = f"bad upload: {err}"
@@ -145,29 +145,29 @@ def reply_figures(
     if protocol.METRICS not in reply.content.metric_records:
         raise ValueError("no training metrics")
     m = reply.content[protocol.METRICS]
-    examples = _number(m, protocol.NUM_TRAIN, "example count", integral=True)
+    examples = reply_number(m, protocol.NUM_TRAIN, "example count", integral=True)
     if examples != len(run.partition.clients[cid].train):
         raise ValueError(
             f"example count {examples:g}, but the node reported "
             f"{len(run.partition.clients[cid].train)} training examples when it joined"
         )
-    loss_sum = _number(m, protocol.LOSS_SUM, "loss sum")
-    units = _number(m, protocol.LOSS_UNITS, "loss count")
+    loss_sum = reply_number(m, protocol.LOSS_SUM, "loss sum")
+    units = reply_number(m, protocol.LOSS_UNITS, "loss count")
     # the simulation's loss_sum / max(num_examples, 1), in fp32
     loss = np.float32(loss_sum) / np.maximum(np.float32(units), np.float32(1.0))
     return int(examples), float(loss), {k: whole_count(m, protocol.COSTS[k]) for k in expect}
 
 
-def _check_replies(
+def check_replies(
     r: int, sampled: np.ndarray, replies: Mapping[int, Any], failed: Mapping[int, str],
     rejected: Mapping[int, str],
 ) -> None:  # fmt: skip
     """Warns of each failed client and rejected upload; a round in which clients were sampled
     and none replied stops the run (its last checkpoint stays)."""
     for cid, why in sorted(failed.items()):
-        _warn(f"round {r}: client {cid} failed ({why})")
+        warn_line(f"round {r}: client {cid} failed ({why})")
     for cid, why in sorted(rejected.items()):
-        _warn(f"round {r}: client {cid}'s upload rejected ({why})")
+        warn_line(f"round {r}: client {cid}'s upload rejected ({why})")
     if len(sampled) and not replies:
         raise UserError(
             f"round {r}: no sampled client replied ({'; '.join(sorted(set(failed.values())))}); "

@@ -48,7 +48,7 @@ from typing import Any
 from fedjax_split import runtime
 from fedjax_split.assets import cache_dir
 from fedjax_split.deploy import protocol
-from fedjax_split.deploy.frames import _recv_parts, _send_parts, message_from_parts, message_parts
+from fedjax_split.deploy.frames import message_from_parts, message_parts, recv_parts, send_parts
 from fedjax_split.errors import UserError
 
 IDLE_SECONDS = 1800.0  # a worker with no message for this long ends
@@ -104,8 +104,8 @@ def handle(kind: str, msg: Any, context: Any, run_here: Callable[[Any, Any], Any
     for attempt in (1, 2):
         try:
             with _connect(path, state_dir) as conn:
-                _send_parts(conn, request)
-                status, *payload = _recv_parts(conn)
+                send_parts(conn, request)
+                status, *payload = recv_parts(conn)
             break
         except ConnectionError:  # the worker ended as this message came: start a new one, once
             if attempt == 2:
@@ -326,7 +326,7 @@ def serve(
             with conn:
                 conn.settimeout(REQUEST_SECONDS)  # a client stalled mid-frame does not block it
                 try:
-                    _send_parts(conn, _answer(_recv_parts(conn), handlers))
+                    send_parts(conn, _answer(recv_parts(conn), handlers))
                 except (ConnectionError, struct.error, OSError) as e:
                     print(f"worker: dropped a connection ({e})", file=sys.stderr, flush=True)
             last = time.monotonic()
