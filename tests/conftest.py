@@ -3,14 +3,19 @@ the library no longer does), 2 forced CPU devices (to test sharding), strict dty
 fp32 matmuls, and one XLA compilation cache for the whole session, subprocesses included (the CLI
 tests compile the very programs the in-process tests compiled already)."""
 
+import atexit
 import gc
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="fedjax-split-xla-"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the xdist workers inherit the session's
+    _XLA_CACHE = tempfile.mkdtemp(prefix="fedjax-split-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+    atexit.register(shutil.rmtree, _XLA_CACHE, True)  # hundreds of MB a session, else left behind
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 from fedjax_split import runtime  # noqa: E402
