@@ -18,6 +18,14 @@ from fedjax_split.run.sites import site_dirs
 from fedjax_split.tasks.registry import get_task
 
 
+def check(config: ExperimentConfig | PretrainConfig) -> None:
+    """The run's checks by its kind: fine-tuning's or further pre-training's."""
+    if isinstance(config, PretrainConfig):
+        check_pretraining(config)
+    else:
+        check_experiment(config)
+
+
 def check_experiment(config: ExperimentConfig) -> None:
     """A fine-tuning run's settings, run directory and sites."""
     pieces.check(config)
