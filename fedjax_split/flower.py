@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -217,10 +217,11 @@ def _app_only(config: Config, deploy: dict[str, Any]) -> bool:
     return True
 
 
-def _supernodes(config: Config, deploy: dict[str, Any], several: bool = False) -> int:
-    """The SuperNodes to start, the federation's flags checked: one per client, or with
-    `several` (fine-tuning on one pool) between 1 and --clients, each holding a block of them."""
+def _supernodes(config: Config, deploy: dict[str, Any]) -> int:
+    """The SuperNodes to start, the federation's flags checked: one per client, or for
+    fine-tuning on one pool (no --site-data) between 1 and --clients, each holding a block."""
     clients = config.federation.clients
+    several = isinstance(config, ExperimentConfig) and config.data.site_data is None
     supernodes = clients if deploy.get("supernodes") is None else deploy["supernodes"]
     allowed = 1 <= supernodes <= clients if several else supernodes == clients
     if not allowed:
@@ -246,23 +247,32 @@ def node_blocks(clients: int, supernodes: int) -> list[list[int]]:
     return blocks
 
 
+def _checked_run(
+    parse_argv: Callable[[Sequence[str]], tuple[Config, dict[str, Any]]], argv: Sequence[str]
+) -> tuple[int, dict[str, Any] | None, int]:
+    """Either command's run: its flags parsed (`parse` or `parse_pretrain`), the run checked
+    before any process starts (`deploy.preflight`: a problem is one line), then run (`_launch`):
+    (exit status, the ServerApp's status or None when there is nothing more to say, SuperNodes)."""
+    try:
+        config, deploy = parse_argv(argv)
+        config = _absolute(config)
+        if _app_only(config, deploy):
+            return 0, None, 0
+        supernodes = _supernodes(config, deploy)
+        from fedjax_split.deploy import preflight  # the job's modules (JAX): after parsing
+
+        preflight.check(config)
+    except UserError as err:
+        return report(err), None, 0
+    code, status = _launch(config, deploy, supernodes)
+    return code, status, supernodes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["pretrain"]:
         return main_pretrain(argv[1:])
-    try:
-        config, deploy = parse(argv)
-        config = _absolute(config)
-        if _app_only(config, deploy):
-            return 0
-        supernodes = _supernodes(config, deploy, several=config.data.site_data is None)
-        from fedjax_split.deploy import preflight  # the job's modules (JAX): after parsing
-
-        preflight.check_experiment(config)
-    except UserError as err:
-        return report(err)
-
-    code, status = _launch(config, deploy, supernodes)
+    code, status, supernodes = _checked_run(parse, argv)
     if status is None:
         return code
     summary = status["summary"]
@@ -301,18 +311,7 @@ def main_pretrain(argv: Sequence[str]) -> int:
     """`python -m fedjax_split.flower pretrain [pretrain's flags] [the federation's flags]`:
     further pre-training (FedBFPT, bert-fl, truncated) through the Flower apps, equal to
     `python -m fedjax_split.pretrain` with the same flags."""
-    try:
-        config, deploy = parse_pretrain(argv)
-        config = _absolute(config)
-        if _app_only(config, deploy):
-            return 0
-        supernodes = _supernodes(config, deploy)
-        from fedjax_split.deploy import preflight  # the job's modules (JAX): after parsing
-
-        preflight.check_pretraining(config)
-    except UserError as err:
-        return report(err)
-    code, status = _launch(config, deploy, supernodes)
+    code, status, supernodes = _checked_run(parse_pretrain, argv)
     if status is None:
         return code
     print(done_line(status["summary"]).replace("done: ", f"done on {supernodes} SuperNodes: ", 1))

@@ -62,7 +62,7 @@ def test_one_round_moves_and_sends_only_layer_l_and_the_head(setup) -> None:
     uploads = []
     for c, layers, segs in zip([0, 1, 2], plan.layers, segments, strict=True):
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 1), c)
-        up, *_ = pretrain_rounds.train_client(trainer, received, layers, plan.trained, segs, key)
+        up, _ = pretrain_rounds.client_update(trainer, received, layers, plan.trained, segs, key, c)
         assert set(flatten_paths(up)) == plan.trained  # only layer 1 and the head are sent
         uploads.append({p: np.asarray(x) for p, x in flatten_paths(up).items()})
     seen: list = []  # each client's end: clients, steps and sequences so far

@@ -9,21 +9,35 @@ from __future__ import annotations
 
 from fedjax_split.deploy.pretrain_node import check_deployable
 from fedjax_split.errors import UserError
-from fedjax_split.run import client_data, driver, pieces, pretrain_setup, pretraining, safeguards
+from fedjax_split.run import (
+    client_data,
+    driver,
+    pieces,
+    pretrain_setup,
+    pretraining,
+    safeguards,
+    saved_config,
+)
 from fedjax_split.run.config import ExperimentConfig
 from fedjax_split.run.pretrain_config import PretrainConfig
 from fedjax_split.run.pretrain_text import site_documents
-from fedjax_split.run.saved_config import trajectory_mismatch
 from fedjax_split.run.sites import site_dirs
 from fedjax_split.tasks.registry import get_task
+
+
+def check(config: ExperimentConfig | PretrainConfig) -> None:
+    """The run's checks by its kind: fine-tuning's or further pre-training's."""
+    if isinstance(config, PretrainConfig):
+        check_pretraining(config)
+    else:
+        check_experiment(config)
 
 
 def check_experiment(config: ExperimentConfig) -> None:
     """A fine-tuning run's settings, run directory and sites."""
     pieces.check(config)
     safeguards.check_deployable(config)
-    driver.check_run_dir(config.run_dir, config.outputs.resume,  # before anything is written
-                         lambda saved: trajectory_mismatch(saved, config))  # fmt: skip
+    saved_config.check_run_dir(config)  # before anything is written
     check_sites(config)
 
 

@@ -55,10 +55,9 @@ from fedjax_split.deploy.rounds import run_round
 from fedjax_split.deploy.train_messages import Ahead
 from fedjax_split.errors import UserError
 from fedjax_split.fed.secret import CHECKPOINT_KEY, ServerSecret
-from fedjax_split.run import client_data, costs, driver, pieces, plots, safeguards
+from fedjax_split.run import client_data, costs, pieces, plots, safeguards, saved_config
 from fedjax_split.run.checkpoint import RunCheckpointer, checkpoint_dir
 from fedjax_split.run.config import ExperimentConfig
-from fedjax_split.run.saved_config import saved_dict, trajectory_mismatch
 
 
 def oldest_checkpoint(run_dir: Any, start_round: int) -> int:
@@ -128,14 +127,9 @@ class FlowerServer:
         partition_mod.save_partition(run.partition,
                                      safeguards.partition_path(config, self.run_dir),
                                      realised=run.shares, label_names=names)  # fmt: skip
-        note(pieces.method_line(config, model))
-        for line in safeguards.start_lines(config, self.rounds):
+        where = f"{config.data.task} on Flower: {config.federation.clients} SuperNodes"
+        for line in pieces.start_notes(config, model, self.rounds, start_round, where):
             note(line)
-        note(
-            f"{config.data.task} on Flower: {config.federation.clients} SuperNodes, "
-            f"{model.num_global:,} global / {model.num_local:,} local parameters per client"
-            + (f"; resuming after round {start_round}" if start_round else "")
-        )
 
     def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """Round r's record, complete (its evaluation too) before the driver writes it; round
@@ -177,23 +171,14 @@ def run_server(
     Writes the run directory as `train` does: config.json, partition.json, metrics.jsonl,
     summary.json, checkpoints/ (server state; the clients' local parts stay on their nodes).
     Raises Stopped after the checkpoint of `options.stop_after_round`."""
-    outputs = config.outputs
     pieces.check(config)
     safeguards.check_deployable(config)
-    driver.check_run_dir(config.run_dir, outputs.resume,
-                         lambda saved: trajectory_mismatch(saved, config))  # fmt: skip
+    saved_config.check_run_dir(config)
     run = build_server(config, connect(grid, config, options))
 
     def stop(round_: int, record: dict[str, Any]) -> None:
         if options.stop_after_round == round_:
             raise Stopped(round_)
 
-    return driver.drive(
-        FlowerServer(run, Exchange(grid, options), options),
-        saved_dict(config),
-        resume=outputs.resume,
-        checkpoint_every=outputs.checkpoint_every,
-        keep_checkpoints=outputs.keep_checkpoints,
-        progress=progress,
-        on_round_end=stop,
-    )
+    server = FlowerServer(run, Exchange(grid, options), options)
+    return saved_config.drive(server, config, progress=progress, on_round_end=stop)

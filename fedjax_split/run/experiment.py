@@ -36,10 +36,10 @@ from fedjax_split.run import (
     plots,
     round_records,
     safeguards,
+    saved_config,
 )
 from fedjax_split.run import costs as costs_mod
 from fedjax_split.run.config import ExperimentConfig, resolve_config
-from fedjax_split.run.saved_config import saved_dict, trajectory_mismatch
 from fedjax_split.sim import evaluation, processes, rounds
 from fedjax_split.sim.client_store import ClientStore
 from fedjax_split.tasks import registry as tasks
@@ -294,16 +294,9 @@ class Simulation:
         # each client's newest part is known from the rounds' sampled clients, so a process
         # opens it by name (a shared filesystem may list another host's new files late)
         self.store = ClientStore(self.run_dir / CLIENTS_DIR, newest=self.newest)
-        note(pieces.method_line(config, model))
-        for line in safeguards.start_lines(config, self.rounds):
+        where = f"{config.data.task}: {len(labels)} examples, {config.federation.clients} clients"
+        for line in pieces.start_notes(config, model, self.rounds, start_round, where):
             note(line)
-        note(
-            f"{config.data.task}: {len(labels)} examples, {config.federation.clients} clients, "
-            f"{model.num_global:,} global / "
-            f"{model.num_local:,} local parameters per client"
-            + (f" / {model.num_frozen:,} frozen" if model.num_frozen else "")
-            + (f"; resuming after round {start_round}" if start_round else "")
-        )
         if not start_round:
             note(partition_mod.partition_report(setup.partition, labels, names))
 
@@ -423,22 +416,13 @@ def run_experiment(
     if isinstance(config, dict):
         config = resolve_config(overrides=config)
     pieces.check(config)
-    outputs, runtime_cfg = config.outputs, config.runtime
+    runtime_cfg = config.runtime
 
     # before the first JAX computation: the CPU devices, and the processes' runtime
     group = (runtime_cfg.coordinator, runtime_cfg.num_processes, runtime_cfg.process_id)
     runtime.apply(runtime_cfg.cpu_devices, group)
     check_attention(runtime_cfg.attention, runtime_cfg.dtype, jax.default_backend())
-    driver.check_run_dir(config.run_dir, outputs.resume,
-                         lambda saved: trajectory_mismatch(saved, config))  # fmt: skip
+    saved_config.check_run_dir(config)
     processes.barrier("run directory checked")  # by every process, before process 0 writes
     simulation = Simulation(build(config))
-    return driver.drive(
-        simulation,
-        saved_dict(config),
-        resume=outputs.resume,
-        checkpoint_every=outputs.checkpoint_every,
-        keep_checkpoints=outputs.keep_checkpoints,
-        progress=progress,
-        on_round_end=on_round_end,
-    )
+    return saved_config.drive(simulation, config, progress=progress, on_round_end=on_round_end)

@@ -240,6 +240,24 @@ def method_line(config: ExperimentConfig, model: Model) -> str:
                      c.client_clip_norm)  # fmt: skip
 
 
+def start_notes(
+    config: ExperimentConfig, model: Model, rounds: int, start_round: int, where: str
+) -> list[str]:
+    """A fine-tuning run's first lines, the simulation's and the Flower server's alike: its
+    method, its safeguards (`safeguards.start_lines`; `rounds`: those DP's budget allows), then
+    `where` it runs (the task, its clients) with the parameters a client holds and, with
+    --resume, the round it continues after."""
+    frozen = f" / {model.num_frozen:,} frozen" if model.num_frozen else ""
+    resuming = f"; resuming after round {start_round}" if start_round else ""
+    return [
+        method_line(config, model),
+        *safeguards.start_lines(config, rounds),
+        f"{where}, {model.num_global:,} global / {model.num_local:,} local parameters per client"
+        + frozen
+        + resuming,
+    ]
+
+
 def summary(
     config: ExperimentConfig,
     model: Model,

@@ -1,6 +1,8 @@
 """What a run saves of its config and what a `--resume` compares: config.json's content (the
 settings, and the server's learning rate and tau as they resolved) and the settings that differ
-between a saved run and the config resuming it in a way that would change its results.
+between a saved run and the config resuming it in a way that would change its results. The
+simulation and the Flower server check their run directory (`check_run_dir`) and drive their run
+(`drive`) with these alike.
 
 Runs saved before a setting existed, or before the adaptive servers' defaults were tuned, still
 resume: they ran at the defaults of their day (`_ADDED_LATER`, `_UNTUNED`).
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedjax_split.fed.algorithms import ALGORITHMS
+from fedjax_split.run import driver
 from fedjax_split.run.config import FIELDS, SCHEMA, ExperimentConfig
 
 # The adaptive servers' learning rate and tau before they were tuned (docs/fedopt_tuning.md): what
@@ -59,3 +62,31 @@ def trajectory_mismatch(saved: dict[str, Any], config: ExperimentConfig) -> list
         tau = "" if ran["server_tau"] is None else f" --server-tau {ran['server_tau']:g}"
         names = sorted({*names, f"the server it ran: --server-lr {ran['server_lr']:g}{tau}"})
     return names
+
+
+def check_run_dir(config: ExperimentConfig) -> None:
+    """`driver.check_run_dir` for a fine-tuning run, before anything is written: `--resume` needs
+    the saved run's trajectory settings (`trajectory_mismatch`) to be the config's."""
+    driver.check_run_dir(config.run_dir, config.outputs.resume,
+                         lambda saved: trajectory_mismatch(saved, config))  # fmt: skip
+
+
+def drive(
+    run: driver.Run,
+    config: ExperimentConfig,
+    *,
+    progress: bool = True,
+    on_round_end: driver.RoundHook | None = None,
+) -> dict[str, Any]:
+    """`driver.drive` for a fine-tuning run (the simulation's or the Flower server's): config.json
+    is `saved_dict`'s, the checkpoints are as the config's outputs say; the summary."""
+    outputs = config.outputs
+    return driver.drive(
+        run,
+        saved_dict(config),
+        resume=outputs.resume,
+        checkpoint_every=outputs.checkpoint_every,
+        keep_checkpoints=outputs.keep_checkpoints,
+        progress=progress,
+        on_round_end=on_round_end,
+    )

@@ -116,28 +116,6 @@ def step_flops(config: BertConfig, batch: MaskedBatch, depth: int,
     )  # fmt: skip
 
 
-def train_client(
-    trainer: Trainer,
-    global_wire: Mapping[str, Any],
-    layers: Sequence[int],
-    trained: frozenset[str],
-    segments: Sequence[MaskedBatch],
-    key: jax.Array,
-) -> tuple[dict[str, Any], jax.Array, jax.Array, int]:
-    """One client's update: (its trained part under global paths, as the server receives it;
-    loss sum; predicted tokens; real steps). `global_wire`: the server's global parameters in the
-    wire dtype, of which the client receives the layers it runs."""
-    spec = trainer.spec(len(layers), layerwise.paths_to_client(trained, layers))
-    model = layerwise.assemble(global_wire, layers)
-    sent, _, metrics = client_round(spec, model, {}, segments, key)
-    return (
-        layerwise.to_global(sent, layers),
-        metrics.loss_sum,
-        metrics.num_examples,
-        int(metrics.num_steps),
-    )
-
-
 class RoundOutcome(NamedTuple):
     state: ServerState
     clients: list[ClientReport]
@@ -159,16 +137,20 @@ def client_update(
     client: int,
 ) -> tuple[dict[str, Any], ClientReport]:
     """One client's round as it runs wherever the client is (this process, or a Flower node):
-    (its upload under global paths, its report). `global_wire` needs only the layers the client
+    (its upload under global paths, fp32, before the wire's cast; its report). `global_wire`:
+    the server's global parameters in the wire dtype, of which the client receives the layers it
     runs (`layerwise.assemble`), the embeddings and the head."""
+    client_paths = layerwise.paths_to_client(trained, layers)
     t0, c0 = time.perf_counter(), time.process_time()
-    new, loss_sum, count, steps = train_client(
-        trainer, global_wire, layers, trained, segments, key
+    spec = trainer.spec(len(layers), client_paths)
+    trained_part, _, metrics = client_round(
+        spec, layerwise.assemble(global_wire, layers), {}, segments, key
     )
+    new = layerwise.to_global(trained_part, layers)
     sent = cast_to_wire(new, trainer.wire_dtype)  # what crosses the wire
     jax.block_until_ready(sent)
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    client_paths = layerwise.paths_to_client(trained, layers)
+    count = metrics.num_examples
     flops = sum(
         int(np.sum(np.asarray(s.step_mask) & (np.asarray(s.example_mask).sum(-1) > 0)))
         * step_flops(trainer.config, s, len(layers), client_paths)
@@ -177,9 +159,9 @@ def client_update(
     report = ClientReport(
         client=int(client),
         layers=tuple(int(x) for x in layers),
-        loss=float(loss_sum / jnp.maximum(count, 1.0)),
+        loss=float(metrics.loss_sum / jnp.maximum(count, 1.0)),
         tokens=int(count),
-        steps=steps,
+        steps=int(metrics.num_steps),
         seconds=seconds,
         cpu_seconds=cpu_seconds,
         flops=int(flops),
