@@ -41,7 +41,7 @@ def connect(
 
     Every client id 0..K-1 must answer exactly once within `connect_timeout`, else UserError.
     `query`: the message type that asks (further pre-training's is "query.pretrain")."""
-    fed = config.federation
+    federation = config.federation
     exchange = Exchange(grid, options)
     deadline = time.monotonic() + options.connect_timeout
     found: dict[int, tuple[int, Any]] = {}
@@ -67,7 +67,7 @@ def connect(
                             f"two SuperNodes say partition-id {cid}; give each a different one"
                         )
                     found[cid] = (node_id, cfg)
-        missing = sorted(set(range(fed.clients)) - set(found))
+        missing = sorted(set(range(federation.clients)) - set(found))
         if not missing:
             break
         if time.monotonic() >= deadline:
@@ -75,12 +75,12 @@ def connect(
             raise UserError(
                 f"clients {missing} did not connect within {options.connect_timeout:g} s{why}; "
                 f"start SuperNodes that hold them, with --node-config 'partition-id=<0..."
-                f"{fed.clients - 1}>' or 'partition-ids=A-B'"
+                f"{federation.clients - 1}>' or 'partition-ids=A-B'"
             )
         time.sleep(options.poll_interval)
-    extra = sorted(set(found) - set(range(fed.clients)))
+    extra = sorted(set(found) - set(range(federation.clients)))
     if extra:
-        raise UserError(f"SuperNodes with partition-id {extra} but --clients {fed.clients}")
+        raise UserError(f"SuperNodes with partition-id {extra} but --clients {federation.clients}")
     return found
 
 
@@ -175,14 +175,14 @@ def partition_from_nodes(config: ExperimentConfig, found: Mapping[int, tuple[int
     sites with their own data report indices into their own rows, which the server offsets by
     the sizes the sites before them report, as the simulation concatenates them). Checked: one
     pool size (sites: each its own row count), indices within it, disjoint."""
-    fed = config.federation
+    federation = config.federation
     metas = {json.dumps(_partition_meta(node_id, cfg), sort_keys=True)
              for node_id, cfg in found.values()}  # fmt: skip
     if len(metas) != 1:
         raise UserError("the SuperNodes partition the data differently; give them the same data")
     meta = json.loads(metas.pop())
     sizes = []
-    for i in range(fed.clients):
+    for i in range(federation.clients):
         node_id, cfg = found[i]
         size = _whole(cfg.get(protocol.POOL_SIZE))
         if size is None or size < 0:
@@ -192,7 +192,8 @@ def partition_from_nodes(config: ExperimentConfig, found: Mapping[int, tuple[int
     if not sites and len(set(sizes)) > 1:
         raise UserError(f"the SuperNodes report pools of {sorted(set(sizes))} examples; give "
                         "them the same data")  # fmt: skip
-    clients = [_client_split(found[i][0], i, found[i][1], sizes[i]) for i in range(fed.clients)]
+    clients = [_client_split(found[i][0], i, found[i][1], sizes[i])
+               for i in range(federation.clients)]  # fmt: skip
     if not sites:
         _check_disjoint(clients, found)
     try:

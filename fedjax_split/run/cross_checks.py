@@ -89,8 +89,8 @@ def check_trimming(trim_fraction: float, clients: int) -> None:
 def validate_critical_layer(config: ExperimentConfig, num_layers: int) -> int:
     """The critical layer as an int in 0..L ('half' is L // 2; None is L: plain FedAvg,
     everything global; FedBT's schedule: L)."""
-    model_cfg = config.model
-    c = model_cfg.critical_layer
+    model_settings = config.model
+    c = model_settings.critical_layer
     if config.federation.layer_schedule == "fedbt":  # one shared model: 'half' becomes L
         if c not in (HALF, None, num_layers):
             raise UserError(
@@ -104,7 +104,7 @@ def validate_critical_layer(config: ExperimentConfig, num_layers: int) -> int:
     if not 0 <= c <= num_layers:
         raise UserError(
             f"{as_given(config, 'critical_layer')} is outside 0..{num_layers} for model "
-            f"{model_cfg.name!r} ({num_layers} layers); pass --critical-layer with a value in "
+            f"{model_settings.name!r} ({num_layers} layers); pass --critical-layer with a value in "
             f"0..{num_layers}"
         )
     return c

@@ -129,10 +129,10 @@ def load_model(config: ExperimentConfig, task: tasks.Task, tag_names: Sequence[s
 def cycle_factor(config: ExperimentConfig, num_layers: int) -> int | None:
     """FedBT's cycle factor for an L-layer model (unset: L // 2, at least 1), checked; None
     without the schedule."""
-    fed = config.federation
-    if fed.layer_schedule != "fedbt":
+    federation = config.federation
+    if federation.layer_schedule != "fedbt":
         return None
-    c = max(1, num_layers // 2) if fed.cycle_factor is None else fed.cycle_factor
+    c = max(1, num_layers // 2) if federation.cycle_factor is None else federation.cycle_factor
     if not 1 <= c <= num_layers:
         raise UserError(
             f"--cycle-factor {c} is outside 1..{num_layers} for model {config.model.name!r} "

@@ -415,10 +415,10 @@ def run_pretraining(
         config = resolve(overrides=config)
     check(config)
     runtime.apply()  # before the first JAX computation
-    out = config.outputs
-    driver.check_run_dir(config.run_dir, out.resume, lambda old: mismatch(old, config),
+    outputs = config.outputs
+    driver.check_run_dir(config.run_dir, outputs.resume, lambda old: mismatch(old, config),
                          output_names=["model"])  # fmt: skip
     run = Pretraining(build(config), started)
-    return driver.drive(run, config.to_dict(), resume=out.resume,
-                        checkpoint_every=out.checkpoint_every, progress=progress,
+    return driver.drive(run, config.to_dict(), resume=outputs.resume,
+                        checkpoint_every=outputs.checkpoint_every, progress=progress,
                         on_round_end=on_round_end)  # fmt: skip

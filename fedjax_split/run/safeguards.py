@@ -70,8 +70,10 @@ def sampling(config: ExperimentConfig) -> Sampling:
     """The run's `fed.strategy.Sampling`: every client; M of K without replacement; or, with DP
     and M < K, each client independently with probability M/K (Poisson: the sampling the
     accountant assumes), drawn from the server's secret."""
-    fed = config.federation
-    return Sampling(fed.clients, fed.sampled_clients, config.seed, config.poisson_sampling)
+    federation = config.federation
+    return Sampling(
+        federation.clients, federation.sampled_clients, config.seed, config.poisson_sampling
+    )
 
 
 def sample(config: ExperimentConfig, r: int, secret: ServerSecret | None = None) -> np.ndarray:
@@ -166,27 +168,28 @@ def rounds_allowed(config: ExperimentConfig) -> int:
 def line(config: ExperimentConfig) -> str | None:
     """One line on what protects the global part, for the run's start (None: nothing beyond the
     plain mean)."""
-    priv = config.privacy
+    privacy = config.privacy
     parts = []
-    if priv.dp:
+    if privacy.dp:
         mech = mechanism(config)
-        adaptive = priv.dp_clip_quantile is not None
-        clip = (f"adaptive clip norm from {priv.dp_clip:g} (quantile {priv.dp_clip_quantile:g})"
-                if adaptive else f"clip norm {priv.dp_clip:g}")  # fmt: skip
+        adaptive = privacy.dp_clip_quantile is not None
+        norm, quantile = privacy.dp_clip, privacy.dp_clip_quantile
+        clip = (f"adaptive clip norm from {norm:g} (quantile {quantile:g})" if adaptive
+                else f"clip norm {norm:g}")  # fmt: skip
         if mech is None:
             parts.append(f"DP clipping ({clip}) with no noise (z = 0): no privacy guarantee")
         else:
-            text = accounting.describe(mech, priv.dp_delta, None if adaptive else priv.dp_clip)
+            text = accounting.describe(mech, privacy.dp_delta, None if adaptive else norm)
             parts.append(text + ("; " + clip) * adaptive + "; uniform mean over the expected "
                          "clients a round (not example-weighted)")
-    if priv.aggregator != "mean":
-        trim = f" (cutting {priv.trim_fraction:g} at each end)" * (priv.aggregator
+    if privacy.aggregator != "mean":
+        trim = f" (cutting {privacy.trim_fraction:g} at each end)" * (privacy.aggregator
                                                                      == "trimmed-mean")
-        parts.append(f"coordinate-wise {priv.aggregator}{trim} over the clients, unweighted")
-    if priv.max_update_norm is not None:
-        parts.append(f"updates clipped to norm {priv.max_update_norm:g}")
-    if priv.attack != "none":
-        what = "sign-flipped" if priv.attack == "sign-flip" else f"x{priv.attack_scale:g}"
+        parts.append(f"coordinate-wise {privacy.aggregator}{trim} over the clients, unweighted")
+    if privacy.max_update_norm is not None:
+        parts.append(f"updates clipped to norm {privacy.max_update_norm:g}")
+    if privacy.attack != "none":
+        what = "sign-flipped" if privacy.attack == "sign-flip" else f"x{privacy.attack_scale:g}"
         ids = ", ".join(map(str, attackers(config)))
         parts.append(f"simulated attack: client(s) {ids} upload {what} updates")
     return "; ".join(parts) if parts else None

@@ -24,10 +24,10 @@ _UNTUNED = {"server_lr": 1e-3, "server_tau": 1e-3}
 def server_settings(config: ExperimentConfig) -> dict[str, float | None]:
     """The server's learning rate and tau as the run uses them (the registry's where unset),
     saved in config.json beside the flags, so that a --resume after a default changes is caught."""
-    federation_cfg = config.federation
-    algorithm = ALGORITHMS[federation_cfg.algorithm]
-    tau = federation_cfg.server_tau if federation_cfg.server_tau is not None else algorithm.tau
-    return {"server_lr": federation_cfg.effective_server_lr, "server_tau": tau}
+    federation = config.federation
+    algorithm = ALGORITHMS[federation.algorithm]
+    tau = federation.server_tau if federation.server_tau is not None else algorithm.tau
+    return {"server_lr": federation.effective_server_lr, "server_tau": tau}
 
 
 def saved_dict(config: ExperimentConfig) -> dict[str, Any]:
