@@ -17,11 +17,10 @@ from fedjax_split.data.text.corpus_split import SCHEMES
 from fedjax_split.data.text.text_corpora import CORPORA, MODES, check_corpus_name
 from fedjax_split.errors import UserError
 from fedjax_split.fed.layerwise import LAYER_DRAWS, SCHEDULES, check_small_model, schedule_layers
+from fedjax_split.run.runtime_sections import PretrainOutputs, PretrainRuntime
 from fedjax_split.run.settings import (
     FEDERATION,
     MODEL,
-    OUTPUTS,
-    PERFORMANCE,
     TASK,
     Schema,
     Section,
@@ -45,7 +44,6 @@ from fedjax_split.run.value_checks import (
 # trained whole, federatedly (DistilBERT/TinyBERT-style rows); none: no further pre-training.
 METHODS = ("fedbfpt", "bert-fl", "centralised", "truncated", "none")
 AGGREGATIONS = ("weighted", "unweighted")
-DTYPES = ("float32", "bfloat16")
 # settings that split one corpus: with --site-data there is none to split
 _CORPUS_ONLY = ("split", "sigma", "max_documents", "data_dir")
 
@@ -249,50 +247,6 @@ class PretrainFederation(Section):
         """The clients, rounds and the schedule's period: at least 1 (the schedule against the
         small model's depth: `check_depth`)."""
         at_least_one(config, "clients", "rounds", "schedule_period")
-
-
-@dataclasses.dataclass(frozen=True)
-class PretrainRuntime(Section):
-    """How the run uses the machine."""
-
-    dtype: str = _setting(
-        "float32",
-        "Compute dtype of the model (parameters stay float32).",
-        choices=DTYPES,
-        group=PERFORMANCE,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class PretrainOutputs(Section):
-    """Where the run writes and how often."""
-
-    output_dir: str | None = _setting(
-        None,
-        "Run directory (unset: runs/pretrain_<corpus>_<method>_K<K>_s<seed>).",
-        metavar="DIR",
-        group=OUTPUTS,
-    )
-    resume: bool = _setting(
-        False, "Continue the run in --output-dir from its latest checkpoint.", group=OUTPUTS
-    )
-    eval_every: int = _setting(
-        1,
-        "Evaluate on the held-out text every N rounds (and the last).",
-        group=OUTPUTS,
-        metavar="N",
-    )
-    checkpoint_every: int = _setting(
-        1,
-        "Save a checkpoint every N rounds (and after the last); 0 = never.",
-        group=OUTPUTS,
-        metavar="N",
-    )
-
-    def check(self, config: Any) -> None:
-        """An evaluation every N >= 1 rounds, a checkpoint every N >= 0."""
-        at_least_one(config, "eval_every")
-        non_negative(config, "checkpoint_every")
 
 
 @dataclasses.dataclass(frozen=True)
