@@ -17,6 +17,7 @@ from fedjax_split.data.text.corpus_split import SCHEMES
 from fedjax_split.data.text.text_corpora import CORPORA, MODES, check_corpus_name
 from fedjax_split.errors import UserError
 from fedjax_split.fed.layerwise import LAYER_DRAWS, SCHEDULES, check_small_model, schedule_layers
+from fedjax_split.run.model_section import Model, frozen_parameters
 from fedjax_split.run.runtime_sections import PretrainOutputs, PretrainRuntime
 from fedjax_split.run.settings import (
     FEDERATION,
@@ -143,17 +144,10 @@ class PretrainData(Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class PretrainModel(Section):
-    """The model: the checkpoint, its depth for the truncated baseline and FedBFPT's small
-    client models, frozen parameters."""
+class PretrainModel(Model):
+    """The model (`Model`'s checkpoint), its depth for the truncated baseline and FedBFPT's
+    small client models, frozen parameters."""
 
-    name: str = _setting(
-        "bert-base-uncased",
-        "Hugging Face model id, local HF directory, or the offline alias 'minilm-l6'.",
-        group=MODEL,
-        metavar="MODEL",
-        key="model",
-    )
     small_layers: int | None = _setting(
         None, "Layers of a FedBFPT client's small model (default: L/2).", metavar="L_S", group=MODEL
     )
@@ -163,13 +157,8 @@ class PretrainModel(Section):
         metavar="LAYERS",
         group=MODEL,
     )
-    freeze: str | None = _setting(
-        None,
-        "Regex over Hugging Face tensor names (re.search): matching parameters are neither "
-        "trained nor sent, whatever the method trains; e.g. 'embeddings\\.|encoder\\.' trains "
-        "the MLM head alone.",
-        metavar="REGEX",
-        group=MODEL,
+    freeze: str | None = frozen_parameters(
+        "the method trains", "'embeddings\\.|encoder\\.' trains the MLM head alone"
     )
 
     def check(self, config: Any) -> None:
