@@ -17,7 +17,6 @@ output directory.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 from fedjax_split.fed.algorithms import ALGORITHMS
@@ -25,9 +24,9 @@ from fedjax_split.run.cross_checks import check_across_sections
 from fedjax_split.run.data_section import DataSettings
 from fedjax_split.run.model_section import HALF, ModelSettings
 from fedjax_split.run.privacy_section import PrivacySettings
+from fedjax_split.run.run_config import NON_TRAJECTORY, RunConfig, check_sections
 from fedjax_split.run.runtime_sections import OutputSettings, RuntimeSettings
-from fedjax_split.run.settings import TASK, Schema, Settings, replaced, section
-from fedjax_split.run.settings import setting as _setting
+from fedjax_split.run.settings import Schema, replaced, section
 from fedjax_split.run.sites import NODE_SITES
 from fedjax_split.run.training_sections import ClientSettings, FederationSettings
 
@@ -37,7 +36,7 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class ExperimentConfig(Settings):
+class ExperimentConfig(RunConfig):
     """Everything that defines a run. Defaults are the paper's setting (FedSplitBERT, Table III).
 
     Paper choices (MISSION.md section 1): bert-base-uncased, K=3 clients all taking part, Table I
@@ -48,18 +47,6 @@ class ExperimentConfig(Settings):
     rounds to reach 84% on MRPC; Table V uses 3 to 9).
     """
 
-    seed: int = _setting(
-        0,
-        "The one seed of the run (data subsample, partition, init, batches, dropout).",
-        group=TASK,
-        metavar="SEED",
-    )
-    config: str | None = _setting(
-        None,
-        "Python (get_config() -> dict; FILE.py:ARG calls get_config(ARG)) or JSON config "
-        "file; flags given override it.",
-        metavar="FILE",
-    )
     data: DataSettings = section(DataSettings)
     model: ModelSettings = section(ModelSettings)
     client: ClientSettings = section(ClientSettings)
@@ -79,10 +66,7 @@ class ExperimentConfig(Settings):
         """FedProx's proximal weight; the other algorithms train the plain client loss."""
         return self.client.mu if ALGORITHMS[self.federation.algorithm].prox else 0.0
 
-    @property
-    def run_dir(self) -> Path:
-        if self.outputs.output_dir is not None:
-            return Path(self.outputs.output_dir)
+    def run_name(self) -> str:
         model, fed = self.model, self.federation
         c = "L" if model.critical_layer is None else model.critical_layer
         how = f"c{c}" if fed.layer_schedule == "none" else fed.layer_schedule
@@ -91,17 +75,13 @@ class ExperimentConfig(Settings):
         if model.model_layers is not None:
             how += f"_l{model.model_layers}"
         method = f"{fed.algorithm}_{how}"
-        return Path("runs") / f"{self.data.task}_{method}_K{fed.clients}_s{self.seed}"
+        return f"{self.data.task}_{method}_K{fed.clients}_s{self.seed}"
 
 
 # Fields that do not change the trajectory of a run; everything else must match on --resume.
 _NON_TRAJECTORY = {
-    "output_dir",
-    "resume",
-    "config",
+    *NON_TRAJECTORY,
     "rounds",
-    "eval_every",
-    "checkpoint_every",
     "keep_checkpoints",
     "chunk_size",
     "cpu_devices",
@@ -109,9 +89,6 @@ _NON_TRAJECTORY = {
     "num_processes",
     "process_id",
     "attention",  # the same attention by another kernel: rounding moves, as on another machine
-    "data_dir",
-    "site_data",  # where the sites' files are (the partition check covers what they hold)
-    "model",
     "dp_publish_clients",  # where the per-client figures are written, not what they are
 }
 SCHEMA = Schema(ExperimentConfig, _NON_TRAJECTORY)
@@ -141,8 +118,5 @@ def validate(config: ExperimentConfig) -> None:
     """Checks that need no data or model: the choices, each section's own values (its `check`),
     then the rules between sections (`run.cross_checks`; `validate_critical_layer` there needs
     the model's depth)."""
-    SCHEMA.check_choices(config)
-    for part in (config.data, config.model, config.client, config.federation, config.privacy,
-                 config.runtime, config.outputs):  # fmt: skip
-        part.check(config)
+    check_sections(SCHEMA, config)
     check_across_sections(config)

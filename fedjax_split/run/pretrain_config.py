@@ -10,7 +10,6 @@ with weight decay 0.01, batch 256, length 128, 15% masking, small models of L/2 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 from fedjax_split.data.text.corpus_split import SCHEMES
@@ -18,6 +17,7 @@ from fedjax_split.data.text.text_corpora import CORPORA, MODES, check_corpus_nam
 from fedjax_split.errors import UserError
 from fedjax_split.fed.layerwise import LAYER_DRAWS, SCHEDULES, check_small_model, schedule_layers
 from fedjax_split.run.model_section import Model, frozen_parameters
+from fedjax_split.run.run_config import NON_TRAJECTORY, RunConfig, check_sections
 from fedjax_split.run.runtime_sections import PretrainOutputs, PretrainRuntime
 from fedjax_split.run.settings import (
     FEDERATION,
@@ -25,7 +25,6 @@ from fedjax_split.run.settings import (
     TASK,
     Schema,
     Section,
-    Settings,
     as_given,
     section,
 )
@@ -239,21 +238,9 @@ class PretrainFederation(Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class PretrainConfig(Settings):
+class PretrainConfig(RunConfig):
     """Everything that defines a further pre-training run."""
 
-    seed: int = _setting(
-        0,
-        "The one seed (subsample, split, masks, layer draws, dropout).",
-        group=TASK,
-        metavar="SEED",
-    )
-    config: str | None = _setting(
-        None,
-        "Python (get_config() -> dict; FILE.py:ARG calls get_config(ARG)) or JSON config "
-        "file; flags override it.",
-        metavar="FILE",
-    )
     data: PretrainData = section(PretrainData)
     model: PretrainModel = section(PretrainModel)
     client: PretrainClient = section(PretrainClient)
@@ -261,22 +248,13 @@ class PretrainConfig(Settings):
     runtime: PretrainRuntime = section(PretrainRuntime)
     outputs: PretrainOutputs = section(PretrainOutputs)
 
-    @property
-    def run_dir(self) -> Path:
-        if self.outputs.output_dir is not None:
-            return Path(self.outputs.output_dir)
+    def run_name(self) -> str:
         corpus = self.data.corpus.replace(":", "_").replace("/", "_")
         method, clients = self.federation.method, self.federation.clients
-        return Path("runs") / f"pretrain_{corpus}_{method}_K{clients}_s{self.seed}"
+        return f"pretrain_{corpus}_{method}_K{clients}_s{self.seed}"
 
 
-SCHEMA = Schema(
-    PretrainConfig,
-    non_trajectory=(
-        "output_dir", "resume", "config", "eval_every", "checkpoint_every", "data_dir", "model",
-        "site_data",  # where the sites' files are (split.json's counts cover what they hold)
-    ),
-)  # fmt: skip
+SCHEMA = Schema(PretrainConfig, NON_TRAJECTORY)
 FIELDS = SCHEMA.fields
 
 
@@ -299,10 +277,7 @@ def validate(config: PretrainConfig) -> None:
     """Checks that need neither data nor model (`check_depth` needs the model's depth): the
     choices, each section's own values (its `check`), then the one rule between sections:
     --site-data names one existing directory per client (`run.sites.check_site_dirs`)."""
-    SCHEMA.check_choices(config)
-    for part in (config.data, config.model, config.client, config.federation, config.runtime,
-                 config.outputs):  # fmt: skip
-        part.check(config)
+    check_sections(SCHEMA, config)
     check_site_dirs(config)
 
 

@@ -1,0 +1,64 @@
+"""What a run's config is, `train`'s (`run.config.ExperimentConfig`) and `pretrain`'s
+(`run.pretrain_config.PretrainConfig`) alike: sections (each command's own), the seed and the
+--config file, the directory the run writes, the checks every config starts with, and the
+settings that no run's results depend on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from fedjax_split.run.settings import TASK, Schema, Section, Settings, value_of
+from fedjax_split.run.settings import setting as _setting
+
+# Settings that change no run's results, which a --resume may change: where it writes and how
+# often it evaluates and saves, where its files are (what they hold is checked on its own).
+NON_TRAJECTORY = (
+    "output_dir", "resume", "config", "eval_every", "checkpoint_every", "data_dir", "model",
+    "site_data",
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig(Settings):
+    """A run's settings: the seed and the config file here, the sections in each command's
+    subclass, which names its runs' directories (`run_name`)."""
+
+    seed: int = _setting(
+        0,
+        "The one seed of the run: every random draw follows from it (the data's subsample and "
+        "split into clients, initialisation, masks, batches, dropout).",
+        group=TASK,
+        metavar="SEED",
+    )
+    config: str | None = _setting(
+        None,
+        "Python (get_config() -> dict; FILE.py:ARG calls get_config(ARG)) or JSON config "
+        "file; flags given override it.",
+        metavar="FILE",
+    )
+
+    def run_name(self) -> str:
+        """The run's directory under runs/ without --output-dir: the settings that tell runs
+        apart."""
+        raise NotImplementedError(type(self).__name__)
+
+    @property
+    def run_dir(self) -> Path:
+        """--output-dir, else runs/`run_name`."""
+        output_dir = value_of(self, "output_dir")
+        return Path("runs") / self.run_name() if output_dir is None else Path(output_dir)
+
+    def sections(self) -> list[Section]:
+        """The config's sections, in their order."""
+        fields = dataclasses.fields(self)
+        return [getattr(self, f.name) for f in fields if f.metadata.get("section")]
+
+
+def check_sections(schema: Schema, config: RunConfig) -> None:
+    """What every config's `validate` checks first: the choices, then each section's own values
+    (its `check`), in order."""
+    schema.check_choices(config)
+    for part in config.sections():
+        part.check(config)
