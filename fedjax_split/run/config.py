@@ -27,7 +27,7 @@ from fedjax_split.run.privacy_section import PrivacySettings
 from fedjax_split.run.run_config import NON_TRAJECTORY, RunConfig, check_sections
 from fedjax_split.run.runtime_sections import OutputSettings, RuntimeSettings
 from fedjax_split.run.settings import Schema, replaced, section
-from fedjax_split.run.sites import NODE_SITES
+from fedjax_split.run.sites import implied_by_sites
 from fedjax_split.run.training_sections import ClientSettings, FederationSettings
 
 __all__ = [
@@ -102,11 +102,7 @@ def resolve_config(
 ) -> ExperimentConfig:
     """Defaults <- config-file values <- explicit overrides, then `validate`. With --site-data
     DIR0,DIR1,... and no --clients, the clients are the sites."""
-    given = {**(file_values or {}), **(overrides or {})}
-    sites = given.get("site_data")
-    if isinstance(sites, str) and sites != NODE_SITES and "clients" not in given:
-        overrides = {**(overrides or {}), "clients": len(sites.split(","))}
-    config = SCHEMA.resolve(file_values, overrides, validate)
+    config = SCHEMA.resolve(file_values, implied_by_sites(file_values, overrides), validate)
     if config.federation.layer_schedule == "fedbt" and config.model.critical_layer == HALF:
         # FedBT shares the whole model: the default 'half' means L (as --critical-layer L
         # does), so a run resumed with either has the same settings

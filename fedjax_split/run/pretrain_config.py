@@ -29,7 +29,7 @@ from fedjax_split.run.settings import (
     section,
 )
 from fedjax_split.run.settings import setting as _setting
-from fedjax_split.run.sites import NODE_SITES, check_site_dirs, refuse_with_sites
+from fedjax_split.run.sites import check_site_dirs, implied_by_sites, refuse_with_sites
 from fedjax_split.run.value_checks import (
     at_least_one,
     check_data_dir,
@@ -263,13 +263,7 @@ def resolve(
 ) -> PretrainConfig:
     """Defaults <- config-file values <- explicit overrides, then `validate`. With --site-data
     DIR0,DIR1,... the corpus is local and the clients are the sites unless given."""
-    given = {**(file_values or {}), **(overrides or {})}
-    sites = given.get("site_data")
-    if isinstance(sites, str):
-        implied = {"corpus": "local"}
-        if sites != NODE_SITES:
-            implied["clients"] = len(sites.split(","))
-        overrides = {**{k: v for k, v in implied.items() if k not in given}, **(overrides or {})}
+    overrides = implied_by_sites(file_values, overrides, corpus="local")
     return SCHEMA.resolve(file_values, overrides, validate)
 
 
