@@ -53,11 +53,10 @@ def run_main(
 
 @dataclasses.dataclass(frozen=True)
 class RunCommand:
-    """A command that runs one config (train, pretrain): `prog` and `description` head its
-    --help, its flags are `schema`'s, `resolve` lays the --config file's values and the flags
-    over the defaults and validates; `job()` gives the run's function, importing its modules
-    (JAX, the model, the data) only once the flags are parsed, so that --help and a flag's error
-    stay fast; `done` turns the run's summary into its last lines."""
+    """A command that runs one config (train, pretrain): its --help's `prog` and `description`,
+    `schema`, `resolve` (the config from the file's values and the flags), `job()` (the run's
+    function, imported once the flags are parsed: --help and a flag's error stay fast), `done`
+    (the summary's last lines)."""
 
     prog: str
     description: str
@@ -79,8 +78,7 @@ class RunCommand:
         return run_main(lambda: self.config_from_args(argv), self.run, self.done)
 
     def run(self, config: Any) -> dict[str, Any]:
-        """The job, with its progress lines, stopped where the environment asks
-        (`driver.stop_hook_from_env`)."""
+        """The job, with progress lines, stopped where the environment asks."""
         from fedjax_split.run import driver  # JAX: once the flags are parsed, as `job`
 
         return self.job()(config, progress=True, on_round_end=driver.stop_hook_from_env())

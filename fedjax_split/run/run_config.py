@@ -1,8 +1,6 @@
-"""What a run's config is, `train`'s (`run.config.ExperimentConfig`) and `pretrain`'s
-(`run.pretrain_config.PretrainConfig`) alike: sections (each command's own), the seed and the
---config file, the directory the run writes, the checks every config starts with, and the
-settings that no run's results depend on.
-"""
+"""What `train`'s config (`run.config.ExperimentConfig`) and `pretrain`'s
+(`run.pretrain_config.PretrainConfig`) share: the seed, the --config file, the run's directory,
+the checks each config starts with, the settings no run's results depend on."""
 
 from __future__ import annotations
 
