@@ -1,7 +1,9 @@
 """Configuration of a federated further pre-training run (`python -m fedjax_split.pretrain`).
 
-One frozen dataclass; its flags, config files, typing, choice checks and resume checks come from
-`run.settings` (the machinery `train`'s ExperimentConfig uses). Defaults are FedBFPT's released
+One frozen dataclass of sections; what it shares with `train`'s ExperimentConfig is written once
+(`run.run_config`: the seed, --config, the run directory; the checkpoint and --freeze:
+`run.model_section`; runtime and outputs: `run.runtime_sections`), and its flags, config files,
+typing, choice checks and resume checks come from `run.settings`. Defaults are FedBFPT's released
 setting (MISSION.md section 4): bert-base-uncased, 6 clients, 5 rounds of 1 epoch, AdamW lr 5e-5
 with weight decay 0.01, batch 256, length 128, 15% masking, small models of L/2 layers, the
 "halving" schedule.
