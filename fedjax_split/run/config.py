@@ -7,8 +7,9 @@ flags, config files and config.json keep each setting's flat name (`--rounds`). 
 written in its own module with the checks of its own values (run/data_section.py,
 model_section.py, training_sections.py, privacy_section.py, runtime_sections.py); the rules
 between sections are run/cross_checks.py's, and what a run saves and a `--resume` compares is
-run/saved_config.py's. The schema machinery (flags, config files, typing, choices, resume
-checks) is `run.settings`, shared with `pretrain`'s config. Resolution order (later wins):
+run/saved_config.py's; the seed, --config and the run directory, which `pretrain`'s config
+has too, are run/run_config.py's. The schema machinery (flags, config files, typing, choices,
+resume checks) is `run.settings`, shared with `pretrain`'s config. Resolution order (later wins):
 dataclass defaults -> `--config FILE` -> flags given explicitly on the command line. Every
 problem a user can cause is a one-line `UserError`, raised before anything is written to the
 output directory.
