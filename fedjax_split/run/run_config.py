@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from fedjax_split.run.settings import TASK, Schema, Section, Settings, value_of
+from fedjax_split.run.settings import TASK, Schema, Settings, value_of
 from fedjax_split.run.settings import setting as _setting
 
 # Settings that change no run's results, which a --resume may change: where it writes and how
@@ -48,15 +48,11 @@ class RunConfig(Settings):
         output_dir = value_of(self, "output_dir")
         return Path("runs") / self.run_name() if output_dir is None else Path(output_dir)
 
-    def sections(self) -> list[Section]:
-        """The config's sections, in their order."""
-        fields = dataclasses.fields(self)
-        return [getattr(self, f.name) for f in fields if f.metadata.get("section")]
-
 
 def check_sections(schema: Schema, config: RunConfig) -> None:
     """What every config's `validate` checks first: the choices, then each section's own values
-    (its `check`), in order."""
+    (its `check`), in their order."""
     schema.check_choices(config)
-    for part in config.sections():
-        part.check(config)
+    for f in dataclasses.fields(config):
+        if f.metadata.get("section"):
+            getattr(config, f.name).check(config)
