@@ -12,11 +12,10 @@ and says which checkpoint `--resume` continues from. DIR/model is then a Hugging
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 
-from fedjax_split.cli import parse_flags, run_command, run_main
-from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, resolve
-from fedjax_split.run.settings import Parser
+from fedjax_split.cli import RunCommand, run_command
+from fedjax_split.run.pretrain_config import SCHEMA, resolve
 
 DESCRIPTION = (
     "Federated further pre-training (masked LM) of a BERT encoder on text that stays on the "
@@ -26,30 +25,11 @@ DESCRIPTION = (
 )
 
 
-def build_parser() -> Parser:
-    """One flag per PretrainConfig setting."""
-    return SCHEMA.build_parser("python -m fedjax_split.pretrain", DESCRIPTION)
+def _job() -> Callable[..., dict]:
+    """Further pre-training (`RunCommand.job`)."""
+    from fedjax_split.run.pretraining import run_pretraining
 
-
-def config_from_args(argv: Sequence[str] | None = None) -> PretrainConfig:
-    """Parse flags and resolve them against defaults and the --config file, then validate
-    (`resolve`: with --site-data the corpus is local and the sites are the clients unless
-    given)."""
-    return resolve(*parse_flags(build_parser(), argv))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command in-process (Python, notebooks, tests): its exit status."""
-    return run_main(lambda: config_from_args(argv), _run, done_line)
-
-
-def _run(config: PretrainConfig) -> dict:
-    """The job. Its modules (JAX, the model, the data) are imported here, once the flags are
-    parsed, so that --help and a flag's error stay fast."""
-    from fedjax_split.run import driver, pretraining
-
-    stop = driver.stop_hook_from_env()
-    return pretraining.run_pretraining(config, progress=True, on_round_end=stop)
+    return run_pretraining
 
 
 def done_line(summary: dict) -> str:
@@ -61,6 +41,14 @@ def done_line(summary: dict) -> str:
         f"{initial['mlm_accuracy']:.4f} -> {final['mlm_accuracy']:.4f}, "
         f"{summary['cum_bytes'] / 1e6:.1f} MB sent; model in {summary['run_dir']}/model"
     )
+
+
+COMMAND = RunCommand(
+    "python -m fedjax_split.pretrain", DESCRIPTION, SCHEMA, resolve, _job, done_line
+)
+# the command's parser, its config from flags (with --site-data the corpus is local and the sites
+# are the clients unless given: `resolve`), and the command in-process (an exit status)
+build_parser, config_from_args, main = COMMAND.build_parser, COMMAND.config_from_args, COMMAND.main
 
 
 def cli() -> None:

@@ -7,8 +7,9 @@ flags, config files and config.json keep each setting's flat name (`--rounds`). 
 written in its own module with the checks of its own values (run/data_section.py,
 model_section.py, training_sections.py, privacy_section.py, runtime_sections.py); the rules
 between sections are run/cross_checks.py's, and what a run saves and a `--resume` compares is
-run/saved_config.py's. The schema machinery (flags, config files, typing, choices, resume
-checks) is `run.settings`, shared with `pretrain`'s config. Resolution order (later wins):
+run/saved_config.py's; the seed, --config and the run directory, which `pretrain`'s config
+has too, are run/run_config.py's. The schema machinery (flags, config files, typing, choices,
+resume checks) is `run.settings`, shared with `pretrain`'s config. Resolution order (later wins):
 dataclass defaults -> `--config FILE` -> flags given explicitly on the command line. Every
 problem a user can cause is a one-line `UserError`, raised before anything is written to the
 output directory.
@@ -17,7 +18,6 @@ output directory.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 from fedjax_split.fed.algorithms import ALGORITHMS
@@ -25,10 +25,10 @@ from fedjax_split.run.cross_checks import check_across_sections
 from fedjax_split.run.data_section import DataSettings
 from fedjax_split.run.model_section import HALF, ModelSettings
 from fedjax_split.run.privacy_section import PrivacySettings
+from fedjax_split.run.run_config import NON_TRAJECTORY, RunConfig, check_sections
 from fedjax_split.run.runtime_sections import OutputSettings, RuntimeSettings
-from fedjax_split.run.settings import TASK, Schema, Settings, replaced, section
-from fedjax_split.run.settings import setting as _setting
-from fedjax_split.run.sites import NODE_SITES
+from fedjax_split.run.settings import Schema, replaced, section
+from fedjax_split.run.sites import implied_by_sites
 from fedjax_split.run.training_sections import ClientSettings, FederationSettings
 
 __all__ = [
@@ -37,7 +37,7 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class ExperimentConfig(Settings):
+class ExperimentConfig(RunConfig):
     """Everything that defines a run. Defaults are the paper's setting (FedSplitBERT, Table III).
 
     Paper choices (MISSION.md section 1): bert-base-uncased, K=3 clients all taking part, Table I
@@ -48,18 +48,6 @@ class ExperimentConfig(Settings):
     rounds to reach 84% on MRPC; Table V uses 3 to 9).
     """
 
-    seed: int = _setting(
-        0,
-        "The one seed of the run (data subsample, partition, init, batches, dropout).",
-        group=TASK,
-        metavar="SEED",
-    )
-    config: str | None = _setting(
-        None,
-        "Python (get_config() -> dict; FILE.py:ARG calls get_config(ARG)) or JSON config "
-        "file; flags given override it.",
-        metavar="FILE",
-    )
     data: DataSettings = section(DataSettings)
     model: ModelSettings = section(ModelSettings)
     client: ClientSettings = section(ClientSettings)
@@ -79,10 +67,7 @@ class ExperimentConfig(Settings):
         """FedProx's proximal weight; the other algorithms train the plain client loss."""
         return self.client.mu if ALGORITHMS[self.federation.algorithm].prox else 0.0
 
-    @property
-    def run_dir(self) -> Path:
-        if self.outputs.output_dir is not None:
-            return Path(self.outputs.output_dir)
+    def run_name(self) -> str:
         model, fed = self.model, self.federation
         c = "L" if model.critical_layer is None else model.critical_layer
         how = f"c{c}" if fed.layer_schedule == "none" else fed.layer_schedule
@@ -91,17 +76,13 @@ class ExperimentConfig(Settings):
         if model.model_layers is not None:
             how += f"_l{model.model_layers}"
         method = f"{fed.algorithm}_{how}"
-        return Path("runs") / f"{self.data.task}_{method}_K{fed.clients}_s{self.seed}"
+        return f"{self.data.task}_{method}_K{fed.clients}_s{self.seed}"
 
 
 # Fields that do not change the trajectory of a run; everything else must match on --resume.
 _NON_TRAJECTORY = {
-    "output_dir",
-    "resume",
-    "config",
+    *NON_TRAJECTORY,
     "rounds",
-    "eval_every",
-    "checkpoint_every",
     "keep_checkpoints",
     "chunk_size",
     "cpu_devices",
@@ -109,9 +90,6 @@ _NON_TRAJECTORY = {
     "num_processes",
     "process_id",
     "attention",  # the same attention by another kernel: rounding moves, as on another machine
-    "data_dir",
-    "site_data",  # where the sites' files are (the partition check covers what they hold)
-    "model",
     "dp_publish_clients",  # where the per-client figures are written, not what they are
 }
 SCHEMA = Schema(ExperimentConfig, _NON_TRAJECTORY)
@@ -125,11 +103,7 @@ def resolve_config(
 ) -> ExperimentConfig:
     """Defaults <- config-file values <- explicit overrides, then `validate`. With --site-data
     DIR0,DIR1,... and no --clients, the clients are the sites."""
-    given = {**(file_values or {}), **(overrides or {})}
-    sites = given.get("site_data")
-    if isinstance(sites, str) and sites != NODE_SITES and "clients" not in given:
-        overrides = {**(overrides or {}), "clients": len(sites.split(","))}
-    config = SCHEMA.resolve(file_values, overrides, validate)
+    config = SCHEMA.resolve(file_values, implied_by_sites(file_values, overrides), validate)
     if config.federation.layer_schedule == "fedbt" and config.model.critical_layer == HALF:
         # FedBT shares the whole model: the default 'half' means L (as --critical-layer L
         # does), so a run resumed with either has the same settings
@@ -141,8 +115,5 @@ def validate(config: ExperimentConfig) -> None:
     """Checks that need no data or model: the choices, each section's own values (its `check`),
     then the rules between sections (`run.cross_checks`; `validate_critical_layer` there needs
     the model's depth)."""
-    SCHEMA.check_choices(config)
-    for part in (config.data, config.model, config.client, config.federation, config.privacy,
-                 config.runtime, config.outputs):  # fmt: skip
-        part.check(config)
+    check_sections(SCHEMA, config)
     check_across_sections(config)

@@ -1,5 +1,6 @@
 """The run's model section: the checkpoint, its depth, the critical layer, frozen parameters,
-LoRA adapters; each setting's own checks beside it (`ModelSettings.check`).
+LoRA adapters; each setting's own checks beside it (`ModelSettings.check`). The checkpoint
+(`Model`) and --freeze's setting are `pretrain`'s too.
 
 The critical layer against the model's depth and FedBT's schedule, which need the model and the
 federation section, is `run.cross_checks.check_critical_layer`.
@@ -36,9 +37,9 @@ def critical_layer_value(text: str) -> int | str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSettings(Section):
-    """The model and what of it is shared: the checkpoint, its depth, the critical layer, frozen
-    parameters, LoRA adapters."""
+class Model(Section):
+    """The model a run starts from, `train`'s and `pretrain`'s: its checkpoint. Each command's
+    section adds what the run does with it."""
 
     name: str = _setting(
         "bert-base-uncased",
@@ -47,6 +48,25 @@ class ModelSettings(Section):
         metavar="MODEL",
         key="model",
     )
+
+
+def frozen_parameters(whatever: str, example: str) -> Any:
+    """--freeze: parameters neither trained nor sent, whatever else (`whatever`) would train
+    them; `example`: a regex, and what it freezes where that needs saying."""
+    return _setting(
+        None,
+        "Regex over Hugging Face tensor names (re.search): matching parameters are frozen, neither "
+        f"trained nor sent, whatever {whatever}; e.g. {example}.",
+        metavar="REGEX",
+        group=MODEL,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings(Model):
+    """`train`'s model and what of it is shared: the checkpoint, its depth, the critical layer,
+    frozen parameters, LoRA adapters."""
+
     model_layers: int | None = _setting(
         None,
         "Keep only the first LAYERS encoder layers of the pretrained model (a truncated model: the "
@@ -63,13 +83,8 @@ class ModelSettings(Section):
         parse=critical_layer_value,
         group=MODEL,
     )
-    freeze: str | None = _setting(
-        None,
-        "Regex over Hugging Face tensor names (re.search): matching parameters are frozen, neither "
-        "trained nor sent, whatever --critical-layer says; e.g. 'embeddings\\.' or "
-        "'embeddings\\.|encoder\\.layer\\.[0-2]\\.'.",
-        metavar="REGEX",
-        group=MODEL,
+    freeze: str | None = frozen_parameters(
+        "--critical-layer says", "'embeddings\\.' or 'embeddings\\.|encoder\\.layer\\.[0-2]\\.'"
     )
     lora_rank: int | None = _setting(
         None,

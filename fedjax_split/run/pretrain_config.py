@@ -1,7 +1,9 @@
 """Configuration of a federated further pre-training run (`python -m fedjax_split.pretrain`).
 
-One frozen dataclass; its flags, config files, typing, choice checks and resume checks come from
-`run.settings` (the machinery `train`'s ExperimentConfig uses). Defaults are FedBFPT's released
+One frozen dataclass of sections; what it shares with `train`'s ExperimentConfig is written once
+(`run.run_config`: the seed, --config, the run directory; the checkpoint and --freeze:
+`run.model_section`; runtime and outputs: `run.runtime_sections`), and its flags, config files,
+typing, choice checks and resume checks come from `run.settings`. Defaults are FedBFPT's released
 setting (MISSION.md section 4): bert-base-uncased, 6 clients, 5 rounds of 1 epoch, AdamW lr 5e-5
 with weight decay 0.01, batch 256, length 128, 15% masking, small models of L/2 layers, the
 "halving" schedule.
@@ -10,27 +12,26 @@ with weight decay 0.01, batch 256, length 128, 15% masking, small models of L/2 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 from fedjax_split.data.text.corpus_split import SCHEMES
 from fedjax_split.data.text.text_corpora import CORPORA, MODES, check_corpus_name
 from fedjax_split.errors import UserError
 from fedjax_split.fed.layerwise import LAYER_DRAWS, SCHEDULES, check_small_model, schedule_layers
+from fedjax_split.run.model_section import Model, frozen_parameters
+from fedjax_split.run.run_config import NON_TRAJECTORY, RunConfig, check_sections
+from fedjax_split.run.runtime_sections import PretrainOutputs, PretrainRuntime
 from fedjax_split.run.settings import (
     FEDERATION,
     MODEL,
-    OUTPUTS,
-    PERFORMANCE,
     TASK,
     Schema,
     Section,
-    Settings,
     as_given,
     section,
 )
 from fedjax_split.run.settings import setting as _setting
-from fedjax_split.run.sites import NODE_SITES, check_site_dirs, refuse_with_sites
+from fedjax_split.run.sites import check_site_dirs, implied_by_sites, refuse_with_sites
 from fedjax_split.run.value_checks import (
     at_least_one,
     check_data_dir,
@@ -45,7 +46,6 @@ from fedjax_split.run.value_checks import (
 # trained whole, federatedly (DistilBERT/TinyBERT-style rows); none: no further pre-training.
 METHODS = ("fedbfpt", "bert-fl", "centralised", "truncated", "none")
 AGGREGATIONS = ("weighted", "unweighted")
-DTYPES = ("float32", "bfloat16")
 # settings that split one corpus: with --site-data there is none to split
 _CORPUS_ONLY = ("split", "sigma", "max_documents", "data_dir")
 
@@ -145,17 +145,10 @@ class PretrainData(Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class PretrainModel(Section):
-    """The model: the checkpoint, its depth for the truncated baseline and FedBFPT's small
-    client models, frozen parameters."""
+class PretrainModel(Model):
+    """The model (`Model`'s checkpoint), its depth for the truncated baseline and FedBFPT's
+    small client models, frozen parameters."""
 
-    name: str = _setting(
-        "bert-base-uncased",
-        "Hugging Face model id, local HF directory, or the offline alias 'minilm-l6'.",
-        group=MODEL,
-        metavar="MODEL",
-        key="model",
-    )
     small_layers: int | None = _setting(
         None, "Layers of a FedBFPT client's small model (default: L/2).", metavar="L_S", group=MODEL
     )
@@ -165,13 +158,8 @@ class PretrainModel(Section):
         metavar="LAYERS",
         group=MODEL,
     )
-    freeze: str | None = _setting(
-        None,
-        "Regex over Hugging Face tensor names (re.search): matching parameters are neither "
-        "trained nor sent, whatever the method trains; e.g. 'embeddings\\.|encoder\\.' trains "
-        "the MLM head alone.",
-        metavar="REGEX",
-        group=MODEL,
+    freeze: str | None = frozen_parameters(
+        "the method trains", "'embeddings\\.|encoder\\.' trains the MLM head alone"
     )
 
     def check(self, config: Any) -> None:
@@ -252,65 +240,9 @@ class PretrainFederation(Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class PretrainRuntime(Section):
-    """How the run uses the machine."""
-
-    dtype: str = _setting(
-        "float32",
-        "Compute dtype of the model (parameters stay float32).",
-        choices=DTYPES,
-        group=PERFORMANCE,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class PretrainOutputs(Section):
-    """Where the run writes and how often."""
-
-    output_dir: str | None = _setting(
-        None,
-        "Run directory (unset: runs/pretrain_<corpus>_<method>_K<K>_s<seed>).",
-        metavar="DIR",
-        group=OUTPUTS,
-    )
-    resume: bool = _setting(
-        False, "Continue the run in --output-dir from its latest checkpoint.", group=OUTPUTS
-    )
-    eval_every: int = _setting(
-        1,
-        "Evaluate on the held-out text every N rounds (and the last).",
-        group=OUTPUTS,
-        metavar="N",
-    )
-    checkpoint_every: int = _setting(
-        1,
-        "Save a checkpoint every N rounds (and after the last); 0 = never.",
-        group=OUTPUTS,
-        metavar="N",
-    )
-
-    def check(self, config: Any) -> None:
-        """An evaluation every N >= 1 rounds, a checkpoint every N >= 0."""
-        at_least_one(config, "eval_every")
-        non_negative(config, "checkpoint_every")
-
-
-@dataclasses.dataclass(frozen=True)
-class PretrainConfig(Settings):
+class PretrainConfig(RunConfig):
     """Everything that defines a further pre-training run."""
 
-    seed: int = _setting(
-        0,
-        "The one seed (subsample, split, masks, layer draws, dropout).",
-        group=TASK,
-        metavar="SEED",
-    )
-    config: str | None = _setting(
-        None,
-        "Python (get_config() -> dict; FILE.py:ARG calls get_config(ARG)) or JSON config "
-        "file; flags override it.",
-        metavar="FILE",
-    )
     data: PretrainData = section(PretrainData)
     model: PretrainModel = section(PretrainModel)
     client: PretrainClient = section(PretrainClient)
@@ -318,22 +250,13 @@ class PretrainConfig(Settings):
     runtime: PretrainRuntime = section(PretrainRuntime)
     outputs: PretrainOutputs = section(PretrainOutputs)
 
-    @property
-    def run_dir(self) -> Path:
-        if self.outputs.output_dir is not None:
-            return Path(self.outputs.output_dir)
+    def run_name(self) -> str:
         corpus = self.data.corpus.replace(":", "_").replace("/", "_")
         method, clients = self.federation.method, self.federation.clients
-        return Path("runs") / f"pretrain_{corpus}_{method}_K{clients}_s{self.seed}"
+        return f"pretrain_{corpus}_{method}_K{clients}_s{self.seed}"
 
 
-SCHEMA = Schema(
-    PretrainConfig,
-    non_trajectory=(
-        "output_dir", "resume", "config", "eval_every", "checkpoint_every", "data_dir", "model",
-        "site_data",  # where the sites' files are (split.json's counts cover what they hold)
-    ),
-)  # fmt: skip
+SCHEMA = Schema(PretrainConfig, NON_TRAJECTORY)
 FIELDS = SCHEMA.fields
 
 
@@ -342,13 +265,7 @@ def resolve(
 ) -> PretrainConfig:
     """Defaults <- config-file values <- explicit overrides, then `validate`. With --site-data
     DIR0,DIR1,... the corpus is local and the clients are the sites unless given."""
-    given = {**(file_values or {}), **(overrides or {})}
-    sites = given.get("site_data")
-    if isinstance(sites, str):
-        implied = {"corpus": "local"}
-        if sites != NODE_SITES:
-            implied["clients"] = len(sites.split(","))
-        overrides = {**{k: v for k, v in implied.items() if k not in given}, **(overrides or {})}
+    overrides = implied_by_sites(file_values, overrides, corpus="local")
     return SCHEMA.resolve(file_values, overrides, validate)
 
 
@@ -356,10 +273,7 @@ def validate(config: PretrainConfig) -> None:
     """Checks that need neither data nor model (`check_depth` needs the model's depth): the
     choices, each section's own values (its `check`), then the one rule between sections:
     --site-data names one existing directory per client (`run.sites.check_site_dirs`)."""
-    SCHEMA.check_choices(config)
-    for part in (config.data, config.model, config.client, config.federation, config.runtime,
-                 config.outputs):  # fmt: skip
-        part.check(config)
+    check_sections(SCHEMA, config)
     check_site_dirs(config)
 
 

@@ -1,7 +1,8 @@
-"""The run's runtime and outputs sections: how a run uses the machine (devices, processes,
-compute dtype, batch shapes, kernels) and where it writes and how often; settings that change
-what a run computes by rounding at most, most of which a `--resume` may change. Each setting's
-own checks stand beside it (`check`).
+"""The runtime and outputs sections, `train`'s and `pretrain`'s: how a run uses the machine
+(devices, processes, compute dtype, batch shapes, kernels) and where it writes and how often;
+settings that change what a run computes by rounding at most, most of which a `--resume` may
+change. Each setting's own checks stand beside it (`check`); what both commands share is written
+once (`compute_dtype`, `Outputs`), each command's section saying only what differs.
 
 The dtypes and kernels are copies of `models.bert_config`'s, kept here so that parsing the flags
 imports no JAX; tests/test_config.py holds them equal.
@@ -19,6 +20,16 @@ from fedjax_split.run.value_checks import at_least_one, require
 
 DTYPES = ("float32", "bfloat16")  # model compute dtypes; parameters stay fp32
 ATTENTIONS = ("xla", "cudnn")  # model.ATTENTION_IMPLEMENTATIONS
+
+
+def compute_dtype() -> Any:
+    """--dtype, both commands' setting."""
+    return _setting(
+        "float32",
+        "Compute dtype of the model (parameters stay float32).",
+        choices=DTYPES,
+        group=PERFORMANCE,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +56,7 @@ class RuntimeSettings(Section):
         metavar="N",
         group=PERFORMANCE,
     )
-    dtype: str = _setting(
-        "float32",
-        "Compute dtype of the model (parameters stay float32).",
-        choices=DTYPES,
-        group=PERFORMANCE,
-    )
+    dtype: str = compute_dtype()
     packing: bool = _setting(
         True,
         "Pack each batch's examples end to end into one token stream instead of padding each to "
@@ -116,31 +122,58 @@ def check_chunk_size(chunk_size: int | None, processes: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class OutputSettings(Section):
-    """Where the run writes and how often: its directory, evaluations, checkpoints."""
+class PretrainRuntime(Section):
+    """How a further pre-training run uses the machine."""
 
-    output_dir: str | None = _setting(
-        None,
-        "Run directory for metrics.jsonl, summary.json, config.json, partition.json and "
-        "checkpoints/ (unset: runs/<task>_<algorithm>_c<c>_K<K>_s<seed>).",
-        metavar="DIR",
-        group=OUTPUTS,
+    dtype: str = compute_dtype()
+
+
+def run_directory(holds: str, unset: str) -> Any:
+    """--output-dir: the run's directory, which holds `holds` ("" to say nothing), and `unset`:
+    the directory a run without it writes."""
+    return _setting(None, f"Run directory{holds} (unset: {unset}).", metavar="DIR", group=OUTPUTS)
+
+
+def evaluate_every(what: str) -> Any:
+    """--eval-every: evaluate `what` every N rounds."""
+    return _setting(
+        1, f"Evaluate {what} every N rounds (and after the last).", group=OUTPUTS, metavar="N"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Outputs(Section):
+    """Where a run writes and how often: its directory, evaluations, checkpoints. Each command's
+    section (`OutputSettings`, `PretrainOutputs`) names its own directory and what it evaluates,
+    by redefining those two settings in place."""
+
+    output_dir: str | None = run_directory("", "runs/<a name from the settings>")
     resume: bool = _setting(
         False, "Continue the run in --output-dir from its latest checkpoint.", group=OUTPUTS
     )
-    eval_every: int = _setting(
-        1,
-        "Evaluate the personalised models every N rounds (and after the last).",
-        group=OUTPUTS,
-        metavar="N",
-    )
+    eval_every: int = evaluate_every("the model")
     checkpoint_every: int = _setting(
         1,
         "Save a checkpoint every N rounds (and after the last); 0 = never.",
         group=OUTPUTS,
         metavar="N",
     )
+
+    def check(self, config: Any) -> None:
+        """An evaluation every N >= 1 rounds, a checkpoint every N >= 0."""
+        at_least_one(config, "eval_every")
+        require(config, "checkpoint_every", self.checkpoint_every >= 0, ">= 0 (0 = never)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSettings(Outputs):
+    """`train`'s outputs, and how many checkpoints stay on disk."""
+
+    output_dir: str | None = run_directory(
+        " for metrics.jsonl, summary.json, config.json, partition.json and checkpoints/",
+        "runs/<task>_<algorithm>_c<c>_K<K>_s<seed>",
+    )
+    eval_every: int = evaluate_every("the personalised models")
     keep_checkpoints: int = _setting(
         2,
         "How many of the latest checkpoints stay on disk, with the client-store versions they "
@@ -150,6 +183,14 @@ class OutputSettings(Section):
     )
 
     def check(self, config: Any) -> None:
-        """Evaluations and checkpoints kept: at least 1; a checkpoint every N >= 0 rounds."""
-        at_least_one(config, "eval_every", "keep_checkpoints")
-        require(config, "checkpoint_every", self.checkpoint_every >= 0, ">= 0 (0 = never)")
+        """`Outputs.check`, and at least 1 checkpoint kept."""
+        super().check(config)
+        at_least_one(config, "keep_checkpoints")
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainOutputs(Outputs):
+    """`pretrain`'s outputs."""
+
+    output_dir: str | None = run_directory("", "runs/pretrain_<corpus>_<method>_K<K>_s<seed>")
+    eval_every: int = evaluate_every("on the held-out text")

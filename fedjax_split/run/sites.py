@@ -25,6 +25,21 @@ def site_dirs(config: Any) -> list[Path]:
     return [Path(d.strip()).expanduser() for d in config.data.site_data.split(",")]
 
 
+def implied_by_sites(
+    file_values: dict[str, Any] | None, overrides: dict[str, Any] | None, **implied: Any
+) -> dict[str, Any]:
+    """`overrides`, with what --site-data DIR0,DIR1,... implies where neither they nor the
+    config file's values set it: the clients are the sites (`node-config` names none here), and
+    `implied` (pretrain's: the corpus is local)."""
+    given = {**(file_values or {}), **(overrides or {})}
+    sites = given.get("site_data")
+    if not isinstance(sites, str):
+        return dict(overrides or {})
+    if sites != NODE_SITES:
+        implied["clients"] = len(sites.split(","))
+    return {**{k: v for k, v in implied.items() if k not in given}, **(overrides or {})}
+
+
 def refuse_with_sites(config: Any, names: tuple[str, ...], what: str, instead: str) -> None:
     """UserError naming the first of `names` set to other than its default in a --site-data
     run, where it would be silently ignored: "each client's {what}", "drop --site-data to
