@@ -19,6 +19,7 @@ from fedjax_split.fed import algorithms, layerwise
 from fedjax_split.fed.client import default_client_optimizer
 from fedjax_split.fed.roles import flatten_paths
 from fedjax_split.fed.server import init_server_state
+from fedjax_split.fed.strategy import Sampling, Strategy
 from fedjax_split.models.bert import init_params, make_apply
 from fedjax_split.sim import pretrain_rounds
 from fedjax_split.tasks.objectives import IGNORE
@@ -66,9 +67,12 @@ def test_one_round_moves_and_sends_only_layer_l_and_the_head(setup) -> None:
         assert set(flatten_paths(up)) == plan.trained  # only layer 1 and the head are sent
         uploads.append({p: np.asarray(x) for p, x in flatten_paths(up).items()})
     seen: list = []  # each client's end: clients, steps and sequences so far
+    strategy = Strategy(Sampling(3, None, seed=0), lambda r: trainer.server_spec(plan.trained),
+                        layers_for=lambda r, sampled: plan.layers)  # fmt: skip
+    round_plan = strategy.plan(1, state, None)
+    assert round_plan.clients.tolist() == [0, 1, 2] and round_plan.layers == plan.layers
     outcome = pretrain_rounds.run_round(
-        trainer, state, plan, [0, 1, 2], segments, weights, seed=0, round_=1,
-        on_progress=seen.append,
+        trainer, strategy, state, round_plan, segments, weights, seed=0, on_progress=seen.append
     )  # fmt: skip
     sequences = [int(sum(np.asarray(s.example_mask).sum() for s in segs)) for segs in segments]
     assert [tuple(p) for p in seen] == [
@@ -92,9 +96,38 @@ def test_one_round_moves_and_sends_only_layer_l_and_the_head(setup) -> None:
     assert [r.bytes_up for r in outcome.clients] == [4 * (layer + head)] * 3
     assert outcome.bytes_up == 3 * 4 * (layer + head)
     assert [r.layers for r in outcome.clients] == list(plan.layers)
+    assert outcome.rejected == []
     assert [r.steps for r in outcome.clients] == [2, 3, 1] and all(
         r.flops > 0 for r in outcome.clients
     )
+
+
+def test_a_non_finite_upload_is_left_out_and_named(setup, monkeypatch) -> None:
+    """The server's step is the strategy's: an upload that is not finite (a client that diverged)
+    is left out of the mean, which is the others' weighted mean, and the round names it."""
+    config, params, segments, trainer = setup
+    state = init_server_state(params, algorithms.server_optimizer("fedavg"), "float32")
+    plan = layerwise.full_plan(params, clients=[0, 1, 2], depth=L)
+    strategy = Strategy(Sampling(3, None, seed=0), lambda r: trainer.server_spec(plan.trained))
+    real_update = pretrain_rounds.client_update
+    uploads = {}
+
+    def update(*args, **kwargs):
+        new, report = real_update(*args, **kwargs)
+        if report.client == 1:
+            new = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), new)
+        uploads[report.client] = {p: np.asarray(x) for p, x in flatten_paths(new).items()}
+        return new, report
+
+    monkeypatch.setattr(pretrain_rounds, "client_update", update)
+    weights = [5.0, 9.0, 3.0]
+    outcome = pretrain_rounds.run_round(trainer, strategy, state, strategy.plan(1, state, None),
+                                        segments, weights, seed=0)  # fmt: skip
+    assert outcome.rejected == [1]
+    after = flatten_paths(outcome.state.master)
+    for p in plan.trained:
+        mean = (5.0 * uploads[0][p] + 3.0 * uploads[2][p]) / 8.0
+        np.testing.assert_allclose(np.asarray(after[p]), mean, rtol=1e-6, atol=1e-7)
 
 
 def test_held_out_loss_and_accuracy_by_hand(setup) -> None:

@@ -8,9 +8,9 @@ client the parameters its model runs (its layers, the embeddings and the head: w
 simulation's `bytes_down_full` counts) with the plan in the message's config, takes the replies
 whose uploads are exactly the trained paths' shapes and dtypes, finite, with finite figures and the
 node's own sequence count (as fine-tuning's server does: a reply is untrusted), and steps with the
-simulation's `sim.pretrain_rounds.aggregate`. A client that fails or is rejected is left out of
-the round (listed in `clients_failed` / `clients_rejected`); a round nobody answers stops the run
-(its last checkpoint stays; `--resume` continues).
+run's `fed.strategy.Strategy`, as the simulation does. A client that fails or is rejected is
+left out of the round (listed in `clients_failed` / `clients_rejected`); a round nobody answers
+stops the run (its last checkpoint stays; `--resume` continues).
 
 Held-out evaluation is at the nodes (the server opens no text): every node derives the held-out
 batches as the simulation does and scores its share of them (batch i goes to client i mod K;
@@ -48,7 +48,7 @@ from fedjax_split.fed import layerwise
 from fedjax_split.fed.roles import flatten_paths, select
 from fedjax_split.run import driver, pretrain_setup, pretraining
 from fedjax_split.run.pretrain_config import PretrainConfig
-from fedjax_split.sim.pretrain_rounds import ClientReport, aggregate, mlm_metrics
+from fedjax_split.sim.pretrain_rounds import ClientReport, mlm_metrics
 
 TRAIN = f"{protocol.TRAIN}.{protocol.PRETRAIN}"
 EVALUATE = f"{protocol.EVALUATE}.{protocol.PRETRAIN}"
@@ -331,8 +331,6 @@ def _send_round(run: FlowerPretraining, r: int, the_plan: Any) -> tuple[dict, di
 
 def run_round(run: FlowerPretraining, r: int, previous: dict[str, Any] | None) -> dict[str, Any]:
     """Round r over the federation; its record, the simulation's plus who failed."""
-
-
     setup, config = run.setup, run.setup.config
     t0 = time.perf_counter()
     the_plan = pretraining.plan(setup, r)
@@ -345,8 +343,12 @@ def run_round(run: FlowerPretraining, r: int, previous: dict[str, Any] | None) -
         )
     clients = sorted(taken)
     weights = pretraining.round_weights(config, [setup.sizes[c] for c in clients])
-    setup.server_state = aggregate(setup.trainer, setup.server_state, the_plan.trained,
-                                   [taken[c][0] for c in clients], weights)  # fmt: skip
+    setup.server_state, accepted, _ = setup.strategy.aggregate(
+        the_plan, setup.server_state, [taken[c][0] for c in clients],
+        np.asarray(weights, np.float32))  # fmt: skip
+    for c, ok in zip(clients, np.asarray(accepted), strict=True):
+        if not ok:  # take_upload checks finiteness already: the server's step is the backstop
+            rejected[c] = "upload not finite"
     jax.block_until_ready(setup.server_state.global_params)
     t_train = time.perf_counter()
     down = pretraining.bytes_down(setup, params, r)

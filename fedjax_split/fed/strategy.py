@@ -1,12 +1,13 @@
 """The federated algorithm as one object: what every transport of a round asks of it.
 
-A `Strategy` is built once per run (`run.safeguards.strategy` builds it from the config). Each
-round a transport (the simulation, `run.experiment.Simulation.step`; the Flower server,
-`deploy.rounds.run_round`) calls:
+A `Strategy` is built once per run (`run.safeguards.strategy` for fine-tuning,
+`run.pretrain_setup.strategy` for further pre-training). Each round a transport (the
+simulations, `run.experiment.Simulation.step` and `run.pretraining.run_one_round`; the Flower
+servers, `deploy.rounds.run_round` and `deploy.pretrain_server.run_round`) calls:
 1. `plan(r, server_state, secret)`: the round's `RoundPlan`: the clients sampled, the round's
-   spec (what is trained and sent and in which dtype: FedSplitBERT's split and FedBT's layer
-   schedule are `round_spec_for`'s; further pre-training, FedBFPT, has its own plan still:
-   `run.pretraining`), DP's clip norm and the server's noise key;
+   spec (what is trained and sent and in which dtype: FedSplitBERT's split, FedBT's layer
+   schedule and FedBFPT's trained layer are `round_spec_for`'s), the layers each client's model
+   runs (`layers_for`: FedBFPT's small models), DP's clip norm and the server's noise key;
 2. moves arrays: sends the global part, trains the clients, receives their uploads (its own I/O);
 3. `aggregate(plan, server_state, uploads, weights, norms)`: the server's step
    (`fed.server_step`; robust rules and DP inside); with secure aggregation the deployment,
@@ -84,6 +85,14 @@ class RoundPlan:
     spec: Any  # the round's spec (`sim.round_spec.RoundSpec`, a `fed.server_step.ServerSpec`)
     clip: float | None  # client-level DP: the clip norm the clients clip their updates to
     noise_key: jax.Array  # the server's DP noise key of the round (a fixed unused key without)
+    # per sampled client, the global layer at each position of the model it runs (FedBFPT's
+    # small models, `fed.layerwise`); None: every client runs the whole model
+    layers: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def trained(self) -> frozenset[str] | None:
+        """The global paths the round trains and the clients send (None: the whole global part)."""
+        return self.spec.trained
 
 
 def train_record(
@@ -121,13 +130,15 @@ def safeguard_record(
 class Strategy:
     """A run's federated algorithm: sampling, the round's plan, the server's step, the record.
 
-    `round_spec_for(r)`: round r's spec (the model's schedule); `mechanism` and `delta`: the
+    `round_spec_for(r)`: round r's spec (the model's schedule); `layers_for(r, clients)`: the
+    layers each sampled client's model runs (None: the whole model); `mechanism` and `delta`: the
     accountant's (None without DP's noise), for epsilon after each round."""
 
     sampling: Sampling
     round_spec_for: Callable[[int], ServerSpec]
     mechanism: accounting.Mechanism | None = None
     delta: float = 1e-5
+    layers_for: Callable[[int, np.ndarray], tuple[tuple[int, ...], ...]] | None = None
 
     def sample(self, r: int, secret: ServerSecret | None = None) -> np.ndarray:
         return self.sampling.sample(r, secret)
@@ -142,7 +153,8 @@ class Strategy:
         clients = self.sample(r, secret)
         if spec.aggregator.secure and len(clients) < 2:  # a sum of one is that client's update
             clients = clients[:0]  # (DP's Poisson sample may draw one): the server's step alone
-        return RoundPlan(r, clients, spec, clip, noise_key)
+        layers = None if self.layers_for is None else self.layers_for(r, clients)
+        return RoundPlan(r, clients, spec, clip, noise_key, layers)
 
     def aggregate(
         self, plan: RoundPlan, server_state: ServerState, uploads: Sequence[Any],

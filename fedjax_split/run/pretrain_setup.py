@@ -13,6 +13,7 @@ from fedjax_split.data.text import masking
 from fedjax_split.errors import UserError
 from fedjax_split.fed import algorithms, client, layerwise, roles
 from fedjax_split.fed.server import init_server_state
+from fedjax_split.fed.strategy import Sampling, Strategy
 from fedjax_split.fed.wire import cast_from_wire
 from fedjax_split.models import hf_checkpoint
 from fedjax_split.run.pretrain_config import (
@@ -40,8 +41,8 @@ class Setup:
     heldout: list[Any]  # masked held-out batches
     masking: Any
     pad_id: int
-    trainer: Any
-    server_optimizer: Any
+    trainer: Trainer
+    strategy: Strategy  # each round's plan and the server's step (`strategy`)
     server_state: Any
     schedule: list[int]  # FedBFPT's trained layer per round (index 0 = round 1)
     frozen: frozenset[str]  # --freeze: never trained nor sent
@@ -76,6 +77,35 @@ def make_trainer(config: PretrainConfig, model_config: Any) -> Any:
     """What the clients run (`sim.pretrain_rounds.Trainer`), with FedAvg at the server."""
     optimizer = client.default_client_optimizer(config.client.lr, config.client.weight_decay)
     return Trainer(model_config, optimizer, algorithms.server_optimizer("fedavg"))
+
+
+def strategy(
+    config: PretrainConfig, trainer: Trainer, params: Any, schedule: list[int],
+    frozen: frozenset[str], clients: list[int], small_layers: int, depth: int,
+) -> Strategy:  # fmt: skip
+    """Further pre-training's algorithm, fine-tuning's `fed.strategy.Strategy` with a layer-wise
+    plan: every client each round (`clients`: 0..K-1, or [0] centralised); FedBFPT trains round
+    r's scheduled layer and the MLM head, each client on its own small model around it
+    (`fed.layerwise.fedbfpt_plan`); the others train all of the first `depth` layers. --freeze's
+    paths are never trained nor sent. The server's step is FedAvg's mean of those paths."""
+    fed = config.federation
+    if fed.method == "fedbfpt":
+
+        def plan(r: int, sampled: Any) -> layerwise.Plan:
+            return layerwise.fedbfpt_plan(
+                params, layer=schedule[r - 1], round_=r, clients=[int(c) for c in sampled],
+                seed=config.seed, small_layers=small_layers, draw=fed.layer_draw,
+            )  # fmt: skip
+    else:
+
+        def plan(r: int, sampled: Any) -> layerwise.Plan:
+            return layerwise.full_plan(params, clients=list(sampled), depth=depth)
+
+    return Strategy(
+        sampling=Sampling(clients=len(clients), per_round=None, seed=config.seed),
+        round_spec_for=lambda r: trainer.server_spec(plan(r, []).trained - frozen),
+        layers_for=lambda r, sampled: plan(r, sampled).layers,
+    )
 
 
 def build(config: PretrainConfig) -> Setup:
@@ -116,11 +146,12 @@ def model_setup(
         if fed.method == "fedbfpt"
         else []
     )
+    depth = k if fed.method == "truncated" else pre.config.num_hidden_layers
     return Setup(
         config=config, model_config=pre.config, model_dir=Path(pre.model_dir),
         small_layers=small, truncated_layers=k, split=split, clients=clients, sequences=[],
         sizes=list(sizes), heldout=[], masking=None, pad_id=0, trainer=trainer,
-        server_optimizer=trainer.server_optimizer,
+        strategy=strategy(config, trainer, pre.params, schedule, frozen, clients, small, depth),
         server_state=init_server_state(pre.params, trainer.server_optimizer, "float32"),
         schedule=schedule, frozen=frozen,
     )  # fmt: skip

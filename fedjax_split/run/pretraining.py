@@ -41,6 +41,7 @@ from fedjax_split.data.text import mlm_batching
 from fedjax_split.errors import UserError
 from fedjax_split.fed import layerwise
 from fedjax_split.fed.roles import select
+from fedjax_split.fed.strategy import RoundPlan
 from fedjax_split.fed.wire import param_count, tree_bytes
 from fedjax_split.models.flops import mlm_train_flops
 from fedjax_split.models.hf_checkpoint import save_pretrained
@@ -64,19 +65,10 @@ def evaluate(setup: Setup) -> dict[str, float]:
     return eval_mlm(config, params, setup.heldout)
 
 
-def plan(setup: Setup, r: int) -> Any:
-    """Round r's plan: which layers each client runs, which paths they train (--freeze's
-    parameters left out)."""
-    params = setup.server_state.global_params
-    if setup.config.federation.method == "fedbfpt":
-        the_plan = layerwise.fedbfpt_plan(
-            params, layer=setup.schedule[r - 1], round_=r, clients=setup.clients,
-            seed=setup.config.seed, small_layers=setup.small_layers,
-            draw=setup.config.federation.layer_draw,
-        )  # fmt: skip
-    else:
-        the_plan = layerwise.full_plan(params, clients=setup.clients, depth=model_depth(setup))
-    return the_plan._replace(trained=the_plan.trained - setup.frozen)
+def plan(setup: Setup, r: int) -> RoundPlan:
+    """Round r's plan (`run.pretrain_setup.strategy`): the clients, which layers each runs, the
+    paths they train and send (--freeze's parameters left out)."""
+    return setup.strategy.plan(r, setup.server_state, None)
 
 
 def _bytes_of(params: Any, paths: frozenset[str]) -> int:
@@ -154,8 +146,6 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None,
                   on_progress: Callable[[Any], None] | None = None) -> dict[str, Any]:  # fmt: skip
     """Batches, trains and aggregates round r; evaluates when due; the round's record.
     `on_progress`: `sim.pretrain_rounds.run_round`'s (each client's end)."""
-
-
     config = setup.config
     t0 = time.perf_counter()
     the_plan = plan(setup, r)
@@ -165,8 +155,8 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None,
     ]
     params = setup.server_state.global_params
     outcome = run_round(
-        setup.trainer, setup.server_state, the_plan, setup.clients, segments,
-        round_weights(config, setup.sizes), seed=config.seed, round_=r, on_progress=on_progress,
+        setup.trainer, setup.strategy, setup.server_state, the_plan, segments,
+        round_weights(config, setup.sizes), seed=config.seed, on_progress=on_progress,
     )  # fmt: skip
     setup.server_state = outcome.state
     jax.block_until_ready(setup.server_state.global_params)
@@ -178,8 +168,10 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None,
     ]
     due = driver.due(r, config.outputs.eval_every, config.federation.rounds)
     evaluated = evaluate(setup) if due else None
-    return round_record(setup, r, previous, params, clients, evaluated,
-                        (t0, t_train, time.perf_counter()))  # fmt: skip
+    record = round_record(setup, r, previous, params, clients, evaluated,
+                          (t0, t_train, time.perf_counter()))  # fmt: skip
+    record["clients_rejected"] = outcome.rejected  # uploads left out: not finite
+    return record
 
 
 def round_record(

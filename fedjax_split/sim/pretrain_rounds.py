@@ -1,13 +1,13 @@
 """One round of federated further pre-training (MLM), clients one after another, and the
 held-out evaluation.
 
-A round follows a `fed.layerwise.Plan`: each client assembles its model from the global
-parameters it received (`layerwise.assemble`: FedBFPT's small model, or the first k layers, or
-the whole model), trains the parameters the plan names with `fed.client`'s update (everything
-else enters as constants: no gradient, no optimiser state), and uploads them renamed to their
-global paths. The server averages the uploads (example-weighted, or unweighted as the released
-FedBFPT code does) and steps only those paths (`fed.server.server_update(trained=...)`): every
-other parameter and its optimiser state stay exactly put.
+A round follows the run's `fed.strategy.Strategy`'s plan: each client assembles its model from
+the global parameters it received (`layerwise.assemble`: FedBFPT's small model, or the first k
+layers, or the whole model), trains the parameters the plan names with `fed.client`'s update
+(everything else enters as constants: no gradient, no optimiser state), and uploads them renamed
+to their global paths. The strategy's server step (fine-tuning's, `fed.server_step`) averages the
+uploads (example-weighted, or unweighted as the released FedBFPT code does) and steps only those
+paths: every other parameter and its optimiser state stay exactly put.
 
 Costs are counted per client: `bytes_up` from the arrays sent (the trained part in the wire
 dtype), matmul FLOPs from `models.flops.mlm_train_flops` for the steps it ran, and the seconds
@@ -34,11 +34,11 @@ import optax
 from fedjax_split.data.batch import apply_batch
 from fedjax_split.data.text.masking import MaskedBatch
 from fedjax_split.fed import layerwise
-from fedjax_split.fed.aggregation import weighted_mean_each
 from fedjax_split.fed.client import ClientSpec
 from fedjax_split.fed.client_program import client_round
 from fedjax_split.fed.roles import layer_index
-from fedjax_split.fed.server import ServerState, server_update
+from fedjax_split.fed.server import ServerState
+from fedjax_split.fed.strategy import RoundPlan, Strategy
 from fedjax_split.fed.wire import cast_to_wire, tree_bytes
 from fedjax_split.models.bert import BertConfig, make_apply
 from fedjax_split.models.flops import mlm_train_flops
@@ -100,6 +100,14 @@ class Trainer:
             )  # fmt: skip
         return self._specs[(depth, trained)]
 
+    def server_spec(self, trained: frozenset[str]) -> RoundSpec:
+        """The server's step of a round training the global paths `trained`
+        (`fed.strategy.Strategy`'s round spec): FedAvg's mean, the server optimizer on those paths
+        alone. No donation: a transport reads the round's starting parameters after the step."""
+        return dataclasses.replace(
+            self.spec(self.config.num_hidden_layers, trained), donate=False
+        )
+
 
 def step_flops(config: BertConfig, batch: MaskedBatch, depth: int,
                client_paths: frozenset[str]) -> int:  # fmt: skip
@@ -120,6 +128,7 @@ class RoundOutcome(NamedTuple):
     state: ServerState
     clients: list[ClientReport]
     bytes_up: int
+    rejected: list[int]  # clients whose upload the server's step left out (not finite)
 
 
 def client_key(seed: int, round_: int, client: int) -> jax.Array:
@@ -170,42 +179,30 @@ def client_update(
     return new, report
 
 
-def aggregate(
-    trainer: Trainer,
-    state: ServerState,
-    trained: frozenset[str],
-    uploads: Sequence[Any],
-    weights: Sequence[float],
-) -> ServerState:
-    """The server's step on a round's uploads (global paths, fp32): their mean with `weights`,
-    then the server optimizer on the `trained` paths only."""
-    mean = weighted_mean_each(list(uploads), jnp.asarray(weights, jnp.float32))
-    return _server_step(trainer.server_optimizer, trainer.wire_dtype, trained)(state, mean)
-
-
 def run_round(
     trainer: Trainer,
+    strategy: Strategy,
     state: ServerState,
-    plan: layerwise.Plan,
-    clients: Sequence[int],
+    plan: RoundPlan,
     segments: Sequence[Sequence[MaskedBatch]],
     weights: Sequence[float],
     *,
     seed: int,
-    round_: int,
     on_progress: ProgressHook | None = None,
 ) -> RoundOutcome:
-    """Trains every client of `plan` in turn, averages their uploads with `weights` and steps
-    the server with the trainer's server optimizer (only the plan's trained paths move).
-    `on_progress` hears each client's end (`sim.round_progress.RoundProgress`; clients are waited
-    for anyway, to time them)."""
+    """Trains every client of `plan` in turn (the layers its model runs, the plan's trained
+    paths), then `strategy`'s server step over their uploads with `weights` (only the trained
+    paths move). `on_progress` hears each client's end (`sim.round_progress.RoundProgress`;
+    clients are waited for anyway, to time them)."""
+    clients = [int(c) for c in plan.clients]
+    layers_of = plan.layers or [tuple(range(trainer.config.num_hidden_layers))] * len(clients)
     uploads, reports = [], []
     # (real steps, sequences) done after each client, for the hook only
     counts = None if on_progress is None else np.cumsum(
         [np.sum([real_counts(s) for s in segs] or [(0, 0)], axis=0) for segs in segments], axis=0
     )  # fmt: skip
-    for c, layers, segs in zip(clients, plan.layers, segments, strict=True):
-        key = client_key(seed, round_, c)
+    for c, layers, segs in zip(clients, layers_of, segments, strict=True):
+        key = client_key(seed, plan.round, c)
         new, report = client_update(
             trainer, state.global_params, layers, plan.trained, segs, key, c
         )
@@ -215,19 +212,9 @@ def run_round(
             done, examples = counts[len(reports) - 1]
             on_progress(RoundProgress(len(reports), len(clients), int(done),
                                       int(counts[-1][0]), int(examples)))  # fmt: skip
-    state = aggregate(trainer, state, plan.trained, uploads, weights)
-    return RoundOutcome(state, reports, sum(r.bytes_up for r in reports))
-
-
-@functools.cache
-def _server_step(
-    optimizer: optax.GradientTransformation, wire_dtype: str, trained: frozenset[str]
-) -> Callable[[ServerState, Any], ServerState]:
-    """`server_update` compiled once per trained set (a few per run), not run op by op."""
-    step = functools.partial(
-        server_update, optimizer=optimizer, wire_dtype=wire_dtype, trained=trained
-    )
-    return jax.jit(step)
+    state, accepted, _ = strategy.aggregate(plan, state, uploads, np.asarray(weights, np.float32))
+    rejected = [c for c, ok in zip(clients, np.asarray(accepted), strict=True) if not ok]
+    return RoundOutcome(state, reports, sum(r.bytes_up for r in reports), rejected)
 
 
 @functools.cache
