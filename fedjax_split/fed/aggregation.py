@@ -65,20 +65,6 @@ def weighted_mean(stacked_tree: Any, weights: jax.Array) -> Any:
     return _weighted_sum(stacked_tree, _normalised(weights))
 
 
-@jax.jit
-def weighted_mean_each(trees: Sequence[Any], weights: jax.Array) -> Any:
-    """`weighted_mean` of K separate trees (one per client), without stacking them first."""
-    w = _normalised(weights)
-
-    def mean(*xs: jax.Array) -> jax.Array:
-        acc = jnp.zeros(jnp.shape(xs[0]), jnp.float32)
-        for i, x in enumerate(xs):
-            acc = acc + w[i] * jnp.asarray(x).astype(jnp.float32)
-        return acc
-
-    return jax.tree.map(mean, *trees)
-
-
 RULES = ("mean", "trimmed-mean", "median")
 
 
