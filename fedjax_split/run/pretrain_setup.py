@@ -8,6 +8,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from fedjax_split.data import tokenization
 from fedjax_split.data.text import masking
 from fedjax_split.errors import UserError
@@ -89,6 +91,8 @@ def strategy(
     (`fed.layerwise.fedbfpt_plan`); the others train all of the first `depth` layers. --freeze's
     paths are never trained nor sent. The server's step is FedAvg's mean of those paths."""
     fed = config.federation
+    # the paths alone: the closures must not keep the start model alive for the whole run
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     if fed.method == "fedbfpt":
 
         def plan(r: int, sampled: Any) -> layerwise.Plan:
