@@ -12,6 +12,8 @@ from collections import Counter
 from pathlib import Path
 
 import chex
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
@@ -24,9 +26,10 @@ from run_fixtures import (  # noqa: F401 (private_cache is an autouse fixture)
     write_tiny_text,
 )
 
-from fedjax_split.errors import Note
+from fedjax_split.errors import Note, UserError
 from fedjax_split.models.hf_checkpoint import load_pretrained
 from fedjax_split.run.pretraining import run_pretraining
+from fedjax_split.sim import pretrain_rounds
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +141,37 @@ def test_truncated_trains_and_exports_its_first_k_layers(base: dict) -> None:
     exported = load_pretrained(out / "model", num_labels=2, head="mlm")
     assert sorted(exported.params["encoder"]) == ["layer_0", "layer_1"]
     assert 0 < summary["flops_share_of_bert_fl"] < 1
+
+
+@pytest.mark.parametrize("diverged", [[1], [0, 1]])
+def test_a_diverged_client_has_no_line_and_a_round_without_any_stops(
+    base: dict, diverged: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clients whose update is not finite (NaN loss and parameters) are left out of the server's
+    mean, named in `clients_rejected`, and have no line in `clients` (nor in `train_loss`); a
+    round where none is left stops with one line and writes no record of it."""
+    real_update = pretrain_rounds.client_update
+
+    def update(*args: object, **kwargs: object) -> tuple:
+        new, report = real_update(*args, **kwargs)
+        if report.client in diverged:
+            new = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), new)
+            report = report._replace(loss=float("nan"))
+        return new, report
+
+    monkeypatch.setattr(pretrain_rounds, "client_update", update)
+    out = base["root"] / f"diverged_{len(diverged)}"
+    if len(diverged) == 2:
+        with pytest.raises(UserError, match=r"^round 1: every client's update was not finite"):
+            _run(base, "truncated", truncated_layers=2, output_dir=str(out))
+        assert (out / "metrics.jsonl").read_text() == ""
+        return
+    _run(base, "truncated", truncated_layers=2, output_dir=str(out))
+    (record,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert record["clients_rejected"] == [1]
+    assert [c["client"] for c in record["clients"]] == [0]
+    assert record["train_loss"] == pytest.approx(record["clients"][0]["train_loss"])
+    assert np.isfinite(record["train_loss"])
 
 
 def test_centralised_is_one_client_with_all_the_text_and_sends_nothing(base: dict) -> None:
@@ -304,3 +338,14 @@ def test_a_run_saved_before_layer_draw_resumes_with_the_draw_it_used() -> None:
     bert_fl = resolve(overrides={"method": "bert-fl"})
     old = {k: v for k, v in bert_fl.to_dict().items() if k != "layer_draw"}
     assert pretraining.mismatch(old, bert_fl) == []
+
+
+def test_a_federation_round_without_an_upload_taken_names_the_supernodes() -> None:
+    """Flower's case of the same rule (its nodes' uploads were rejected): check the SuperNodes
+    and resume, since another try may be answered."""
+    from fedjax_split.run.pretraining import counted
+
+    assert counted(3, [0, 1, 2], [1], diverged=False) == [0, 2]
+    with pytest.raises(UserError, match=r"^round 3: no client's upload was taken \(2 rejected\); "
+                                        r"check the SuperNodes, then continue with --resume$"):
+        counted(3, [0, 2], [0, 2], diverged=False)

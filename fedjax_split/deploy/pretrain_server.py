@@ -349,6 +349,8 @@ def run_round(run: FlowerPretraining, r: int, previous: dict[str, Any] | None) -
     for c, ok in zip(clients, np.asarray(accepted), strict=True):
         if not ok:  # take_upload checks finiteness already: the server's step is the backstop
             rejected[c] = "upload not finite"
+            warn_line(f"round {r}: client {c}'s upload rejected (not finite)")
+    clients = pretraining.counted(r, clients, list(rejected), diverged=False)
     jax.block_until_ready(setup.server_state.global_params)
     t_train = time.perf_counter()
     down = pretraining.bytes_down(setup, params, r)

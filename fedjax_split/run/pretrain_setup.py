@@ -5,6 +5,7 @@ state, FedBFPT's schedule, --freeze's paths; the model the run produces (`final_
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -105,10 +106,14 @@ def strategy(
         def plan(r: int, sampled: Any) -> layerwise.Plan:
             return layerwise.full_plan(params, clients=list(sampled), depth=depth)
 
+    @functools.lru_cache(maxsize=4)  # a round's plan is asked for 2-3 times (spec, layers, bytes)
+    def cached(r: int, sampled: tuple[int, ...]) -> layerwise.Plan:
+        return plan(r, sampled)
+
     return Strategy(
         sampling=Sampling(clients=len(clients), per_round=None, seed=config.seed),
-        round_spec_for=lambda r: trainer.server_spec(plan(r, []).trained - frozen),
-        layers_for=lambda r, sampled: plan(r, sampled).layers,
+        round_spec_for=lambda r: trainer.server_spec(cached(r, tuple(clients)).trained - frozen),
+        layers_for=lambda r, sampled: cached(r, tuple(int(c) for c in sampled)).layers,
     )
 
 

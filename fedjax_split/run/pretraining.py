@@ -162,9 +162,11 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None,
     jax.block_until_ready(setup.server_state.global_params)
     t_train = time.perf_counter()
     down = bytes_down(setup, params, r)
+    counted(r, [rep.client for rep in outcome.clients], outcome.rejected, diverged=True)
     clients = [
         client_costs(setup, params, rep, bert_fl_flops(setup.model_config, segs), down)
         for rep, segs in zip(outcome.clients, segments, strict=True)
+        if rep.client not in outcome.rejected
     ]
     due = driver.due(r, config.outputs.eval_every, config.federation.rounds)
     evaluated = evaluate(setup) if due else None
@@ -172,6 +174,27 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None,
                           (t0, t_train, time.perf_counter()))  # fmt: skip
     record["clients_rejected"] = outcome.rejected  # uploads left out: not finite
     return record
+
+
+def counted(
+    r: int, clients: Sequence[int], rejected: Sequence[int], *, diverged: bool
+) -> list[int]:
+    """The clients of round r whose upload the server's step took (a rejected one has no line in
+    the record). None left: a UserError, since the model did not move; `diverged`: every
+    client trained here and none stayed finite (the simulation's case, where --resume would
+    repeat it), else the federation's (nodes failed or sent bad uploads)."""
+    kept = [c for c in clients if c not in set(rejected)]
+    if kept:
+        return kept
+    if diverged:
+        raise UserError(
+            f"round {r}: every client's update was not finite (training diverged); start again "
+            "with a lower --lr"
+        )
+    raise UserError(
+        f"round {r}: no client's upload was taken ({len(rejected)} rejected); check the "
+        "SuperNodes, then continue with --resume"
+    )
 
 
 def round_record(
