@@ -192,3 +192,31 @@ def test_due_every_n_rounds_and_after_the_last_never_for_0() -> None:
     assert [r for r in range(1, 11) if driver.due(r, 4, 10)] == [4, 8, 10]
     assert [r for r in range(1, 4) if driver.due(r, 1, 3)] == [1, 2, 3]
     assert not any(driver.due(r, 0, 3) for r in range(1, 4))
+
+
+@pytest.mark.parametrize(
+    ("figures", "stops"),
+    [
+        ({"clients_sampled": [0, 1], "clients_rejected": [0, 1]}, True),
+        ({"clients_sampled": [0, 1, 2], "clients_rejected": [0, 2], "clients_failed": [1]}, True),
+        ({"clients_sampled": [0, 1, 2], "clients_rejected": [0, 2]}, False),
+        ({"clients_sampled": [], "clients_rejected": []}, False),  # DP's Poisson drew nobody
+        ({"clients_sampled": [0, 1], "clients_rejected": [], "clients_failed": [0, 1]}, False),
+    ],
+)
+def test_a_round_whose_every_upload_was_rejected_stops_the_run_and_keeps_the_rounds_before(
+    tmp_path: Path, figures: dict, stops: bool
+) -> None:
+    class Diverging(Counter):
+        def step(self, r: int, history: Sequence[dict[str, Any]]) -> dict[str, Any]:
+            record = super().step(r, history)
+            return {**record, **figures} if r == 3 else record
+
+    run = Diverging(tmp_path / "run", rounds=4)
+    if not stops:
+        assert _drive(run, every=2)["rounds"] == 4
+        return
+    with pytest.raises(UserError, match=r"^round 3: every upload was rejected as not finite"):
+        _drive(run, every=2)
+    assert [r["round"] for r in outputs.read_jsonl(run.run_dir / "metrics.jsonl")] == [1, 2]
+    assert RunCheckpointer(checkpoint_dir(run.run_dir)).all_rounds() == [2]

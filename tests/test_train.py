@@ -340,6 +340,19 @@ def test_bad_input_exits_2_with_one_line_and_keeps_outputs(
     assert _digest(straight) == before
 
 
+def test_clients_that_all_diverge_stop_the_run_with_one_line(
+    env: dict, capsys: pytest.CaptureFixture
+) -> None:
+    """A learning rate of 1e10 sends every client's fp16 upload past 65,504 (inf): the server
+    leaves them all out, so the run stops at round 1 with one line, not 4 rounds unmoved."""
+    out = env["base"] / "diverged"
+    assert train.main(_args(env, out, lr=1e10, quantize="fp16")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: round 1: every upload was rejected as not finite")
+    assert not any("Traceback" in line for line in err)
+    assert (out / "metrics.jsonl").read_text() == ""
+
+
 def test_sites_train_on_exactly_their_own_files(env: dict) -> None:
     """--site-data: three sites of different sizes and label skews are the three clients (no
     --clients); each client trains on its site's train file and tests on its dev file (the site

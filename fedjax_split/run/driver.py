@@ -125,6 +125,22 @@ def _computing(model_config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in model_config.items() if k not in ("id2label", "label2id")}
 
 
+def stop_if_nothing_counted(r: int, record: dict[str, Any]) -> None:
+    """A UserError when every upload of round r that arrived was rejected as not finite: the
+    model did not move and the clients diverged (or, on Flower, sent only bad uploads), so the
+    run stops with the rounds before it on disk instead of going on unmoved. A round where
+    nobody was sampled or answered is not this case."""
+    sampled = record.get("clients_sampled") or []
+    rejected = set(record.get("clients_rejected") or [])
+    answered = set(sampled) - set(record.get("clients_failed") or [])
+    if rejected and rejected >= answered:
+        raise UserError(
+            f"round {r}: every upload was rejected as not finite (the clients diverged, or sent "
+            "bad uploads); the rounds before it are kept: start again with a lower --lr, or fix "
+            "the nodes and --resume"
+        )
+
+
 def drive(
     run: Run,
     config: dict[str, Any],
@@ -164,6 +180,7 @@ def drive(
                 bar.round_start(r)
                 mark = compiled.mark()
                 record = run.step(r, history)
+                stop_if_nothing_counted(r, record)
                 record.update(compile_fields(compiled.since(mark)))
                 history.append(record)
                 log.append(record)
