@@ -348,7 +348,7 @@ def test_clients_that_all_diverge_stop_the_run_with_one_line(
     out = env["base"] / "diverged"
     assert train.main(_args(env, out, lr=1e10, quantize="fp16")) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: round 1: every upload was rejected as not finite")
+    assert err[-1].startswith("error: round 1: every upload was rejected (not finite")
     assert not any("Traceback" in line for line in err)
     assert (out / "metrics.jsonl").read_text() == ""
 

@@ -18,17 +18,17 @@ on its own test split; before the last round in the same exchange as round r+1's
 starts, so that round r's record is whole first).
 
 Faults: a client that does not answer within `round_timeout` (its SuperNode died, or Flower
-reported an error for it) is left out of the round: the mean is over the replies received,
-weighted by their example counts, and the round's record lists it in `clients_failed` (in
-`eval_failed` when it failed to evaluate). A reply whose upload is malformed (paths, shapes,
-dtypes), not finite, or whose figures are not (its example count must be the one its node
-reported when it joined) is left out too and listed in `clients_rejected`; the round goes on
-without it. An evaluate reply that is not the client's own metrics (the task's names, real
-numbers or NaN) is left out of the evaluation and listed in `eval_failed`. A query reply whose
-indices, sizes or settings are not a share of the data (`deploy.joining.partition_from_nodes`)
-stops the run before round 1 with one line naming the SuperNode. A round in which no sampled
-client replies stops the run with a one-line error; its last checkpoint stays and `--resume`
-continues from it.
+reported an error for it) is left out of the round: the mean is over the replies received, weighted
+by their example counts, and the round's record lists it in `clients_failed` (in `eval_failed` when
+it failed to evaluate). A reply whose upload is malformed (paths, shapes, dtypes), not finite, or
+whose figures are not (its example count must be the one its node reported when it joined) is left
+out too and listed in `clients_rejected`; the round goes on without it (a round whose every reply
+was rejected stops the run: `run.driver`). An evaluate reply that is not the client's own metrics
+(the task's names, real numbers or NaN) is left out of the evaluation and listed in `eval_failed`.
+A query reply whose indices, sizes or settings are not a share of the data
+(`deploy.joining.partition_from_nodes`) stops the run before round 1 with one line naming the
+SuperNode. A round in which no sampled client replies stops the run with a one-line error; its last
+checkpoint stays and `--resume` continues from it.
 
 The server holds no client data and no local part: a node's query reply tells its client id, its
 share of the pool (indices, for partition.json) and sizes (with --site-data: its count of its own

@@ -126,18 +126,19 @@ def _computing(model_config: dict[str, Any]) -> dict[str, Any]:
 
 
 def stop_if_nothing_counted(r: int, record: dict[str, Any]) -> None:
-    """A UserError when every upload of round r that arrived was rejected as not finite: the
-    model did not move and the clients diverged (or, on Flower, sent only bad uploads), so the
-    run stops with the rounds before it on disk instead of going on unmoved. A round where
-    nobody was sampled or answered is not this case."""
-    sampled = record.get("clients_sampled") or []
+    """A UserError when every upload of fine-tuning's round r that arrived was rejected (not
+    finite, or on Flower malformed): the model did not move, so the run stops with the rounds
+    before it on disk instead of going on unmoved. A round where nobody was sampled is not this
+    case; pre-training's records (no `clients_sampled`) check their own (`pretraining.counted`)."""
+    if "clients_sampled" not in record:
+        return
     rejected = set(record.get("clients_rejected") or [])
-    answered = set(sampled) - set(record.get("clients_failed") or [])
+    answered = set(record["clients_sampled"]) - set(record.get("clients_failed") or [])
     if rejected and rejected >= answered:
         raise UserError(
-            f"round {r}: every upload was rejected as not finite (the clients diverged, or sent "
-            "bad uploads); the rounds before it are kept: start again with a lower --lr, or fix "
-            "the nodes and --resume"
+            f"round {r}: every upload was rejected (not finite, or malformed: the clients "
+            "diverged or sent bad uploads); the rounds before it are kept: start again with a "
+            "lower --lr, or fix the nodes and --resume"
         )
 
 
@@ -151,9 +152,8 @@ def drive(
     progress: bool = True,
     on_round_end: RoundHook | None = None,
 ) -> dict[str, Any]:
-    """Runs (or with `resume`, continues) `run` to its last round; returns its summary.
-
-    `config`: the resolved settings, saved as config.json. `keep_checkpoints`: how many of the
+    """Runs (or with `resume`, continues) `run` to its last round; returns its summary. `config`:
+    the resolved settings, saved as config.json. `keep_checkpoints`: how many of the
     latest checkpoints stay on disk (the run's `checkpointed` hears which). `on_round_end(round,
     record)` is called after each round's record and checkpoint are on disk (a KeyboardInterrupt
     raised there stops the run as Ctrl-C does)."""
