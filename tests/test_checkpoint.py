@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import optax
 import pytest
 
 from fedjax_split.errors import UserError
-from fedjax_split.run.checkpoint import RunCheckpointer
+from fedjax_split.run.checkpoint import MANIFEST, RunCheckpointer
 
 
 class _State(NamedTuple):
@@ -91,7 +92,7 @@ _SAVER = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from fedjax_split.run.checkpoint import RunCheckpointer
+    from fedjax_split.run.checkpoint import MANIFEST, RunCheckpointer
     ck = RunCheckpointer(sys.argv[1])
     r = 0
     while True:
@@ -129,15 +130,37 @@ def test_process_killed_mid_save_leaves_a_readable_latest(tmp_path: Path) -> Non
         assert np.all(np.asarray(state["x"]) == latest)
 
 
-def test_corrupt_checkpoint_is_a_one_line_user_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("manifest", [True, False])
+def test_corrupt_checkpoint_is_a_one_line_user_error(tmp_path: Path, manifest: bool) -> None:
+    """With its manifest (every step written now) a changed file is named before orbax reads;
+    a step from before the manifest fails in orbax's read, one line too."""
     ck = RunCheckpointer(tmp_path)
     ck.save(1, _tree(1), {})
-    for f in (tmp_path / "1" / "state").rglob("*"):
+    listed = json.loads((tmp_path / "1" / MANIFEST).read_text())["files"]
+    assert any(name.startswith("state/") for name in listed)
+    if not manifest:
+        (tmp_path / "1" / MANIFEST).unlink()
+    for f in sorted((tmp_path / "1" / "state").rglob("*")):
         if f.is_file():
             f.write_bytes(b"garbage")
     with pytest.raises(UserError) as err:
         RunCheckpointer(tmp_path).restore(_tree(0))
-    assert "\n" not in str(err.value) and "unreadable" in str(err.value)
+    assert "\n" not in str(err.value)
+    if manifest:
+        assert "is damaged (state/" in str(err.value)
+        assert "is missing or not the file it wrote" in str(err.value)
+    else:
+        assert "is unreadable (" in str(err.value)
+
+
+def test_a_checkpoint_with_its_files_intact_restores_and_names_its_rounds(tmp_path: Path) -> None:
+    ck = RunCheckpointer(tmp_path)
+    ck.save(1, _tree(1), {})
+    ck.save(2, _tree(2), {})
+    state, meta = RunCheckpointer(tmp_path).restore(_tree(0), 1)
+    assert meta["round"] == 1
+    with pytest.raises(UserError, match=r"of round 7 in .* \(it has round\(s\) 1, 2\)$"):
+        RunCheckpointer(tmp_path).restore(_tree(0), 7)
 
 
 def test_mismatched_target_is_a_user_error(tmp_path: Path) -> None:

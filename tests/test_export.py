@@ -131,6 +131,18 @@ def _one_line_error(capsys: pytest.CaptureFixture, args: list[str], needle: str)
     assert "Traceback" not in captured.err and captured.out == ""
 
 
+@pytest.mark.parametrize("args", [["--client", "abc"], []])
+def test_a_bad_or_missing_flag_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture, args: list[str]
+) -> None:
+    with pytest.raises(SystemExit) as stop:  # argparse's exit, as every command's parser
+        export.main(["--run-dir", str(tmp_path), *args])
+    assert stop.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    needle = "invalid int value: 'abc'" if args else "required: --client, --out"
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+
+
 def test_user_errors_are_one_line_and_write_nothing(
     files: dict[str, Path], run: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -155,7 +167,7 @@ def test_user_errors_are_one_line_and_write_nothing(
     for f in (corrupt / "checkpoints" / "2").rglob("*"):
         if f.is_file() and "state" in f.parts:
             f.write_bytes(b"\x00garbage")
-    _one_line_error(capsys, ["--run-dir", str(corrupt), "--client", "0", *base], "unreadable")
+    _one_line_error(capsys, ["--run-dir", str(corrupt), "--client", "0", *base], "is damaged")
 
     no_store = tmp_path / "no_store"
     shutil.copytree(run, no_store)

@@ -340,6 +340,19 @@ def test_bad_input_exits_2_with_one_line_and_keeps_outputs(
     assert _digest(straight) == before
 
 
+def test_a_max_length_past_the_models_positions_is_one_line(
+    env: dict, capsys: pytest.CaptureFixture
+) -> None:
+    """The tiny model has 64 positions: 65 would look past the table (NaN, every client
+    diverging), so it is refused before anything is written."""
+    out = env["base"] / "too_long"
+    assert train.main(_args(env, out, max_length=65)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --max-length must be at most the model's 64 positions (its "
+                   "max_position_embeddings), got 65"]  # fmt: skip
+    assert not out.exists()
+
+
 def test_clients_that_all_diverge_stop_the_run_with_one_line(
     env: dict, capsys: pytest.CaptureFixture
 ) -> None:
@@ -469,7 +482,7 @@ def test_unreadable_checkpoint_with_resume(
     before = _digest(run)
     code = train.main([*_args(env, run), "--resume"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "unreadable" in err[0]
+    assert code == 2 and len(err) == 1 and "is damaged (state/" in err[0]
     assert _digest(run) == before
 
 

@@ -22,6 +22,8 @@ master's image is stored whole, and a step written before (with `global_params`)
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
 from collections.abc import Collection
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from fedjax_split.atomic import write_text
 from fedjax_split.errors import UserError
 from fedjax_split.fed.server import ServerState
 from fedjax_split.fed.wire import WIRE_DTYPES, cast_to_wire
@@ -40,7 +43,7 @@ from fedjax_split.sim.client_store import load_tree, save_tree, tree_digest
 
 logging.getLogger("absl").setLevel(logging.ERROR)  # orbax logs every step at INFO/WARNING
 
-
+MANIFEST = "fedjax_split_files.json"  # in each step directory: its files' sha256
 PER_RUN = "per_run"  # the meta's {name: sha256} of the arrays stored once per run; their dir
 REBUILT = "wire_from_master"  # the meta's {key: wire dtype} of server states saved without
 # their wire copy (`global_params`), which a restore rebuilds from the master
@@ -99,6 +102,7 @@ class RunCheckpointer:
         )
         self._manager.save(round_, args=args, force=True)
         self._manager.wait_until_finished()
+        _write_manifest(self.directory / str(round_))
         self._prune_per_run()
         return self.directory / str(round_)
 
@@ -163,7 +167,10 @@ class RunCheckpointer:
                 f"no complete checkpoint in {str(self.directory)!r}; run without --resume"
             )
         if step not in self.all_rounds():
-            raise UserError(f"no checkpoint of round {step} in {str(self.directory)!r}")
+            kept = ", ".join(map(str, self.all_rounds()))
+            raise UserError(f"no checkpoint of round {step} in {str(self.directory)!r} (it has "
+                            f"round(s) {kept})")  # fmt: skip
+        _check_manifest(where)
         meta = self._read(step, where, meta=ocp.args.JsonRestore()).meta
         if not isinstance(meta, dict) or meta.get("round") != step:
             raise UserError(
@@ -190,10 +197,10 @@ class RunCheckpointer:
         try:
             return self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types on bad files
-            reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise UserError(
-                f"checkpoint {str(where)!r} is unreadable ({reason}); delete it to resume from an "
-                "earlier one, or start a fresh run without --resume"
+                f"checkpoint {str(where)!r} is unreadable ({reason}); delete that directory to use "
+                "an earlier checkpoint, or start a fresh run"
             ) from None
 
     def _load_per_run(self, name: str, digest: str, where: Path) -> Any:
@@ -263,6 +270,40 @@ def _rebuilt(stored: Any, dtype: str, *, typed: bool) -> Any:
     if typed:
         return ServerState(global_params=wire, **stored)
     return {"global_params": wire, **stored}
+
+
+def _files(step_dir: Path) -> dict[str, tuple[int, str]]:
+    """Each file of a checkpoint step (but the manifest): (size, sha256)."""
+    return {
+        str(f.relative_to(step_dir)): (f.stat().st_size, hashlib.sha256(f.read_bytes()).hexdigest())
+        for f in sorted(step_dir.rglob("*")) if f.is_file() and f.name != MANIFEST
+    }  # fmt: skip
+
+
+def _write_manifest(step_dir: Path) -> None:
+    """The step's files and their sha256, so that a damaged one is named before orbax reads it
+    (tensorstore fails on it mid-read, its other reads calling back into a closed event loop)."""
+    write_text(step_dir / MANIFEST, json.dumps({"files": _files(step_dir)}, indent=1))
+
+
+def _check_manifest(where: Path) -> None:
+    """A one-line UserError when a file the step's manifest lists is missing or changed (a step
+    written before the manifest existed is read as is)."""
+    path = where / MANIFEST
+    if not path.is_file():
+        return
+    try:
+        listed = {k: tuple(v) for k, v in json.loads(path.read_text())["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        listed = None
+    found = _files(where) if listed is not None else {}
+    bad = "its file list" if listed is None else next(
+        (name for name, want in listed.items() if found.get(name) != want), None)  # fmt: skip
+    if bad is not None:
+        raise UserError(
+            f"checkpoint {str(where)!r} is damaged ({bad} is missing or not the file it wrote); "
+            "delete that directory to use an earlier checkpoint, or start a fresh run"
+        )
 
 
 def _digest_of_file(path: Path) -> str | None:
