@@ -28,6 +28,7 @@ from fedjax_split.run.config import ExperimentConfig, validate
 from fedjax_split.run.cross_checks import validate_critical_layer
 from fedjax_split.run.method import client_words, describe
 from fedjax_split.run.runtime_sections import check_chunk_size
+from fedjax_split.run.value_checks import fits_positions
 from fedjax_split.sim import devices, rounds
 from fedjax_split.sim.round_spec import RoundSpec
 from fedjax_split.tasks import registry as tasks
@@ -104,6 +105,7 @@ def check(config: ExperimentConfig) -> int:
     head = dataclasses.replace(model_config, head=task.objective.head)
     lora.configure(head, config.model.lora_settings())  # e.g. --lora-targets choosing no layer
     cycle_factor(config, model_config.num_hidden_layers)
+    fits_positions(config, model_config.max_position_embeddings)
     return validate_critical_layer(config, model_config.num_hidden_layers)
 
 

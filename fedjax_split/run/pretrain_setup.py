@@ -25,6 +25,7 @@ from fedjax_split.run.pretrain_config import (
     validate,
 )
 from fedjax_split.run.pretrain_text import client_text
+from fedjax_split.run.value_checks import fits_positions
 from fedjax_split.sim.pretrain_rounds import Trainer
 
 
@@ -55,6 +56,7 @@ def check(config: PretrainConfig) -> tuple[int, int]:
     """Cheap checks against the model's depth (reads only its config.json): (L_s, k)."""
     validate(config)
     model_config = hf_checkpoint.load_config(hf_checkpoint.resolve_model(config.model.name))
+    fits_positions(config, model_config.max_position_embeddings)
     return check_depth(config, model_config.num_hidden_layers)
 
 

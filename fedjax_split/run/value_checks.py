@@ -67,6 +67,13 @@ def first_set(config: Any, names: Iterable[str]) -> str | None:
     return next((n for n in names if value_of(config, n) != fields[n][1].default), None)
 
 
+def fits_positions(config: Any, positions: int) -> None:
+    """--max-length within the model's position embeddings: a longer batch would look positions
+    up past the table (JAX's gather fills them with NaN), and every client would diverge."""
+    require(config, "max_length", value_of(config, "max_length") <= positions,
+            f"at most the model's {positions} positions (its max_position_embeddings)")  # fmt: skip
+
+
 def check_data_dir(config: Any) -> None:
     """--data-dir, where given, is an existing directory."""
     data_dir = config.data.data_dir
