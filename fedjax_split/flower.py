@@ -33,8 +33,9 @@ from fedjax_split.deploy.launch import Federation, link_identical_files, write_a
 from fedjax_split.errors import UserError, report
 from fedjax_split.pretrain import DESCRIPTION, done_line
 from fedjax_split.run import outputs
-from fedjax_split.run.config import ExperimentConfig, resolve_config
+from fedjax_split.run.config import ExperimentConfig, resolve_config, validate
 from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, resolve
+from fedjax_split.run.pretrain_config import validate as validate_pretrain
 from fedjax_split.run.settings import DEPLOYMENT, Parser, replaced
 from fedjax_split.run.sites import NODE_SITES, site_dirs
 
@@ -212,7 +213,11 @@ def _app_only(config: Config, deploy: dict[str, Any]) -> bool:
     """With --write-app DIR: writes the Flower App there, says so, True (nothing else runs)."""
     if not deploy.get("write_app"):
         return False
-    app = write_app(Path(deploy["write_app"]), run_config(config, deploy))
+    (validate if isinstance(config, ExperimentConfig) else validate_pretrain)(config)
+    app = Path(deploy["write_app"])
+    if (app / "pyproject.toml").exists():
+        raise UserError(f"{app / 'pyproject.toml'} exists; pass a new --write-app DIR or remove it")
+    app = write_app(app, run_config(config, deploy))
     print(f"wrote the Flower App to {app}; run it with `flwr run {app} <superlink>`")
     return True
 
@@ -256,9 +261,9 @@ def _checked_run(
     try:
         config, deploy = parse_argv(argv)
         config = _absolute(config)
+        supernodes = _supernodes(config, deploy)
         if _app_only(config, deploy):
             return 0, None, 0
-        supernodes = _supernodes(config, deploy)
         from fedjax_split.deploy import preflight  # the job's modules (JAX): after parsing
 
         preflight.check(config)

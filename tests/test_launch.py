@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fedjax_split import flower
 from fedjax_split.deploy import launch, protocol
 from fedjax_split.errors import UserError
 
@@ -77,6 +78,36 @@ def test_process_env_puts_this_interpreter_first_and_keeps_flower_off_the_networ
     assert env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "2" and env["FEDJAX_SPLIT_X"] == "1"
     assert launch.process_env()["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.1"
     assert "FEDJAX_SPLIT_X" not in os.environ  # the caller's environment is not touched
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--task=sst3"], "unknown task 'sst3'"),
+        (["--round-timeout=-5"], "--round-timeout must be positive"),
+        (["pretrain", "--method=fedavg"], "unknown method 'fedavg'"),
+        ([], "pyproject.toml exists; pass a new --write-app DIR"),
+    ],
+)
+def test_write_app_checks_the_flags_and_never_overwrites_an_app(
+    tmp_path: Path, capsys: pytest.CaptureFixture, flags: list[str], needle: str
+) -> None:
+    """--write-app only writes the app, but a setting the run would refuse is refused here too,
+    and an existing app is left as it was."""
+    app = tmp_path / "app"
+    if not flags:
+        app.mkdir()
+        (app / "pyproject.toml").write_text("precious = 1\n")
+    args = [*flags[:1], "--model=m", f"--data-dir={tmp_path}", f"--write-app={app}", *flags[1:]]
+    if flags[:1] == ["pretrain"]:
+        args.insert(1, "--corpus=local")
+    assert flower.main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+    if flags:
+        assert not app.exists()
+    else:
+        assert (app / "pyproject.toml").read_text() == "precious = 1\n"
 
 
 def _gone(pid: int) -> bool:

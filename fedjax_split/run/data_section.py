@@ -15,6 +15,7 @@ from fedjax_split.run.settings import TASK, Section
 from fedjax_split.run.settings import setting as _setting
 from fedjax_split.run.sites import refuse_with_sites
 from fedjax_split.run.value_checks import at_least_one, check_data_dir, positive_number
+from fedjax_split.tasks.registry import TASKS, get_task
 
 PARTITIONS = ("paper", "dirichlet", "quantity", "iid")
 PAPER_FILLS = ("exact", "sequential")  # data.partition.FILLS
@@ -27,8 +28,6 @@ _POOL_ONLY = ("partition", "paper_fill", "alpha", "beta", "max_examples", "data_
 def _task_help() -> str:
     """--task's help, listing every registered task by kind (the registry loads no JAX: a task's
     objective is imported on first use)."""
-    from fedjax_split.tasks.registry import TASKS
-
     kinds: dict[str, list[str]] = {}
     for task in TASKS.values():
         kinds.setdefault(task.kind, []).append(task.name)
@@ -114,6 +113,7 @@ class DataSettings(Section):
         with --site-data none of the settings that subsample or partition a pool (they would be
         silently ignored); that the sites are the clients: `run.cross_checks`."""
         at_least_one(config, "max_length", "max_examples")
+        get_task(self.task)  # an unknown task: one line naming the known ones
         positive_number(config, "alpha", "beta")
         check_data_dir(config)
         if self.site_data is not None:
