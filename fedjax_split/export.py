@@ -17,7 +17,6 @@ overwrites: an existing non-empty --out stops it unless --overwrite.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedjax_split.cli import run_command
 from fedjax_split.errors import UserError, report
+from fedjax_split.run.settings import Parser
 
 if TYPE_CHECKING:  # for type checkers and readers; at run time `__getattr__` imports them
     from fedjax_split.exporting import (
@@ -49,9 +49,7 @@ def __getattr__(name: str) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m fedjax_split.export", description=__doc__.split("\n")[0]
-    )
+    p = Parser(prog="python -m fedjax_split.export", description=__doc__.split("\n")[0])
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--run-dir", help="Run directory written by fedjax_split.train or .flower.")
     where.add_argument(

@@ -150,7 +150,10 @@ def check_run_dir(
     try:
         saved = read_json(saved_path)
     except (OSError, ValueError):
-        raise UserError(f"{str(saved_path)!r} is unreadable; cannot --resume this run") from None
+        raise UserError(
+            f"{str(saved_path)!r} is unreadable; restore that file to --resume this run, or start "
+            "a fresh run in another --output-dir"
+        ) from None
     diff = mismatch(saved)
     if diff:
         raise UserError(
