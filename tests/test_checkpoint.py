@@ -130,23 +130,26 @@ def test_process_killed_mid_save_leaves_a_readable_latest(tmp_path: Path) -> Non
         assert np.all(np.asarray(state["x"]) == latest)
 
 
-@pytest.mark.parametrize("manifest", [True, False])
-def test_corrupt_checkpoint_is_a_one_line_user_error(tmp_path: Path, manifest: bool) -> None:
+@pytest.mark.parametrize("manifest", ["kept", "missing", "damaged"])
+def test_corrupt_checkpoint_is_a_one_line_user_error(tmp_path: Path, manifest: str) -> None:
     """With its manifest (every step written now) a changed file is named before orbax reads;
-    a step from before the manifest fails in orbax's read, one line too."""
+    a step from before the manifest, or whose manifest is damaged itself, fails in orbax's read,
+    one line too."""
     ck = RunCheckpointer(tmp_path)
     ck.save(1, _tree(1), {})
     listed = json.loads((tmp_path / "1" / MANIFEST).read_text())["files"]
     assert any(name.startswith("state/") for name in listed)
-    if not manifest:
+    if manifest == "missing":
         (tmp_path / "1" / MANIFEST).unlink()
+    elif manifest == "damaged":
+        (tmp_path / "1" / MANIFEST).write_text('{"files": {"state/x": [1]')
     for f in sorted((tmp_path / "1" / "state").rglob("*")):
         if f.is_file():
             f.write_bytes(b"garbage")
     with pytest.raises(UserError) as err:
         RunCheckpointer(tmp_path).restore(_tree(0))
     assert "\n" not in str(err.value)
-    if manifest:
+    if manifest == "kept":
         assert "is damaged (state/" in str(err.value)
         assert "is missing or not the file it wrote" in str(err.value)
     else:
@@ -157,8 +160,10 @@ def test_a_checkpoint_with_its_files_intact_restores_and_names_its_rounds(tmp_pa
     ck = RunCheckpointer(tmp_path)
     ck.save(1, _tree(1), {})
     ck.save(2, _tree(2), {})
+    (tmp_path / "2" / MANIFEST).write_text('{"files": {"state/x": [1]}}')  # unreadable: unused
     state, meta = RunCheckpointer(tmp_path).restore(_tree(0), 1)
     assert meta["round"] == 1
+    assert RunCheckpointer(tmp_path).restore(_tree(0), 2)[1]["round"] == 2
     with pytest.raises(UserError, match=r"of round 7 in .* \(it has round\(s\) 1, 2\)$"):
         RunCheckpointer(tmp_path).restore(_tree(0), 7)
 

@@ -272,10 +272,15 @@ def _rebuilt(stored: Any, dtype: str, *, typed: bool) -> Any:
     return {"global_params": wire, **stored}
 
 
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:  # in chunks: a step's data file may hold gigabytes
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def _files(step_dir: Path) -> dict[str, tuple[int, str]]:
     """Each file of a checkpoint step (but the manifest): (size, sha256)."""
     return {
-        str(f.relative_to(step_dir)): (f.stat().st_size, hashlib.sha256(f.read_bytes()).hexdigest())
+        str(f.relative_to(step_dir)): (f.stat().st_size, _sha256(f))
         for f in sorted(step_dir.rglob("*")) if f.is_file() and f.name != MANIFEST
     }  # fmt: skip
 
@@ -287,23 +292,21 @@ def _write_manifest(step_dir: Path) -> None:
 
 
 def _check_manifest(where: Path) -> None:
-    """A one-line UserError when a file the step's manifest lists is missing or changed (a step
-    written before the manifest existed is read as is)."""
-    path = where / MANIFEST
-    if not path.is_file():
-        return
+    """A one-line UserError when a file the step's manifest lists is missing or changed. A step
+    written before the manifest existed, or whose manifest itself is unreadable (a crash while
+    writing it), is read as is: orbax then decides."""
     try:
-        listed = {k: tuple(v) for k, v in json.loads(path.read_text())["files"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        listed = None
-    found = _files(where) if listed is not None else {}
-    bad = "its file list" if listed is None else next(
-        (name for name, want in listed.items() if found.get(name) != want), None)  # fmt: skip
-    if bad is not None:
-        raise UserError(
-            f"checkpoint {str(where)!r} is damaged ({bad} is missing or not the file it wrote); "
-            "delete that directory to use an earlier checkpoint, or start a fresh run"
-        )
+        files = json.loads((where / MANIFEST).read_text())["files"]
+        listed = {str(k): (int(v[0]), str(v[1])) for k, v in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return
+    for name, (size, digest) in listed.items():
+        path = where / name
+        if not path.is_file() or path.stat().st_size != size or _sha256(path) != digest:
+            raise UserError(
+                f"checkpoint {str(where)!r} is damaged ({name} is missing or not the file it "
+                "wrote); delete that directory to use an earlier checkpoint, or start a fresh run"
+            )
 
 
 def _digest_of_file(path: Path) -> str | None:
