@@ -33,9 +33,8 @@ from fedjax_split.deploy.launch import Federation, link_identical_files, write_a
 from fedjax_split.errors import UserError, report
 from fedjax_split.pretrain import DESCRIPTION, done_line
 from fedjax_split.run import outputs
-from fedjax_split.run.config import ExperimentConfig, resolve_config, validate
+from fedjax_split.run.config import ExperimentConfig, resolve_config
 from fedjax_split.run.pretrain_config import SCHEMA, PretrainConfig, resolve
-from fedjax_split.run.pretrain_config import validate as validate_pretrain
 from fedjax_split.run.settings import DEPLOYMENT, Parser, replaced
 from fedjax_split.run.sites import NODE_SITES, site_dirs
 
@@ -213,7 +212,6 @@ def _app_only(config: Config, deploy: dict[str, Any]) -> bool:
     """With --write-app DIR: writes the Flower App there, says so, True (nothing else runs)."""
     if not deploy.get("write_app"):
         return False
-    (validate if isinstance(config, ExperimentConfig) else validate_pretrain)(config)
     app = Path(deploy["write_app"])
     if (app / "pyproject.toml").exists():
         raise UserError(f"{app / 'pyproject.toml'} exists; pass a new --write-app DIR or remove it")
