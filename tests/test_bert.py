@@ -206,6 +206,19 @@ def test_padding_does_not_change_real_tokens():
     np.testing.assert_allclose(h_wide[1, :3], h[1, :3], atol=1e-6)
 
 
+def test_padding_past_the_position_table_does_not_change_real_tokens():
+    """A batch's width rounded up (to 8, without packing) may pass max_position_embeddings (24
+    here) while every real token stays inside it: the padding must not reach the real tokens
+    (a lookup past the table would be NaN, and 0 x NaN under the mask is still NaN)."""
+    params = init_params(TINY, jax.random.key(5))
+    ids, mask, types = _batch(np.random.default_rng(2), TINY, lengths=(20, 9), t=20)
+    wide = [np.pad(x, ((0, 0), (0, 12))) for x in (ids, mask, types)]  # width 32 > 24
+    apply = make_apply(TINY)
+    got = apply(params, *wide, train=False)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(got, apply(params, ids, mask, types, train=False), atol=1e-6)
+
+
 def test_all_padding_rows_stay_finite_with_finite_grads():
     """Batching pads with all-masked rows; a NaN there would poison a client's update."""
     params = init_params(TINY, jax.random.key(12))

@@ -53,8 +53,9 @@ class _Embeddings(nn.Module):
         tok = nn.Embed(
             c.type_vocab_size, c.hidden_size, embedding_init=init, name="token_type_embeddings"
         )
-        if position_ids is None:
-            position_ids = jnp.arange(input_ids.shape[-1], dtype=jnp.int32)[None]
+        if position_ids is None:  # padding past the table (a width rounded up) reads its last row
+            position_ids = jnp.minimum(jnp.arange(input_ids.shape[-1], dtype=jnp.int32),
+                                       c.max_position_embeddings - 1)[None]  # fmt: skip
         x = word(input_ids) + tok(token_type_ids) + pos(position_ids)
         x = layer_norm(c)(x)
         return _Dropout(c.hidden_dropout_prob)(x, deterministic=deterministic)
