@@ -303,7 +303,8 @@ def test_a_bad_site_is_one_line_before_starting_anything(
     empty = env["base"] / "bad_sites" / "empty"
     empty.mkdir()
     out, app = env["base"] / "bad_sites_out", env["base"] / "bad_sites_app"
-    common = [f"--model={env['model']}", "--method=bert-fl", f"--output-dir={out}"]
+    common = [f"--model={env['model']}", "--method=bert-fl", "--max-length=24",
+              f"--output-dir={out}"]  # fmt: skip
     cases = {f"--site-data={good},{empty}": f"site 1 ({empty}): no *.txt files",
              "--site-data=node-config": "is for `--write-app`"}  # fmt: skip
     for flag, needle in cases.items():
