@@ -162,11 +162,11 @@ def run_one_round(setup: Setup, r: int, previous: dict[str, Any] | None,
     jax.block_until_ready(setup.server_state.global_params)
     t_train = time.perf_counter()
     down = bytes_down(setup, params, r)
-    counted(r, [rep.client for rep in outcome.clients], outcome.rejected, diverged=True)
+    kept = counted(r, [rep.client for rep in outcome.clients], outcome.rejected, diverged=True)
     clients = [
         client_costs(setup, params, rep, bert_fl_flops(setup.model_config, segs), down)
         for rep, segs in zip(outcome.clients, segments, strict=True)
-        if rep.client not in outcome.rejected
+        if rep.client in kept
     ]
     due = driver.due(r, config.outputs.eval_every, config.federation.rounds)
     evaluated = evaluate(setup) if due else None
