@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from run_fixtures import ROOT, cli_env
+from run_fixtures import ROOT, cli_env, write_tiny_model
 
 from fedjax_split.assets import cache_dir, fetch
 
@@ -42,3 +44,23 @@ def test_the_gpu_report_runs_on_a_cpu_from_the_assets_it_packs(tmp_path: Path) -
     assert report["torch_peer"]["steady_round_s"] > 0
     table = (tmp_path / "out" / "gpu_report.md").read_text()
     assert "float32, warm" in table and "vmapped" in table and "PyTorch loop" in table
+
+
+def test_a_part_past_the_deadline_is_recorded_as_stopped_and_the_table_still_renders(
+    tmp_path: Path,
+) -> None:
+    """Inside a lease the report bounds each part by what is left: a quick job cut off is killed,
+    recorded as stopped (not as a failure of the job), and the table says so."""
+    spec = importlib.util.spec_from_file_location("gpu_report", ROOT / "tools/gpu_report.py")
+    gpu_report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_report)
+    model = write_tiny_model(tmp_path / "tiny")
+    t0 = time.perf_counter()
+    q = gpu_report.quick_job(model, tmp_path / "assets", tmp_path, "float32", tmp_path / "xla",
+                             small=True, timeout=1.0)  # fmt: skip
+    assert time.perf_counter() - t0 < 30  # killed, not waited for
+    assert q["error"].startswith("stopped after") and q["rounds_done"] == []
+    report = {"device": "cpu", "jax": "x", "peak_flops": 1e12, "peak_dtype": "float32",
+              "peak_n": 8, "quick_job": {"float32, cold": q}}  # fmt: skip
+    table = gpu_report.table(report)
+    assert "| float32, cold | - | stopped after" in table and "0 rounds done" in table

