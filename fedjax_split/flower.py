@@ -215,7 +215,11 @@ def _app_only(config: Config, deploy: dict[str, Any]) -> bool:
     app = Path(deploy["write_app"])
     if (app / "pyproject.toml").exists():
         raise UserError(f"{app / 'pyproject.toml'} exists; pass a new --write-app DIR or remove it")
-    app = write_app(app, run_config(config, deploy))
+    try:
+        app = write_app(app, run_config(config, deploy))
+    except OSError as e:  # a file where the folder would be, no permission, a full disk
+        raise UserError(f"cannot write the Flower App to {str(app)!r} ({e.strerror or e}); "
+                        "pass --write-app a folder you can write") from None  # fmt: skip
     print(f"wrote the Flower App to {app}; run it with `flwr run {app} <superlink>`")
     return True
 

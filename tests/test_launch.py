@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from run_fixtures import ROOT
 
 from fedjax_split import flower
 from fedjax_split.deploy import launch, protocol
@@ -87,6 +88,7 @@ def test_process_env_puts_this_interpreter_first_and_keeps_flower_off_the_networ
         (["--round-timeout=-5"], "--round-timeout must be positive"),
         (["pretrain", "--method=fedavg"], "unknown method 'fedavg'"),
         ([], "pyproject.toml exists; pass a new --write-app DIR"),
+        (["a file"], "cannot write the Flower App to"),
     ],
 )
 def test_write_app_checks_the_flags_and_never_overwrites_an_app(
@@ -98,6 +100,9 @@ def test_write_app_checks_the_flags_and_never_overwrites_an_app(
     if not flags:
         app.mkdir()
         (app / "pyproject.toml").write_text("precious = 1\n")
+    if flags == ["a file"]:  # a file where the app's folder would be
+        app.write_text("precious = 1\n")
+        flags = []
     args = [*flags[:1], "--model=m", f"--data-dir={tmp_path}", f"--write-app={app}", *flags[1:]]
     if flags[:1] == ["pretrain"]:
         args.insert(1, "--corpus=local")
@@ -107,7 +112,22 @@ def test_write_app_checks_the_flags_and_never_overwrites_an_app(
     if flags:
         assert not app.exists()
     else:
-        assert (app / "pyproject.toml").read_text() == "precious = 1\n"
+        kept = app if app.is_file() else app / "pyproject.toml"
+        assert kept.read_text() == "precious = 1\n"
+
+
+def test_write_app_with_a_config_file_carries_its_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--config FILE` is itself a setting made absolute for the apps (they run elsewhere): the
+    flat name `config` must not clash with the function that replaces settings."""
+    monkeypatch.chdir(ROOT)
+    app = tmp_path / "app"
+    assert flower.main(["--config", "configs/offline_rotten_tomatoes.py",
+                        f"--write-app={app}"]) == 0  # fmt: skip
+    parsed = tomllib.loads((app / "pyproject.toml").read_text())
+    run_config = parsed["tool"]["flwr"]["app"]["config"]
+    assert str(ROOT / "configs/offline_rotten_tomatoes.py") in json.dumps(run_config)
 
 
 def _gone(pid: int) -> bool:

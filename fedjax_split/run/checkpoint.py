@@ -273,8 +273,11 @@ def _rebuilt(stored: Any, dtype: str, *, typed: bool) -> Any:
 
 
 def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
     with path.open("rb") as f:  # in chunks: a step's data file may hold gigabytes
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _files(step_dir: Path) -> dict[str, tuple[int, str]]:

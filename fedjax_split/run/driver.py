@@ -136,9 +136,9 @@ def stop_if_nothing_counted(r: int, record: dict[str, Any]) -> None:
     answered = set(record["clients_sampled"]) - set(record.get("clients_failed") or [])
     if rejected and rejected >= answered:
         raise UserError(
-            f"round {r}: every upload was rejected (not finite, or malformed: the clients "
-            "diverged or sent bad uploads); the rounds before it are kept: start again with a "
-            "lower --lr, or fix the nodes and --resume"
+            f"round {r}: every upload was rejected (not finite, or malformed); the rounds "
+            "before it are on disk. Clients that diverged: start again with a lower --lr (a "
+            "--resume would repeat the round); nodes that sent bad uploads: fix them, then --resume"
         )
 
 

@@ -147,8 +147,9 @@ def _by_section(cls: type, values: Mapping[str, Any]) -> tuple[dict, dict[str, d
     return top, sections
 
 
-def replaced(config: Any, **changes: Any) -> Any:
-    """`config` with settings changed, given by flat name (`replaced(config, lr=1e-4)`)."""
+def replaced(config: Any, /, **changes: Any) -> Any:
+    """`config` with settings changed, given by flat name (`replaced(config, lr=1e-4)`);
+    positional-only, since `config` (the config file) is itself a setting to change."""
     top, sections = _by_section(type(config), changes)
     for where, fields in sections.items():
         top[where] = dataclasses.replace(getattr(config, where), **fields)
