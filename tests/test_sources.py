@@ -391,3 +391,43 @@ def test_a_site_of_an_offline_corpus_keeps_its_files_splits(tmp_path):
         "\n".join([*lines, "talk.religion.misc\tfaith"]) + "\n")  # fmt: skip
     ex = sources.load_site("20news", tmp_path)
     assert ex.splits.tolist() == ["train", "train", "test"] and ex.labels.tolist() == [13, 0, 19]
+
+
+def test_a_sites_damaged_files_are_one_line_with_the_sites_layout(tmp_path):
+    """A site's files cross a trust boundary: bytes that are not UTF-8, a truncated or foreign
+    parquet file, a file where the directory should be are each one line that names the file and
+    gives the site's layout (never --data-dir, which a site run refuses)."""
+    good = b"sentence\tlabel\ngood\t1\nbad\t0\n"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a/train.tsv").write_bytes(good + b"the movie \xff\xfe good\t1\n")
+    _parquet(tmp_path / "b/train-00000.parquet", {"sentence": ["ok"] * 50, "label": [1] * 50})
+    data = (tmp_path / "b/train-00000.parquet").read_bytes()
+    (tmp_path / "b/train-00000.parquet").write_bytes(data[: len(data) // 2])
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c/train-00000.parquet").write_bytes(b"not a parquet file")
+    (tmp_path / "d").write_text("a file\n")
+    cases = [("a", r"a/train.tsv is not UTF-8 text \(line 4: byte b'\\xff'\); save it as UTF-8"),
+             ("b", r"b/train-00000.parquet is not a readable parquet file \("),
+             ("c", r"c/train-00000.parquet is not a readable parquet file \("),
+             ("d", r"d' is a file, not a directory")]  # fmt: skip
+    for site, message in cases:
+        with pytest.raises(UserError, match=message) as e:
+            sources.load_site("sst2", tmp_path / site)
+        assert "\n" not in str(e.value) and "--data-dir" not in str(e.value), str(e.value)
+    # a missing column, at a site: the site's layout, not --data-dir's
+    _tsv(tmp_path / "e/train.tsv", [["text", "label"], ["good", 1]])
+    with pytest.raises(UserError, match="lacks columns.*a site's directory holds") as e:
+        sources.load_site("sst2", tmp_path / "e")
+    assert "--data-dir" not in str(e.value)
+
+
+def test_a_byte_order_mark_and_a_document_long_field_are_read(tmp_path):
+    """Files saved by spreadsheet programs start with a UTF-8 byte-order mark, and a text may be a
+    whole document (over csv's default 131,072-character field limit): both are ordinary data."""
+    long_text = "good " * 30000
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a/train.tsv").write_bytes(
+        "\ufeffsentence\tlabel\nfine\t1\n".encode() + f"{long_text}\t0\n".encode()
+    )
+    ex = sources.load_site("sst2", tmp_path / "a")
+    assert ex.texts_a == ["fine", long_text] and ex.labels.tolist() == [1, 0]

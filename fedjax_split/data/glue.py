@@ -124,25 +124,46 @@ def _site_hint(task: Task) -> str:
     )
 
 
-def _read_tsv(path: Path) -> list[list[str]]:
-    with open(path, encoding="utf-8", newline="") as f:
-        return [row for row in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
+# a field may be a whole document: csv's default limit (131,072 characters) would refuse it with
+# a traceback; the tokenizer truncates texts to --max-length anyway
+_FIELD_LIMIT = 2**31 - 1
 
 
-def _load_tsv_split(task: Task, path: Path) -> tuple[list[list[Any]], list[Any], list[str]]:
-    rows = _read_tsv(path)
+def _read_tsv(path: Path, hint: str) -> list[list[str]]:
+    """The file's rows; UTF-8 with or without a byte-order mark, else one UserError line."""
+    csv.field_size_limit(_FIELD_LIMIT)
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            return [row for row in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
+    except UnicodeDecodeError:
+        data = path.read_bytes()  # the error's offset is within a chunk: find the line
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise UserError(
+                f"{path} is not UTF-8 text (line {line}: byte {data[e.start:e.start + 1]!r}); "
+                f"save it as UTF-8. {hint}"
+            ) from None
+        raise
+
+
+def _load_tsv_split(
+    task: Task, path: Path, hint: str
+) -> tuple[list[list[Any]], list[Any], list[str]]:
+    rows = _read_tsv(path, hint)
     spec = _TSV_COLUMNS[task.name]
     if spec is None:  # CoLA: no header; label in column 1, sentence in column 3
         text_cols, label_col, first, width = (3,), 1, 0, 4
     else:
         if not rows:
-            raise UserError(f"task {task.name}: {path} is empty; {layout_hint(task)}")
+            raise UserError(f"task {task.name}: {path} is empty; {hint}")
         header = rows[0]
         missing = [c for c in (*spec[0], spec[1]) if c not in header]
         if missing:
             raise UserError(
                 f"task {task.name}: {path} lacks columns {missing} (header {header[:6]}...); "
-                f"{layout_hint(task)}"
+                f"{hint}"
             )
         text_cols = tuple(header.index(c) for c in spec[0])
         label_col, first, width = header.index(spec[1]), 1, len(header)
@@ -169,20 +190,23 @@ def _load_tsv_split(task: Task, path: Path) -> tuple[list[list[Any]], list[Any],
 
 
 def _load_parquet_split(
-    task: Task, files: list[Path]
+    task: Task, files: list[Path], hint: str
 ) -> tuple[list[list[Any]], list[Any], list[str]]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     texts: list[list[Any]] = [[] for _ in task.text_fields]
     labels: list[Any] = []
     where: list[str] = []
     for path in files:
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except (pa.ArrowException, OSError) as e:  # truncated, or not parquet at all
+            reason = " ".join(str(e).split())[:120]
+            raise UserError(f"{path} is not a readable parquet file ({reason}); {hint}") from None
         missing = [c for c in (*task.text_fields, task.label_field) if c not in table.column_names]
         if missing:
-            raise UserError(
-                f"task {task.name}: {path} lacks columns {missing}; {layout_hint(task)}"
-            )
+            raise UserError(f"task {task.name}: {path} lacks columns {missing}; {hint}")
         for column, field in zip(texts, task.text_fields, strict=True):
             column.extend(table.column(field).to_pylist())
         labels.extend(table.column(task.label_field).to_pylist())
@@ -193,21 +217,21 @@ def _load_parquet_split(
 def load_local(task: Task, data_dir: Path, site: bool = False) -> Examples:
     """The task's GLUE files in `data_dir`; `site`: one site's own files, where only the train
     file is required (the dev files, when there, are the site's test split)."""
-    d = _task_dir(task, data_dir, _site_hint(task) if site else None)
+    hint = _site_hint(task) if site else layout_hint(task)
+    d = _task_dir(task, data_dir, hint)
     rows = _Rows([[] for _ in task.text_fields])
     for split, stem, hub_split, group in _SPLITS.get(task.name, _DEFAULT_SPLITS):
         tsv = d / f"{stem}.tsv"
         parquet = sorted(d.glob(f"{hub_split}-*.parquet")) + sorted(d.glob(f"{hub_split}.parquet"))
         if tsv.is_file():
-            t, y, w = _load_tsv_split(task, tsv)
+            t, y, w = _load_tsv_split(task, tsv, hint)
         elif parquet:
-            t, y, w = _load_parquet_split(task, parquet)
+            t, y, w = _load_parquet_split(task, parquet, hint)
         elif site and split != "train":
             continue
         else:
             raise UserError(
-                f"task {task.name}: {d} has no {stem}.tsv or {hub_split}-*.parquet; "
-                f"{layout_hint(task)}"
+                f"task {task.name}: {d} has no {stem}.tsv or {hub_split}-*.parquet; {hint}"
             )
         rows.add(t, y, w, group, split)
     return rows.examples(task)

@@ -91,7 +91,8 @@ def load_site(
     task = get_task(task)
     root = Path(site_dir).expanduser()
     if not root.is_dir():
-        raise UserError(f"site directory {str(root)!r} does not exist")
+        what = "is a file, not a directory" if root.exists() else "does not exist"
+        raise UserError(f"site directory {str(root)!r} {what}")
     if task.objective.per_token:
         if not entity_types:
             raise UserError(

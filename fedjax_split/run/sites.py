@@ -72,7 +72,8 @@ def check_site_dirs(config: Any) -> None:
     seen: dict[Path, int] = {}
     for k, d in enumerate(dirs):
         if not d.is_dir():
-            raise UserError(f"--site-data: site {k}'s directory {str(d)!r} does not exist")
+            what = "is a file, not a directory" if d.exists() else "does not exist"
+            raise UserError(f"--site-data: site {k}'s directory {str(d)!r} {what}")
         first = seen.setdefault(d.resolve(), k)
         if first != k:
             raise UserError(f"--site-data names {str(d)!r} twice (sites {first} and {k}); "
