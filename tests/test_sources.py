@@ -376,6 +376,13 @@ def test_a_ner_sites_conll_files_in_the_runs_vocabulary(tmp_path):
     assert ex.splits.tolist() == ["train", "train", "dev", "test"]
     assert ex.tag_names == ("O", "B-org", "I-org", "B-per", "I-per")
     assert ex.tokens[0] == ["Ann", "left"] and ex.labels.tolist() == [1, 2, 1, 2]
+    # the fingerprint a checkpoint records: the same files give the same one, one tag changed
+    # (the same words, so the same sentences) another
+    again = sources.load_site("ner", tmp_path, entity_types=("per", "org"))
+    assert again.fingerprint() == ex.fingerprint()
+    write_conll(tmp_path / "dev.txt", [(["Bo"], ["B-org"])])
+    assert sources.load_site("ner", tmp_path, entity_types=("per", "org")).fingerprint() != (
+        ex.fingerprint())  # fmt: skip
     write_conll(tmp_path / "test.txt", [(["ok"], ["O"]), (["IBM"], ["B-org"]), (["x"], ["I-loc"])])
     with pytest.raises(UserError, match=r"test.txt:5: tag 'I-loc' is not in the tag vocabulary"):
         sources.load_site("ner", tmp_path, entity_types=("per", "org"))

@@ -504,6 +504,28 @@ def test_resume_with_another_model_of_the_same_shapes_is_refused(
     assert _digest(run) == before
 
 
+def test_resume_on_edited_texts_with_the_same_examples_is_refused(
+    env: dict, straight: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The same number of examples (so the same partition) but edited texts: --resume would train
+    the checkpoint's clients on other data, so it is refused, and the run is left as it was."""
+    run = env["base"] / "edited_data"
+    shutil.copytree(straight, run)
+    edited = env["base"] / "data_edited"
+    shutil.copytree(env["data"], edited)
+    lines = (edited / "train.tsv").read_text().splitlines()
+    first, label = lines[1].rsplit("\t", 1)
+    lines[1] = f"{first} again\t{label}"  # one text changed, its label and the rest kept
+    (edited / "train.tsv").write_text("\n".join(lines) + "\n")
+    before = _digest(run)
+    args = [a for a in _args(env, run) if not a.startswith("--data-dir=")]
+    code = train.main([*args, f"--data-dir={edited}", "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "have the checkpoint's examples but other texts or labels" in err[0]
+    assert _digest(run) == before
+
+
 def test_process_exit_status_and_no_traceback(env: dict) -> None:
     res = _cli(env, _args(env, env["base"] / "never", algorithm="bogus"))
     assert res.returncode == 2

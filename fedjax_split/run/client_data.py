@@ -195,14 +195,22 @@ def partition_lists(part: Any) -> list[list[list[int]]]:
     return [[np.asarray(c.train).tolist(), np.asarray(c.test).tolist()] for c in part.clients]
 
 
-def check_partition(meta: dict[str, Any], part: Any, what: str) -> None:
-    """UserError unless the checkpoint's partition (`meta`) is `part`; `what`: where the data
-    come from, for the message."""
+def check_partition(
+    meta: dict[str, Any], part: Any, what: str, data: str | None = None
+) -> None:
+    """UserError unless the checkpoint's partition (`meta`) is `part` and, where both know it,
+    its data's fingerprint is `data` (the same indices over edited texts or labels, a site's
+    files changed since, would otherwise train on); `what`: where the data come from."""
     saved = [[list(c["train"]), list(c["test"])] for c in meta["partition"]]
     if saved != partition_lists(part):
         raise UserError(
             f"--resume: {what} or partition differ from the checkpoint's; use the same data "
             "and --max-examples/--seed, or another --output-dir"
+        )
+    if data is not None and meta.get("data", data) != data:  # runs saved before: not recorded
+        raise UserError(
+            f"--resume: {what} have the checkpoint's examples but other texts or labels (files "
+            "edited since?); restore them, or start a fresh run in another --output-dir"
         )
 
 

@@ -204,6 +204,7 @@ class Simulation:
     def __init__(self, setup: Setup, store: Any = None) -> None:
         self.setup = setup
         config, model = setup.config, setup.model
+        self.data = setup.pool.examples.fingerprint()  # each checkpoint's, checked on --resume
         self.run_dir = config.run_dir
         self.rounds = safeguards.rounds_allowed(config)  # --rounds, or fewer: DP's budget
         self.metric = model.task.primary_metric
@@ -257,7 +258,8 @@ class Simulation:
         return {**state, "frozen": self.frozen} if self.frozen else state
 
     def meta(self) -> dict[str, Any]:
-        return pieces.checkpoint_meta(self.setup.config, self.setup.model, self.setup.partition)
+        setup = self.setup
+        return pieces.checkpoint_meta(setup.config, setup.model, setup.partition, self.data)
 
     def resume(self, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
         if meta.get("deploy") is not None:
@@ -265,7 +267,7 @@ class Simulation:
                 f"--resume: this run was written by the {meta['deploy']} server (its clients' "
                 "local parts are on its nodes); continue it with `python -m fedjax_split.flower`"
             )
-        client_data.check_partition(meta, self.setup.partition, "the data")
+        client_data.check_partition(meta, self.setup.partition, "the data", self.data)
         if not (self.run_dir / CLIENTS_DIR / "initial.npz").is_file():
             raise UserError(
                 f"{str(self.run_dir)!r} has no client store ({CLIENTS_DIR}/) to resume from; "

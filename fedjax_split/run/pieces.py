@@ -208,12 +208,16 @@ def build_model(config: ExperimentConfig, task: tasks.Task, tag_names: Sequence[
     )
 
 
-def checkpoint_meta(config: ExperimentConfig, model: Model, part: Any) -> dict[str, Any]:
+def checkpoint_meta(
+    config: ExperimentConfig, model: Model, part: Any, data: str | None = None
+) -> dict[str, Any]:
     """What a fine-tuning checkpoint records besides its arrays, simulated or deployed: the seed,
-    the partition and the model it was made with (checked on --resume), its LoRA adapters."""
+    the partition, the data's fingerprint where the server sees the data (`data`: the
+    simulation's) and the model it was made with (checked on --resume), its LoRA adapters."""
     return {
         "seed": config.seed,
         "partition": [{"train": tr, "test": te} for tr, te in partition_lists(part)],
+        **({"data": data} if data is not None else {}),
         **model_meta(model),
     }
 

@@ -16,6 +16,8 @@ Dirichlet label skew gives FedNLP-style non-IID NER clients.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import warnings
 from collections.abc import Sequence
@@ -47,6 +49,15 @@ class TaggedSentences:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def fingerprint(self) -> str:
+        """sha256 of the words, tags and partition labels (as `Examples.fingerprint`)."""
+        h = hashlib.sha256()
+        for words, tags in zip(self.tokens, self.tags, strict=True):
+            h.update(json.dumps([words, tags], ensure_ascii=False).encode("utf-8"))
+            h.update(b"|")
+        h.update(np.ascontiguousarray(self.labels).tobytes())
+        return h.hexdigest()
 
     @property
     def partition_names(self) -> tuple[str, ...]:
