@@ -232,6 +232,14 @@ def test_offline_corpus_from_a_local_dir(tmp_path):
         load_examples("20news", data_dir=tmp_path)
     with pytest.raises(UserError, match="question_labels.txt not found"):
         load_examples("trec", data_dir=tmp_path)
+    # damaged copies: one line naming the file, never a traceback
+    (tmp_path / "x/20newsgroups-test.tab").write_bytes(b"Category\tText\nsci.med\t\xff\xfe\n")
+    with pytest.raises(UserError, match=r"task 20news: cannot read .*20newsgroups-test.tab"):
+        load_examples("20news", data_dir=tmp_path)
+    (tmp_path / "y").mkdir()
+    (tmp_path / "y/rotten_tomatoes_corpus_full.csv.bz2").write_bytes(b"not bz2")
+    with pytest.raises(UserError, match=r"cannot read .*rotten_tomatoes_corpus_full.csv.bz2 \("):
+        load_examples("rotten_tomatoes", data_dir=tmp_path / "y")
 
 
 @pytest.mark.slow

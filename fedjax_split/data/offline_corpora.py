@@ -110,5 +110,14 @@ _OFFLINE_LOADERS = {
 
 
 def load_corpus(task: Task, root: Path) -> Examples:
-    """The offline corpus `task`'s pool from its file(s) under `root`."""
-    return _OFFLINE_LOADERS[task.name](task, _corpus_files(task, root))
+    """The offline corpus `task`'s pool from its file(s) under `root`; a file that cannot be
+    read as its format (damaged, not UTF-8, not bzip2) is one UserError line naming it."""
+    files = _corpus_files(task, root)
+    try:
+        return _OFFLINE_LOADERS[task.name](task, files)
+    except (OSError, EOFError, UnicodeDecodeError, csv.Error) as e:
+        reason = " ".join(str(e).split())[:120]
+        raise UserError(
+            f"task {task.name}: cannot read {', '.join(str(f) for f in files)} ({reason}); "
+            "restore the file (an asset's copy: delete it and it is fetched again)"
+        ) from None
