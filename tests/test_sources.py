@@ -3,6 +3,7 @@
 import collections
 import sys
 import types
+import warnings
 
 import numpy as np
 import pyarrow as pa
@@ -446,3 +447,21 @@ def test_a_byte_order_mark_and_a_document_long_field_are_read(tmp_path):
     )
     ex = sources.load_site("sst2", tmp_path / "a")
     assert ex.texts_a == ["fine", long_text] and ex.labels.tolist() == [1, 0]
+
+
+def test_a_site_too_small_for_a_test_split_is_warned_of(tmp_path):
+    """Two training rows and no dev file: a fifth of them rounds to none, so the site trains but
+    is never scored; it is said, not left to be noticed in the mean over clients."""
+    from fedjax_split.run import client_data
+    from fedjax_split.run.config import ExperimentConfig
+
+    _tsv(tmp_path / "a/train.tsv", [["sentence", "label"], ["good", 1], ["bad", 0]])
+    config = ExperimentConfig.of(task="sst2", site_data=str(tmp_path / "a"))
+    examples = sources.load_site("sst2", tmp_path / "a")
+    with pytest.warns(UserWarning, match=r"site 0 .* has no test examples \(2 training rows"):
+        split = client_data.site_split(config, examples, 0, tmp_path / "a")
+    assert split.train.size == 2 and split.test.size == 0
+    _tsv(tmp_path / "a/dev.tsv", [["sentence", "label"], ["fine", 1]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # with its dev file: no warning
+        client_data.site_split(config, sources.load_site("sst2", tmp_path / "a"), 0, tmp_path)

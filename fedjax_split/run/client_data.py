@@ -10,6 +10,7 @@ config, the round and the client. Nothing here writes to the run directory.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,6 +148,13 @@ def site_split(config: ExperimentConfig, examples: Any, client_id: int, site_dir
         raise UserError(
             f"site {client_id} ({site_dir}) has no training examples; give it a train file "
             "with at least one example"
+        )
+    if split.test.size == 0:  # too few rows for a fifth to test, and no dev/test file
+        warnings.warn(
+            f"site {client_id} ({site_dir}) has no test examples ({split.train.size} training "
+            "rows and no dev file): it trains but is not scored, nor in the mean over clients; "
+            "give it a dev file",
+            stacklevel=2,
         )
     return split
 
