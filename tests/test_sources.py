@@ -465,3 +465,16 @@ def test_a_site_too_small_for_a_test_split_is_warned_of(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # with its dev file: no warning
         client_data.site_split(config, sources.load_site("sst2", tmp_path / "a"), 0, tmp_path)
+
+
+def test_iob1_tags_are_warned_of(tmp_path):
+    """CoNLL-2003's original files are IOB1 (an entity may start with I-): accepted, but strict
+    IOB2 scoring counts no entity there, so it is said."""
+    from fedjax_split.data.tokens.conll import write_conll
+    from fedjax_split.tasks import bio
+
+    assert bio.stray_inside(["I-per", "I-per", "O", "B-org", "I-org", "I-per"]) == 2
+    assert bio.stray_inside(["B-per", "I-per", "O"]) == 0
+    write_conll(tmp_path / "train.txt", [(["Ann", "left"], ["I-per", "O"]), (["hi"], ["O"])])
+    with pytest.warns(UserWarning, match=r"1 sentences have an entity that starts with I- \(IOB1"):
+        sources.load_site("ner", tmp_path, entity_types=("per",))

@@ -36,6 +36,15 @@ def check_tags(tags: Sequence[str], where: str = "") -> None:
             raise ValueError(f"{where}token {i}: tag {tag!r} is not O, B-<type> or I-<type>")
 
 
+def stray_inside(tags: Sequence[str]) -> int:
+    """I- tags that start an entity (IOB1's way, not after B-/I- of their type): strict IOB2
+    (`spans`) counts no entity at them."""
+    return sum(
+        tag.startswith("I-") and (i == 0 or tags[i - 1] not in (f"B-{tag[2:]}", tag))
+        for i, tag in enumerate(tags)
+    )
+
+
 def spans(tags: Sequence[str]) -> list[Span]:
     """The entities of one sentence under strict IOB2 (see the module docstring)."""
     out: list[Span] = []

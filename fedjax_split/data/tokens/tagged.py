@@ -112,6 +112,14 @@ def _tagged(
         if bad is not None:
             raise UserError(f"{where}: sentence {i}: tag {bad!r} is not in the tag vocabulary"
                             f"{hint}")  # fmt: skip
+    stray = [i for i, t in enumerate(tags) if bio.stray_inside(t)]
+    if stray:
+        warnings.warn(
+            f"{where}: {len(stray)} sentences have an entity that starts with I- (IOB1 "
+            f"tagging?), e.g. sentence {stray[0]}; strict IOB2 scoring counts no entity there: "
+            "convert the files to IOB2 (an entity starts with B-)",
+            stacklevel=2,
+        )
     return TaggedSentences(
         tokens=[list(w) for w, _ in sentences],
         tags=tags,
