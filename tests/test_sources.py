@@ -430,11 +430,16 @@ def test_a_sites_damaged_files_are_one_line_with_the_sites_layout(tmp_path):
         with pytest.raises(UserError, match=message) as e:
             sources.load_site("sst2", tmp_path / site)
         assert "\n" not in str(e.value) and "--data-dir" not in str(e.value), str(e.value)
-    # a missing column, at a site: the site's layout, not --data-dir's
-    _tsv(tmp_path / "e/train.tsv", [["text", "label"], ["good", 1]])
-    with pytest.raises(UserError, match="lacks columns.*a site's directory holds") as e:
+    # a missing column, at a site: the site's layout, not --data-dir's, and none of the file's
+    # content (its error reaches the server; a header-less file's first line is an example)
+    _tsv(tmp_path / "e/train.tsv", [["a private review", 1], ["good", 1]])
+    with pytest.raises(UserError, match="lacks columns.*first line has 2 fields.*a site's") as e:
         sources.load_site("sst2", tmp_path / "e")
-    assert "--data-dir" not in str(e.value)
+    assert "--data-dir" not in str(e.value) and "private" not in str(e.value)
+    # a label column holding text (misaligned fields): only its first characters are quoted
+    _tsv(tmp_path / "f/train.tsv", [["sentence", "label"], ["ok", "my long private review text"]])
+    with pytest.raises(UserError, match=r"train.tsv:2 \(label 'my long private rev\.\.\.'\)"):
+        sources.load_site("sst2", tmp_path / "f")
 
 
 def test_a_byte_order_mark_and_a_document_long_field_are_read(tmp_path):

@@ -59,7 +59,8 @@ def checked_examples(
     for i, raw in enumerate(raw_labels):
         value = _parse_label(task, raw, lookup)
         if value is None:
-            bad.append(f"{where[i]} (label {raw!r})")
+            shown = repr(raw) if len(repr(raw)) <= 24 else f"{repr(raw)[:20]}...'"
+            bad.append(f"{where[i]} (label {shown})")  # a site's error reaches the server
         else:
             labels[i] = value
         for field, column in zip(task.text_fields, texts, strict=True):

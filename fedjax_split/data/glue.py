@@ -149,8 +149,10 @@ def _read_tsv(path: Path, hint: str) -> list[list[str]]:
 
 
 def _load_tsv_split(
-    task: Task, path: Path, hint: str
+    task: Task, path: Path, hint: str, site: bool = False
 ) -> tuple[list[list[Any]], list[Any], list[str]]:
+    """`site`: a site's file, whose errors reach the federation's server, so they quote none of
+    its content (a header-less file's first line is an example)."""
     rows = _read_tsv(path, hint)
     spec = _TSV_COLUMNS[task.name]
     if spec is None:  # CoLA: no header; label in column 1, sentence in column 3
@@ -161,10 +163,8 @@ def _load_tsv_split(
         header = rows[0]
         missing = [c for c in (*spec[0], spec[1]) if c not in header]
         if missing:
-            raise UserError(
-                f"task {task.name}: {path} lacks columns {missing} (header {header[:6]}...); "
-                f"{hint}"
-            )
+            seen = f"its first line has {len(header)} fields" if site else f"header {header[:6]}"
+            raise UserError(f"task {task.name}: {path} lacks columns {missing} ({seen}); {hint}")
         text_cols = tuple(header.index(c) for c in spec[0])
         label_col, first, width = header.index(spec[1]), 1, len(header)
     texts: list[list[Any]] = [[] for _ in text_cols]
@@ -224,7 +224,7 @@ def load_local(task: Task, data_dir: Path, site: bool = False) -> Examples:
         tsv = d / f"{stem}.tsv"
         parquet = sorted(d.glob(f"{hub_split}-*.parquet")) + sorted(d.glob(f"{hub_split}.parquet"))
         if tsv.is_file():
-            t, y, w = _load_tsv_split(task, tsv, hint)
+            t, y, w = _load_tsv_split(task, tsv, hint, site)
         elif parquet:
             t, y, w = _load_parquet_split(task, parquet, hint)
         elif site and split != "train":
