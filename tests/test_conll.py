@@ -29,7 +29,7 @@ def test_write_read_round_trip_and_errors(tmp_path: Path) -> None:
     path = write_conll(tmp_path / "train.txt", sentences)
     assert read_conll(path) == sentences
     (tmp_path / "bad.txt").write_text("ok O\nlonely\n")
-    with pytest.raises(UserError, match=r"bad.txt:2: 'lonely' has no tag column"):
+    with pytest.raises(UserError, match=r"bad.txt:2: a token without a tag column"):
         read_conll(tmp_path / "bad.txt")
     with pytest.raises(UserError, match="cannot read"):
         read_conll(tmp_path / "missing.txt")
@@ -58,3 +58,11 @@ def test_a_tag_outside_the_vocabulary_names_its_file_and_line(tmp_path: Path) ->
     assert read_conll(path) == [(["Ann", "met"], ["B-PER", "O"]),
                                 (["Bo", "in", "Paris"], ["B-PER", "O", "B-LOC"])]  # fmt: skip
     assert read_conll(path, (*tags, "B-LOC")) == read_conll(path)
+    # a word where the tag should be (columns swapped) is not quoted: a site's errors reach the
+    # federation's server
+    path.write_text("Ann B-PER\nO Smithers\n")
+    with pytest.raises(UserError) as err:
+        read_conll(path, tags, "; add it")
+    assert str(err.value) == (
+        f"{path}:2: a value that is not a tag is not in the tag vocabulary; add it"
+    )

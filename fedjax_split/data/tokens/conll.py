@@ -13,6 +13,7 @@ still has the line.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 
@@ -22,6 +23,7 @@ Sentence = tuple[list[str], list[str]]  # (tokens, tags)
 
 SPLITS = {"train": ("train",), "dev": ("dev", "validation", "valid"), "test": ("test",)}
 EXTENSIONS = ("", ".txt", ".conll", ".tsv", ".iob", ".bio")
+_TAG_SHAPE = re.compile(r"O|[BI]-\S+", re.IGNORECASE)  # what an error may quote: a tag, no word
 
 
 def parse_conll(
@@ -43,14 +45,16 @@ def parse_conll(
         columns = line.split()
         if columns[0] == "-DOCSTART-":
             continue
+        # the errors quote no token: a site's error reaches the federation's server
         if len(columns) < 2:
             raise UserError(
-                f"{source}:{number}: {line.strip()!r} has no tag column; CoNLL files hold a token "
+                f"{source}:{number}: a token without a tag column; CoNLL files hold a token "
                 "and its tag per line"
             )
         if vocabulary is not None and columns[-1] not in vocabulary:
-            raise UserError(f"{source}:{number}: tag {columns[-1]!r} is not in the tag "
-                            f"vocabulary{hint}")  # fmt: skip
+            tag = columns[-1]
+            shown = f"tag {tag!r}" if _TAG_SHAPE.fullmatch(tag) else "a value that is not a tag"
+            raise UserError(f"{source}:{number}: {shown} is not in the tag vocabulary{hint}")
         tokens.append(columns[0])
         labels.append(columns[-1])
     if tokens:
