@@ -438,7 +438,7 @@ def test_a_sites_damaged_files_are_one_line_with_the_sites_layout(tmp_path):
     assert "--data-dir" not in str(e.value) and "private" not in str(e.value)
     # a label column holding text (misaligned fields): only its first characters are quoted
     _tsv(tmp_path / "f/train.tsv", [["sentence", "label"], ["ok", "my long private review text"]])
-    with pytest.raises(UserError, match=r"train.tsv:2 \(label 'my long private rev\.\.\.'\)"):
+    with pytest.raises(UserError, match=r"train.tsv:2 \(label 'my long private revi\.\.\.'\)"):
         sources.load_site("sst2", tmp_path / "f")
 
 
@@ -483,3 +483,16 @@ def test_iob1_tags_are_warned_of(tmp_path):
     write_conll(tmp_path / "train.txt", [(["Ann", "left"], ["I-per", "O"]), (["hi"], ["O"])])
     with pytest.warns(UserWarning, match=r"1 sentences have an entity that starts with I- \(IOB1"):
         sources.load_site("ner", tmp_path, entity_types=("per",))
+
+
+def test_a_tagged_fingerprint_covers_the_tag_vocabulary(tmp_path):
+    """The same sentences in a larger vocabulary: the words, tags and partition labels agree, but
+    the tokenised labels are other ids, so a cache or checkpoint keyed on the fingerprint must
+    tell them apart."""
+    from fedjax_split.data.tokens.conll import write_conll
+
+    write_conll(tmp_path / "train.txt", [(["Ann"], ["B-per"]), (["Bo", "x"], ["B-per", "O"])])
+    one = sources.load_site("ner", tmp_path, entity_types=("per",))
+    two = sources.load_site("ner", tmp_path, entity_types=("per", "zzz"))
+    assert one.labels.tolist() == two.labels.tolist() and one.tags == two.tags
+    assert one.tag_names != two.tag_names and one.fingerprint() != two.fingerprint()

@@ -59,7 +59,9 @@ def checked_examples(
     for i, raw in enumerate(raw_labels):
         value = _parse_label(task, raw, lookup)
         if value is None:
-            shown = repr(raw) if len(repr(raw)) <= 24 else f"{repr(raw)[:20]}...'"
+            text = raw if isinstance(raw, str) else repr(raw)
+            text = text if len(text) <= 20 else f"{text[:20]}..."
+            shown = repr(text) if isinstance(raw, str) else text
             bad.append(f"{where[i]} (label {shown})")  # a site's error reaches the server
         else:
             labels[i] = value

@@ -131,10 +131,13 @@ _FIELD_LIMIT = 2**31 - 1
 
 def _read_tsv(path: Path, hint: str) -> list[list[str]]:
     """The file's rows; UTF-8 with or without a byte-order mark, else one UserError line."""
-    csv.field_size_limit(_FIELD_LIMIT)
+    csv.field_size_limit(_FIELD_LIMIT)  # 2**31 - 1: a C long's maximum on every platform
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:
             return [row for row in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
+    except csv.Error as e:  # Python 3.10: a NUL byte (UTF-16 saved without its mark, say)
+        raise UserError(f"{path} is not tab-separated UTF-8 text ({e}); save it as UTF-8. {hint}"
+                        ) from None  # fmt: skip
     except UnicodeDecodeError:
         data = path.read_bytes()  # the error's offset is within a chunk: find the line
         try:

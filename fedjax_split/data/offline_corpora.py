@@ -46,7 +46,8 @@ def _corpus_files(task: Task, root: Path) -> list[Path]:
 
 
 def _load_rotten_tomatoes(task: Task, files: list[Path]) -> Examples:
-    with bz2.open(files[0], "rt", encoding="utf-8", newline="") as f:
+    csv.field_size_limit(2**31 - 1)  # a review may be long; no traceback at csv's 131,072
+    with bz2.open(files[0], "rt", encoding="utf-8-sig", newline="") as f:
         rows = list(csv.DictReader(f))
     texts: list[Any] = []
     labels: list[Any] = []
@@ -66,12 +67,13 @@ def _load_20news(task: Task, files: list[Path]) -> Examples:
     where: list[str] = []
     splits: list[str] = []
     for (split, _), path in zip(_NEWS_FILES, files, strict=True):
-        lines = path.read_text(encoding="utf-8").split("\n")
+        lines = path.read_text(encoding="utf-8-sig").split("\n")
         if lines and lines[-1] == "":
             lines.pop()  # the final newline
         header = lines[0].split("\t")
         if "Category" not in header or "Text" not in header:
-            raise UserError(f"task {task.name}: {path} has an unexpected header {header}")
+            raise UserError(f"task {task.name}: {path}'s first line lacks the columns Category "
+                            "and Text (an Orange .tab file's header)")  # fmt: skip
         ci, ti = header.index("Category"), header.index("Text")
         first = 3  # three header lines (Orange .tab), then one blank line before the data
         while first < len(lines) and lines[first] == "":
@@ -87,7 +89,7 @@ def _load_20news(task: Task, files: list[Path]) -> Examples:
 
 
 def _load_trec(task: Task, files: list[Path]) -> Examples:
-    lines = files[0].read_text(encoding="utf-8").splitlines()
+    lines = files[0].read_text(encoding="utf-8-sig").splitlines()
     if len(lines) < _TREC_TRAIN_LINES:
         raise UserError(f"task trec: {files[0]} has {len(lines)} lines, expected >= 5452")
     start = len(lines) - _TREC_TRAIN_LINES
@@ -119,5 +121,5 @@ def load_corpus(task: Task, root: Path) -> Examples:
         reason = " ".join(str(e).split())[:120]
         raise UserError(
             f"task {task.name}: cannot read {', '.join(str(f) for f in files)} ({reason}); "
-            "restore the file (an asset's copy: delete it and it is fetched again)"
+            "restore the file (in the asset cache: delete it, and it is fetched again)"
         ) from None

@@ -218,7 +218,8 @@ def check_partition(
     if data is not None and meta.get("data", data) != data:  # runs saved before: not recorded
         raise UserError(
             f"--resume: {what} have the checkpoint's examples but other texts or labels (files "
-            "edited since?); restore them, or start a fresh run in another --output-dir"
+            "edited since, or another version of the dataset?); restore them, or start a fresh "
+            "run in another --output-dir"
         )
 
 

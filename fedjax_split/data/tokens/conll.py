@@ -23,7 +23,7 @@ Sentence = tuple[list[str], list[str]]  # (tokens, tags)
 
 SPLITS = {"train": ("train",), "dev": ("dev", "validation", "valid"), "test": ("test",)}
 EXTENSIONS = ("", ".txt", ".conll", ".tsv", ".iob", ".bio")
-_TAG_SHAPE = re.compile(r"O|[BI]-\S+", re.IGNORECASE)  # what an error may quote: a tag, no word
+_TAG_SHAPE = re.compile(r"O|[BI]-[^\W\d]\S*")  # what an error may quote: a tag, no word
 
 
 def parse_conll(
@@ -68,7 +68,7 @@ def read_conll(
     """The sentences of one CoNLL-style file (`tags`, `hint`: as `parse_conll`'s)."""
     path = Path(path)
     try:
-        with open(path, encoding="utf-8", newline="") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:
             return parse_conll(f, str(path), tags, hint)
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"cannot read {str(path)!r} ({e}); pass a UTF-8 CoNLL file") from None

@@ -51,8 +51,9 @@ class TaggedSentences:
         return len(self.tokens)
 
     def fingerprint(self) -> str:
-        """sha256 of the words, tags and partition labels (as `Examples.fingerprint`)."""
-        h = hashlib.sha256()
+        """sha256 of the tag vocabulary, words, tags and partition labels (as
+        `Examples.fingerprint`; the vocabulary too, since tokenised labels are its ids)."""
+        h = hashlib.sha256(json.dumps(self.tag_names).encode("utf-8"))
         for words, tags in zip(self.tokens, self.tags, strict=True):
             h.update(json.dumps([words, tags], ensure_ascii=False).encode("utf-8"))
             h.update(b"|")
