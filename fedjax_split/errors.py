@@ -24,6 +24,12 @@ class Note(UserWarning):
     warning category, so that the library itself prints nothing and a caller can filter it."""
 
 
+def brief(error: BaseException, limit: int = 120) -> str:
+    """An exception's text on one line, cut to `limit` characters: the reason a UserError quotes
+    from a library's failure (pyarrow's, datasets') without breaking the one-line rule."""
+    return " ".join(str(error).split())[:limit]
+
+
 def report(error: UserError) -> int:
     """Prints `error: <one line>` to stderr, the form every command line here uses, and returns
     the exit status to end with."""

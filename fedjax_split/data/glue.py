@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fedjax_split.data.examples import Examples, checked_examples
-from fedjax_split.errors import UserError
+from fedjax_split.errors import UserError, brief
 from fedjax_split.tasks.registry import Task
 
 HUB_DATASET = "nyu-mll/glue"
@@ -125,13 +125,14 @@ def _site_hint(task: Task) -> str:
 
 
 # a field may be a whole document: csv's default limit (131,072 characters) would refuse it with
-# a traceback; the tokenizer truncates texts to --max-length anyway
-_FIELD_LIMIT = 2**31 - 1
+# a traceback (the tokenizer truncates texts to --max-length anyway); 2**31 - 1, a C long's
+# maximum on every platform
+CSV_FIELD_LIMIT = 2**31 - 1
 
 
 def _read_tsv(path: Path, hint: str) -> list[list[str]]:
     """The file's rows; UTF-8 with or without a byte-order mark, else one UserError line."""
-    csv.field_size_limit(_FIELD_LIMIT)  # 2**31 - 1: a C long's maximum on every platform
+    csv.field_size_limit(CSV_FIELD_LIMIT)
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:
             return [row for row in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)]
@@ -205,8 +206,7 @@ def _load_parquet_split(
         try:
             table = pq.read_table(path)
         except (pa.ArrowException, OSError) as e:  # truncated, or not parquet at all
-            reason = " ".join(str(e).split())[:120]
-            raise UserError(f"{path} is not a readable parquet file ({reason}); {hint}") from None
+            raise UserError(f"{path} is not a readable parquet file ({brief(e)}); {hint}") from None
         missing = [c for c in (*task.text_fields, task.label_field) if c not in table.column_names]
         if missing:
             raise UserError(f"task {task.name}: {path} lacks columns {missing}; {hint}")
@@ -251,10 +251,9 @@ def load_hub(task: Task) -> Examples:
 
         ds = datasets.load_dataset(HUB_DATASET, task.name)
     except Exception as e:  # noqa: BLE001 - any failure of the hub means: supply the data locally
-        reason = " ".join(str(e).split())[:120]
         raise UserError(
             f"task {task.name}: could not load {HUB_DATASET}/{task.name} from the Hugging Face hub "
-            f"({type(e).__name__}: {reason}); {layout_hint(task)}"
+            f"({type(e).__name__}: {brief(e)}); {layout_hint(task)}"
         ) from None
     rows = _Rows([[] for _ in task.text_fields])
     for split, _, hub_split, group in _SPLITS.get(task.name, _DEFAULT_SPLITS):

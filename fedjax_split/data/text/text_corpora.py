@@ -37,7 +37,7 @@ import numpy as np
 
 from fedjax_split import assets, atomic
 from fedjax_split.data.text import pubmed
-from fedjax_split.errors import UserError
+from fedjax_split.errors import UserError, brief
 
 CORPORA = ("pubmed", "20news", "rotten_tomatoes", "local", "hub:DATASET[:CONFIG]")
 MODES = ("document", "line")
@@ -142,10 +142,9 @@ def _hub(name: str) -> TextCorpus:
 
         data = datasets.load_dataset(dataset, config, split="train")
     except Exception as e:  # noqa: BLE001 - any failure of the hub means: supply the text locally
-        reason = " ".join(str(e).split())[:160]
         raise UserError(
-            f"could not load {dataset!r} with datasets ({type(e).__name__}: {reason}); check the "
-            "name and network, or use --corpus local --data-dir DIR with *.txt files"
+            f"could not load {dataset!r} with datasets ({type(e).__name__}: {brief(e, 160)}); "
+            "check the name and network, or use --corpus local --data-dir DIR with *.txt files"
         ) from None
     if "text" not in data.column_names:
         raise UserError(f"{dataset!r} has no 'text' column (columns: {data.column_names})")
