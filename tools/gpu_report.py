@@ -299,16 +299,22 @@ def main(argv: list[str] | None = None) -> int:
     model = random_minilm(assets, out / "minilm-random", args.small)
     # bf16 first (the GPU's default use); then the same cold job without XLA's autotuning, the
     # first suspect for its minutes of compiling (session 12); bert-base and the peer; fp32 last
-    order = [("bfloat16", "cold"), ("bfloat16", "warm"), ("bfloat16", "cold", NO_AUTOTUNE),
-             "bert", "torch", ("float32", "cold"), ("float32", "warm")]  # fmt: skip
+    probe = [("bfloat16", "cold", NO_AUTOTUNE)] if accel else []  # a GPU's flag
+    order = [("bfloat16", "cold"), ("bfloat16", "warm"), *probe, "bert", "torch",
+             ("float32", "cold"), ("float32", "warm")]  # fmt: skip
     if args.small:
         order = [("float32", "cold"), ("float32", "warm"), "bert", "torch"]
+    def kind(part: str | tuple[str, ...]) -> str:  # what --skip names: quick, bert, torch
+        return part if isinstance(part, str) else "quick"
+
     for i, part in enumerate(order):
-        if (left() or 1) <= 0:
-            report["not_reached"] = [p if isinstance(p, str) else ", ".join(p) for p in order[i:]]
+        remaining = left()
+        if remaining is not None and remaining <= 0:
+            report["not_reached"] = [p if isinstance(p, str) else ", ".join(p) for p in order[i:]
+                                     if kind(p) not in skip]  # fmt: skip
             save()
             break
-        if (part if isinstance(part, str) else "quick") in skip:
+        if kind(part) in skip:
             continue
         if isinstance(part, tuple):
             dt, state, *flags = part
